@@ -1,0 +1,63 @@
+"""The errors structllm raises.
+
+Two families, because a caller reacts to them differently::
+
+    StructLLMError
+    ├── RequestError                 this request failed; the engine serves on
+    │   ├── InvalidRequestError      bad input (also a ValueError); names the field
+    │   └── EngineOverloadedError    admission refused; retry later
+    ├── EngineDeadError              the engine is gone; raised ``from`` the cause
+    └── ModelLoadError               a checkpoint could not be loaded
+        └── UnsupportedModelError    the architecture is not one we implement
+
+Foreign errors (Paddle, msgspec, OSError on pipes, safetensors) are translated
+into these at layer boundaries only; inside a layer they propagate unchanged.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EngineDeadError",
+    "EngineOverloadedError",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "RequestError",
+    "StructLLMError",
+    "UnsupportedModelError",
+]
+
+
+class StructLLMError(Exception):
+    """Base class of every error structllm raises on purpose."""
+
+
+class RequestError(StructLLMError):
+    """One request failed; other requests and the engine are unaffected."""
+
+
+class InvalidRequestError(RequestError, ValueError):
+    """A request was refused because of its input.
+
+    ``field`` names the offending argument (``"temperature"``, ``"prompt"``)
+    when there is one, so servers can report it without parsing the message.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class EngineOverloadedError(RequestError):
+    """Admission control refused the request (queue full); retry later."""
+
+
+class EngineDeadError(StructLLMError):
+    """The engine core died and will not come back for this request."""
+
+
+class ModelLoadError(StructLLMError):
+    """A model directory or checkpoint could not be loaded."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The checkpoint's architecture is not implemented by structllm."""

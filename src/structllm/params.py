@@ -1,0 +1,225 @@
+"""Request parameters: :class:`SamplingParams` and :class:`OutputKind`.
+
+Every field is checked when the object is built; an invalid value raises
+:class:`~structllm.errors.InvalidRequestError` (also a ``ValueError``) whose
+message names the field and repeats the value, and whose ``field`` attribute
+carries the field name for servers.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from structllm.errors import InvalidRequestError
+
+__all__ = ["MAX_LOGPROBS", "OutputKind", "SamplingParams"]
+
+#: The largest ``logprobs`` a request may ask for (OpenAI allows 20).
+MAX_LOGPROBS = 20
+
+
+class OutputKind(enum.Enum):
+    """What each streamed :class:`~structllm.outputs.RequestOutput` carries."""
+
+    #: only the text and tokens that are new since the previous output
+    DELTA = "delta"
+    #: everything generated so far
+    CUMULATIVE = "cumulative"
+    #: nothing until the request finishes, then everything
+    FINAL = "final"
+
+
+def _fail(field: str, value: object, expected: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"{field} must be {expected}, got {value!r}", field=field
+    )
+
+
+def _int(field: str, value: object, *, lo: int | None = None, hi: int | None = None,
+         expected: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(field, value, expected)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise _fail(field, value, expected)
+    return value
+
+
+def _float(field: str, value: object, *, lo: float | None = None,
+           hi: float | None = None, lo_open: bool = False, expected: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _fail(field, value, expected)
+    v = float(value)
+    if not math.isfinite(v):
+        raise _fail(field, value, expected)
+    if lo is not None and (v < lo or (lo_open and v == lo)):
+        raise _fail(field, value, expected)
+    if hi is not None and v > hi:
+        raise _fail(field, value, expected)
+    return v
+
+
+def _to_stop(value: object) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, Sequence) or not all(isinstance(s, str) for s in value):
+        raise _fail("stop", value, "a string or a list of strings")
+    if any(s == "" for s in value):
+        raise _fail("stop", value, "a list of non-empty strings")
+    return tuple(value)
+
+
+def _to_token_ids(value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise _fail("stop_token_ids", value, "a list of token ids")
+    for t in value:
+        _int("stop_token_ids", t, lo=0, expected="a list of non-negative token ids")
+    return tuple(value)
+
+
+def _to_output_kind(value: object) -> OutputKind:
+    if isinstance(value, OutputKind):
+        return value
+    try:
+        return OutputKind(value)
+    except ValueError:
+        raise _fail(
+            "output_kind", value, "one of 'delta', 'cumulative', 'final'"
+        ) from None
+
+
+def _to_bool(field: str) -> Any:
+    def convert(value: object) -> bool:
+        if not isinstance(value, bool):
+            raise _fail(field, value, "true or false")
+        return value
+
+    return convert
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """How to sample one request's tokens, when to stop and what to return.
+
+    ``temperature == 0`` means greedy decoding; then ``top_p``, ``top_k``,
+    ``min_p`` and ``seed`` have no effect. ``top_k`` of 0 (or -1, as vLLM
+    spells it) disables top-k. ``max_tokens=None`` lets the request run to
+    the model's context length.
+    """
+
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_to_stop)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_to_token_ids)
+    include_stop_str_in_output: bool = attrs.field(
+        default=False, converter=_to_bool("include_stop_str_in_output")
+    )
+    ignore_eos: bool = attrs.field(default=False, converter=_to_bool("ignore_eos"))
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = attrs.field(
+        default=True, converter=_to_bool("skip_special_tokens")
+    )
+    output_kind: OutputKind = attrs.field(
+        default=OutputKind.CUMULATIVE, converter=_to_output_kind
+    )
+
+    def __attrs_post_init__(self) -> None:
+        # Numbers are normalised here rather than by converters so that each
+        # message can name its field; object.__setattr__ because we're frozen.
+        set_ = object.__setattr__
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens, lo=1, expected="an integer >= 1")
+        _int("min_tokens", self.min_tokens, lo=0, expected="an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                f"({self.max_tokens})",
+                field="min_tokens",
+            )
+        set_(self, "temperature", _float(
+            "temperature", self.temperature, lo=0.0, hi=100.0,
+            expected="a number in [0, 100]",
+        ))
+        set_(self, "top_p", _float(
+            "top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True,
+            expected="a number in (0, 1]",
+        ))
+        top_k = _int("top_k", self.top_k, lo=-1, expected="-1, 0 or a positive integer")
+        set_(self, "top_k", max(top_k, 0))
+        set_(self, "min_p", _float(
+            "min_p", self.min_p, lo=0.0, hi=1.0, expected="a number in [0, 1]"
+        ))
+        if self.seed is not None:
+            _int("seed", self.seed, lo=-(2**63), hi=2**64 - 1, expected="a 64-bit integer")
+        set_(self, "repetition_penalty", _float(
+            "repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True,
+            hi=100.0, expected="a number in (0, 100]",
+        ))
+        for name in ("presence_penalty", "frequency_penalty"):
+            set_(self, name, _float(
+                name, getattr(self, name), lo=-2.0, hi=2.0,
+                expected="a number in [-2, 2]",
+            ))
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS,
+                 expected=f"an integer in [0, {MAX_LOGPROBS}]")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    @classmethod
+    def from_openai(
+        cls, body: Mapping[str, Any], *, default_max_tokens: int | None = 16
+    ) -> SamplingParams:
+        """Build from an OpenAI (or vLLM-extended) request body.
+
+        Only known fields are read, each by name; unknown fields are ignored
+        as OpenAI-compatible servers do. ``logprobs`` may be an integer
+        (completions) or a boolean with ``top_logprobs`` (chat).
+        """
+        kw: dict[str, Any] = {}
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        kw["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
+        simple = (
+            "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+            "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
+            "repetition_penalty", "presence_penalty", "frequency_penalty",
+            "skip_special_tokens",
+        )
+        for name in simple:
+            value = body.get(name)
+            if value is not None:
+                kw[name] = value
+        logprobs = body.get("logprobs")
+        if isinstance(logprobs, bool):
+            if logprobs:
+                kw["logprobs"] = body.get("top_logprobs") or 0
+        elif logprobs is not None:
+            kw["logprobs"] = logprobs
+        return cls(**kw)

@@ -1,0 +1,26 @@
+"""Import Paddle once, quietly, and configure its CPU threads."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+with warnings.catch_warnings():
+    # Paddle warns at import about ccache (a build tool) and other trivia.
+    warnings.simplefilter("ignore")
+    import paddle
+
+__all__ = ["default_num_threads", "paddle", "set_num_threads"]
+
+
+def default_num_threads() -> int:
+    """CPU threads for Paddle's math: the cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def set_num_threads(n: int | None = None) -> None:
+    """Paddle runs CPU math on one thread unless told otherwise."""
+    paddle.base.core.set_num_threads(n or default_num_threads())

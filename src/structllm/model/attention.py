@@ -1,0 +1,182 @@
+"""Attention over a paged KV cache, portable (plain Paddle ops, any device).
+
+The KV cache of one layer is a K and a V tensor of shape
+``(num_blocks, block_size, num_kv_heads, head_dim)``. A token's *slot* is
+``block_id * block_size + offset``; a sequence's *block table* lists its
+blocks in order, so position ``p`` lives in slot
+``table[p // block_size] * block_size + p % block_size``.
+
+A step's flattened batch holds several sequences, each contributing
+``query_len`` new tokens after ``context_len`` tokens already in the cache.
+Sequences with one new token (decodes, and one-token prefill chunks) must
+come first: they are attended as one padded batch. Each longer chunk
+(prefill) is attended on its own, against its cached prefix plus itself.
+
+Paddle has no paged or varlen attention kernel for CPU, hence this backend.
+Known trap avoided: ``scaled_dot_product_attention(is_causal=True)`` aligns
+the causal mask top-left, which is wrong whenever a query sits after cached
+keys; the masks here are built explicitly, bottom-right aligned.
+
+A GPU backend can replace :class:`PortableAttention` by providing the same
+``build_metadata`` / ``forward`` pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from structllm.model._paddle import paddle
+
+__all__ = ["AttentionMetadata", "PortableAttention", "SequenceSlice", "slots_for"]
+
+_NEG_INF = -1e30
+
+
+@attrs.frozen
+class SequenceSlice:
+    """One sequence's share of a step: ``query_len`` tokens after ``context_len``."""
+
+    context_len: int
+    query_len: int
+    block_table: Sequence[int]
+
+
+def slots_for(block_table: Sequence[int], start: int, stop: int, block_size: int) -> np.ndarray:
+    """Slots of positions ``start..stop-1`` under ``block_table``."""
+    pos = np.arange(start, stop, dtype=np.int64)
+    table = np.asarray(block_table, dtype=np.int64)
+    return table[pos // block_size] * block_size + pos % block_size
+
+
+@attrs.frozen
+class _Prefill:
+    start: int  # first row of this sequence in the flattened batch
+    stop: int
+    kv_slots: paddle.Tensor  # (L,) int64, L = context_len + query_len
+    mask: paddle.Tensor | None  # (1, q, 1, L) additive, None when q == L == 1
+
+
+@attrs.frozen
+class AttentionMetadata:
+    """Everything attention needs for one step, shared by all layers."""
+
+    num_tokens: int
+    slot_mapping: paddle.Tensor  # (T,) int64: where each new token's K/V goes
+    num_decodes: int  # rows 0..num_decodes-1 are one-token sequences
+    decode_slots: paddle.Tensor | None  # (B, K) int64, padded with slot 0
+    decode_mask: paddle.Tensor | None  # (B, 1, 1, K) additive
+    prefills: tuple[_Prefill, ...]
+
+
+class PortableAttention:
+    """Paged attention from gathers and batched matmuls."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.block_size = block_size
+        self.scale = head_dim**-0.5
+
+    def build_metadata(self, seqs: Sequence[SequenceSlice]) -> AttentionMetadata:
+        """Slots, gathers and masks for ``seqs`` (one-token sequences first)."""
+        bs = self.block_size
+        slot_parts: list[np.ndarray] = []
+        num_decodes = 0
+        for s in seqs:
+            if s.query_len == 1:
+                if num_decodes != len(slot_parts):
+                    raise ValueError("one-token sequences must precede longer ones")
+                num_decodes += 1
+            slot_parts.append(
+                slots_for(s.block_table, s.context_len, s.context_len + s.query_len, bs)
+            )
+        slot_mapping = np.concatenate(slot_parts) if slot_parts else np.zeros(0, np.int64)
+
+        decode_slots = decode_mask = None
+        if num_decodes:
+            lens = np.array([s.context_len + 1 for s in seqs[:num_decodes]])
+            width = int(lens.max())
+            slots = np.zeros((num_decodes, width), dtype=np.int64)
+            for i, s in enumerate(seqs[:num_decodes]):
+                slots[i, : lens[i]] = slots_for(s.block_table, 0, lens[i], bs)
+            valid = np.arange(width)[None, :] < lens[:, None]  # (B, K)
+            mask = np.where(valid, 0.0, _NEG_INF).astype(np.float32)
+            decode_slots = paddle.to_tensor(slots)
+            decode_mask = paddle.to_tensor(mask[:, None, None, :])
+
+        prefills = []
+        row = num_decodes
+        for s in seqs[num_decodes:]:
+            total = s.context_len + s.query_len
+            kv = slots_for(s.block_table, 0, total, bs)
+            # query i (absolute position context_len + i) sees keys 0..context_len+i
+            q_pos = s.context_len + np.arange(s.query_len)[:, None]
+            visible = np.arange(total)[None, :] <= q_pos  # (q, L)
+            mask = np.where(visible, 0.0, _NEG_INF).astype(np.float32)
+            prefills.append(
+                _Prefill(
+                    start=row,
+                    stop=row + s.query_len,
+                    kv_slots=paddle.to_tensor(kv),
+                    mask=paddle.to_tensor(mask[None, :, None, :]),
+                )
+            )
+            row += s.query_len
+        return AttentionMetadata(
+            num_tokens=row,
+            slot_mapping=paddle.to_tensor(slot_mapping),
+            num_decodes=num_decodes,
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=tuple(prefills),
+        )
+
+    def forward(
+        self,
+        q: paddle.Tensor,  # (T, num_heads, head_dim)
+        k: paddle.Tensor,  # (T, num_kv_heads, head_dim)
+        v: paddle.Tensor,  # (T, num_kv_heads, head_dim)
+        k_cache: paddle.Tensor,  # (num_blocks * block_size, num_kv_heads, head_dim)
+        v_cache: paddle.Tensor,
+        meta: AttentionMetadata,
+    ) -> paddle.Tensor:  # (T, num_heads * head_dim)
+        k_cache.scatter_(meta.slot_mapping, k, overwrite=True)
+        v_cache.scatter_(meta.slot_mapping, v, overwrite=True)
+        kvh, g, d = self.num_kv_heads, self.group, self.head_dim
+        outs = []
+        if meta.num_decodes:
+            b = meta.num_decodes
+            qd = q[:b].reshape([b, kvh, g, d])  # (B, kvh, g, d)
+            kd = k_cache[meta.decode_slots].transpose([0, 2, 3, 1])  # (B, kvh, d, K)
+            vd = v_cache[meta.decode_slots].transpose([0, 2, 1, 3])  # (B, kvh, K, d)
+            out = self._attend(qd, kd, vd, meta.decode_mask)  # (B, kvh, g, d)
+            outs.append(out.reshape([b, kvh * g * d]))
+        for p in meta.prefills:
+            n = p.stop - p.start
+            qp = q[p.start : p.stop].reshape([n, kvh, g, d]).transpose([1, 0, 2, 3])
+            kp = k_cache[p.kv_slots].transpose([1, 2, 0])  # (kvh, d, L)
+            vp = v_cache[p.kv_slots].transpose([1, 0, 2])  # (kvh, L, d)
+            # (kvh, q, g, d) @ (kvh, 1, d, L) -> (kvh, q, g, L)
+            out = self._attend(qp, kp.unsqueeze(1), vp.unsqueeze(1), p.mask)
+            outs.append(out.transpose([1, 0, 2, 3]).reshape([n, kvh * g * d]))
+        return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
+
+    def _attend(
+        self,
+        q: paddle.Tensor,
+        k_t: paddle.Tensor,
+        v: paddle.Tensor,
+        mask: paddle.Tensor | None,
+    ) -> paddle.Tensor:
+        scores = paddle.matmul(q, k_t) * self.scale
+        if scores.dtype != paddle.float32:
+            scores = scores.astype(paddle.float32)
+        if mask is not None:
+            scores = scores + mask
+        probs = paddle.nn.functional.softmax(scores, axis=-1).astype(v.dtype)
+        return paddle.matmul(probs, v)

@@ -1,0 +1,233 @@
+"""The engine core: requests in, one batch per :meth:`EngineCore.step`, tokens out.
+
+Synchronous and single-threaded; it does no I/O beyond loading the model.
+The async front end (``structllm.engine``) drives it from a worker thread or
+process; the offline :class:`~structllm.llm.LLM` drives it directly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterable
+
+import attrs
+
+from structllm.core.block_pool import BlockPool
+from structllm.core.request import CoreRequest, Request
+from structllm.core.runner import ModelRunner
+from structllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerStatistics
+from structllm.errors import InvalidRequestError
+from structllm.model._paddle import set_num_threads
+from structllm.model.config import ModelConfig
+from structllm.model.loader import LoadProgress, load_model
+from structllm.model.sampler import TokenLogprobs, make_generator
+from structllm.outputs import FinishReason
+
+__all__ = ["EngineConfig", "EngineCore", "RequestStepOutput", "StepOutput"]
+
+_GiB = 1 << 30
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """How to build an engine core. Every field has a working default."""
+
+    #: a model directory, or "tiny" for the built-in random model
+    model: str
+    dtype: str = "auto"
+    load_format: str = "auto"
+    #: seed for dummy weights
+    seed: int = 0
+    block_size: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    #: KV blocks; when None, as many as fit in ``kv_cache_memory`` bytes
+    num_blocks: int | None = None
+    kv_cache_memory: int = _GiB // 2
+    #: longest prompt + output; None = the model's max_position_embeddings
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    enable_chunked_prefill: bool = True
+    #: CPU threads for Paddle's math; None = every core this process may use
+    num_threads: int | None = None
+
+
+@attrs.frozen
+class RequestStepOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class StepOutput:
+    outputs: tuple[RequestStepOutput, ...]
+    num_batched_tokens: int
+    num_seqs: int
+    preempted: tuple[str, ...] = ()
+    #: seconds: scheduling, model forward (incl. logits), sampling, whole step
+    schedule_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    total_s: float = 0.0
+
+
+@attrs.frozen
+class EngineCoreStatistics:
+    scheduler: SchedulerStatistics
+    max_model_len: int
+    steps: int
+
+
+class EngineCore:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        on_progress: Callable[[LoadProgress], None] | None = None,
+    ) -> None:
+        self.config = config
+        set_num_threads(config.num_threads)
+        loaded = load_model(
+            config.model,
+            dtype=config.dtype,
+            load_format=config.load_format,  # type: ignore[arg-type]
+            block_size=config.block_size,
+            max_model_len=config.max_model_len,
+            seed=config.seed,
+            on_progress=on_progress,
+        )
+        self.model_config: ModelConfig = loaded.config
+        limit = loaded.config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) exceeds the model's "
+                f"max_position_embeddings ({limit})"
+            )
+        self.max_model_len = config.max_model_len or limit
+        blocks_per_seq = math.ceil(self.max_model_len / config.block_size)
+        num_blocks = config.num_blocks
+        if num_blocks is None:
+            per_block = loaded.model.kv_cache_bytes_per_block()
+            # never more than every sequence at full length could use
+            num_blocks = min(config.kv_cache_memory // per_block, config.max_num_seqs * blocks_per_seq)
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {config.block_size} tokens, "
+                f"fewer than one sequence of max_model_len={self.max_model_len} needs "
+                f"({blocks_per_seq}); raise num_blocks/kv_cache_memory or lower max_model_len"
+            )
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_model_len=self.max_model_len,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.pool,
+        )
+        self.runner = ModelRunner(loaded.model, num_blocks)
+        self._sequence = itertools.count()
+        self.steps = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def add_request(self, request: CoreRequest) -> None:
+        """Queue ``request`` or raise InvalidRequestError; nothing else changes."""
+        self.scheduler.add_request(self._admit(request))
+
+    def _admit(self, r: CoreRequest) -> Request:
+        if not isinstance(r.request_id, str) or not r.request_id:
+            raise InvalidRequestError("request_id must be a non-empty string", field="request_id")
+        if r.request_id in self.scheduler.requests:
+            raise InvalidRequestError(
+                f"request_id {r.request_id!r} is already in use by a live request",
+                field="request_id",
+            )
+        prompt = r.prompt_token_ids
+        if not prompt:
+            raise InvalidRequestError("prompt must not be empty", field="prompt")
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                field="prompt",
+            )
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}, "
+                "so at most {} prompt tokens leave room to generate".format(self.max_model_len - 1),
+                field="prompt",
+            )
+        if self.pool.blocks_for(len(prompt) + 1) > self.pool.num_blocks:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt)} tokens, more than the whole KV cache "
+                f"({self.pool.num_blocks * self.pool.block_size} tokens) holds",
+                field="prompt",
+            )
+        room = self.max_model_len - len(prompt)
+        max_new = min(r.params.max_tokens or room, room)
+        return Request(
+            request_id=r.request_id,
+            prompt_token_ids=tuple(prompt),
+            params=r.params,
+            eos_token_ids=r.eos_token_ids or frozenset(self.model_config.eos_token_ids),
+            priority=r.priority,
+            arrival_time=r.arrival_time or time.monotonic(),
+            sequence_number=next(self._sequence),
+            max_new_tokens=max_new,
+            generator=make_generator(r.params.seed),
+        )
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
+        """Abort in any state, freeing blocks now; unknown ids are ignored."""
+        return [r.request_id for r in self.scheduler.abort_requests(request_ids)]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> StepOutput:
+        """Schedule and run one batch; return each scheduled request's news."""
+        start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        schedule_s = time.perf_counter() - start
+        if sched.is_empty:
+            return StepOutput(
+                outputs=(), num_batched_tokens=0, num_seqs=0, preempted=sched.preempted,
+                schedule_s=schedule_s, total_s=time.perf_counter() - start,
+            )
+        ran = self.runner.execute(sched)
+        finished = {r.request_id: r for r in self.scheduler.update_from_output(sched, ran.sampled)}
+        self.steps += 1
+        outputs = []
+        for rid, token in ran.sampled.items():
+            fin = finished.get(rid)
+            lp = ran.logprobs.get(rid)
+            outputs.append(RequestStepOutput(
+                request_id=rid,
+                new_token_ids=(token,),
+                logprobs=None if lp is None else (lp,),
+                finish_reason=None if fin is None else fin.finish_reason,
+                stop_reason=None if fin is None else fin.stop_reason,
+            ))
+        return StepOutput(
+            outputs=tuple(outputs),
+            num_batched_tokens=sched.num_batched_tokens,
+            num_seqs=len(sched.chunks),
+            preempted=sched.preempted,
+            schedule_s=schedule_s,
+            forward_s=ran.forward_s,
+            sample_s=ran.sample_s,
+            total_s=time.perf_counter() - start,
+        )
+
+    def statistics(self) -> EngineCoreStatistics:
+        return EngineCoreStatistics(self.scheduler.statistics(), self.max_model_len, self.steps)

@@ -1,0 +1,239 @@
+"""Continuous batching: which tokens of which requests run in the next step.
+
+Pure and synchronous: :meth:`Scheduler.schedule` returns the work for one
+step, :meth:`Scheduler.update_from_output` takes the sampled tokens back.
+Between the two nothing else may touch the scheduler.
+
+Policy, in order, each step:
+
+1. Running requests, highest priority (lowest number) and oldest first, each
+   get their pending tokens (one for a decode; a chunk of the prompt for a
+   chunked prefill) within ``max_num_batched_tokens``. When the pool has too
+   few blocks, the lowest-priority, newest running request is preempted: its
+   blocks are freed and it goes back to the waiting queue, to be recomputed
+   (prompt plus the tokens it has already generated) later.
+2. If nothing was preempted, waiting requests are admitted in priority order
+   while there is token budget, a free sequence slot and blocks for their
+   first chunk. The queue is strict: a request that does not fit blocks those
+   behind it, so large prompts cannot starve.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping
+
+import attrs
+
+from structllm.core.block_pool import BlockPool, BlockPoolStatistics
+from structllm.core.request import Request, RequestStatus
+from structllm.outputs import FinishReason
+
+__all__ = [
+    "ScheduledChunk",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStatistics",
+]
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerConfig:
+    max_model_len: int = attrs.field(validator=attrs.validators.ge(2))
+    max_num_seqs: int = attrs.field(default=64, validator=attrs.validators.ge(1))
+    max_num_batched_tokens: int = attrs.field(
+        default=1024, validator=attrs.validators.ge(1)
+    )
+    #: split prompts longer than the token budget over several steps
+    enable_chunked_prefill: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}) without chunked prefill"
+            )
+
+
+@attrs.frozen
+class ScheduledChunk:
+    """Run ``num_tokens`` tokens of ``request`` after ``context_len`` cached ones."""
+
+    request: Request
+    context_len: int
+    num_tokens: int
+    #: the chunk ends at the newest token, so a token is sampled after it
+    samples: bool
+
+
+@attrs.frozen
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[str, ...]
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@attrs.frozen
+class SchedulerStatistics:
+    num_running: int
+    num_waiting: int
+    #: requests waiting because they were preempted (a subset of num_waiting)
+    num_preempted: int
+    total_preemptions: int
+    blocks: BlockPoolStatistics
+
+
+@attrs.define(eq=False)
+class Scheduler:
+    config: SchedulerConfig
+    pool: BlockPool
+    #: every unfinished request by id
+    requests: dict[str, Request] = attrs.Factory(dict)
+    #: both kept sorted by Request.sort_key
+    waiting: list[Request] = attrs.Factory(list)
+    running: list[Request] = attrs.Factory(list)
+    total_preemptions: int = 0
+
+    def add_request(self, request: Request) -> None:
+        """Queue ``request``; the caller has validated it (see EngineCore)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already live")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, request, key=_key)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_pending_tokens, budget)
+            need = self.pool.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
+            while need > self.pool.num_free:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break
+            req.block_ids += self.pool.allocate(need)
+            chunks.append(
+                ScheduledChunk(req, req.num_computed_tokens, n, n == req.num_pending_tokens)
+            )
+            budget -= n
+            i += 1
+
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            pending = req.num_pending_tokens
+            n = min(pending, budget)
+            if n < pending and not self.config.enable_chunked_prefill:
+                break
+            need = self.pool.blocks_for(n)
+            if need > self.pool.num_free:
+                break
+            del self.waiting[0]
+            req.block_ids = self.pool.allocate(need)
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=_key)
+            chunks.append(ScheduledChunk(req, 0, n, n == pending))
+            budget -= n
+        return SchedulerOutput(tuple(chunks), tuple(preempted))
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: Mapping[str, int]
+    ) -> list[Request]:
+        """Record a step's results; return the requests that finished in it."""
+        finished = []
+        for chunk in output.chunks:
+            req = chunk.request
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += chunk.num_tokens
+            if not chunk.samples:
+                continue
+            token = sampled[req.request_id]
+            req.output_token_ids.append(token)
+            stop = _check_stop(req, token)
+            if stop is not None:
+                self._finish(req, *stop)
+                finished.append(req)
+        return finished
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Abort in any state; unknown or finished ids are ignored."""
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, "abort", None)
+                aborted.append(req)
+        return aborted
+
+    def statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_preempted=sum(r.status is RequestStatus.PREEMPTED for r in self.waiting),
+            total_preemptions=self.total_preemptions,
+            blocks=self.pool.statistics(),
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.total_preemptions += 1
+        bisect.insort(self.waiting, req, key=_key)
+
+    def _finish(self, req: Request, reason: FinishReason, stop_reason: int | str | None) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        del self.requests[req.request_id]
+
+
+def _key(req: Request) -> tuple[int, int]:
+    return req.sort_key
+
+
+def _check_stop(req: Request, token: int) -> tuple[FinishReason, int | None] | None:
+    params = req.params
+    n = len(req.output_token_ids)
+    if n >= params.min_tokens:
+        if token in params.stop_token_ids:
+            return "stop", token
+        if token in req.eos_token_ids and not params.ignore_eos:
+            return "stop", None
+    if n >= req.max_new_tokens:
+        return "length", None
+    return None

@@ -1,0 +1,83 @@
+"""transformers baselines for ``structllm bench throughput`` (run in a child).
+
+Reads a JSON job (model dir, workload, threads, modes), prints one JSON line
+of results. Greedy, EOS ignored (min_new_tokens = max_new_tokens), so every
+system produces exactly the requested number of tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+
+def main(job_file: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    job = json.loads(open(job_file).read())
+    torch.set_num_threads(job["threads"])
+    model = AutoModelForCausalLM.from_pretrained(job["model"], torch_dtype=torch.float32)
+    model.eval()
+    work: list[tuple[list[int], int]] = job["work"]
+    pad = model.config.eos_token_id
+    pad = pad[0] if isinstance(pad, list) else pad
+    results: dict[str, Any] = {}
+    total = sum(o for _, o in work)
+
+    def gen(ids: Any, mask: Any, n: int) -> Any:
+        return model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+            do_sample=False, pad_token_id=pad,
+        )
+
+    with torch.inference_mode():
+        gen(torch.tensor([work[0][0][:8]]), None, 2)  # warm-up
+        if "single" in job["modes"]:
+            start = time.perf_counter()
+            for p, o in work:
+                gen(torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long), o)
+            s = time.perf_counter() - start
+            results["transformers (one at a time)"] = {"seconds": s, "tokens_per_s": total / s}
+        if "static" in job["modes"]:
+            bs = job["batch_size"]
+            start = time.perf_counter()
+            for i in range(0, len(work), bs):
+                chunk = work[i : i + bs]
+                width = max(len(p) for p, _ in chunk)
+                ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+                mask = torch.zeros((len(chunk), width), dtype=torch.long)
+                for j, (p, _) in enumerate(chunk):  # left padding
+                    ids[j, width - len(p) :] = torch.tensor(p)
+                    mask[j, width - len(p) :] = 1
+                gen(ids, mask, max(o for _, o in chunk))
+            s = time.perf_counter() - start
+            # only the requested tokens count; padding rows' extra tokens are waste
+            results[f"transformers (static batch {bs})"] = {"seconds": s, "tokens_per_s": total / s}
+        if "continuous" in job["modes"] and hasattr(model, "generate_batch"):
+            from transformers import GenerationConfig
+
+            cfg = GenerationConfig(
+                max_new_tokens=max(o for _, o in work), do_sample=False, eos_token_id=-1,
+                pad_token_id=pad, num_blocks=2048, block_size=16,
+                max_batch_tokens=1024, scheduler="fifo",
+            )
+            start = time.perf_counter()
+            try:
+                model.generate_batch(inputs=[p for p, _ in work], generation_config=cfg)
+                s = time.perf_counter() - start
+                results["transformers (generate_batch)"] = {
+                    "seconds": s, "tokens_per_s": total / s,
+                    "note": "max_new_tokens = longest output for every prompt; counts requested tokens only",
+                }
+            except Exception as exc:  # report, don't hide
+                results["transformers (generate_batch)"] = {
+                    "seconds": float("nan"), "tokens_per_s": float("nan"), "error": repr(exc)[:300]
+                }
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

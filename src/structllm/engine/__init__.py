@@ -1,0 +1,1 @@
+"""The engine layer: prompts in, text out, around an :class:`EngineCore`."""

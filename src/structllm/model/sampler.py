@@ -1,0 +1,426 @@
+"""The batched sampler: one token per row from a batch of logits.
+
+Works on numpy ``float32`` logits already copied off the device; no Paddle.
+Per step, for every row (vLLM-compatible semantics):
+
+1. logprobs, if asked for, from ``log_softmax`` of the *raw* logits;
+2. penalties: repetition (HF-style, over prompt + output tokens), then
+   frequency and presence (OpenAI-style, over output tokens);
+3. while ``len(output_token_ids) < min_tokens``, EOS and stop token ids are
+   set to ``-inf``;
+4. greedy rows take the argmax (ties to the lowest id) and draw nothing;
+5. other rows divide by the temperature, keep the top-k, then the nucleus
+   (top-p), then drop tokens under ``min_p * max_prob``, and choose by inverse
+   CDF with exactly one uniform from the row's own generator.
+
+Step 5 uses a deterministic order: rows without top-k / top-p walk the CDF
+in token-id order; rows with them walk it in the order (probability
+descending, id ascending) that also defines which tokens top-k and top-p
+keep. Every row's result depends only on its own logits, parameters and
+generator, so a seeded request gives the same tokens whatever else is in its
+batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from structllm.params import SamplingParams
+
+__all__ = [
+    "Sampler",
+    "SamplerOutput",
+    "SamplingRow",
+    "TokenLogprobs",
+    "make_generator",
+    "process_logits",
+]
+
+F32 = npt.NDArray[np.float32]
+F64 = npt.NDArray[np.float64]
+I64 = npt.NDArray[np.int64]
+Bool = npt.NDArray[np.bool_]
+
+#: CDF block width for rows sampled in id order (two-level inverse CDF).
+_BLOCK = 256
+_LOW32 = np.int64(0xFFFFFFFF)
+
+
+def make_generator(seed: int | None) -> np.random.Generator:
+    """A request's generator: seeded from ``seed``, or from OS entropy if None.
+
+    Seeds are taken modulo 2**64, so negative seeds work as their two's
+    complement (``-1`` and ``2**64 - 1`` give the same stream).
+    """
+    if seed is None:
+        return np.random.default_rng()
+    return np.random.default_rng(seed % 2**64)
+
+
+@attrs.frozen
+class SamplingRow:
+    """One request's row in the batch.
+
+    ``generator`` belongs to the request and is advanced only by its draws.
+    ``eos_token_ids`` (with ``params.stop_token_ids``) are masked while fewer
+    than ``params.min_tokens`` tokens were generated; ``ignore_eos`` is the
+    caller's business.
+    """
+
+    params: SamplingParams
+    generator: np.random.Generator
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@attrs.frozen
+class TokenLogprobs:
+    """Logprobs of one sampled token, from the raw model distribution."""
+
+    sampled_logprob: float
+    #: 1 + the number of tokens with a strictly greater logprob
+    sampled_rank: int
+    #: the ``params.logprobs`` most likely tokens, most likely first
+    top_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
+@attrs.frozen
+class SamplerOutput:
+    """One step's result for a batch of N rows."""
+
+    token_ids: I64  # (N,)
+    #: per row; None where ``params.logprobs`` is None
+    logprobs: list[TokenLogprobs | None]
+
+
+@attrs.frozen
+class Sampler:
+    """Samples one token per row; stateless apart from a tuning knob.
+
+    ``candidates`` is how many of the most likely tokens are sorted first for
+    top-p rows; a row whose nucleus is wider is re-sorted over the whole
+    vocabulary. It changes speed only, never the result.
+    """
+
+    candidates: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
+
+    def sample(
+        self, logits: npt.ArrayLike, rows: Sequence[SamplingRow]
+    ) -> SamplerOutput:
+        """Choose one token per row of ``logits`` (N, V)."""
+        raw = _check_logits(logits, len(rows))  # (N, V) float32
+        n = raw.shape[0]
+        params = [r.params for r in rows]
+        # Draw first: exactly one uniform per non-greedy row, whatever happens.
+        rand = np.array([not p.greedy for p in params], dtype=np.bool_)
+        u = np.array([r.generator.random() for r in rows if not r.params.greedy])
+
+        x = process_logits(raw, rows)  # (N, V)
+        tokens = np.zeros(n, dtype=np.int64)
+        dead = ~(x.max(axis=1, initial=-np.inf) > -np.inf)  # all -inf after masking
+        if dead.any():
+            tokens[dead] = raw[dead].argmax(axis=1)
+        greedy = ~rand & ~dead
+        if greedy.any():
+            tokens[greedy] = x[greedy].argmax(axis=1)
+        live = rand & ~dead
+        if live.any():
+            u_live = u[live[rand]]
+            x_live = x if live.all() else x[live]
+            params_live = [p for p, m in zip(params, live, strict=True) if m]
+            tokens[live] = self._sample_random(x_live, params_live, u_live)
+        logprobs = _logprobs(raw, params, tokens)
+        return SamplerOutput(token_ids=tokens, logprobs=logprobs)
+
+    def _sample_random(self, x: F32, params: list[SamplingParams], u: F64) -> I64:
+        """Temperature, top-k, top-p, min-p and one inverse-CDF draw per row."""
+        b, vocab = x.shape
+        temp = np.array([p.temperature for p in params], dtype=np.float32)
+        top_k = np.array(
+            [p.top_k if 0 < p.top_k < vocab else 0 for p in params], dtype=np.int64
+        )
+        top_p = np.array([p.top_p for p in params], dtype=np.float64)
+        min_p = np.array([p.min_p for p in params], dtype=np.float64)
+        # Subtracting the max first keeps tiny temperatures from overflowing;
+        # each row's max becomes exactly 0, so its weight exp(0) is exactly 1.
+        scaled = x - x.max(axis=1, keepdims=True)  # (b, V)
+        scaled /= temp[:, None]
+        tokens = np.empty(b, dtype=np.int64)
+        by_rank = (top_k > 0) | (top_p < 1.0)
+        by_id = ~by_rank
+        if by_id.any():
+            w = scaled if by_id.all() else scaled[by_id]
+            w = np.exp(w, out=w)  # (b_id, V) unnormalised probabilities
+            w[w < min_p[by_id, None]] = 0.0
+            tokens[by_id] = _draw_by_id(w, u[by_id])
+        if by_rank.any():
+            rows = np.flatnonzero(by_rank)
+            c = int(top_k[rows].max()) + 1
+            if (top_p[rows] < 1.0).any():
+                c = max(c, self.candidates)
+            c = min(vocab, c)
+            tokens[rows] = _draw_by_rank(
+                scaled[rows], top_k[rows], top_p[rows], min_p[rows], u[rows], c
+            )
+        return tokens
+
+
+def process_logits(logits: F32, rows: Sequence[SamplingRow]) -> F32:
+    """Penalties and the ``min_tokens`` mask; returns ``logits`` or a copy.
+
+    ``logits`` (N, V) is never modified. Penalties touch only the (row,
+    token) pairs that occur, found with ``np.unique`` over flat indices.
+    """
+    vocab = logits.shape[1]
+    pen = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    masked = [
+        i
+        for i, r in enumerate(rows)
+        if len(r.output_token_ids) < r.params.min_tokens
+        and (r.eos_token_ids or r.params.stop_token_ids)
+    ]
+    if not pen and not masked:
+        return logits
+    x = logits.copy()
+    flat = x.reshape(-1)  # (N * V,) view
+    if pen:
+        _penalise(flat, vocab, [rows[i] for i in pen], pen)
+    if masked:
+        drop = [
+            i * vocab + t
+            for i in masked
+            for t in {*rows[i].eos_token_ids, *rows[i].params.stop_token_ids}
+            if 0 <= t < vocab
+        ]
+        flat[drop] = -np.inf
+    return x
+
+
+def _penalise(
+    flat: F32, vocab: int, rows: Sequence[SamplingRow], names: Sequence[int]
+) -> None:
+    """Apply repetition, frequency and presence penalties in place.
+
+    ``flat`` is the (N * V,) batch; ``names`` are the rows' batch indices.
+    """
+    rep = np.array([r.params.repetition_penalty for r in rows], dtype=np.float32)
+    freq = np.array([r.params.frequency_penalty for r in rows], dtype=np.float32)
+    pres = np.array([r.params.presence_penalty for r in rows], dtype=np.float32)
+    base = np.asarray(names, dtype=np.int64) * vocab  # (P,) row offsets in flat
+    out_at, out_row = _flat_ids([r.output_token_ids for r in rows], vocab, names)
+    if (rep != 1.0).any():
+        prompt_at, prompt_row = _flat_ids(
+            [r.prompt_token_ids for r in rows], vocab, names
+        )
+        seen, first = np.unique(
+            np.concatenate([base[prompt_row] + prompt_at, base[out_row] + out_at]),
+            return_index=True,
+        )
+        row = np.concatenate([prompt_row, out_row])[first]  # (S,) index into rows
+        v = flat[seen]
+        r = rep[row]
+        flat[seen] = np.where(v > 0, v / r, v * r)
+    if (freq != 0.0).any() or (pres != 0.0).any():
+        out, first, count = np.unique(
+            base[out_row] + out_at, return_index=True, return_counts=True
+        )
+        row = out_row[first]
+        flat[out] -= freq[row] * count.astype(np.float32) + pres[row]
+
+
+def _flat_ids(
+    seqs: Sequence[Sequence[int]], vocab: int, names: Sequence[int]
+) -> tuple[I64, I64]:
+    """All token ids of ``seqs``, concatenated, with the sequence each came from."""
+    arrays = [np.asarray(s, dtype=np.int64).reshape(-1) for s in seqs]
+    for name, a in zip(names, arrays, strict=True):
+        if a.size and (a.min() < 0 or a.max() >= vocab):
+            raise ValueError(f"row {name} has a token id outside [0, {vocab})")
+    ids = np.concatenate([np.zeros(0, np.int64), *arrays])
+    which = np.repeat(np.arange(len(arrays)), [a.size for a in arrays])
+    return ids, which
+
+
+def _check_logits(logits: npt.ArrayLike, n: int) -> F32:
+    """Validate shape and values; NaN or +inf raises naming the first bad row."""
+    x = np.asarray(logits, dtype=np.float32)
+    if x.ndim != 2 or x.shape[0] != n:
+        raise ValueError(f"logits must have shape ({n}, vocab), got {x.shape}")
+    if x.shape[1] == 0:
+        raise ValueError("logits must have a non-empty vocabulary")
+    top = x.max(axis=1)  # (N,) NaN propagates
+    bad = np.flatnonzero(np.isnan(top) | (top == np.inf))
+    if bad.size:
+        i = int(bad[0])
+        what = "NaN" if np.isnan(x[i]).any() else "+inf"
+        raise ValueError(f"logits row {i} contains {what}")
+    return x
+
+
+def _order_keys(values: F32, ids: I64) -> I64:
+    """int64 keys that order entries by (value ascending, id descending).
+
+    Float32 bits are mapped to order-preserving int32 in the high half; the
+    low half holds ``0xFFFFFFFF - id``. Keys are unique within a row, so any
+    sort of them is deterministic.
+    """
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.int32)
+    ordered = bits ^ ((bits >> 31) & np.int32(0x7FFFFFFF))
+    return (ordered.astype(np.int64) << 32) | (_LOW32 - ids)
+
+
+def _top_sorted(values: F32, c: int, *, ignore_neg_inf: bool) -> tuple[I64, I64]:
+    """The ``c`` largest entries per row, ordered (value desc, id asc).
+
+    Returns ``ids`` (b, c) and ``exact`` (b,): how many leading positions of
+    each row are certainly that row's true order. Entries tied with the c-th
+    value may be missing; with ``ignore_neg_inf`` a ``-inf`` tie counts as
+    exact (such tokens have zero probability, so their order is irrelevant).
+    """
+    b, vocab = values.shape
+    if c >= vocab:
+        ids = np.broadcast_to(np.arange(vocab, dtype=np.int64), (b, vocab))
+        exact = np.full(b, vocab, dtype=np.int64)
+    else:
+        ids = np.argpartition(values, vocab - c, axis=1)[:, vocab - c :]  # (b, c)
+        ids = ids.astype(np.int64, copy=False)
+    vals = np.take_along_axis(values, ids, axis=1)  # (b, c)
+    keys = np.sort(_order_keys(vals, ids), axis=1)[:, ::-1]  # (b, c) descending
+    if c < vocab:
+        edge = vals.min(axis=1)  # (b,) the c-th largest value
+        exact = (vals > edge[:, None]).sum(axis=1)
+        if ignore_neg_inf:
+            exact[edge == -np.inf] = c
+    return _LOW32 - (keys & _LOW32), exact
+
+
+def _draw_by_rank(
+    scaled: F32, top_k: I64, top_p: F64, min_p: F64, u: F64, c: int
+) -> I64:
+    """Top-k, top-p and min-p over the (prob desc, id asc) order, then draw.
+
+    ``scaled`` (b, V) are logits over temperature with each row's max at 0.
+    Rows whose kept set reaches past the ``c`` sorted candidates are redone
+    over the whole vocabulary; the result is the same, only slower.
+    """
+    b, vocab = scaled.shape
+    ids, exact = _top_sorted(scaled, c, ignore_neg_inf=True)  # (b, c), (b,)
+    c = ids.shape[1]
+    w = np.exp(np.take_along_axis(scaled, ids, axis=1).astype(np.float64))  # (b, c)
+    pos = np.arange(c)
+    k = np.where(top_k > 0, top_k, c)  # top_k < c here (c > max top_k)
+    w[pos >= k[:, None]] = 0.0
+    cum = np.cumsum(w, axis=1)  # (b, c)
+    cut = k.copy()  # tokens kept: the first `cut` positions
+    nucleus = top_p < 1.0
+    if nucleus.any():
+        has_k = top_k > 0
+        z = np.where(has_k, cum[np.arange(b), k - 1], 0.0)  # (b,) total mass
+        full = nucleus & ~has_k
+        if full.any():
+            blocks = _block_sums(np.exp(scaled[full]))  # (b_full, nb) float32
+            z[full] = blocks.astype(np.float64).sum(axis=1)
+        reached = (cum / z[:, None]) >= top_p[:, None]  # (b, c)
+        first = np.where(reached.any(axis=1), reached.argmax(axis=1) + 1, vocab + 1)
+        cut = np.where(nucleus, np.minimum(cut, first), cut)
+    redo = (cut > exact) & (c < vocab)  # the kept set reaches unsorted tokens
+    w[pos >= cut[:, None]] = 0.0
+    w[w < min_p[:, None]] = 0.0
+    tokens = np.take_along_axis(ids, _inverse_cdf(w, u)[:, None], axis=1)[:, 0]
+    if redo.any():
+        tokens[redo] = _draw_by_rank(
+            scaled[redo], top_k[redo], top_p[redo], min_p[redo], u[redo], vocab
+        )
+    return tokens
+
+
+def _draw_by_id(w: F32, u: F64) -> I64:
+    """Inverse CDF over token ids of weights ``w`` (b, V), in two levels.
+
+    Float32 block sums locate a block, a float64 cumulative sum inside it the
+    token. Each row's answer depends only on that row.
+    """
+    b, vocab = w.shape
+    blocks = _block_sums(w).astype(np.float64)  # (b, nb)
+    block = _inverse_cdf(blocks, u)  # (b,)
+    before = np.cumsum(blocks, axis=1)  # (b, nb)
+    prior = np.where(block > 0, before[np.arange(b), np.maximum(block - 1, 0)], 0.0)
+    target = u * before[:, -1] - prior  # (b,) offset inside the chosen block
+    start = block * _BLOCK  # (b,)
+    cols = start[:, None] + np.arange(_BLOCK)  # (b, BLOCK)
+    seg = w[np.arange(b)[:, None], np.minimum(cols, vocab - 1)].astype(np.float64)
+    seg[cols >= vocab] = 0.0
+    return start + _inverse_cdf(seg, target, absolute=True)
+
+
+def _block_sums(w: F32) -> F32:
+    """Per-row sums (b, ceil(V / BLOCK)) of consecutive token blocks.
+
+    No dtype cast, so numpy reduces each block on its own and a row's sums do
+    not depend on the other rows.
+    """
+    offsets = np.arange(0, w.shape[1], _BLOCK)
+    sums: F32 = np.add.reduceat(w, offsets, axis=1)
+    return sums
+
+
+def _inverse_cdf(w: F64, u: F64, *, absolute: bool = False) -> I64:
+    """Index per row where the cumulative weight first exceeds the target.
+
+    The target is ``u * total`` (or ``u`` itself with ``absolute``); the answer
+    is clamped to the last positive weight, so zero weights are never chosen
+    as long as the row has some weight.
+    """
+    cdf = np.cumsum(w, axis=1)  # (b, n)
+    total = cdf[:, -1]
+    target = u if absolute else u * total
+    idx = (cdf <= target[:, None]).sum(axis=1)
+    last = (cdf < total[:, None]).sum(axis=1)  # first index reaching the total
+    chosen: I64 = np.minimum(idx, last).astype(np.int64)
+    return chosen
+
+
+def _logprobs(
+    raw: F32, params: Sequence[SamplingParams], tokens: I64
+) -> list[TokenLogprobs | None]:
+    """Logprobs of the sampled tokens and the top-n, from the raw logits."""
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return out
+    x = raw[rows]  # (L, V)
+    top = x.max(axis=1)  # (L,)
+    top[top == -np.inf] = 0.0  # an all -inf row: every logprob is -inf
+    mass = np.exp(x - top[:, None]).sum(axis=1)  # (L,) float32
+    with np.errstate(divide="ignore"):
+        lse = top.astype(np.float64) + np.log(mass.astype(np.float64))
+    lse[lse == -np.inf] = 0.0
+    picked = x[np.arange(len(rows)), tokens[rows]]  # (L,)
+    chosen = picked - lse
+    # logprob = logit - lse is monotone, so ranks can compare raw logits.
+    rank = (x > picked[:, None]).sum(axis=1) + 1
+    want = np.array([params[i].logprobs or 0 for i in rows], dtype=np.int64)
+    n_max = int(want.max())
+    if n_max:
+        ids, exact = _top_sorted(x, n_max + 1, ignore_neg_inf=False)
+        redo = exact < want
+        if redo.any():
+            full, _ = _top_sorted(x[redo], x.shape[1], ignore_neg_inf=False)
+            ids = ids.copy()
+            ids[redo] = full[:, : ids.shape[1]]
+    for j, i in enumerate(rows):
+        n = int(want[j])
+        top_ids = [int(t) for t in ids[j, :n]] if n else []
+        out[i] = TokenLogprobs(
+            sampled_logprob=float(chosen[j]),
+            sampled_rank=int(rank[j]),
+            top_ids=tuple(top_ids),
+            top_logprobs=tuple(float(x[j, t] - lse[j]) for t in top_ids),
+        )
+    return out

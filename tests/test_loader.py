@@ -96,7 +96,7 @@ def test_missing_directory(tmp_path: Path) -> None:
 
 
 def test_missing_config(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="config.json"):
+    with pytest.raises(ModelLoadError, match=r"config\.json"):
         load_model(tmp_path)
 
 
@@ -141,7 +141,7 @@ def test_no_weights(checkpoint: Path) -> None:
 def test_missing_shard(tmp_path: Path) -> None:
     write_random_checkpoint(tmp_path, CONFIG, shards=2)
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(ModelLoadError, match="00002-of-00002.*missing"):
+    with pytest.raises(ModelLoadError, match=r"00002-of-00002.*missing"):
         load_model(tmp_path)
 
 
@@ -151,7 +151,7 @@ def test_missing_tensor(tmp_path: Path) -> None:
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["tie_word_embeddings"] = False
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="lm_head.weight"):
+    with pytest.raises(ModelLoadError, match=r"lm_head\.weight"):
         load_model(tmp_path)
 
 

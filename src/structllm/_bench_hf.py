@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -17,10 +18,11 @@ def main(job_file: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    job = json.loads(open(job_file).read())
+    job = json.loads(Path(job_file).read_text())
     torch.set_num_threads(job["threads"])
-    model = AutoModelForCausalLM.from_pretrained(job["model"], torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(job["model"], dtype=torch.float32)
     model.eval()
+    model.generation_config.eos_token_id = None  # exactly max_new_tokens each
     work: list[tuple[list[int], int]] = job["work"]
     pad = model.config.eos_token_id
     pad = pad[0] if isinstance(pad, list) else pad
@@ -29,8 +31,11 @@ def main(job_file: str) -> None:
 
     def gen(ids: Any, mask: Any, n: int) -> Any:
         return model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-            do_sample=False, pad_token_id=pad,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            do_sample=False,
+            pad_token_id=pad,
         )
 
     with torch.inference_mode():
@@ -40,7 +45,10 @@ def main(job_file: str) -> None:
             for p, o in work:
                 gen(torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long), o)
             s = time.perf_counter() - start
-            results["transformers (one at a time)"] = {"seconds": s, "tokens_per_s": total / s}
+            results["transformers (one at a time)"] = {
+                "seconds": s,
+                "tokens_per_s": total / s,
+            }
         if "static" in job["modes"]:
             bs = job["batch_size"]
             start = time.perf_counter()
@@ -55,26 +63,37 @@ def main(job_file: str) -> None:
                 gen(ids, mask, max(o for _, o in chunk))
             s = time.perf_counter() - start
             # only the requested tokens count; padding rows' extra tokens are waste
-            results[f"transformers (static batch {bs})"] = {"seconds": s, "tokens_per_s": total / s}
+            results[f"transformers (static batch {bs})"] = {
+                "seconds": s,
+                "tokens_per_s": total / s,
+            }
         if "continuous" in job["modes"] and hasattr(model, "generate_batch"):
             from transformers import GenerationConfig
 
             cfg = GenerationConfig(
-                max_new_tokens=max(o for _, o in work), do_sample=False, eos_token_id=-1,
-                pad_token_id=pad, num_blocks=2048, block_size=16,
-                max_batch_tokens=1024, scheduler="fifo",
+                max_new_tokens=max(o for _, o in work),
+                do_sample=False,
+                eos_token_id=-1,
+                pad_token_id=pad,
+                num_blocks=2048,
+                block_size=16,
+                max_batch_tokens=1024,
+                scheduler="fifo",
             )
             start = time.perf_counter()
             try:
                 model.generate_batch(inputs=[p for p, _ in work], generation_config=cfg)
                 s = time.perf_counter() - start
                 results["transformers (generate_batch)"] = {
-                    "seconds": s, "tokens_per_s": total / s,
+                    "seconds": s,
+                    "tokens_per_s": total / s,
                     "note": "max_new_tokens = longest output for every prompt; counts requested tokens only",
                 }
             except Exception as exc:  # report, don't hide
                 results["transformers (generate_batch)"] = {
-                    "seconds": float("nan"), "tokens_per_s": float("nan"), "error": repr(exc)[:300]
+                    "seconds": float("nan"),
+                    "tokens_per_s": float("nan"),
+                    "error": repr(exc)[:300],
                 }
     print(json.dumps(results))
 

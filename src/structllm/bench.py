@@ -32,24 +32,38 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--intermediate", type=int, default=1536)
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
-    p.add_argument("--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
-    p.add_argument("--batch-size", type=int, default=16, help="static batch size for HF")
+    p.add_argument(
+        "--input-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX")
+    )
+    p.add_argument(
+        "--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX")
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=16, help="static batch size for HF"
+    )
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--hf", default="auto", choices=["auto", "off"],
+        "--hf",
+        default="auto",
+        choices=["auto", "off"],
         help="run the transformers baselines when torch is importable",
     )
-    p.add_argument("--hf-python", default=sys.executable, help="python with torch + transformers")
+    p.add_argument(
+        "--hf-python", default=sys.executable, help="python with torch + transformers"
+    )
     p.add_argument("--hf-modes", default="single,static,continuous")
     p.add_argument("--json", default=None, help="write the results here")
 
 
 def make_workload(
-    n: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int, seed: int
+    n: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    vocab: int,
+    seed: int,
 ) -> list[tuple[list[int], int]]:
     """``n`` (prompt token ids, output length) pairs, deterministic in ``seed``."""
     rng = np.random.default_rng(seed)
@@ -71,18 +85,28 @@ def run_throughput(ns: argparse.Namespace) -> int:
         if model is None:
             model = str(Path(tmp) / "model")
             make_tiny_model(
-                model, hidden_size=ns.hidden, num_layers=ns.layers, num_heads=ns.heads,
-                num_kv_heads=ns.kv_heads, intermediate_size=ns.intermediate,
-                max_position_embeddings=4096, seed=ns.seed,
+                model,
+                hidden_size=ns.hidden,
+                num_layers=ns.layers,
+                num_heads=ns.heads,
+                num_kv_heads=ns.kv_heads,
+                intermediate_size=ns.intermediate,
+                max_position_embeddings=4096,
+                seed=ns.seed,
             )
         config = json.loads((Path(model) / "config.json").read_text())
         work = make_workload(
-            ns.num_prompts, tuple(ns.input_len), tuple(ns.output_len),
-            config["vocab_size"], ns.seed,
+            ns.num_prompts,
+            tuple(ns.input_len),
+            tuple(ns.output_len),
+            config["vocab_size"],
+            ns.seed,
         )
         total_out = sum(o for _, o in work)
         results: dict[str, Any] = {
-            "model": {k: config[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")},
+            "model": {
+                k: config[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")
+            },
             "num_prompts": len(work),
             "input_tokens": sum(len(p) for p, _ in work),
             "output_tokens": total_out,
@@ -99,42 +123,67 @@ def run_throughput(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_structllm(model: str, work: list[tuple[list[int], int]], ns: argparse.Namespace,
-                     threads: int) -> dict[str, float]:
+def _bench_structllm(
+    model: str, work: list[tuple[list[int], int]], ns: argparse.Namespace, threads: int
+) -> dict[str, float]:
     from structllm.llm import LLM
     from structllm.params import SamplingParams
 
     llm = LLM(
-        model, show_progress=False, max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens, num_threads=threads,
-        max_model_len=4096, kv_cache_memory=2 << 30,
+        model,
+        show_progress=False,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        num_threads=threads,
+        max_model_len=4096,
+        kv_cache_memory=2 << 30,
     )
     # warm-up: one short request, not timed
-    llm.generate([work[0][0][:8]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in work]
+    llm.generate(
+        [work[0][0][:8]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
+    params = [
+        SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in work
+    ]
     start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p, _ in work], params, use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p, _ in work], params, use_tqdm=False
+    )
     elapsed = time.perf_counter() - start
     produced = sum(len(o.token_ids) for o in outs)
-    return {"seconds": elapsed, "output_tokens": produced, "tokens_per_s": produced / elapsed}
+    return {
+        "seconds": elapsed,
+        "output_tokens": produced,
+        "tokens_per_s": produced / elapsed,
+    }
 
 
-def _bench_overhead(model: str, ns: argparse.Namespace, threads: int, vocab: int) -> dict[str, float]:
+def _bench_overhead(
+    model: str, ns: argparse.Namespace, threads: int, vocab: int
+) -> dict[str, float]:
     """Decode steps at batch ``max_num_seqs``: step wall time / forward time."""
     from structllm.core.engine_core import EngineConfig, EngineCore
     from structllm.core.request import CoreRequest
     from structllm.params import SamplingParams
 
-    core = EngineCore(EngineConfig(
-        model=model, max_num_seqs=ns.max_num_seqs, num_threads=threads,
-        max_model_len=1024, kv_cache_memory=1 << 30,
-    ))
+    core = EngineCore(
+        EngineConfig(
+            model=model,
+            max_num_seqs=ns.max_num_seqs,
+            num_threads=threads,
+            max_model_len=1024,
+            kv_cache_memory=1 << 30,
+        )
+    )
     rng = np.random.default_rng(ns.seed)
     for i in range(ns.max_num_seqs):
-        core.add_request(CoreRequest(
-            request_id=str(i), prompt_token_ids=tuple(rng.integers(3, vocab, 64).tolist()),
-            params=SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
-        ))
+        core.add_request(
+            CoreRequest(
+                request_id=str(i),
+                prompt_token_ids=tuple(rng.integers(3, vocab, 64).tolist()),
+                params=SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+            )
+        )
     total = forward = 0.0
     steps = 0
     while core.has_unfinished_requests():
@@ -144,35 +193,53 @@ def _bench_overhead(model: str, ns: argparse.Namespace, threads: int, vocab: int
             forward += s.forward_s
             steps += 1
     return {
-        "batch": ns.max_num_seqs, "decode_steps": steps,
-        "step_ms": 1e3 * total / steps, "forward_ms": 1e3 * forward / steps,
+        "batch": ns.max_num_seqs,
+        "decode_steps": steps,
+        "step_ms": 1e3 * total / steps,
+        "forward_ms": 1e3 * forward / steps,
         "overhead": total / forward - 1.0,
     }
 
 
-def _bench_hf(ns: argparse.Namespace, model: str, work: list[tuple[list[int], int]],
-              threads: int) -> dict[str, dict[str, float]]:
+def _bench_hf(
+    ns: argparse.Namespace, model: str, work: list[tuple[list[int], int]], threads: int
+) -> dict[str, dict[str, float]]:
     probe = subprocess.run(
         [ns.hf_python, "-c", "import torch, transformers"], capture_output=True
     )
     if probe.returncode != 0:
-        print("transformers baselines skipped: torch/transformers not importable by "
-              f"{ns.hf_python} (pass --hf-python)", file=sys.stderr)
+        print(
+            "transformers baselines skipped: torch/transformers not importable by "
+            f"{ns.hf_python} (pass --hf-python)",
+            file=sys.stderr,
+        )
         return {}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"model": model, "work": work, "threads": threads,
-                   "batch_size": ns.batch_size, "modes": ns.hf_modes.split(",")}, f)
+        json.dump(
+            {
+                "model": model,
+                "work": work,
+                "threads": threads,
+                "batch_size": ns.batch_size,
+                "modes": ns.hf_modes.split(","),
+            },
+            f,
+        )
     try:
         proc = subprocess.run(
             [ns.hf_python, "-m", "structllm._bench_hf", f.name],
-            capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": str(threads)},
         )
     finally:
         os.unlink(f.name)
     if proc.returncode != 0:
         print(proc.stderr[-3000:], file=sys.stderr)
         raise SystemExit("transformers baseline failed")
-    result: dict[str, dict[str, float]] = json.loads(proc.stdout.strip().splitlines()[-1])
+    result: dict[str, dict[str, float]] = json.loads(
+        proc.stdout.strip().splitlines()[-1]
+    )
     return result
 
 
@@ -186,7 +253,9 @@ def _print(r: dict[str, Any]) -> None:
     base = r["systems"]["structllm"]["tokens_per_s"]
     print(f"{'system':<28}{'seconds':>10}{'out tok/s':>12}{'structllm ×':>14}")
     for name, s in r["systems"].items():
-        print(f"{name:<28}{s['seconds']:>10.2f}{s['tokens_per_s']:>12.1f}{base / s['tokens_per_s']:>14.2f}")
+        print(
+            f"{name:<28}{s['seconds']:>10.2f}{s['tokens_per_s']:>12.1f}{base / s['tokens_per_s']:>14.2f}"
+        )
     o = r["overhead"]
     print(
         f"overhead at batch {o['batch']} (decode): step {o['step_ms']:.2f} ms, forward "

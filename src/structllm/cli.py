@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["main"]
 
@@ -12,7 +13,9 @@ __all__ = ["main"]
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    g.add_argument(
+        "--load-format", default="auto", choices=["auto", "safetensors", "dummy"]
+    )
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None)
@@ -21,7 +24,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None)
 
 
-def engine_args(ns: argparse.Namespace) -> dict[str, object]:
+def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
     return {
         "dtype": ns.dtype,
         "load_format": ns.load_format,
@@ -42,7 +45,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    g.add_argument(
+        "--stop", action="append", default=[], help="a stop string (repeatable)"
+    )
     g.add_argument("--ignore-eos", action="store_true")
 
 
@@ -53,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream a completion to the terminal")
     gen.add_argument("model", help="model directory, or 'tiny'")
     gen.add_argument("prompt")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the chat template"
+    )
     _add_engine_args(gen)
     _add_sampling_args(gen)
 
@@ -68,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--vocab-size", type=int, default=512)
     tiny.add_argument("--max-position-embeddings", type=int, default=2048)
     tiny.add_argument("--tie", action=argparse.BooleanOptionalAction, default=None)
-    tiny.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    tiny.add_argument(
+        "--dtype", default="float32", choices=["float32", "float16", "bfloat16"]
+    )
     tiny.add_argument("--shards", type=int, default=1)
     tiny.add_argument("--seed", type=int, default=0)
 
@@ -87,11 +96,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         from structllm.tiny import make_tiny_model
 
         config = make_tiny_model(
-            ns.directory, arch=ns.arch, hidden_size=ns.hidden, num_layers=ns.layers,
-            num_heads=ns.heads, num_kv_heads=ns.kv_heads,
-            intermediate_size=ns.intermediate, vocab_size=ns.vocab_size,
-            tie_word_embeddings=ns.tie, max_position_embeddings=ns.max_position_embeddings,
-            dtype=ns.dtype, shards=ns.shards, seed=ns.seed,
+            ns.directory,
+            arch=ns.arch,
+            hidden_size=ns.hidden,
+            num_layers=ns.layers,
+            num_heads=ns.heads,
+            num_kv_heads=ns.kv_heads,
+            intermediate_size=ns.intermediate,
+            vocab_size=ns.vocab_size,
+            tie_word_embeddings=ns.tie,
+            max_position_embeddings=ns.max_position_embeddings,
+            dtype=ns.dtype,
+            shards=ns.shards,
+            seed=ns.seed,
         )
         print(
             f"wrote {config.architecture} ({config.num_parameters / 1e6:.2f}M parameters) "
@@ -117,21 +134,35 @@ def _generate(ns: argparse.Namespace) -> int:
 
     try:
         params = SamplingParams(
-            max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
-            top_k=ns.top_k, min_p=ns.min_p, seed=ns.seed, stop=ns.stop,
-            ignore_eos=ns.ignore_eos, output_kind=OutputKind.DELTA,
+            max_tokens=ns.max_tokens,
+            temperature=ns.temperature,
+            top_p=ns.top_p,
+            top_k=ns.top_k,
+            min_p=ns.min_p,
+            seed=ns.seed,
+            stop=ns.stop,
+            ignore_eos=ns.ignore_eos,
+            output_kind=OutputKind.DELTA,
         )
         llm = LLM(ns.model, **engine_args(ns))
         prompt = parse_prompt(ns.prompt, llm.tokenizer)
         if ns.chat:
             # the template writes any BOS itself: encode without special tokens
-            text = llm.tokenizer.apply_chat_template([{"role": "user", "content": ns.prompt}])
-            prompt = Prompt(text, tuple(llm.tokenizer.encode(text, add_special_tokens=False)))
+            text = llm.tokenizer.apply_chat_template(
+                [{"role": "user", "content": ns.prompt}]
+            )
+            prompt = Prompt(
+                text, tuple(llm.tokenizer.encode(text, add_special_tokens=False))
+            )
         state = RequestState("0", prompt.text, prompt.token_ids, params, llm.tokenizer)
-        llm.core.add_request(CoreRequest(
-            request_id="0", prompt_token_ids=prompt.token_ids, params=params,
-            eos_token_ids=llm.eos_token_ids,
-        ))
+        llm.core.add_request(
+            CoreRequest(
+                request_id="0",
+                prompt_token_ids=prompt.token_ids,
+                params=params,
+                eos_token_ids=llm.eos_token_ids,
+            )
+        )
     except StructLLMError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -145,7 +176,10 @@ def _generate(ns: argparse.Namespace) -> int:
     finally:
         llm.core.abort_requests(["0"])
     sys.stdout.write("\n")
-    print(f"[{len(state.token_ids)} tokens, finish_reason={state.finish_reason}]", file=sys.stderr)
+    print(
+        f"[{len(state.token_ids)} tokens, finish_reason={state.finish_reason}]",
+        file=sys.stderr,
+    )
     return 0
 
 

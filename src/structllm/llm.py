@@ -85,17 +85,27 @@ class LLM:
         token ids, or a ``{"prompt_token_ids": [...]}`` dict. ``params`` is
         one SamplingParams for all, or one per prompt.
         """
-        batch: list[PromptInput] = list(prompts) if is_batch(prompts) else [prompts]  # type: ignore[arg-type]
+        batch: list[PromptInput] = (
+            list(prompts)  # type: ignore[arg-type]
+            if is_batch(prompts)
+            else [prompts]  # type: ignore[list-item]
+        )
         if params is None:
             params = SamplingParams()
-        plist = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
+        plist = (
+            [params] * len(batch)
+            if isinstance(params, SamplingParams)
+            else list(params)
+        )
         if len(plist) != len(batch):
             raise InvalidRequestError(
-                f"got {len(plist)} SamplingParams for {len(batch)} prompts", field="params"
+                f"got {len(plist)} SamplingParams for {len(batch)} prompts",
+                field="params",
             )
         if priority is not None and len(priority) != len(batch):
             raise InvalidRequestError(
-                f"got {len(priority)} priorities for {len(batch)} prompts", field="priority"
+                f"got {len(priority)} priorities for {len(batch)} prompts",
+                field="priority",
             )
         # Tokenise and validate everything before the core sees any request.
         states: dict[str, RequestState] = {}
@@ -105,15 +115,19 @@ class LLM:
             parsed = parse_prompt(prompt, self.tokenizer)
             rid = str(next(self._counter))
             p = p if p.output_kind is OutputKind.FINAL else _final(p)
-            states[rid] = RequestState(rid, parsed.text, parsed.token_ids, p, self.tokenizer)
+            states[rid] = RequestState(
+                rid, parsed.text, parsed.token_ids, p, self.tokenizer
+            )
             order.append(rid)
-            requests.append(CoreRequest(
-                request_id=rid,
-                prompt_token_ids=parsed.token_ids,
-                params=p,
-                eos_token_ids=self.eos_token_ids,
-                priority=0 if priority is None else priority[i],
-            ))
+            requests.append(
+                CoreRequest(
+                    request_id=rid,
+                    prompt_token_ids=parsed.token_ids,
+                    params=p,
+                    eos_token_ids=self.eos_token_ids,
+                    priority=0 if priority is None else priority[i],
+                )
+            )
         try:
             for r in requests:
                 self.core.add_request(r)
@@ -122,9 +136,13 @@ class LLM:
             # an exception (or KeyboardInterrupt) mid-run leaves nothing behind
             self.core.abort_requests(order)
 
-    def _run(self, states: dict[str, RequestState], order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, states: dict[str, RequestState], order: list[str], use_tqdm: bool
+    ) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(order), desc="generating", unit="req", disable=not use_tqdm) as bar:
+        with tqdm(
+            total=len(order), desc="generating", unit="req", disable=not use_tqdm
+        ) as bar:
             while len(results) < len(order):
                 step = self.core.step()
                 for out in step.outputs:

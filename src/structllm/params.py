@@ -40,8 +40,14 @@ def _fail(field: str, value: object, expected: str) -> InvalidRequestError:
     )
 
 
-def _int(field: str, value: object, *, lo: int | None = None, hi: int | None = None,
-         expected: str) -> int:
+def _int(
+    field: str,
+    value: object,
+    *,
+    lo: int | None = None,
+    hi: int | None = None,
+    expected: str,
+) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise _fail(field, value, expected)
     if (lo is not None and value < lo) or (hi is not None and value > hi):
@@ -49,8 +55,15 @@ def _int(field: str, value: object, *, lo: int | None = None, hi: int | None = N
     return value
 
 
-def _float(field: str, value: object, *, lo: float | None = None,
-           hi: float | None = None, lo_open: bool = False, expected: str) -> float:
+def _float(
+    field: str,
+    value: object,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    expected: str,
+) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _fail(field, value, expected)
     v = float(value)
@@ -96,13 +109,22 @@ def _to_output_kind(value: object) -> OutputKind:
         ) from None
 
 
-def _to_bool(field: str) -> Any:
-    def convert(value: object) -> bool:
-        if not isinstance(value, bool):
-            raise _fail(field, value, "true or false")
-        return value
+def _bool(field: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(field, value, "true or false")
+    return value
 
-    return convert
+
+def _to_include_stop(value: object) -> bool:
+    return _bool("include_stop_str_in_output", value)
+
+
+def _to_ignore_eos(value: object) -> bool:
+    return _bool("ignore_eos", value)
+
+
+def _to_skip_special(value: object) -> bool:
+    return _bool("skip_special_tokens", value)
 
 
 @attrs.frozen(kw_only=True)
@@ -125,16 +147,14 @@ class SamplingParams:
     stop: tuple[str, ...] = attrs.field(default=(), converter=_to_stop)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_to_token_ids)
     include_stop_str_in_output: bool = attrs.field(
-        default=False, converter=_to_bool("include_stop_str_in_output")
+        default=False, converter=_to_include_stop
     )
-    ignore_eos: bool = attrs.field(default=False, converter=_to_bool("ignore_eos"))
+    ignore_eos: bool = attrs.field(default=False, converter=_to_ignore_eos)
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
-    skip_special_tokens: bool = attrs.field(
-        default=True, converter=_to_bool("skip_special_tokens")
-    )
+    skip_special_tokens: bool = attrs.field(default=True, converter=_to_skip_special)
     output_kind: OutputKind = attrs.field(
         default=OutputKind.CUMULATIVE, converter=_to_output_kind
     )
@@ -152,33 +172,76 @@ class SamplingParams:
                 f"({self.max_tokens})",
                 field="min_tokens",
             )
-        set_(self, "temperature", _float(
-            "temperature", self.temperature, lo=0.0, hi=100.0,
-            expected="a number in [0, 100]",
-        ))
-        set_(self, "top_p", _float(
-            "top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True,
-            expected="a number in (0, 1]",
-        ))
+        set_(
+            self,
+            "temperature",
+            _float(
+                "temperature",
+                self.temperature,
+                lo=0.0,
+                hi=100.0,
+                expected="a number in [0, 100]",
+            ),
+        )
+        set_(
+            self,
+            "top_p",
+            _float(
+                "top_p",
+                self.top_p,
+                lo=0.0,
+                hi=1.0,
+                lo_open=True,
+                expected="a number in (0, 1]",
+            ),
+        )
         top_k = _int("top_k", self.top_k, lo=-1, expected="-1, 0 or a positive integer")
         set_(self, "top_k", max(top_k, 0))
-        set_(self, "min_p", _float(
-            "min_p", self.min_p, lo=0.0, hi=1.0, expected="a number in [0, 1]"
-        ))
+        set_(
+            self,
+            "min_p",
+            _float("min_p", self.min_p, lo=0.0, hi=1.0, expected="a number in [0, 1]"),
+        )
         if self.seed is not None:
-            _int("seed", self.seed, lo=-(2**63), hi=2**64 - 1, expected="a 64-bit integer")
-        set_(self, "repetition_penalty", _float(
-            "repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True,
-            hi=100.0, expected="a number in (0, 100]",
-        ))
+            _int(
+                "seed",
+                self.seed,
+                lo=-(2**63),
+                hi=2**64 - 1,
+                expected="a 64-bit integer",
+            )
+        set_(
+            self,
+            "repetition_penalty",
+            _float(
+                "repetition_penalty",
+                self.repetition_penalty,
+                lo=0.0,
+                lo_open=True,
+                hi=100.0,
+                expected="a number in (0, 100]",
+            ),
+        )
         for name in ("presence_penalty", "frequency_penalty"):
-            set_(self, name, _float(
-                name, getattr(self, name), lo=-2.0, hi=2.0,
-                expected="a number in [-2, 2]",
-            ))
+            set_(
+                self,
+                name,
+                _float(
+                    name,
+                    getattr(self, name),
+                    lo=-2.0,
+                    hi=2.0,
+                    expected="a number in [-2, 2]",
+                ),
+            )
         if self.logprobs is not None:
-            _int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS,
-                 expected=f"an integer in [0, {MAX_LOGPROBS}]")
+            _int(
+                "logprobs",
+                self.logprobs,
+                lo=0,
+                hi=MAX_LOGPROBS,
+                expected=f"an integer in [0, {MAX_LOGPROBS}]",
+            )
 
     @property
     def greedy(self) -> bool:
@@ -207,9 +270,19 @@ class SamplingParams:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         kw["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
         simple = (
-            "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-            "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
-            "repetition_penalty", "presence_penalty", "frequency_penalty",
+            "min_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "seed",
+            "stop",
+            "stop_token_ids",
+            "include_stop_str_in_output",
+            "ignore_eos",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
             "skip_special_tokens",
         )
         for name in simple:

@@ -8,11 +8,12 @@ as it would a real Llama, Qwen2 or Mistral checkpoint.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import tokenizers
 
 from structllm.model.checkpoint import write_random_checkpoint
-from structllm.model.config import ModelConfig
+from structllm.model.config import ModelConfig, RopeScaling
 from structllm.text.training import write_byte_level_bpe_tokenizer
 
 __all__ = ["ARCHITECTURES", "make_tiny_model"]
@@ -40,12 +41,18 @@ def make_tiny_model(
     dtype: str = "float32",
     shards: int = 1,
     seed: int = 0,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict[str, Any] | None = None,
 ) -> ModelConfig:
     """Write a random checkpoint of ``arch`` to ``directory``; return its config."""
     if arch not in ARCHITECTURES:
-        raise ValueError(f"arch must be one of {', '.join(ARCHITECTURES)}, got {arch!r}")
+        raise ValueError(
+            f"arch must be one of {', '.join(ARCHITECTURES)}, got {arch!r}"
+        )
     if hidden_size % num_heads:
-        raise ValueError(f"hidden_size {hidden_size} is not a multiple of num_heads {num_heads}")
+        raise ValueError(
+            f"hidden_size {hidden_size} is not a multiple of num_heads {num_heads}"
+        )
     architecture, bias, tied = ARCHITECTURES[arch]
     directory = Path(directory)
     write_byte_level_bpe_tokenizer(
@@ -53,6 +60,7 @@ def make_tiny_model(
     )
     tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
     eos = tok.token_to_id("<|im_end|>")
+    assert eos is not None, "the trained tokenizer lacks <|im_end|>"
     config = ModelConfig(
         architecture=architecture,
         vocab_size=tok.get_vocab_size(with_added_tokens=True),
@@ -63,7 +71,11 @@ def make_tiny_model(
         num_key_value_heads=num_kv_heads,
         head_dim=hidden_size // num_heads,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tied if tie_word_embeddings is None else tie_word_embeddings,
+        rope_theta=rope_theta,
+        rope_scaling=RopeScaling.from_hf(rope_scaling),
+        tie_word_embeddings=tied
+        if tie_word_embeddings is None
+        else tie_word_embeddings,
         qkv_bias=bias,
         sliding_window=max_position_embeddings if arch == "mistral" else None,
         bos_token_id=None,

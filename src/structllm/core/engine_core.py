@@ -115,7 +115,10 @@ class EngineCore:
         if num_blocks is None:
             per_block = loaded.model.kv_cache_bytes_per_block()
             # never more than every sequence at full length could use
-            num_blocks = min(config.kv_cache_memory // per_block, config.max_num_seqs * blocks_per_seq)
+            num_blocks = min(
+                config.kv_cache_memory // per_block,
+                config.max_num_seqs * blocks_per_seq,
+            )
         if num_blocks < blocks_per_seq:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {config.block_size} tokens, "
@@ -146,7 +149,9 @@ class EngineCore:
 
     def _admit(self, r: CoreRequest) -> Request:
         if not isinstance(r.request_id, str) or not r.request_id:
-            raise InvalidRequestError("request_id must be a non-empty string", field="request_id")
+            raise InvalidRequestError(
+                "request_id must be a non-empty string", field="request_id"
+            )
         if r.request_id in self.scheduler.requests:
             raise InvalidRequestError(
                 f"request_id {r.request_id!r} is already in use by a live request",
@@ -164,7 +169,9 @@ class EngineCore:
         if len(prompt) >= self.max_model_len:
             raise InvalidRequestError(
                 f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}, "
-                "so at most {} prompt tokens leave room to generate".format(self.max_model_len - 1),
+                "so at most {} prompt tokens leave room to generate".format(
+                    self.max_model_len - 1
+                ),
                 field="prompt",
             )
         if self.pool.blocks_for(len(prompt) + 1) > self.pool.num_blocks:
@@ -201,23 +208,32 @@ class EngineCore:
         schedule_s = time.perf_counter() - start
         if sched.is_empty:
             return StepOutput(
-                outputs=(), num_batched_tokens=0, num_seqs=0, preempted=sched.preempted,
-                schedule_s=schedule_s, total_s=time.perf_counter() - start,
+                outputs=(),
+                num_batched_tokens=0,
+                num_seqs=0,
+                preempted=sched.preempted,
+                schedule_s=schedule_s,
+                total_s=time.perf_counter() - start,
             )
         ran = self.runner.execute(sched)
-        finished = {r.request_id: r for r in self.scheduler.update_from_output(sched, ran.sampled)}
+        finished = {
+            r.request_id: r
+            for r in self.scheduler.update_from_output(sched, ran.sampled)
+        }
         self.steps += 1
         outputs = []
         for rid, token in ran.sampled.items():
             fin = finished.get(rid)
             lp = ran.logprobs.get(rid)
-            outputs.append(RequestStepOutput(
-                request_id=rid,
-                new_token_ids=(token,),
-                logprobs=None if lp is None else (lp,),
-                finish_reason=None if fin is None else fin.finish_reason,
-                stop_reason=None if fin is None else fin.stop_reason,
-            ))
+            outputs.append(
+                RequestStepOutput(
+                    request_id=rid,
+                    new_token_ids=(token,),
+                    logprobs=None if lp is None else (lp,),
+                    finish_reason=None if fin is None else fin.finish_reason,
+                    stop_reason=None if fin is None else fin.stop_reason,
+                )
+            )
         return StepOutput(
             outputs=tuple(outputs),
             num_batched_tokens=sched.num_batched_tokens,
@@ -230,4 +246,6 @@ class EngineCore:
         )
 
     def statistics(self) -> EngineCoreStatistics:
-        return EngineCoreStatistics(self.scheduler.statistics(), self.max_model_len, self.steps)
+        return EngineCoreStatistics(
+            self.scheduler.statistics(), self.max_model_len, self.steps
+        )

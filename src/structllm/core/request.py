@@ -48,7 +48,8 @@ class Request:
     sequence_number: int
     #: the most tokens this request may generate (max_tokens capped by context)
     max_new_tokens: int
-    generator: np.random.Generator | None
+    #: the request's own random stream (seeded from params.seed if given)
+    generator: np.random.Generator
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = attrs.Factory(list)
     #: tokens whose K/V are in the cache (prefix of prompt + outputs)

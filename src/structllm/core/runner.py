@@ -82,7 +82,10 @@ class ModelRunner:
                 for r in sampling
             ],
         )
-        sampled = {r.request_id: int(tok) for r, tok in zip(sampling, out.token_ids, strict=True)}
+        sampled = {
+            r.request_id: int(tok)
+            for r, tok in zip(sampling, out.token_ids, strict=True)
+        }
         logprobs = {
             r.request_id: lp
             for r, lp in zip(sampling, out.logprobs, strict=True)

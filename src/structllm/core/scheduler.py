@@ -49,7 +49,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
 
     def __attrs_post_init__(self) -> None:
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if (
+            not self.enable_chunked_prefill
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}) without chunked prefill"
@@ -122,7 +125,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_pending_tokens, budget)
-            need = self.pool.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)
+            need = self.pool.blocks_for(req.num_computed_tokens + n) - len(
+                req.block_ids
+            )
             while need > self.pool.num_free:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -133,7 +138,9 @@ class Scheduler:
                 break
             req.block_ids += self.pool.allocate(need)
             chunks.append(
-                ScheduledChunk(req, req.num_computed_tokens, n, n == req.num_pending_tokens)
+                ScheduledChunk(
+                    req, req.num_computed_tokens, n, n == req.num_pending_tokens
+                )
             )
             budget -= n
             i += 1
@@ -194,7 +201,9 @@ class Scheduler:
         return SchedulerStatistics(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            num_preempted=sum(r.status is RequestStatus.PREEMPTED for r in self.waiting),
+            num_preempted=sum(
+                r.status is RequestStatus.PREEMPTED for r in self.waiting
+            ),
             total_preemptions=self.total_preemptions,
             blocks=self.pool.statistics(),
         )
@@ -209,7 +218,9 @@ class Scheduler:
         self.total_preemptions += 1
         bisect.insort(self.waiting, req, key=_key)
 
-    def _finish(self, req: Request, reason: FinishReason, stop_reason: int | str | None) -> None:
+    def _finish(
+        self, req: Request, reason: FinishReason, stop_reason: int | str | None
+    ) -> None:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
         else:

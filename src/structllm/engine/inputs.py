@@ -51,14 +51,17 @@ def is_batch(prompts: object) -> bool:
 
 def _text(value: object) -> str:
     if not isinstance(value, str):
-        raise InvalidRequestError(f"prompt must be a string, got {value!r:.60}", field="prompt")
+        raise InvalidRequestError(
+            f"prompt must be a string, got {value!r:.60}", field="prompt"
+        )
     return value
 
 
 def _token_ids(value: object) -> tuple[int, ...]:
     if isinstance(value, str | bytes) or not isinstance(value, Sequence):
         raise InvalidRequestError(
-            f"prompt token ids must be a list of integers, got {value!r:.60}", field="prompt"
+            f"prompt token ids must be a list of integers, got {value!r:.60}",
+            field="prompt",
         )
     for t in value:
         if isinstance(t, bool) or not isinstance(t, int):

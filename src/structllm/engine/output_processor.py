@@ -125,7 +125,9 @@ class RequestState:
         piece = self.tokenizer.id_to_piece
         d = {
             t: Logprob(v, rank, piece(t))
-            for rank, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs, strict=True), 1)
+            for rank, (t, v) in enumerate(
+                zip(lp.top_ids, lp.top_logprobs, strict=True), 1
+            )
         }
         d[token] = Logprob(lp.sampled_logprob, lp.sampled_rank, piece(token))
         return d

@@ -44,7 +44,9 @@ class SequenceSlice:
     block_table: Sequence[int]
 
 
-def slots_for(block_table: Sequence[int], start: int, stop: int, block_size: int) -> np.ndarray:
+def slots_for(
+    block_table: Sequence[int], start: int, stop: int, block_size: int
+) -> np.ndarray:
     """Slots of positions ``start..stop-1`` under ``block_table``."""
     pos = np.arange(start, stop, dtype=np.int64)
     table = np.asarray(block_table, dtype=np.int64)
@@ -74,7 +76,9 @@ class AttentionMetadata:
 class PortableAttention:
     """Paged attention from gathers and batched matmuls."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+    ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -95,7 +99,9 @@ class PortableAttention:
             slot_parts.append(
                 slots_for(s.block_table, s.context_len, s.context_len + s.query_len, bs)
             )
-        slot_mapping = np.concatenate(slot_parts) if slot_parts else np.zeros(0, np.int64)
+        slot_mapping = (
+            np.concatenate(slot_parts) if slot_parts else np.zeros(0, np.int64)
+        )
 
         decode_slots = decode_mask = None
         if num_decodes:

@@ -45,10 +45,14 @@ def write_random_checkpoint(
     for group, file in zip(groups, files, strict=True):
         _save({n: tensors[n] for n in group}, directory / file, dtype)
     if shards > 1:
-        weight_map = {n: f for group, f in zip(groups, files, strict=True) for n in group}
+        weight_map = {
+            n: f for group, f in zip(groups, files, strict=True) for n in group
+        }
         total = sum(t.size * (4 if dtype == "float32" else 2) for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        (directory / "model.safetensors.index.json").write_text(
+            json.dumps(index, indent=2)
+        )
 
 
 def _save(tensors: dict[str, np.ndarray], file: Path, dtype: str) -> None:

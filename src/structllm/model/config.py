@@ -45,7 +45,9 @@ class RopeScaling:
             )
         kw: dict[str, Any] = {"rope_type": rope_type, "factor": float(d["factor"])}
         for name in (
-            "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
         ):
             if name in d:
                 kw[name] = d[name]
@@ -150,16 +152,22 @@ class ModelConfig:
                 sliding_window=int(window) if window else None,
                 bos_token_id=d.get("bos_token_id"),
                 eos_token_ids=eos_ids,
-                checkpoint_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+                checkpoint_dtype=str(
+                    d.get("torch_dtype") or d.get("dtype") or "float32"
+                ),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise ModelLoadError(f"config.json is missing or has a bad field: {exc!r}") from exc
+            raise ModelLoadError(
+                f"config.json is missing or has a bad field: {exc!r}"
+            ) from exc
 
     @classmethod
     def from_directory(cls, path: Path) -> ModelConfig:
         file = path / "config.json"
         if not file.is_file():
-            raise ModelLoadError(f"{file} not found: a model directory needs config.json")
+            raise ModelLoadError(
+                f"{file} not found: a model directory needs config.json"
+            )
         try:
             data = json.loads(file.read_text())
         except (OSError, json.JSONDecodeError) as exc:
@@ -185,7 +193,8 @@ class ModelConfig:
             "hidden_act": "silu",
             "torch_dtype": self.checkpoint_dtype,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1
+            "eos_token_id": list(self.eos_token_ids)
+            if len(self.eos_token_ids) != 1
             else self.eos_token_ids[0],
         }
         if self.model_type == "llama":

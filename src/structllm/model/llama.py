@@ -62,33 +62,55 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     )
     blended = (1 - smooth) * inv / sc.factor + smooth * inv
     return np.where(
-        wavelen > low_wavelen, inv / sc.factor, np.where(wavelen < high_wavelen, inv, blended)
+        wavelen > low_wavelen,
+        inv / sc.factor,
+        np.where(wavelen < high_wavelen, inv, blended),
     )
 
 
 class LlamaForCausalLM:
     """The decoder plus its LM head; one call computes a whole step."""
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, *, block_size: int,
-                 max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        *,
+        block_size: int,
+        max_model_len: int,
+    ) -> None:
         self.config = config
         self.weights = weights
         self.dtype = weights.embed.dtype
         self.attention = PortableAttention(
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
             block_size,
         )
         # cos/sin for every position, float32: (max_model_len, head_dim / 2)
-        freqs = np.outer(np.arange(max_model_len, dtype=np.float64), rope_inv_freq(config))
+        freqs = np.outer(
+            np.arange(max_model_len, dtype=np.float64), rope_inv_freq(config)
+        )
         self._cos = paddle.to_tensor(np.cos(freqs).astype(np.float32))
         self._sin = paddle.to_tensor(np.sin(freqs).astype(np.float32))
 
-    def allocate_kv_cache(self, num_blocks: int) -> list[tuple[paddle.Tensor, paddle.Tensor]]:
+    def allocate_kv_cache(
+        self, num_blocks: int
+    ) -> list[tuple[paddle.Tensor, paddle.Tensor]]:
         """Per layer K and V, ``(num_blocks, block_size, kv_heads, head_dim)``."""
         c = self.config
-        shape = [num_blocks, self.attention.block_size, c.num_key_value_heads, c.head_dim]
+        shape = [
+            num_blocks,
+            self.attention.block_size,
+            c.num_key_value_heads,
+            c.head_dim,
+        ]
         return [
-            (paddle.zeros(shape, dtype=self.dtype), paddle.zeros(shape, dtype=self.dtype))
+            (
+                paddle.zeros(shape, dtype=self.dtype),
+                paddle.zeros(shape, dtype=self.dtype),
+            )
             for _ in range(c.num_hidden_layers)
         ]
 
@@ -123,14 +145,19 @@ class LlamaForCausalLM:
             v = qkv[:, c.q_size + c.kv_size :].reshape([t, kvh, d])
             k_cache, v_cache = kv_caches[i]
             attn = self.attention.forward(
-                q, k, v,
-                k_cache.reshape([-1, kvh, d]), v_cache.reshape([-1, kvh, d]),
+                q,
+                k,
+                v,
+                k_cache.reshape([-1, kvh, d]),
+                v_cache.reshape([-1, kvh, d]),
                 meta,
             )  # (T, nh * d)
             x = residual + paddle.matmul(attn, layer.o)
             residual = x
             h = _rms_norm(x, layer.post_attention_norm, c.rms_norm_eps)
-            x = residual + paddle.matmul(_swiglu(paddle.matmul(h, layer.gate_up)), layer.down)
+            x = residual + paddle.matmul(
+                _swiglu(paddle.matmul(h, layer.gate_up)), layer.down
+            )
             residual = x
         return _rms_norm(x, w.norm, c.rms_norm_eps)
 
@@ -140,7 +167,9 @@ class LlamaForCausalLM:
             logits = paddle.matmul(hidden, w.embed, transpose_y=True)
         else:
             logits = paddle.matmul(hidden, w.lm_head)
-        return logits.astype(paddle.float32) if logits.dtype != paddle.float32 else logits
+        return (
+            logits.astype(paddle.float32) if logits.dtype != paddle.float32 else logits
+        )
 
 
 def _rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
@@ -152,7 +181,9 @@ def _rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Ten
     return xf.astype(x.dtype) * weight
 
 
-def _apply_rope(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
+def _apply_rope(
+    x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor
+) -> paddle.Tensor:
     """Rotate halves (HF layout): x = [x1 | x2] -> [x1 c - x2 s | x2 c + x1 s]."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]

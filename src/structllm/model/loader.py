@@ -28,8 +28,8 @@ __all__ = [
     "TINY",
     "LoadProgress",
     "LoadedModel",
-    "hf_tensor_shapes",
     "build_model",
+    "hf_tensor_shapes",
     "load_model",
     "random_hf_tensors",
     "resolve_dtype",
@@ -62,7 +62,9 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint must hold, HF names and ``(out, in)`` shapes."""
     c = config
     h, i = c.hidden_size, c.intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab_size, h)
+    }
     for n in range(c.num_hidden_layers):
         p = f"model.layers.{n}."
         shapes[p + "input_layernorm.weight"] = (h,)
@@ -84,7 +86,9 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def random_hf_tensors(config: ModelConfig, seed: int = 0) -> Iterator[tuple[str, np.ndarray]]:
+def random_hf_tensors(
+    config: ModelConfig, seed: int = 0
+) -> Iterator[tuple[str, np.ndarray]]:
     """Random float32 weights in HF layout, deterministic in ``seed``.
 
     Scaled so that attention and MLP outputs outweigh the token embedding in
@@ -112,9 +116,15 @@ def resolve_dtype(dtype: str, config: ModelConfig) -> str:
     """The compute dtype for ``dtype`` ("auto" = float32 on CPU, else the checkpoint's)."""
     on_cpu = not paddle.is_compiled_with_cuda() or paddle.get_device() == "cpu"
     if dtype == "auto":
-        return "float32" if on_cpu else config.checkpoint_dtype.replace("float64", "float32")
+        return (
+            "float32"
+            if on_cpu
+            else config.checkpoint_dtype.replace("float64", "float32")
+        )
     if dtype not in ("float32", "bfloat16", "float16"):
-        raise ModelLoadError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+        raise ModelLoadError(
+            f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}"
+        )
     if on_cpu and dtype != "float32":
         raise ModelLoadError(
             f"dtype {dtype} needs a GPU: Paddle has no CPU {dtype} matmul kernel; "
@@ -163,9 +173,14 @@ def load_model(
             tensors[name] = tensor
             report(n)
     else:
-        raise ModelLoadError(f"load_format must be auto, safetensors or dummy, got {load_format!r}")
+        raise ModelLoadError(
+            f"load_format must be auto, safetensors or dummy, got {load_format!r}"
+        )
     llm = build_model(
-        config, tensors, dtype=compute_dtype, block_size=block_size,
+        config,
+        tensors,
+        dtype=compute_dtype,
+        block_size=block_size,
         max_model_len=max_model_len,
     )
     return LoadedModel(config=config, model=llm, path=path)
@@ -187,7 +202,9 @@ def build_model(
     weights = _fuse(config, t, dtype)
     limit = config.max_position_embeddings
     max_len = min(max_model_len or limit, limit)
-    return LlamaForCausalLM(config, weights, block_size=block_size, max_model_len=max_len)
+    return LlamaForCausalLM(
+        config, weights, block_size=block_size, max_model_len=max_len
+    )
 
 
 def _checkpoint_files(path: Path) -> dict[str, Path]:
@@ -197,7 +214,9 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
         try:
             weight_map: Mapping[str, str] = json.loads(index.read_text())["weight_map"]
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise ModelLoadError(f"{index} is not a valid safetensors index: {exc!r}") from exc
+            raise ModelLoadError(
+                f"{index} is not a valid safetensors index: {exc!r}"
+            ) from exc
         files = {name: path / f for name, f in weight_map.items()}
         for f in sorted(set(files.values())):
             if not f.is_file():
@@ -214,7 +233,9 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
             with safe_open(str(f), framework="numpy") as st:
                 files.update(dict.fromkeys(st.keys(), f))
         except Exception as exc:  # safetensors raises several types
-            raise ModelLoadError(f"{f} is not a readable safetensors file: {exc}") from exc
+            raise ModelLoadError(
+                f"{f} is not a readable safetensors file: {exc}"
+            ) from exc
     return files
 
 
@@ -257,7 +278,11 @@ def _fuse(config: ModelConfig, t: dict[str, paddle.Tensor], dtype: str) -> Model
 
     def linear(*names: str) -> paddle.Tensor:
         # HF Linear weights are (out, in); concatenate along out, store (in, out)
-        w = paddle.concat([t.pop(n) for n in names], axis=0) if len(names) > 1 else t.pop(names[0])
+        w = (
+            paddle.concat([t.pop(n) for n in names], axis=0)
+            if len(names) > 1
+            else t.pop(names[0])
+        )
         return cast(w).transpose([1, 0]).contiguous()
 
     layers = []
@@ -266,18 +291,28 @@ def _fuse(config: ModelConfig, t: dict[str, paddle.Tensor], dtype: str) -> Model
         a, m = p + "self_attn.", p + "mlp."
         bias = None
         if config.qkv_bias:
-            bias = cast(paddle.concat(
-                [t.pop(a + "q_proj.bias"), t.pop(a + "k_proj.bias"), t.pop(a + "v_proj.bias")]
-            ))
-        layers.append(DecoderLayerWeights(
-            input_norm=cast(t.pop(p + "input_layernorm.weight")),
-            qkv=linear(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-            qkv_bias=bias,
-            o=linear(a + "o_proj.weight"),
-            post_attention_norm=cast(t.pop(p + "post_attention_layernorm.weight")),
-            gate_up=linear(m + "gate_proj.weight", m + "up_proj.weight"),
-            down=linear(m + "down_proj.weight"),
-        ))
+            bias = cast(
+                paddle.concat(
+                    [
+                        t.pop(a + "q_proj.bias"),
+                        t.pop(a + "k_proj.bias"),
+                        t.pop(a + "v_proj.bias"),
+                    ]
+                )
+            )
+        layers.append(
+            DecoderLayerWeights(
+                input_norm=cast(t.pop(p + "input_layernorm.weight")),
+                qkv=linear(
+                    a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"
+                ),
+                qkv_bias=bias,
+                o=linear(a + "o_proj.weight"),
+                post_attention_norm=cast(t.pop(p + "post_attention_layernorm.weight")),
+                gate_up=linear(m + "gate_proj.weight", m + "up_proj.weight"),
+                down=linear(m + "down_proj.weight"),
+            )
+        )
     return ModelWeights(
         embed=cast(t.pop("model.embed_tokens.weight")),
         layers=layers,

@@ -1,0 +1,51 @@
+"""Developer sessions; CI runs ``.ci/run`` which calls the ``tests`` session's command."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests", "lint", "typecheck"]
+nox.options.default_venv_backend = "venv"
+
+PYTHON = "3.11"
+
+
+def _install(session: nox.Session, *extras: str) -> None:
+    session.install("-e", f".[{','.join(('cpu', 'test', *extras))}]")
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """The test suite (CPU, tiny random models, no downloads)."""
+    _install(session)
+    session.run("pytest", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", "src", "tests", "noxfile.py")
+    session.run("ruff", "format", "--check", "src", "tests", "noxfile.py")
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    _install(session)
+    session.install("mypy")
+    session.run("mypy", "src")
+
+
+@nox.session(python=PYTHON)
+def parity(session: nox.Session) -> None:
+    """Greedy tokens equal transformers' on tiny Llama / Qwen2 / Mistral checkpoints."""
+    _install(session)
+    session.install("torch==2.13.0", "transformers")
+    session.run(
+        "pytest",
+        "-p",
+        "no:randomly",
+        "parity/test_parity.py",
+        "-v",
+        "-s",
+        *session.posargs,
+    )

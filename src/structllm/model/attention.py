@@ -1,7 +1,9 @@
-"""Attention over a paged KV cache, portable (plain Paddle ops, any device).
+"""Attention over a paged KV cache, portable (Paddle ops plus numpy on CPU).
 
 The KV cache of one layer is a K and a V tensor of shape
-``(num_blocks, block_size, num_kv_heads, head_dim)``. A token's *slot* is
+``(num_kv_heads, num_blocks * block_size, head_dim)``: head-major, so that
+gathering a batch's slots yields ``(kv_heads, tokens, head_dim)`` ready for a
+batched matmul, with no transpose of the big tensor. A token's *slot* is
 ``block_id * block_size + offset``; a sequence's *block table* lists its
 blocks in order, so position ``p`` lives in slot
 ``table[p // block_size] * block_size + p % block_size``.
@@ -13,6 +15,9 @@ come first: they are attended as one padded batch. Each longer chunk
 (prefill) is attended on its own, against its cached prefix plus itself.
 
 Paddle has no paged or varlen attention kernel for CPU, hence this backend.
+On CPU, the cache's slot writes and gathers go through zero-copy numpy views
+(DLPack): ``np.take`` was 10-15x faster than ``paddle.gather`` or tensor
+indexing for these shapes (docs/benchmarks.md). Elsewhere Paddle ops do it.
 Known trap avoided: ``scaled_dot_product_attention(is_causal=True)`` aligns
 the causal mask top-left, which is wrong whenever a query sits after cached
 keys; the masks here are built explicitly, bottom-right aligned.
@@ -57,8 +62,8 @@ def slots_for(
 class _Prefill:
     start: int  # first row of this sequence in the flattened batch
     stop: int
-    kv_slots: paddle.Tensor  # (L,) int64, L = context_len + query_len
-    mask: paddle.Tensor | None  # (1, q, 1, L) additive, None when q == L == 1
+    kv_slots: np.ndarray  # (L,) int64, L = context_len + query_len
+    mask: paddle.Tensor  # (1, q, 1, L) additive
 
 
 @attrs.frozen
@@ -66,10 +71,11 @@ class AttentionMetadata:
     """Everything attention needs for one step, shared by all layers."""
 
     num_tokens: int
-    slot_mapping: paddle.Tensor  # (T,) int64: where each new token's K/V goes
+    slot_mapping: np.ndarray  # (T,) int64: where each new token's K/V goes
     num_decodes: int  # rows 0..num_decodes-1 are one-token sequences
-    decode_slots: paddle.Tensor | None  # (B, K) int64, padded with slot 0
-    decode_mask: paddle.Tensor | None  # (B, 1, 1, K) additive
+    decode_slots: np.ndarray | None  # (B * K,) int64, padded with slot 0
+    decode_width: int  # K: the longest decode context
+    decode_mask: paddle.Tensor | None  # (1, B, 1, K) additive
     prefills: tuple[_Prefill, ...]
 
 
@@ -104,6 +110,7 @@ class PortableAttention:
         )
 
         decode_slots = decode_mask = None
+        width = 0
         if num_decodes:
             lens = np.array([s.context_len + 1 for s in seqs[:num_decodes]])
             width = int(lens.max())
@@ -112,8 +119,8 @@ class PortableAttention:
                 slots[i, : lens[i]] = slots_for(s.block_table, 0, lens[i], bs)
             valid = np.arange(width)[None, :] < lens[:, None]  # (B, K)
             mask = np.where(valid, 0.0, _NEG_INF).astype(np.float32)
-            decode_slots = paddle.to_tensor(slots)
-            decode_mask = paddle.to_tensor(mask[:, None, None, :])
+            decode_slots = slots.reshape(-1)
+            decode_mask = paddle.to_tensor(mask[None, :, None, :])
 
         prefills = []
         row = num_decodes
@@ -128,46 +135,56 @@ class PortableAttention:
                 _Prefill(
                     start=row,
                     stop=row + s.query_len,
-                    kv_slots=paddle.to_tensor(kv),
+                    kv_slots=kv,
                     mask=paddle.to_tensor(mask[None, :, None, :]),
                 )
             )
             row += s.query_len
         return AttentionMetadata(
             num_tokens=row,
-            slot_mapping=paddle.to_tensor(slot_mapping),
+            slot_mapping=slot_mapping,
             num_decodes=num_decodes,
             decode_slots=decode_slots,
+            decode_width=width,
             decode_mask=decode_mask,
             prefills=tuple(prefills),
         )
+
+    def allocate(self, num_blocks: int, dtype: str) -> paddle.Tensor:
+        """One layer's K (or V) cache: ``(kv_heads, num_blocks * block_size, d)``."""
+        shape = [self.num_kv_heads, num_blocks * self.block_size, self.head_dim]
+        return paddle.zeros(shape, dtype=dtype)
 
     def forward(
         self,
         q: paddle.Tensor,  # (T, num_heads, head_dim)
         k: paddle.Tensor,  # (T, num_kv_heads, head_dim)
         v: paddle.Tensor,  # (T, num_kv_heads, head_dim)
-        k_cache: paddle.Tensor,  # (num_blocks * block_size, num_kv_heads, head_dim)
+        k_cache: paddle.Tensor,  # (num_kv_heads, num_slots, head_dim)
         v_cache: paddle.Tensor,
         meta: AttentionMetadata,
     ) -> paddle.Tensor:  # (T, num_heads * head_dim)
-        k_cache.scatter_(meta.slot_mapping, k, overwrite=True)
-        v_cache.scatter_(meta.slot_mapping, v, overwrite=True)
         kvh, g, d = self.num_kv_heads, self.group, self.head_dim
+        cache = _SlotIO(k_cache, v_cache)
+        cache.write(meta.slot_mapping, k, v)
         outs = []
         if meta.num_decodes:
-            b = meta.num_decodes
-            qd = q[:b].reshape([b, kvh, g, d])  # (B, kvh, g, d)
-            kd = k_cache[meta.decode_slots].transpose([0, 2, 3, 1])  # (B, kvh, d, K)
-            vd = v_cache[meta.decode_slots].transpose([0, 2, 1, 3])  # (B, kvh, K, d)
-            out = self._attend(qd, kd, vd, meta.decode_mask)  # (B, kvh, g, d)
-            outs.append(out.reshape([b, kvh * g * d]))
+            b, width = meta.num_decodes, meta.decode_width
+            assert meta.decode_slots is not None
+            kd, vd = cache.gather(meta.decode_slots)  # (kvh, B * K, d)
+            qd = q[:b].reshape([b, kvh, g, d]).transpose([1, 0, 2, 3])  # (kvh, B, g, d)
+            out = self._attend(
+                qd,
+                kd.reshape([kvh, b, width, d]),
+                vd.reshape([kvh, b, width, d]),
+                meta.decode_mask,
+            )  # (kvh, B, g, d)
+            outs.append(out.transpose([1, 0, 2, 3]).reshape([b, kvh * g * d]))
         for p in meta.prefills:
             n = p.stop - p.start
+            kp, vp = cache.gather(p.kv_slots)  # (kvh, L, d)
             qp = q[p.start : p.stop].reshape([n, kvh, g, d]).transpose([1, 0, 2, 3])
-            kp = k_cache[p.kv_slots].transpose([1, 2, 0])  # (kvh, d, L)
-            vp = v_cache[p.kv_slots].transpose([1, 0, 2])  # (kvh, L, d)
-            # (kvh, q, g, d) @ (kvh, 1, d, L) -> (kvh, q, g, L)
+            # (kvh, q, g, d) @ (kvh, 1, L, d)^T -> (kvh, q, g, L)
             out = self._attend(qp, kp.unsqueeze(1), vp.unsqueeze(1), p.mask)
             outs.append(out.transpose([1, 0, 2, 3]).reshape([n, kvh * g * d]))
         return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
@@ -175,14 +192,52 @@ class PortableAttention:
     def _attend(
         self,
         q: paddle.Tensor,
-        k_t: paddle.Tensor,
+        k: paddle.Tensor,
         v: paddle.Tensor,
         mask: paddle.Tensor | None,
     ) -> paddle.Tensor:
-        scores = paddle.matmul(q, k_t) * self.scale
+        scores = paddle.matmul(q, k, transpose_y=True) * self.scale
         if scores.dtype != paddle.float32:
             scores = scores.astype(paddle.float32)
         if mask is not None:
             scores = scores + mask
         probs = paddle.nn.functional.softmax(scores, axis=-1).astype(v.dtype)
         return paddle.matmul(probs, v)
+
+
+class _SlotIO:
+    """Writes and gathers cache slots; numpy views on CPU, Paddle ops elsewhere."""
+
+    def __init__(self, k_cache: paddle.Tensor, v_cache: paddle.Tensor) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.host = k_cache.place.is_cpu_place() and k_cache.dtype == paddle.float32
+
+    def write(self, slots: np.ndarray, k: paddle.Tensor, v: paddle.Tensor) -> None:
+        if self.host:
+            for cache, new in ((self.k_cache, k), (self.v_cache, v)):
+                # (T, kvh, d) -> slots of (kvh, S, d), in place through views
+                np.from_dlpack(cache)[:, slots, :] = np.from_dlpack(
+                    new.contiguous()
+                ).transpose(1, 0, 2)
+            return
+        index = paddle.to_tensor(slots)
+        for cache, new in ((self.k_cache, k), (self.v_cache, v)):
+            flat = cache.transpose([1, 0, 2])
+            updated = paddle.scatter(flat, index, new, overwrite=True)
+            paddle.assign(updated.transpose([1, 0, 2]), cache)
+
+    def gather(self, slots: np.ndarray) -> tuple[paddle.Tensor, paddle.Tensor]:
+        if self.host:
+            return (
+                paddle.from_dlpack(
+                    np.take(np.from_dlpack(self.k_cache), slots, axis=1)
+                ),
+                paddle.from_dlpack(
+                    np.take(np.from_dlpack(self.v_cache), slots, axis=1)
+                ),
+            )
+        index = paddle.to_tensor(slots)
+        return (
+            paddle.gather(self.k_cache, index, axis=1),
+            paddle.gather(self.v_cache, index, axis=1),
+        )

@@ -98,20 +98,11 @@ class LlamaForCausalLM:
     def allocate_kv_cache(
         self, num_blocks: int
     ) -> list[tuple[paddle.Tensor, paddle.Tensor]]:
-        """Per layer K and V, ``(num_blocks, block_size, kv_heads, head_dim)``."""
-        c = self.config
-        shape = [
-            num_blocks,
-            self.attention.block_size,
-            c.num_key_value_heads,
-            c.head_dim,
-        ]
+        """Per layer K and V, ``(kv_heads, num_blocks * block_size, head_dim)``."""
+        a = self.attention
         return [
-            (
-                paddle.zeros(shape, dtype=self.dtype),
-                paddle.zeros(shape, dtype=self.dtype),
-            )
-            for _ in range(c.num_hidden_layers)
+            (a.allocate(num_blocks, self.dtype), a.allocate(num_blocks, self.dtype))
+            for _ in range(self.config.num_hidden_layers)
         ]
 
     def kv_cache_bytes_per_block(self) -> int:
@@ -145,12 +136,7 @@ class LlamaForCausalLM:
             v = qkv[:, c.q_size + c.kv_size :].reshape([t, kvh, d])
             k_cache, v_cache = kv_caches[i]
             attn = self.attention.forward(
-                q,
-                k,
-                v,
-                k_cache.reshape([-1, kvh, d]),
-                v_cache.reshape([-1, kvh, d]),
-                meta,
+                q, k, v, k_cache, v_cache, meta
             )  # (T, nh * d)
             x = residual + paddle.matmul(attn, layer.o)
             residual = x

@@ -1,0 +1,232 @@
+"""The engine-core worker: ``python -m structllm.engine.worker --fd N``.
+
+Runs an :class:`EngineCore` behind a socket (inherited as file descriptor N,
+or one end of a socketpair when run in a thread by the inline executor).
+Synchronous by design: it waits in ``select`` when idle (waking only to send
+a heartbeat) and steps the core back to back while there is work, reading
+new requests and aborts between steps, so an abort frees its blocks within
+one step.
+
+The worker exits when told to (Shutdown), when the socket closes (the front
+end went away), or when its parent process dies (``PR_SET_PDEATHSIG`` on
+Linux). It starts as a fresh interpreter and ignores SIGINT: Ctrl-C is the
+front end's to handle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import signal
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+from structllm.engine.protocol import (
+    AbortRequests,
+    AddFailed,
+    AddRequest,
+    Fatal,
+    FrameReader,
+    Heartbeat,
+    LoadProgressMsg,
+    Message,
+    Ready,
+    Shutdown,
+    Start,
+    StepResult,
+    WireOutput,
+    encode,
+)
+
+__all__ = ["main", "serve"]
+
+
+class _Closed(Exception):
+    pass
+
+
+def serve(sock: socket.socket) -> int:
+    """Run the protocol on ``sock`` until shutdown or EOF; return an exit code."""
+    reader = FrameReader()
+    send_lock_free = sock.sendall
+
+    def send(msg: Message) -> None:
+        send_lock_free(encode(msg))
+
+    def receive(timeout: float | None) -> list[Message] | None:
+        """Messages available within ``timeout`` (None: wait); None on timeout."""
+        ready, _, _ = select.select([sock], [], [], timeout)
+        if not ready:
+            return None
+        data = sock.recv(1 << 20)
+        if not data:
+            raise _Closed
+        return reader.feed(data)
+
+    try:
+        first: list[Message] = []
+        while not first:
+            first = receive(None) or []
+        start = first.pop(0)
+        if not isinstance(start, Start):
+            raise RuntimeError(f"expected Start, got {type(start).__name__}")
+        core = _load(start, send)
+        if core is None:
+            return 1
+        return _loop(core, start, first, receive, send)
+    except (_Closed, BrokenPipeError, ConnectionResetError):
+        return 0
+
+
+def _load(start: Start, send: Callable[[Message], None]):  # type: ignore[no-untyped-def]
+    from structllm.core.engine_core import EngineConfig, EngineCore
+
+    try:
+        core = EngineCore(
+            EngineConfig(**start.config),
+            on_progress=lambda e: send(LoadProgressMsg(e.stage, e.done, e.total)),
+        )
+    except Exception as exc:
+        send(
+            Fatal(
+                type(exc).__name__, str(exc), traceback.format_exc(), during_load=True
+            )
+        )
+        return None
+    send(
+        Ready(
+            vocab_size=core.vocab_size,
+            max_model_len=core.max_model_len,
+            num_blocks=core.pool.num_blocks,
+            block_size=core.pool.block_size,
+            eos_token_ids=list(core.model_config.eos_token_ids),
+            pid=os.getpid(),
+        )
+    )
+    return core
+
+
+def _loop(core, start: Start, backlog: list[Message], receive, send) -> int:  # type: ignore[no-untyped-def]
+    from structllm.core.request import CoreRequest
+    from structllm.errors import InvalidRequestError
+    from structllm.params import SamplingParams
+
+    fault_kind, _, fault_step = (start.fault or "").partition(":")
+    steps = 0
+    pending: list[Message] = list(backlog)
+    while True:
+        busy = core.has_unfinished_requests()
+        if not pending or busy:
+            got = receive(0.0 if busy else start.heartbeat_interval)
+            if got is None and not busy:
+                s = core.scheduler
+                send(Heartbeat(len(s.running), len(s.waiting), core.pool.num_used))
+                continue
+            pending += got or []
+        for msg in pending:
+            if isinstance(msg, AddRequest):
+                try:
+                    core.add_request(
+                        CoreRequest(
+                            request_id=msg.request_id,
+                            prompt_token_ids=tuple(msg.prompt_token_ids),
+                            params=SamplingParams(**msg.params),
+                            eos_token_ids=frozenset(msg.eos_token_ids),
+                            priority=msg.priority,
+                        )
+                    )
+                except InvalidRequestError as exc:
+                    send(AddFailed(msg.request_id, str(exc), exc.field))
+            elif isinstance(msg, AbortRequests):
+                core.abort_requests(msg.request_ids)
+            elif isinstance(msg, Shutdown):
+                return 0
+        pending = []
+        if not core.has_unfinished_requests():
+            continue
+        if fault_kind and steps == int(fault_step):
+            _inject(fault_kind, steps)
+        try:
+            out = core.step()
+        except Exception as exc:
+            send(Fatal(type(exc).__name__, str(exc), traceback.format_exc()))
+            return 1
+        steps += 1
+        stats = core.scheduler
+        send(
+            StepResult(
+                outputs=[
+                    WireOutput(
+                        o.request_id,
+                        list(o.new_token_ids),
+                        o.finish_reason,
+                        o.stop_reason,
+                        None
+                        if o.logprobs is None
+                        else [
+                            (
+                                lp.sampled_logprob,
+                                lp.sampled_rank,
+                                list(lp.top_ids),
+                                list(lp.top_logprobs),
+                            )
+                            for lp in o.logprobs
+                        ],
+                    )
+                    for o in out.outputs
+                ],
+                num_running=len(stats.running),
+                num_waiting=len(stats.waiting),
+                blocks_used=core.pool.num_used,
+                total_preemptions=stats.total_preemptions,
+                step_s=out.total_s,
+                num_batched_tokens=out.num_batched_tokens,
+            )
+        )
+
+
+def _inject(kind: str, step: int) -> None:
+    """Test hook: fail on purpose at a given step."""
+    if kind == "raise_at_step":
+        raise_at = RuntimeError(f"injected fault at step {step}")
+        raise raise_at
+    if kind == "hang_at_step":
+        while True:  # a wedged kernel: no output, no heartbeat
+            time.sleep(3600)
+    if kind == "exit_at_step":
+        os._exit(3)
+    raise ValueError(f"unknown fault {kind!r}")
+
+
+def _die_with_parent() -> None:
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m structllm.engine.worker")
+    parser.add_argument("--fd", type=int, required=True, help="inherited socket fd")
+    parser.add_argument("--parent-pid", type=int, default=None)
+    ns = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    if ns.parent_pid is not None and os.getppid() != ns.parent_pid:
+        return 0  # the parent died before we could ask to follow it
+    sock = socket.socket(fileno=ns.fd)
+    try:
+        return serve(sock)
+    finally:
+        sock.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

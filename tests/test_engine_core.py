@@ -46,9 +46,9 @@ def _alone(prompt, params=GREEDY) -> list[int]:
 
 def _top2_gap(prompt: tuple[int, ...], generated: list[int], k: int) -> float:
     """Gap between the best two logits where a batched run chose token ``k``."""
+    from structllm.model._paddle import paddle
     from structllm.model.attention import SequenceSlice
     from structllm.model.loader import load_model
-    from structllm.model._paddle import paddle
 
     model = load_model("tiny", block_size=16).model
     ids = list(prompt) + generated[:k]

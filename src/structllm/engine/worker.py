@@ -110,6 +110,24 @@ def _load(start: Start, send: Callable[[Message], None]):  # type: ignore[no-unt
     return core
 
 
+def _warm_up(core, send: Callable[[Message], None]) -> None:  # type: ignore[no-untyped-def]
+    """One short request through every code path (prefill, decode, sampling)."""
+    from structllm.core.request import CoreRequest
+    from structllm.params import SamplingParams
+
+    send(LoadProgressMsg("warmup", 0, 1))
+    core.add_request(
+        CoreRequest(
+            request_id="__warmup__",
+            prompt_token_ids=(0,) * 8,
+            params=SamplingParams(max_tokens=2, temperature=0.7, ignore_eos=True),
+        )
+    )
+    while core.has_unfinished_requests():
+        core.step()
+    send(LoadProgressMsg("warmup", 1, 1))
+
+
 def _loop(core, start: Start, backlog: list[Message], receive, send) -> int:  # type: ignore[no-untyped-def]
     from structllm.core.request import CoreRequest
     from structllm.errors import InvalidRequestError
@@ -147,6 +165,9 @@ def _loop(core, start: Start, backlog: list[Message], receive, send) -> int:  # 
                 return 0
         pending = []
         if not core.has_unfinished_requests():
+            if busy:  # just went idle: report the freed blocks at once
+                s = core.scheduler
+                send(Heartbeat(len(s.running), len(s.waiting), core.pool.num_used))
             continue
         if fault_kind and steps == int(fault_step):
             _inject(fault_kind, steps)

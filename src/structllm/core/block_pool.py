@@ -56,6 +56,8 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free blocks (reference count 1 each), all or none."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
         if n > len(self._free):
             raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
         blocks = [self._free.popleft() for _ in range(n)]
@@ -64,24 +66,41 @@ class BlockPool:
         return blocks
 
     def incref(self, blocks: Iterable[int]) -> None:
-        """Share ``blocks`` with one more owner."""
+        """Share ``blocks`` with one more owner (all or none)."""
+        blocks = list(blocks)
         for b in blocks:
+            self._check_id(b)
             if self._ref_counts[b] <= 0:
                 raise ValueError(f"block {b} is free; cannot share it")
+        for b in blocks:
             self._ref_counts[b] += 1
 
     def free(self, blocks: Iterable[int]) -> None:
-        """Drop one reference to each block; blocks reaching zero become free."""
+        """Drop one reference to each block; blocks reaching zero become free.
+
+        All or none: an invalid list (a free block, a duplicate beyond its
+        reference count, an id out of range) raises and changes nothing.
+        """
+        blocks = list(blocks)
+        drops: dict[int, int] = {}
+        for b in blocks:
+            self._check_id(b)
+            drops[b] = drops.get(b, 0) + 1
+            if drops[b] > self._ref_counts[b]:
+                raise ValueError(f"block {b} freed twice")
         for b in blocks:
             count = self._ref_counts[b]
-            if count <= 0:
-                raise ValueError(f"block {b} freed twice")
             self._ref_counts[b] = count - 1
             if count == 1:
                 self._free.append(b)
 
     def ref_count(self, block: int) -> int:
+        self._check_id(block)
         return self._ref_counts[block]
+
+    def _check_id(self, block: int) -> None:
+        if not 0 <= block < self.num_blocks:
+            raise ValueError(f"block {block} is not in [0, {self.num_blocks})")
 
     def statistics(self) -> BlockPoolStatistics:
         return BlockPoolStatistics(

@@ -169,7 +169,12 @@ class _Live:
         self._event.set()
 
     async def next(self) -> RequestOutput | None:
-        """The next output, or None at the end; raises the request's error."""
+        """The next output, or None at the end; raises the request's error.
+
+        Always a checkpoint (as trio expects of every async call), so a
+        cancelled consumer stops here even when an output is ready.
+        """
+        await anyio.lowlevel.checkpoint()
         while True:
             if self._pending is not None:
                 out, self._pending = self._pending, None
@@ -308,14 +313,26 @@ class AsyncLLM:
     ) -> AsyncIterator[AsyncLLM]:
         tokenizer = load_tokenizer(front.tokenizer or engine.model)
         llm = cls(engine, front, tokenizer)
-        async with anyio.create_task_group() as tg:
-            await tg.start(llm._supervise)
-            try:
-                yield llm
-            finally:
-                with anyio.CancelScope(shield=True):
-                    await llm._shutdown()
-                tg.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(llm._supervise)
+                try:
+                    yield llm
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await llm._shutdown()
+                    tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # Error contract: a startup failure (ModelLoadError, EngineDeadError)
+            # or an exception from the caller's own block comes out unwrapped;
+            # several at once (an internal failure too) stay a group.
+            if len(group.exceptions) == 1 and isinstance(
+                group.exceptions[0], Exception
+            ):
+                exc = group.exceptions[0]
+                exc.__suppress_context__ = True
+                raise exc  # noqa: B904 - the group is only a wrapper here
+            raise
 
     # ------------------------------------------------------------ public API
 
@@ -558,43 +575,47 @@ class AsyncLLM:
         starts = 0
         started = False
         while True:
-            try:
-                async with self._open_worker() as conn:
-                    starts += 1
-                    fault = (
-                        self.config.fault
-                        if starts <= self.config.fault_starts
-                        else None
-                    )
+            cause: BaseException | None = None
+            async with self._open_worker() as conn:
+                starts += 1
+                fault = (
+                    self.config.fault if starts <= self.config.fault_starts else None
+                )
+                try:
                     self._info = await self._handshake(conn, fault)
                     send, receive = anyio.create_memory_object_stream[Message](math.inf)
                     self._outgoing = send
                     self._ready = True
                     self._ready_event.set()
+                    self._stats_updated()
                     if not started:
                         started = True
                         task_status.started()
                     await self._serve(conn, receive)
-                    return  # pragma: no cover - _serve only ends by raising
-            except _WorkerLost as lost:
-                cause = lost.cause
-            except ModelLoadError:
-                if not started:
-                    raise
-                cause = ModelLoadError("the model failed to load on restart")
-            finally:
-                self._ready = False
-                self._ready_event = anyio.Event()
-                if self._outgoing is not None:
-                    self._outgoing.close()
-                    self._outgoing = None
+                except _WorkerLost as lost:
+                    cause = lost.cause
+                except ModelLoadError as exc:
+                    if not started:
+                        raise
+                    cause = exc
+                finally:
+                    self._on_worker_gone()
+                if cause is not None and not self._closing:
+                    # fail requests now, not after the worker is reaped
+                    conn.kill()
+                    if started:
+                        self._fail_all(
+                            functools.partial(
+                                _dead_error, "the engine core died", cause
+                            )
+                        )
+            assert cause is not None
             if self._closing:
                 return
             if not started:
                 raise EngineDeadError(
                     f"the engine core failed to start: {cause}"
                 ) from cause
-            self._fail_all(functools.partial(_dead_error, "the engine core died", cause))
             now = anyio.current_time()
             failures = [t for t in failures if now - t < self.config.restart_window] + [
                 now
@@ -606,9 +627,18 @@ class AsyncLLM:
                     cause,
                 )
                 self._ready_event.set()  # wake waiting submitters: they see _dead
+                self._stats_updated()
                 return
             self._restarts += 1
             await anyio.sleep(self.config.restart_backoff * 2 ** (len(failures) - 1))
+
+    def _on_worker_gone(self) -> None:
+        self._stats_updated()
+        self._ready = False
+        self._ready_event = anyio.Event()
+        if self._outgoing is not None:
+            self._outgoing.close()
+            self._outgoing = None
 
     def _open_worker(self) -> AbstractAsyncContextManager[WorkerConnection]:
         if self.config.executor == "inline":

@@ -10,6 +10,7 @@ which Python cannot kill (use the process executor where that matters).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -45,6 +46,12 @@ class WorkerConnection:
 
     async def send(self, msg: Message) -> None:
         await self.stream.send(encode(msg))
+
+    def kill(self) -> None:
+        """Kill a worker process that died or hung (a thread cannot be killed)."""
+        if self.process is not None and self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
 
 
 @asynccontextmanager

@@ -169,9 +169,9 @@ def _loop(core, start: Start, backlog: list[Message], receive, send) -> int:  # 
                 s = core.scheduler
                 send(Heartbeat(len(s.running), len(s.waiting), core.pool.num_used))
             continue
-        if fault_kind and steps == int(fault_step):
-            _inject(fault_kind, steps)
         try:
+            if fault_kind and steps == int(fault_step):
+                _inject(fault_kind, steps)
             out = core.step()
         except Exception as exc:
             send(Fatal(type(exc).__name__, str(exc), traceback.format_exc()))

@@ -1,0 +1,284 @@
+"""AsyncLLM: streaming, output kinds, cancellation in every form, admission.
+
+Runs on asyncio and trio. Most tests use the inline executor (same protocol
+over a socketpair, no process start-up); test_faults.py covers the process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+from structllm import (
+    EngineOverloadedError,
+    InvalidRequestError,
+    OutputKind,
+    SamplingParams,
+)
+from structllm.core.engine_core import EngineConfig, EngineCore
+from structllm.core.request import CoreRequest
+from structllm.engine.async_llm import AsyncLLM
+
+pytestmark = pytest.mark.anyio
+
+ENGINE = {"max_model_len": 256, "num_blocks": 64, "block_size": 16}
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [
+        rng.integers(0, 256, size=int(k)).tolist() for k in rng.integers(1, 60, size=n)
+    ]
+
+
+def alone(prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
+    """Reference tokens: the engine core run synchronously, one request alone."""
+    core = EngineCore(EngineConfig(model="tiny", **ENGINE))
+    core.add_request(
+        CoreRequest(request_id="x", prompt_token_ids=tuple(prompt), params=params)
+    )
+    out: list[int] = []
+    while core.has_unfinished_requests():
+        for o in core.step().outputs:
+            out += o.new_token_ids
+    return out
+
+
+@contextlib.asynccontextmanager
+async def open_llm(**kw: object) -> AsyncIterator[AsyncLLM]:
+    args = {"executor": "inline", "show_progress": False, **ENGINE, **kw}
+    async with AsyncLLM.open("tiny", **args) as llm:
+        yield llm
+
+
+async def all_blocks_free(llm: AsyncLLM) -> None:
+    with anyio.fail_after(5):
+        stats = await llm.wait_statistics(
+            lambda s: s.blocks_used == 0 and s.running == 0 and s.waiting == 0
+        )
+    assert stats.live_requests == 0
+
+
+async def test_stream_matches_offline_engine() -> None:
+    p = prompts(1)[0]
+    async with open_llm() as llm:
+        async with llm.stream({"prompt_token_ids": p}, GREEDY) as s:
+            outs = [out async for out in s]
+        assert s.finish_reason == "length"
+        assert list(outs[-1].token_ids) == alone(p)
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        await all_blocks_free(llm)
+
+
+async def test_64_concurrent_streams_equal_alone() -> None:
+    ps = prompts(64, seed=1)
+    expected = [alone(p) for p in ps]
+    got: dict[int, list[int]] = {}
+
+    async def one(i: int) -> None:
+        async with llm.stream({"prompt_token_ids": ps[i]}, GREEDY) as s:
+            async for out in s:
+                got[i] = list(out.token_ids)
+
+    async with open_llm(max_num_seqs=64, num_blocks=256) as llm:
+        async with anyio.create_task_group() as tg:
+            for i in range(64):
+                tg.start_soon(one, i)
+        assert [got[i] for i in range(64)] == expected
+        await all_blocks_free(llm)
+
+
+async def test_output_kinds_agree() -> None:
+    p = "The quick brown fox"
+    async with open_llm() as llm:
+        texts = {}
+        for kind in OutputKind:
+            params = SamplingParams(temperature=0, max_tokens=20, output_kind=kind)
+            async with llm.stream(p, params) as s:
+                outs = [o async for o in s]
+            if kind is OutputKind.DELTA:
+                texts[kind] = "".join(o.text for o in outs)
+                ids = [t for o in outs for t in o.token_ids]
+                assert len(ids) == outs[-1].num_generated_tokens
+            else:
+                texts[kind] = outs[-1].text
+            if kind is OutputKind.FINAL:
+                assert len(outs) == 1
+        assert len(set(texts.values())) == 1
+
+
+async def test_complete_and_generate() -> None:
+    p = prompts(1, seed=3)[0]
+    async with open_llm() as llm:
+        out = await llm.complete({"prompt_token_ids": p}, GREEDY)
+        assert list(out.token_ids) == alone(p)
+        async with contextlib.aclosing(
+            llm.generate({"prompt_token_ids": p}, GREEDY)
+        ) as agen:
+            last = None
+            async for last in agen:
+                pass
+        assert last is not None and list(last.token_ids) == alone(p)
+
+
+async def test_leaving_block_early_aborts_and_frees_blocks() -> None:
+    async with open_llm() as llm:
+        params = SamplingParams(
+            temperature=0, max_tokens=200, output_kind=OutputKind.DELTA
+        )
+        async with llm.stream("Hello", params) as s:
+            n = 0
+            async for _ in s:
+                n += 1
+                if n == 3:
+                    break
+        assert s.finish_reason == "abort"
+        await all_blocks_free(llm)
+        # the id is free again and the engine still serves
+        out = await llm.complete("Hello", GREEDY, request_id=s.request_id)
+        assert out.finish_reason == "length"
+
+
+async def test_deadline_during_prefill() -> None:
+    # a 200-token prompt in 8-token chunks: prefill takes 25 steps
+    async with open_llm(max_num_batched_tokens=8) as llm:
+        with anyio.move_on_after(0.01) as scope:
+            async with llm.stream([7] * 200, GREEDY) as s:
+                async for _ in s:
+                    pass
+        assert scope.cancelled_caught
+        assert s.finish_reason == "abort"
+        await all_blocks_free(llm)
+        assert (await llm.complete("x", GREEDY)).finish_reason == "length"
+
+
+async def test_cancelled_task() -> None:
+    started = anyio.Event()
+    async with open_llm() as llm:
+
+        async def consumer() -> None:
+            async with llm.stream("Hi", SamplingParams(max_tokens=200)) as s:
+                async for _ in s:
+                    started.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consumer)
+            await started.wait()
+            tg.cancel_scope.cancel()
+        await all_blocks_free(llm)
+
+
+async def test_abort_from_another_task_ends_the_block() -> None:
+    async with open_llm() as llm:
+        first = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            s = llm.stream("Hi", SamplingParams(max_tokens=200))
+
+            async def consumer() -> None:
+                async with s:
+                    async for _ in s:
+                        first.set()
+                    pytest.fail(
+                        "the stream should have been cancelled"
+                    )  # pragma: no cover
+
+            tg.start_soon(consumer)
+            await first.wait()
+            await llm.abort(s.request_id)
+            await llm.abort(s.request_id)  # idempotent
+        assert s.finish_reason == "abort"
+        await all_blocks_free(llm)
+
+
+async def test_stop_string_aborts_in_core() -> None:
+    async with open_llm() as llm:
+        base = await llm.complete("Hello", SamplingParams(temperature=0, max_tokens=30))
+        stop = base.text[5:7]
+        assert stop
+        out = await llm.complete(
+            "Hello", SamplingParams(temperature=0, max_tokens=30, stop=[stop])
+        )
+        assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
+        assert out.text == base.text[: base.text.index(stop)]
+        await all_blocks_free(llm)
+
+
+async def test_bad_input_names_the_field_and_engine_serves_on() -> None:
+    async with open_llm() as llm:
+        cases = [
+            ("", {}, "prompt"),
+            ([300], {}, "prompt"),
+            ([1] * 256, {}, "prompt"),
+            ("x", {"params": "hot"}, "params"),
+        ]
+        for prompt, kw, field in cases:
+            with pytest.raises(InvalidRequestError) as e:
+                async with llm.stream(prompt, kw.get("params", GREEDY)):  # type: ignore[arg-type]
+                    pass
+            assert e.value.field == field
+        async with llm.stream("x", GREEDY, request_id="dup"):
+            with pytest.raises(InvalidRequestError, match="already in use") as e:
+                async with llm.stream("x", GREEDY, request_id="dup"):
+                    pass
+            assert e.value.field == "request_id"
+        assert (await llm.complete("x", GREEDY)).finish_reason == "length"
+        await all_blocks_free(llm)
+
+
+async def test_overload() -> None:
+    async with open_llm(max_num_seqs=2, max_queued_requests=1) as llm:
+        async with contextlib.AsyncExitStack() as stack:
+            for _ in range(3):
+                await stack.enter_async_context(
+                    llm.stream("x", SamplingParams(max_tokens=50))
+                )
+            with pytest.raises(EngineOverloadedError):
+                await stack.enter_async_context(llm.stream("x", GREEDY))
+        assert (await llm.complete("x", GREEDY)).finish_reason == "length"
+
+
+async def test_slow_consumer_gets_merged_deltas_and_stalls_nobody() -> None:
+    params = SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=True, output_kind=OutputKind.DELTA
+    )
+    async with open_llm() as llm:
+        reference = await llm.complete("slow", params)
+        async with llm.stream("slow", params) as slow:
+            # while `slow` is not read at all, another request runs to the end
+            other = await llm.complete("fast", GREEDY)
+            assert other.finish_reason == "length"
+            outs = [o async for o in slow]
+        assert "".join(o.text for o in outs) == reference.text
+        assert [t for o in outs for t in o.token_ids] == list(reference.token_ids)
+        assert len(outs) < 40  # deltas were merged while nobody read
+
+
+def child_pids() -> set[int]:
+    pids: set[int] = set()
+    for task in Path("/proc/self/task").iterdir():
+        pids |= {int(p) for p in (task / "children").read_text().split()}
+    return pids
+
+
+def engine_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("structllm")]
+
+
+@pytest.mark.parametrize("executor", ["inline", "process"])
+async def test_nothing_left_behind(executor: str) -> None:
+    children = child_pids()
+    async with open_llm(executor=executor) as llm:
+        await llm.complete("x", GREEDY)
+        if executor == "process":
+            assert llm.statistics().worker_pid in child_pids()
+        else:
+            assert engine_threads() == ["structllm-inline-worker"]
+    assert engine_threads() == []
+    assert child_pids() == children

@@ -1,0 +1,163 @@
+"""Fault injection with the real worker process: the engine never hangs.
+
+Every live request gets EngineDeadError (chained from the cause) within 2 s
+of the worker dying; the supervisor restarts the worker with backoff, and
+after ``max_restarts`` within the window the engine stays dead and every
+call fails at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from structllm import EngineDeadError, ModelLoadError, SamplingParams
+from structllm.engine.async_llm import AsyncLLM, WorkerCrashedError
+from structllm.model.checkpoint import write_random_checkpoint
+from structllm.model.config import tiny_config
+
+pytestmark = pytest.mark.anyio
+
+ENGINE = {"max_model_len": 256, "num_blocks": 64, "show_progress": False}
+LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+SHORT = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+async def consume_until_dead(llm: AsyncLLM) -> tuple[EngineDeadError, float]:
+    """Stream until the engine dies; return the error and when it arrived."""
+    with pytest.raises(EngineDeadError) as e:
+        async with llm.stream("Hello", LONG) as s:
+            async for _ in s:
+                pass
+    return e.value, time.monotonic()
+
+
+async def test_sigkill_mid_stream_then_restart() -> None:
+    async with AsyncLLM.open("tiny", max_restarts=2, **ENGINE) as llm:
+        pid = llm.statistics().worker_pid
+        assert pid is not None
+        killed_at = 0.0
+
+        async def killer() -> None:
+            nonlocal killed_at
+            await llm.wait_statistics(lambda s: s.running > 0)
+            killed_at = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(killer)
+            err, failed_at = await consume_until_dead(llm)
+        assert failed_at - killed_at < 2.0
+        assert err.__cause__ is not None
+        # the supervisor restarts the worker; new requests wait for it
+        with anyio.fail_after(30):
+            out = await llm.complete("Hello", SHORT)
+        assert out.finish_reason == "length"
+        stats = llm.statistics()
+        assert stats.restarts == 1 and not stats.dead and stats.worker_pid != pid
+
+
+async def test_forward_raises_at_step() -> None:
+    async with AsyncLLM.open("tiny", fault="raise_at_step:5", **ENGINE) as llm:
+        err, _ = await consume_until_dead(llm)
+        assert isinstance(err.__cause__, WorkerCrashedError)
+        assert "injected fault at step 5" in str(err.__cause__)
+        with anyio.fail_after(30):
+            assert (await llm.complete("x", SHORT)).finish_reason == "length"
+
+
+async def test_hung_worker_detected_by_heartbeat() -> None:
+    async with AsyncLLM.open(
+        "tiny", fault="hang_at_step:3", heartbeat_timeout=1.0, **ENGINE
+    ) as llm:
+        start = time.monotonic()
+        err, failed_at = await consume_until_dead(llm)
+        assert isinstance(err.__cause__, TimeoutError)
+        assert failed_at - start < 2.0 + 1.0  # timeout plus a few steps
+        with anyio.fail_after(30):
+            assert (await llm.complete("x", SHORT)).finish_reason == "length"
+
+
+async def test_restart_budget_exhausted() -> None:
+    async with AsyncLLM.open(
+        "tiny",
+        fault="exit_at_step:0",
+        fault_starts=100,
+        max_restarts=1,
+        restart_backoff=0.05,
+        **ENGINE,
+    ) as llm:
+        for _ in range(2):
+            with pytest.raises(EngineDeadError):
+                with anyio.fail_after(30):
+                    await llm.complete("x", SHORT)
+        with anyio.fail_after(30):
+            await llm.wait_statistics(lambda s: s.dead)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError, match="not restarting"):
+            await llm.complete("x", SHORT)
+        with pytest.raises(EngineDeadError):
+            await llm.check_health()
+        assert time.monotonic() - start < 0.5  # at once, no waiting
+        assert llm.statistics().restarts == 1
+
+
+async def test_bad_checkpoint_fails_open(tmp_path: Path) -> None:
+    write_random_checkpoint(tmp_path, tiny_config())
+    (tmp_path / "model.safetensors").write_bytes(b"\x00" * 16)
+    # the byte tokenizer stands in: this checkpoint has no tokenizer files
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        async with AsyncLLM.open(str(tmp_path), tokenizer="tiny", **ENGINE):
+            pytest.fail("open() should have failed")  # pragma: no cover
+
+
+def test_worker_exits_when_parent_is_killed(tmp_path: Path) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys, anyio
+            from structllm.engine.async_llm import AsyncLLM
+
+            async def main():
+                async with AsyncLLM.open("tiny", show_progress=False) as llm:
+                    print(llm.statistics().worker_pid, flush=True)
+                    await anyio.sleep(3600)
+
+            anyio.run(main)
+            """
+        )
+    )
+    parent = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert parent.stdout is not None
+        worker = int(parent.stdout.readline())
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(worker)
+    finally:
+        parent.kill()
+        parent.wait()
+        if parent.stdout is not None:
+            parent.stdout.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return False
+    return state != "Z"

@@ -122,10 +122,9 @@ async def test_complete_and_generate() -> None:
         async with contextlib.aclosing(
             llm.generate({"prompt_token_ids": p}, GREEDY)
         ) as agen:
-            last = None
-            async for last in agen:
-                pass
-        assert last is not None and list(last.token_ids) == alone(p)
+            outs = [out async for out in agen]
+        last = outs[-1]
+        assert last.finished and list(last.token_ids) == alone(p)
 
 
 async def test_leaving_block_early_aborts_and_frees_blocks() -> None:

@@ -1,0 +1,55 @@
+"""The public names of ``structllm``: a deliberate, tested list."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import structllm
+
+PUBLIC = {
+    "AsyncLLM",
+    "CompletionOutput",
+    "EngineDeadError",
+    "EngineOverloadedError",
+    "EngineStatistics",
+    "InvalidRequestError",
+    "LLM",
+    "Logprob",
+    "ModelLoadError",
+    "OutputKind",
+    "RequestError",
+    "RequestOutput",
+    "RequestStream",
+    "SamplingParams",
+    "StructLLMError",
+    "UnsupportedModelError",
+}
+
+
+def test_all_is_the_public_api() -> None:
+    assert set(structllm.__all__) == PUBLIC
+    for name in PUBLIC:
+        assert getattr(structllm, name).__module__.startswith("structllm.")
+
+
+def test_errors_tree() -> None:
+    assert issubclass(structllm.InvalidRequestError, ValueError)
+    assert issubclass(structllm.InvalidRequestError, structllm.RequestError)
+    assert issubclass(structllm.EngineOverloadedError, structllm.RequestError)
+    assert not issubclass(structllm.EngineDeadError, structllm.RequestError)
+
+
+EXAMPLES = sorted((Path(__file__).parent.parent / "docs" / "examples").glob("*.py"))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_docs_examples_run(example: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "finish_reason" in proc.stdout or "length" in proc.stdout

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 
 __all__ = ["add_throughput_args", "make_workload", "run_throughput"]
@@ -56,6 +57,7 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--hf-modes", default="single,static,continuous")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--skip-async", action="store_true", help="skip the AsyncLLM run")
 
 
 def make_workload(
@@ -114,6 +116,14 @@ def run_throughput(ns: argparse.Namespace) -> int:
             "systems": {},
         }
         results["systems"]["structllm"] = _bench_structllm(model, work, ns, threads)
+        core = _bench_core(model, work, ns, threads)
+        results["systems"]["structllm EngineCore (direct)"] = core
+        if not ns.skip_async:
+            front = anyio.run(_bench_async, model, work, ns, threads)
+            results["systems"]["structllm AsyncLLM (worker process)"] = front
+            results["frontend_overhead"] = (
+                core["tokens_per_s"] / front["tokens_per_s"] - 1
+            )
         results["overhead"] = _bench_overhead(model, ns, threads, config["vocab_size"])
         if ns.hf != "off":
             results["systems"].update(_bench_hf(ns, model, work, threads))
@@ -151,6 +161,82 @@ def _bench_structllm(
     )
     elapsed = time.perf_counter() - start
     produced = sum(len(o.token_ids) for o in outs)
+    return {
+        "seconds": elapsed,
+        "output_tokens": produced,
+        "tokens_per_s": produced / elapsed,
+    }
+
+
+def _engine_args(ns: argparse.Namespace, threads: int) -> dict[str, Any]:
+    return {
+        "max_num_seqs": ns.max_num_seqs,
+        "max_num_batched_tokens": ns.max_num_batched_tokens,
+        "num_threads": threads,
+        "max_model_len": 4096,
+        "kv_cache_memory": 2 << 30,
+    }
+
+
+def _bench_core(
+    model: str, work: list[tuple[list[int], int]], ns: argparse.Namespace, threads: int
+) -> dict[str, float]:
+    """The engine core stepped directly: no tokenizer, no front end."""
+    from structllm.core.engine_core import EngineConfig, EngineCore
+    from structllm.core.request import CoreRequest
+    from structllm.params import SamplingParams
+
+    core = EngineCore(EngineConfig(model=model, **_engine_args(ns, threads)))
+    for i, (p, o) in enumerate([(work[0][0][:8], 4), *work]):
+        core.add_request(
+            CoreRequest(
+                request_id=str(i),
+                prompt_token_ids=tuple(p),
+                params=SamplingParams(temperature=0, max_tokens=o, ignore_eos=True),
+            )
+        )
+        if i == 0:  # warm-up request, not timed
+            while core.has_unfinished_requests():
+                core.step()
+            start = time.perf_counter()
+    produced = 0
+    while core.has_unfinished_requests():
+        produced += sum(len(o.new_token_ids) for o in core.step().outputs)
+    elapsed = time.perf_counter() - start
+    return {
+        "seconds": elapsed,
+        "output_tokens": produced,
+        "tokens_per_s": produced / elapsed,
+    }
+
+
+async def _bench_async(
+    model: str, work: list[tuple[list[int], int]], ns: argparse.Namespace, threads: int
+) -> dict[str, float]:
+    """All prompts at once through AsyncLLM with its worker process."""
+    from structllm.engine.async_llm import AsyncLLM
+    from structllm.params import SamplingParams
+
+    produced = 0
+
+    async with AsyncLLM.open(
+        model, executor="process", show_progress=False, **_engine_args(ns, threads)
+    ) as llm:
+        await llm.complete(
+            {"prompt_token_ids": work[0][0][:8]}, SamplingParams(max_tokens=4)
+        )
+
+        async def one(prompt: list[int], n: int) -> None:
+            nonlocal produced
+            params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            out = await llm.complete({"prompt_token_ids": prompt}, params)
+            produced += len(out.token_ids)
+
+        start = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for p, o in work:
+                tg.start_soon(one, p, o)
+        elapsed = time.perf_counter() - start
     return {
         "seconds": elapsed,
         "output_tokens": produced,
@@ -255,6 +341,11 @@ def _print(r: dict[str, Any]) -> None:
     for name, s in r["systems"].items():
         print(
             f"{name:<28}{s['seconds']:>10.2f}{s['tokens_per_s']:>12.1f}{base / s['tokens_per_s']:>14.2f}"
+        )
+    if "frontend_overhead" in r:
+        print(
+            "front-end overhead (EngineCore direct tok/s / AsyncLLM tok/s - 1): "
+            f"{100 * r['frontend_overhead']:.1f}%"
         )
     o = r["overhead"]
     print(

@@ -81,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--shards", type=int, default=1)
     tiny.add_argument("--seed", type=int, default=0)
 
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    from structllm.server.run import add_serve_args
+
+    add_serve_args(serve)
+    _add_engine_args(serve)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
     thr = bsub.add_parser("throughput", help="offline throughput vs transformers")
@@ -117,6 +123,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if ns.command == "generate":
         return _generate(ns)
+    if ns.command == "serve":
+        from structllm.server.run import run_server
+
+        return run_server(ns, engine_args(ns))
     if ns.command == "bench" and ns.bench == "throughput":
         from structllm.bench import run_throughput
 

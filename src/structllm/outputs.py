@@ -54,6 +54,8 @@ class RequestOutput:
     finished: bool
     #: tokens generated so far, counting those not in this (delta) output
     num_generated_tokens: int = 0
+    #: seconds from arrival in the engine core to first being scheduled
+    queue_time: float | None = None
 
     @property
     def text(self) -> str:

@@ -62,6 +62,8 @@ class RequestStepOutput:
     logprobs: tuple[TokenLogprobs, ...] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    #: on a request's first output: seconds from arrival to first scheduled
+    queue_s: float | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -205,6 +207,10 @@ class EngineCore:
         """Schedule and run one batch; return each scheduled request's news."""
         start = time.perf_counter()
         sched = self.scheduler.schedule()
+        now = time.monotonic()
+        for chunk in sched.chunks:
+            if chunk.request.first_scheduled_time is None:
+                chunk.request.first_scheduled_time = now
         schedule_s = time.perf_counter() - start
         if sched.is_empty:
             return StepOutput(
@@ -221,10 +227,15 @@ class EngineCore:
             for r in self.scheduler.update_from_output(sched, ran.sampled)
         }
         self.steps += 1
+        by_id = {c.request.request_id: c.request for c in sched.chunks}
         outputs = []
         for rid, token in ran.sampled.items():
             fin = finished.get(rid)
             lp = ran.logprobs.get(rid)
+            req = by_id[rid]
+            queue_s = None
+            if len(req.output_token_ids) == 1 and req.first_scheduled_time is not None:
+                queue_s = req.first_scheduled_time - req.arrival_time
             outputs.append(
                 RequestStepOutput(
                     request_id=rid,
@@ -232,6 +243,7 @@ class EngineCore:
                     logprobs=None if lp is None else (lp,),
                     finish_reason=None if fin is None else fin.finish_reason,
                     stop_reason=None if fin is None else fin.stop_reason,
+                    queue_s=queue_s,
                 )
             )
         return StepOutput(

@@ -56,6 +56,8 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = attrs.Factory(list)
     num_preemptions: int = 0
+    #: when the request was first scheduled (time.monotonic), for queue time
+    first_scheduled_time: float | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 

@@ -214,14 +214,7 @@ class RequestStream:
     @property
     def final_output(self) -> RequestOutput | None:
         """Everything generated so far, whatever the output kind."""
-        if self._live is None:
-            return None
-        return attrs.evolve(
-            self._live.state,
-            params=attrs.evolve(
-                self._live.state.params, output_kind=OutputKind.CUMULATIVE
-            ),
-        ).output(force=True)
+        return None if self._live is None else self._live.state.snapshot()
 
     async def __aenter__(self) -> RequestStream:
         self._live = await self._llm._submit(
@@ -763,6 +756,7 @@ class AsyncLLM:
                 ),
                 finish_reason=wo.finish_reason,  # type: ignore[arg-type]
                 stop_reason=wo.stop_reason,
+                queue_s=wo.queue_s,
             )
             out = live.state.process(step)
             if live.state.finished:

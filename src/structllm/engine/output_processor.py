@@ -35,6 +35,7 @@ class RequestState:
     cumulative_logprob: float | None = attrs.field(init=False)
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    queue_time: float | None = None
     #: how much text / how many tokens earlier delta outputs carried
     _sent_text: int = 0
     _sent_tokens: int = 0
@@ -65,6 +66,8 @@ class RequestState:
         if self.finished:
             return None
         self.token_ids.extend(step.new_token_ids)
+        if step.queue_s is not None:
+            self.queue_time = step.queue_s
         if self.logprobs is not None and step.logprobs is not None:
             for token, lp in zip(step.new_token_ids, step.logprobs, strict=True):
                 self.logprobs.append(self._logprob_dict(token, lp))
@@ -87,9 +90,17 @@ class RequestState:
         assert out is not None
         return out
 
-    def output(self, *, force: bool = False) -> RequestOutput | None:
+    def snapshot(self) -> RequestOutput:
+        """Everything so far (cumulative), whatever the output kind."""
+        out = self.output(force=True, kind=OutputKind.CUMULATIVE)
+        assert out is not None
+        return out
+
+    def output(
+        self, *, force: bool = False, kind: OutputKind | None = None
+    ) -> RequestOutput | None:
         """The output to deliver now under ``params.output_kind``."""
-        kind = self.params.output_kind
+        kind = kind or self.params.output_kind
         if kind is OutputKind.FINAL and not self.finished and not force:
             return None
         text = self.detokenizer.text
@@ -119,6 +130,7 @@ class RequestState:
             ),
             finished=self.finished,
             num_generated_tokens=len(self.token_ids),
+            queue_time=self.queue_time,
         )
 
     def _logprob_dict(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:

@@ -86,6 +86,7 @@ class WireOutput(msgspec.Struct, array_like=True):
     stop_reason: int | str | None = None
     #: per new token: [sampled_logprob, sampled_rank, top_ids, top_logprobs]
     logprobs: list[tuple[float, int, list[int], list[float]]] | None = None
+    queue_s: float | None = None
 
 
 class StepResult(msgspec.Struct, tag=True):

@@ -197,6 +197,7 @@ def _loop(core, start: Start, backlog: list[Message], receive, send) -> int:  # 
                             )
                             for lp in o.logprobs
                         ],
+                        o.queue_s,
                     )
                     for o in out.outputs
                 ],

@@ -1,0 +1,745 @@
+"""``structllm bench serve``: load-test any OpenAI-compatible server.
+
+Like ``vllm bench serve``: ``--num-prompts`` requests, with random prompts and
+output lengths drawn from ``--seed``, arrive as a Poisson process at
+``--request-rate`` per second (``inf``: all at once), at most
+``--max-concurrency`` in flight. Each request streams (``stream: true``,
+``ignore_eos: true``, ``temperature: 0``); the client notes when every chunk
+with text arrives and reports, in milliseconds, mean / median / p99 of
+
+- TTFT, time to first token: send to the first chunk with non-empty text;
+- TPOT, time per output token: ``(e2e - ttft) / (output_tokens - 1)``, over
+  requests with more than one output token;
+- ITL, inter-token latency: the gaps between successive chunks with text
+  (one chunk usually carries one token);
+- e2e latency: send to the end of the stream;
+
+plus request and token throughput over the benchmark's duration. A request
+fails on an HTTP error status, a transport error, an SSE ``error`` object, a
+stream with no text, or ``--timeout``; failures are counted, not raised.
+
+``--json PATH`` writes one object::
+
+    {"config":   ServeConfig fields (the resolved model included),
+     "summary":  Summary.to_json(): completed, failed, duration_s,
+                 total_input_tokens, total_output_tokens, request_throughput,
+                 output_throughput, total_token_throughput, and
+                 {mean,median,p99}_{ttft,tpot,itl,e2el}_ms (null if no data),
+     "requests": RequestResult.to_json() per request: index, success, status,
+                 error, prompt_tokens, max_tokens, output_tokens, send_time,
+                 end_time, ttft, e2e, chunk_times, itl (seconds; times are
+                 from the benchmark's start)}
+
+``--plot PATH.png`` draws the TTFT and e2e histograms, ITL over time and the
+latency CDFs (matplotlib, imported only then).
+
+The client is httpx with no connection cap of its own (``--max-concurrency``
+is the only one) and ``trust_env=False``: no proxy sits between the benchmark
+and the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import attrs
+import httpx
+import numpy as np
+
+__all__ = [
+    "BenchmarkResult",
+    "RequestResult",
+    "RequestSpec",
+    "ServeConfig",
+    "Summary",
+    "add_serve_args",
+    "arrival_times",
+    "discover_model",
+    "make_requests",
+    "run_benchmark",
+    "run_serve",
+    "summarize",
+]
+
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+
+# Text prompts are random words from this text (roughly one token each).
+_WORD_TEXT = """
+the of and to in is it that was for on are with as his they be at one have
+this from or had by hot word but what some we can out other were all there
+when up use your how said an each she which do their time if will way about
+many then them write would like so these her long make thing see him two has
+look more day could go come did number sound no most people my over know water
+than call first who may down side been now find any new work part take get
+place made live where after back little only round man year came show every
+good me give our under name very through just form
+"""
+_WORDS = tuple(_WORD_TEXT.split())
+
+
+def _strip_slash(url: str) -> str:
+    return url.rstrip("/")
+
+
+def _length_range(value: Sequence[int]) -> tuple[int, int]:
+    lo, hi = (int(v) for v in value)
+    return lo, hi
+
+
+def _check_range(
+    self: ServeConfig, attribute: attrs.Attribute[tuple[int, int]], v: tuple[int, int]
+) -> None:
+    if not 1 <= v[0] <= v[1]:
+        raise ValueError(f"{attribute.name} must be MIN MAX with 1 <= MIN <= MAX: {v}")
+
+
+def _check_concurrency(
+    self: ServeConfig, attribute: attrs.Attribute[int | None], v: int | None
+) -> None:
+    if v is not None and v < 1:
+        raise ValueError(f"max_concurrency must be at least 1: {v}")
+
+
+@attrs.frozen
+class ServeConfig:
+    """What to send, where and how fast."""
+
+    url: str = attrs.field(converter=_strip_slash)
+    model: str | None = None
+    endpoint: str = attrs.field(
+        default="/v1/completions", validator=attrs.validators.in_(ENDPOINTS)
+    )
+    num_prompts: int = attrs.field(default=200, validator=attrs.validators.ge(1))
+    request_rate: float = attrs.field(
+        default=math.inf, validator=attrs.validators.gt(0.0)
+    )
+    max_concurrency: int | None = attrs.field(
+        default=None, validator=_check_concurrency
+    )
+    input_len: tuple[int, int] = attrs.field(
+        default=(32, 256), converter=_length_range, validator=_check_range
+    )
+    output_len: tuple[int, int] = attrs.field(
+        default=(16, 128), converter=_length_range, validator=_check_range
+    )
+    seed: int = 0
+    prompt_kind: Literal["tokens", "text"] = attrs.field(
+        default="tokens", validator=attrs.validators.in_(("tokens", "text"))
+    )
+    vocab_size: int = attrs.field(default=256, validator=attrs.validators.gt(3))
+    timeout: float = attrs.field(default=3600.0, validator=attrs.validators.gt(0.0))
+
+    def __attrs_post_init__(self) -> None:
+        if self.prompt_kind == "tokens" and self.endpoint != "/v1/completions":
+            raise ValueError(
+                f"prompt_kind 'tokens' needs endpoint /v1/completions, not "
+                f"{self.endpoint}; use prompt_kind 'text'"
+            )
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> ServeConfig:
+        endpoint = ns.endpoint
+        kind: Literal["tokens", "text"] = ns.prompt_kind or (
+            "tokens" if endpoint == ENDPOINTS[0] else "text"
+        )
+        return cls(
+            url=ns.url,
+            model=ns.model,
+            endpoint=endpoint,
+            num_prompts=ns.num_prompts,
+            request_rate=ns.request_rate,
+            max_concurrency=ns.max_concurrency,
+            input_len=ns.input_len,
+            output_len=ns.output_len,
+            seed=ns.seed,
+            prompt_kind=kind,
+            vocab_size=ns.vocab_size,
+            timeout=ns.timeout,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        d = attrs.asdict(self)
+        for key in ("request_rate", "timeout"):  # JSON has no infinity
+            d[key] = "inf" if math.isinf(d[key]) else d[key]
+        return d
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="server base URL (no /v1)"
+    )
+    p.add_argument(
+        "--model", default=None, help="model name (default: first of GET /v1/models)"
+    )
+    p.add_argument("--endpoint", default=ENDPOINTS[0], choices=ENDPOINTS)
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="Poisson arrivals per second; inf sends everything at once",
+    )
+    p.add_argument(
+        "--max-concurrency", type=int, default=None, help="cap on requests in flight"
+    )
+    p.add_argument(
+        "--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX")
+    )
+    p.add_argument(
+        "--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX")
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--prompt-kind",
+        choices=["tokens", "text"],
+        default=None,
+        help="token-id lists or random words (default: tokens for completions, "
+        "text for chat)",
+    )
+    p.add_argument(
+        "--vocab-size", type=int, default=256, help="token ids are drawn in [3, this)"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="seconds per request, in all (inf: none)",
+    )
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results")
+    p.add_argument("--plot", default=None, metavar="PATH.png", help="draw a figure")
+
+
+# -- workload: pure and seeded ------------------------------------------------
+
+
+@attrs.frozen
+class RequestSpec:
+    """One request of the workload, before it is sent."""
+
+    index: int
+    prompt: list[int] | str
+    prompt_len: int
+    max_tokens: int
+
+
+def make_requests(config: ServeConfig) -> list[RequestSpec]:
+    """``config.num_prompts`` requests, deterministic in ``config.seed``."""
+    rng = np.random.default_rng(config.seed)
+    specs = []
+    for i in range(config.num_prompts):
+        plen = int(rng.integers(config.input_len[0], config.input_len[1] + 1))
+        olen = int(rng.integers(config.output_len[0], config.output_len[1] + 1))
+        prompt: list[int] | str
+        if config.prompt_kind == "tokens":
+            prompt = rng.integers(3, config.vocab_size, size=plen).tolist()
+        else:
+            prompt = " ".join(_WORDS[j] for j in rng.integers(0, len(_WORDS), plen))
+        specs.append(RequestSpec(i, prompt, plen, olen))
+    return specs
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Send times (seconds from the start) of a Poisson process at ``rate``/s.
+
+    The first request goes at 0; the gaps after it are exponential with mean
+    ``1 / rate`` from their own seeded stream, so the prompts do not change
+    with the rate. ``rate = inf`` sends everything at 0.
+    """
+    if math.isinf(rate):
+        return [0.0] * n
+    gaps = np.random.default_rng([1, seed]).exponential(1.0 / rate, size=n - 1)
+    return [0.0, *np.cumsum(gaps).tolist()]
+
+
+def request_body(spec: RequestSpec, config: ServeConfig, model: str) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": spec.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if config.endpoint == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": spec.prompt}]
+    else:
+        body["prompt"] = spec.prompt
+    return body
+
+
+# -- results: pure ------------------------------------------------------------
+
+
+@attrs.frozen
+class RequestResult:
+    """What one request did. Times are seconds from the benchmark's start."""
+
+    index: int
+    prompt_tokens: int
+    max_tokens: int
+    send_time: float
+    end_time: float
+    # arrival of each chunk with text; [0] is the first token
+    chunk_times: tuple[float, ...]
+    output_tokens: int
+    error: str | None = None
+    status: int | None = None  # HTTP status, when a response came
+
+    @property
+    def success(self) -> bool:
+        return self.error is None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.send_time if self.chunk_times else None
+
+    @property
+    def e2e(self) -> float:
+        return self.end_time - self.send_time
+
+    @property
+    def itl(self) -> list[float]:
+        t = self.chunk_times
+        return [b - a for a, b in itertools.pairwise(t)]
+
+    @property
+    def tpot(self) -> float | None:
+        ttft = self.ttft
+        if ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - ttft) / (self.output_tokens - 1)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "success": self.success,
+            "status": self.status,
+            "error": self.error,
+            "prompt_tokens": self.prompt_tokens,
+            "max_tokens": self.max_tokens,
+            "output_tokens": self.output_tokens,
+            "send_time": self.send_time,
+            "end_time": self.end_time,
+            "ttft": self.ttft,
+            "e2e": self.e2e,
+            "chunk_times": list(self.chunk_times),
+            "itl": self.itl,
+        }
+
+
+@attrs.frozen
+class LatencyStats:
+    mean_ms: float
+    median_ms: float
+    p99_ms: float
+
+    @classmethod
+    def of(cls, seconds: Iterable[float]) -> LatencyStats | None:
+        a = 1e3 * np.asarray(list(seconds), dtype=np.float64)
+        if a.size == 0:
+            return None
+        return cls(float(a.mean()), float(np.median(a)), float(np.percentile(a, 99)))
+
+
+METRICS = {
+    "ttft": "Time to First Token",
+    "tpot": "Time per Output Token (excl. 1st token)",
+    "itl": "Inter-token Latency",
+    "e2el": "End-to-end Latency",
+}
+
+
+@attrs.frozen
+class Summary:
+    completed: int
+    failed: int
+    duration_s: float
+    total_input_tokens: int
+    total_output_tokens: int
+    ttft: LatencyStats | None
+    tpot: LatencyStats | None
+    itl: LatencyStats | None
+    e2el: LatencyStats | None
+
+    @property
+    def request_throughput(self) -> float:
+        return self.completed / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def output_throughput(self) -> float:
+        d = self.duration_s
+        return self.total_output_tokens / d if d > 0 else 0.0
+
+    @property
+    def total_token_throughput(self) -> float:
+        d = self.duration_s
+        total = self.total_input_tokens + self.total_output_tokens
+        return total / d if d > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "completed": self.completed,
+            "failed": self.failed,
+            "duration_s": self.duration_s,
+            "total_input_tokens": self.total_input_tokens,
+            "total_output_tokens": self.total_output_tokens,
+            "request_throughput": self.request_throughput,
+            "output_throughput": self.output_throughput,
+            "total_token_throughput": self.total_token_throughput,
+        }
+        for name in METRICS:
+            stats: LatencyStats | None = getattr(self, name)
+            for stat in ("mean", "median", "p99"):
+                value = None if stats is None else getattr(stats, f"{stat}_ms")
+                d[f"{stat}_{name}_ms"] = value
+        return d
+
+    def format(self, config: ServeConfig | None = None) -> str:
+        """The table ``vllm bench serve`` prints, in the same words."""
+        lines = [f"{' Serving Benchmark Result ':=^50}"]
+
+        def row(label: str, value: object) -> None:
+            lines.append(f"{label:<40} {value:<10}".rstrip())
+
+        row("Successful requests:", self.completed)
+        row("Failed requests:", self.failed)
+        if config is not None:
+            rate = config.request_rate
+            row("Request rate configured (RPS):", f"{rate:.2f}")
+            if config.max_concurrency is not None:
+                row("Maximum request concurrency:", config.max_concurrency)
+        row("Benchmark duration (s):", f"{self.duration_s:.2f}")
+        row("Total input tokens:", self.total_input_tokens)
+        row("Total generated tokens:", self.total_output_tokens)
+        row("Request throughput (req/s):", f"{self.request_throughput:.2f}")
+        row("Output token throughput (tok/s):", f"{self.output_throughput:.2f}")
+        row("Total token throughput (tok/s):", f"{self.total_token_throughput:.2f}")
+        for name, title in METRICS.items():
+            lines.append(f"{title:-^50}")
+            stats: LatencyStats | None = getattr(self, name)
+            for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+                value = getattr(stats, f"{stat}_ms") if stats is not None else None
+                shown = "n/a" if value is None else f"{value:.2f}"
+                row(f"{label} {name.upper()} (ms):", shown)
+        lines.append("=" * 50)
+        return "\n".join(lines)
+
+
+def summarize(results: Sequence[RequestResult]) -> Summary:
+    """Aggregate figures; the duration runs from 0 to the last request's end."""
+    ok = [r for r in results if r.success]
+    duration = max((r.end_time for r in results), default=0.0)
+    return Summary(
+        completed=len(ok),
+        failed=len(results) - len(ok),
+        duration_s=duration,
+        total_input_tokens=sum(r.prompt_tokens for r in ok),
+        total_output_tokens=sum(r.output_tokens for r in ok),
+        ttft=LatencyStats.of(t for r in ok if (t := r.ttft) is not None),
+        tpot=LatencyStats.of(t for r in ok if (t := r.tpot) is not None),
+        itl=LatencyStats.of(x for r in ok for x in r.itl),
+        e2el=LatencyStats.of(r.e2e for r in ok),
+    )
+
+
+@attrs.frozen
+class BenchmarkResult:
+    config: ServeConfig  # with the model resolved
+    requests: tuple[RequestResult, ...]
+    summary: Summary
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "config": self.config.to_json(),
+            "summary": self.summary.to_json(),
+            "requests": [r.to_json() for r in self.requests],
+        }
+
+
+# -- the SSE client -----------------------------------------------------------
+
+
+def _error_message(payload: object) -> str:
+    """The human part of an OpenAI-style error body."""
+    if isinstance(payload, dict):
+        err = payload.get("error", payload)
+        if isinstance(err, dict):
+            return str(err.get("message") or err)
+        return str(err)
+    return str(payload)
+
+
+def _chunk_text(chunk: dict[str, Any]) -> str:
+    choices = chunk.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    if "delta" in choice:  # chat
+        delta = choice["delta"] or {}
+        return str(delta.get("content") or delta.get("reasoning_content") or "")
+    return str(choice.get("text") or "")
+
+
+@attrs.define(eq=False)
+class _Progress:
+    """What a request has seen so far; filled in while it streams."""
+
+    chunk_times: list[float] = attrs.Factory(list)
+    usage_tokens: int | None = None
+    prompt_tokens: int | None = None
+    status: int | None = None
+    error: str | None = None
+
+    def result(
+        self, spec: RequestSpec, send: float, end: float, timed_out: str | None
+    ) -> RequestResult:
+        error = timed_out or self.error
+        if error is None and not self.chunk_times:
+            error = "the stream carried no text"
+        n = len(self.chunk_times) if self.usage_tokens is None else self.usage_tokens
+        return RequestResult(
+            index=spec.index,
+            prompt_tokens=self.prompt_tokens or spec.prompt_len,
+            max_tokens=spec.max_tokens,
+            send_time=send,
+            end_time=end,
+            chunk_times=tuple(self.chunk_times),
+            output_tokens=n,
+            error=error,
+            status=self.status,
+        )
+
+
+async def _stream(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    start: float,
+    seen: _Progress,
+) -> None:
+    """POST ``body`` and read its SSE stream into ``seen``; never raises."""
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            seen.status = resp.status_code
+            if resp.status_code != 200:
+                raw = await resp.aread()
+                try:
+                    message = _error_message(json.loads(raw))
+                except ValueError:
+                    message = raw.decode(errors="replace")[:200]
+                seen.error = f"HTTP {resp.status_code}: {message}"
+                return
+            # Read to the end even after [DONE] or an error: leaving httpx's
+            # chain of async generators half-consumed leaves them to the GC.
+            done = False
+            async for line in resp.aiter_lines():
+                now = time.perf_counter() - start
+                if done or not line.startswith("data:"):
+                    continue  # blank separators, ": comments", "event:" lines
+                data = line[5:].strip()
+                done = _read_event(data, now, seen)
+    except httpx.HTTPError as exc:
+        seen.error = f"{type(exc).__name__}: {exc}"
+
+
+def _read_event(data: str, now: float, seen: _Progress) -> bool:
+    """Record one ``data:`` payload; true when the stream is over for us."""
+    if data == "[DONE]":
+        return True
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        chunk = None
+    if not isinstance(chunk, dict):
+        seen.error = f"bad SSE chunk: {data[:200]}"
+        return True
+    if "error" in chunk or chunk.get("object") == "error":
+        seen.error = f"SSE error: {_error_message(chunk)}"
+        return True
+    if _chunk_text(chunk):
+        seen.chunk_times.append(now)
+    if usage := chunk.get("usage"):
+        seen.usage_tokens = usage.get("completion_tokens")
+        seen.prompt_tokens = usage.get("prompt_tokens")
+    return False
+
+
+def _open_client() -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx.AsyncClient(timeout=None, limits=limits, trust_env=False)
+
+
+async def discover_model(client: httpx.AsyncClient, url: str) -> str:
+    """The first model id of ``GET {url}/v1/models``."""
+    resp = await client.get(f"{url}/v1/models")
+    resp.raise_for_status()
+    data = resp.json().get("data") or []
+    if not data:
+        raise ValueError(f"{url}/v1/models lists no models")
+    return str(data[0]["id"])
+
+
+async def _discover_model(url: str) -> str:
+    async with _open_client() as client:
+        return await discover_model(client, url)
+
+
+async def run_benchmark(config: ServeConfig) -> BenchmarkResult:
+    """Send the workload; every request's outcome is recorded, none raises.
+
+    Transport and protocol errors become failed ``RequestResult``s. Only
+    model discovery (``config.model is None``) can raise: ``httpx.HTTPError``
+    or ``ValueError``.
+    """
+    specs = make_requests(config)
+    times = arrival_times(config.num_prompts, config.request_rate, config.seed)
+    results: list[RequestResult | None] = [None] * len(specs)
+    limit = anyio.CapacityLimiter(config.max_concurrency or len(specs))
+    url = config.url + config.endpoint
+    deadline = config.timeout
+    async with _open_client() as client:
+        model = config.model or await discover_model(client, config.url)
+        config = attrs.evolve(config, model=model)
+
+        async def one(spec: RequestSpec, start: float) -> None:
+            async with limit:
+                body = request_body(spec, config, model)
+                seen = _Progress()
+                send = time.perf_counter() - start
+                with anyio.move_on_after(deadline) as scope:
+                    await _stream(client, url, body, start, seen)
+                end = time.perf_counter() - start
+                timed_out = (
+                    f"timed out after {deadline} s" if scope.cancelled_caught else None
+                )
+                results[spec.index] = seen.result(spec, send, end, timed_out)
+
+        start = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for spec, at in zip(specs, times, strict=True):
+                # the deliberate Poisson gaps; the target is absolute, no drift
+                await anyio.sleep(max(0.0, at - (time.perf_counter() - start)))
+                tg.start_soon(one, spec, start)
+    done = tuple(r for r in results if r is not None)
+    return BenchmarkResult(config, done, summarize(done))
+
+
+# -- the command ----------------------------------------------------------------
+
+
+def run_serve(ns: argparse.Namespace) -> int:
+    # httpx logs every request at INFO; with root logging at INFO that would
+    # bury the table
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        config = ServeConfig.from_namespace(ns)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    rate = "inf" if math.isinf(config.request_rate) else f"{config.request_rate:g}"
+    print(
+        f"{config.num_prompts} requests to {config.url}{config.endpoint} at "
+        f"{rate} req/s, max concurrency {config.max_concurrency or 'unbounded'}",
+        file=sys.stderr,
+    )
+    if config.model is None:
+        try:
+            model = anyio.run(_discover_model, config.url, backend="asyncio")
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            print(
+                f"error: no model found at {config.url}/v1/models: {exc}",
+                file=sys.stderr,
+            )
+            return 2
+        config = attrs.evolve(config, model=model)
+    result = anyio.run(run_benchmark, config, backend="asyncio")
+    print(result.summary.format(result.config))
+    errors: dict[str, int] = {}
+    for r in result.requests:
+        if r.error is not None:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    for message, count in sorted(errors.items(), key=lambda kv: -kv[1])[:5]:
+        print(f"{count} x {message}", file=sys.stderr)
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(result.to_json(), indent=2))
+    if ns.plot:
+        plot(result, ns.plot)
+    return 0 if result.summary.completed else 1
+
+
+def plot(result: BenchmarkResult, path: str | Path) -> None:
+    """TTFT and e2e histograms, ITL over time, latency CDFs; one PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    ok = [r for r in result.requests if r.success]
+    ttft = [1e3 * t for r in ok if (t := r.ttft) is not None]
+    e2e = [1e3 * r.e2e for r in ok]
+    itl_t = [t for r in ok for t in r.chunk_times[1:]]
+    itl = [1e3 * x for r in ok for x in r.itl]
+    tpot = [1e3 * t for r in ok if (t := r.tpot) is not None]
+
+    fig = Figure(figsize=(12, 8), layout="constrained")
+    FigureCanvasAgg(fig)
+    (ax_ttft, ax_e2e), (ax_itl, ax_cdf) = fig.subplots(2, 2)
+    s = result.summary
+    c = result.config
+    rate = "inf" if math.isinf(c.request_rate) else f"{c.request_rate:g}"
+    fig.suptitle(
+        f"{c.model} @ {c.url}{c.endpoint} - {s.completed} ok / {s.failed} failed, "
+        f"rate {rate} req/s, concurrency {c.max_concurrency or 'unbounded'}\n"
+        f"{s.request_throughput:.2f} req/s, {s.output_throughput:.1f} output tok/s "
+        f"over {s.duration_s:.1f} s"
+    )
+    for ax, values, title, color in (
+        (ax_ttft, ttft, "Time to first token", "tab:blue"),
+        (ax_e2e, e2e, "End-to-end latency", "tab:green"),
+    ):
+        ax.set_title(title)
+        ax.set_xlabel("ms")
+        ax.set_ylabel("requests")
+        if not values:
+            continue
+        ax.hist(values, bins=min(50, max(5, len(values) // 4)), color=color, alpha=0.8)
+        mean, p99 = float(np.mean(values)), float(np.percentile(values, 99))
+        ax.axvline(mean, color="black", linewidth=1, label=f"mean {mean:.1f} ms")
+        ax.axvline(p99, color="black", ls="--", linewidth=1, label=f"p99 {p99:.1f} ms")
+        ax.legend(loc="upper right")
+
+    ax_itl.set_title("Inter-token latency over time")
+    ax_itl.set_xlabel("time since start (s)")
+    ax_itl.set_ylabel("ms")
+    if itl:
+        ax_itl.scatter(itl_t, itl, s=2, alpha=0.3, color="tab:orange", rasterized=True)
+        if len(itl) >= 20:  # a rolling median shows the trend under the cloud
+            order = np.argsort(itl_t)
+            xs, ys = np.asarray(itl_t)[order], np.asarray(itl)[order]
+            w = max(5, len(ys) // 50)
+            at = np.linspace(0, len(ys) - 1, min(len(ys), 200)).astype(int)
+            med = [float(np.median(ys[max(0, i - w) : i + w])) for i in at]
+            ax_itl.plot(xs[at], med, color="black", linewidth=1, label="rolling median")
+            ax_itl.legend(loc="upper right")
+        ax_itl.set_ylim(bottom=0, top=max(1e-3, float(np.percentile(itl, 99.5)) * 1.2))
+
+    ax_cdf.set_title("Latency CDFs")
+    ax_cdf.set_xlabel("ms (log scale)")
+    ax_cdf.set_ylabel("fraction of samples")
+    for values, label in ((ttft, "TTFT"), (tpot, "TPOT"), (itl, "ITL"), (e2e, "e2e")):
+        pos = np.sort(np.asarray([v for v in values if v > 0]))
+        if pos.size:
+            ax_cdf.step(pos, np.arange(1, pos.size + 1) / pos.size, label=label)
+    if ax_cdf.lines:
+        ax_cdf.set_xscale("log")
+        ax_cdf.legend(loc="lower right")
+    ax_cdf.grid(True, which="both", alpha=0.3)
+    fig.savefig(path, dpi=100)

@@ -22,7 +22,9 @@ def _cpu_seconds(pid: int) -> float:
 
 
 async def test_idle_cpu_is_negligible() -> None:
-    async with AsyncLLM.open("tiny", show_progress=False, heartbeat_interval=0.5) as llm:
+    async with AsyncLLM.open(
+        "tiny", show_progress=False, heartbeat_interval=0.5
+    ) as llm:
         await llm.complete("warm", SamplingParams(max_tokens=4))
         pid = llm.statistics().worker_pid
         assert pid is not None
@@ -33,7 +35,9 @@ async def test_idle_cpu_is_negligible() -> None:
         await anyio.sleep(2.0)
         wall = time.monotonic() - start
         front1 = resource.getrusage(resource.RUSAGE_SELF)
-        front = (front1.ru_utime + front1.ru_stime) - (front0.ru_utime + front0.ru_stime)
+        front = (front1.ru_utime + front1.ru_stime) - (
+            front0.ru_utime + front0.ru_stime
+        )
         worker = _cpu_seconds(pid) - worker0
     # measured ~0.1% each; 5% of a core leaves room for a noisy machine
     assert front / wall < 0.05, f"front end used {100 * front / wall:.1f}% of a core"

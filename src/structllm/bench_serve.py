@@ -227,7 +227,7 @@ class RequestSpec:
     """One request of the workload, before it is sent."""
 
     index: int
-    prompt: list[int] | str
+    prompt: tuple[int, ...] | str
     prompt_len: int
     max_tokens: int
 
@@ -239,9 +239,9 @@ def make_requests(config: ServeConfig) -> list[RequestSpec]:
     for i in range(config.num_prompts):
         plen = int(rng.integers(config.input_len[0], config.input_len[1] + 1))
         olen = int(rng.integers(config.output_len[0], config.output_len[1] + 1))
-        prompt: list[int] | str
+        prompt: tuple[int, ...] | str
         if config.prompt_kind == "tokens":
-            prompt = rng.integers(3, config.vocab_size, size=plen).tolist()
+            prompt = tuple(rng.integers(3, config.vocab_size, size=plen).tolist())
         else:
             prompt = " ".join(_WORDS[j] for j in rng.integers(0, len(_WORDS), plen))
         specs.append(RequestSpec(i, prompt, plen, olen))
@@ -255,7 +255,7 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
     ``1 / rate`` from their own seeded stream, so the prompts do not change
     with the rate. ``rate = inf`` sends everything at 0.
     """
-    if math.isinf(rate):
+    if n == 0 or math.isinf(rate):
         return [0.0] * n
     gaps = np.random.default_rng([1, seed]).exponential(1.0 / rate, size=n - 1)
     return [0.0, *np.cumsum(gaps).tolist()]
@@ -273,7 +273,8 @@ def request_body(spec: RequestSpec, config: ServeConfig, model: str) -> dict[str
     if config.endpoint == "/v1/chat/completions":
         body["messages"] = [{"role": "user", "content": spec.prompt}]
     else:
-        body["prompt"] = spec.prompt
+        p = spec.prompt
+        body["prompt"] = list(p) if isinstance(p, tuple) else p
     return body
 
 
@@ -285,7 +286,7 @@ class RequestResult:
     """What one request did. Times are seconds from the benchmark's start."""
 
     index: int
-    prompt_tokens: int
+    prompt_tokens: int  # the server's usage figure, else the planned length
     max_tokens: int
     send_time: float
     end_time: float

@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     from structllm.bench import add_throughput_args
 
     add_throughput_args(thr)
+    srv = bsub.add_parser("serve", help="load-test an OpenAI-compatible server")
+    from structllm.bench_serve import add_serve_args as add_bench_serve_args
+
+    add_bench_serve_args(srv)
     return parser
 
 
@@ -127,6 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from structllm.server.run import run_server
 
         return run_server(ns, engine_args(ns))
+    if ns.command == "bench" and ns.bench == "serve":
+        from structllm.bench_serve import run_serve
+
+        return run_serve(ns)
     if ns.command == "bench" and ns.bench == "throughput":
         from structllm.bench import run_throughput
 

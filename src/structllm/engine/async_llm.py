@@ -182,6 +182,7 @@ class _Live:
             if self.error is not None:
                 raise self.error
             if self.closed:
+                await anyio.lowlevel.checkpoint_if_cancelled()
                 return None
             await self._event.wait()
             self._event = anyio.Event()
@@ -400,9 +401,11 @@ class AsyncLLM:
         """End ``request_id`` now: cancels its stream block; idempotent."""
         live = self._live.get(request_id)
         if live is not None:
-            self._release(live)
+            # cancel first: a consumer woken by the release alone would see
+            # a normal end of stream and run on inside its block
             if live.scope is not None:
                 live.scope.cancel()
+            self._release(live)
         await anyio.lowlevel.checkpoint()
 
     async def check_health(self) -> None:
@@ -537,7 +540,8 @@ class AsyncLLM:
         """The consumer is done with ``live``: abort it in the core if unfinished."""
         if self._live.get(live.request_id) is live:
             self._send_nowait(AbortRequests([live.request_id]))
-            live.state.abort()
+            # a generate() consumer reads on: give it the finished "abort" output
+            live.deliver(live.state.abort())
             self._retire(live)
         live.close()
 

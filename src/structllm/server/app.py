@@ -404,7 +404,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
                 response = _error_response(_leaf(group))
                 if response is None:
                     raise
-                await emit(json.loads(response.body))
+                await emit(json.loads(bytes(response.body)))
             else:
                 if include_usage:
                     completion_tokens = sum(
@@ -434,25 +434,29 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         last = start
         first = True
         s = llm.stream(oai.as_prompt(prompt), params)
-        async with s:
-            async for out in s:
-                now = time.monotonic()
-                if first:
-                    metrics.ttft.observe(now - start)
-                    first = False
-                else:
-                    metrics.itl.observe(now - last)
-                last = now
-                if on_output is not None:
-                    on_output(out)
-        result = s.final_output
+        try:
+            async with s:
+                async for out in s:
+                    now = time.monotonic()
+                    if first:
+                        metrics.ttft.observe(now - start)
+                        first = False
+                    else:
+                        metrics.itl.observe(now - last)
+                    last = now
+                    if on_output is not None:
+                        on_output(out)
+        finally:
+            # also when cancelled (client gone, timeout): synchronous, no await
+            result = s.final_output
+            if result is not None:
+                metrics.e2e.observe(time.monotonic() - start)
+                if result.queue_time is not None:
+                    metrics.queue.observe(result.queue_time)
+                metrics.requests.inc(finished_reason=str(result.finish_reason))
+                metrics.prompt_tokens.inc(len(result.prompt_token_ids))
+                metrics.generation_tokens.inc(len(result.token_ids))
         assert result is not None
-        metrics.e2e.observe(time.monotonic() - start)
-        if result.queue_time is not None:
-            metrics.queue.observe(result.queue_time)
-        metrics.requests.inc(finished_reason=str(result.finish_reason))
-        metrics.prompt_tokens.inc(len(result.prompt_token_ids))
-        metrics.generation_tokens.inc(len(result.token_ids))
         return result
 
     return app

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 
@@ -25,7 +25,13 @@ from structllm.model.loader import LoadProgress, load_model
 from structllm.model.sampler import TokenLogprobs, make_generator
 from structllm.outputs import FinishReason
 
-__all__ = ["EngineConfig", "EngineCore", "RequestStepOutput", "StepOutput"]
+__all__ = [
+    "EngineConfig",
+    "EngineCore",
+    "RequestStepOutput",
+    "StepOutput",
+    "check_prompt",
+]
 
 _GiB = 1 << 30
 
@@ -77,6 +83,24 @@ class StepOutput:
     forward_s: float = 0.0
     sample_s: float = 0.0
     total_s: float = 0.0
+
+
+def check_prompt(prompt: Sequence[int], *, vocab_size: int, max_model_len: int) -> None:
+    """Refuse an empty prompt, out-of-vocabulary ids, or no room to generate."""
+    if not prompt:
+        raise InvalidRequestError("prompt must not be empty", field="prompt")
+    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})",
+            field="prompt",
+        )
+    if len(prompt) >= max_model_len:
+        raise InvalidRequestError(
+            f"prompt has {len(prompt)} tokens; max_model_len is {max_model_len}, "
+            f"so at most {max_model_len - 1} prompt tokens leave room to generate",
+            field="prompt",
+        )
 
 
 @attrs.frozen
@@ -160,22 +184,9 @@ class EngineCore:
                 field="request_id",
             )
         prompt = r.prompt_token_ids
-        if not prompt:
-            raise InvalidRequestError("prompt must not be empty", field="prompt")
-        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                field="prompt",
-            )
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}, "
-                "so at most {} prompt tokens leave room to generate".format(
-                    self.max_model_len - 1
-                ),
-                field="prompt",
-            )
+        check_prompt(
+            prompt, vocab_size=self.vocab_size, max_model_len=self.max_model_len
+        )
         if self.pool.blocks_for(len(prompt) + 1) > self.pool.num_blocks:
             raise InvalidRequestError(
                 f"prompt has {len(prompt)} tokens, more than the whole KV cache "

@@ -41,7 +41,7 @@ import anyio.abc
 import attrs
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from structllm.core.engine_core import EngineConfig, RequestStepOutput
+from structllm.core.engine_core import EngineConfig, RequestStepOutput, check_prompt
 from structllm.engine.executor import (
     WorkerConnection,
     open_inline_worker,
@@ -482,18 +482,7 @@ class AsyncLLM:
         info = self._info
         assert info is not None and self._outgoing is not None
         ids = parsed.token_ids
-        bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"prompt token id {bad} is outside the vocabulary [0, {info.vocab_size})",
-                field="prompt",
-            )
-        if len(ids) >= info.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens; max_model_len is {info.max_model_len}, "
-                f"so at most {info.max_model_len - 1} prompt tokens leave room to generate",
-                field="prompt",
-            )
+        check_prompt(ids, vocab_size=info.vocab_size, max_model_len=info.max_model_len)
         if request_id in self._live:
             raise InvalidRequestError(
                 f"request_id {request_id!r} is already in use by a live request",

@@ -1,0 +1,102 @@
+"""SamplingParams: every invalid value is refused, naming the field."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from structllm import InvalidRequestError, OutputKind, SamplingParams
+
+BAD = [
+    ("max_tokens", 0),
+    ("max_tokens", 1.5),
+    ("max_tokens", True),
+    ("min_tokens", -1),
+    ("temperature", -0.1),
+    ("temperature", "hot"),
+    ("temperature", float("nan")),
+    ("top_p", 0.0),
+    ("top_p", 1.01),
+    ("top_k", -2),
+    ("min_p", 1.5),
+    ("seed", 2**64),
+    ("seed", "1"),
+    ("stop", [1]),
+    ("stop", [""]),
+    ("stop_token_ids", [-1]),
+    ("stop_token_ids", "12"),
+    ("ignore_eos", 1),
+    ("repetition_penalty", 0.0),
+    ("presence_penalty", 2.5),
+    ("frequency_penalty", -3),
+    ("logprobs", 21),
+    ("logprobs", -1),
+    ("output_kind", "stream"),
+    ("skip_special_tokens", None),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD, ids=[f"{f}={v!r}" for f, v in BAD])
+def test_invalid_value_names_field(field: str, value: object) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(**{field: value})
+    assert e.value.field == field
+    assert field in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+def test_min_tokens_above_max_tokens() -> None:
+    with pytest.raises(InvalidRequestError, match="min_tokens") as e:
+        SamplingParams(max_tokens=4, min_tokens=5)
+    assert e.value.field == "min_tokens"
+
+
+def test_normalisation() -> None:
+    p = SamplingParams(temperature=1, top_k=-1, stop="x", output_kind="delta")
+    assert p.temperature == 1.0 and isinstance(p.temperature, float)
+    assert p.top_k == 0 and p.stop == ("x",) and p.output_kind is OutputKind.DELTA
+    assert SamplingParams(temperature=0).greedy and SamplingParams(top_k=1).greedy
+    assert not SamplingParams().greedy
+
+
+def test_from_openai() -> None:
+    p = SamplingParams.from_openai(
+        {
+            "max_tokens": 5,
+            "temperature": 0.5,
+            "stop": "\n",
+            "logprobs": 3,
+            "seed": 1,
+            "unknown_field": 1,
+            "n": 2,
+        }
+    )
+    assert (p.max_tokens, p.temperature, p.stop, p.logprobs, p.seed) == (
+        5,
+        0.5,
+        ("\n",),
+        3,
+        1,
+    )
+    chat = SamplingParams.from_openai(
+        {"max_completion_tokens": 7, "logprobs": True, "top_logprobs": 2}
+    )
+    assert chat.max_tokens == 7 and chat.logprobs == 2
+    assert SamplingParams.from_openai({}, default_max_tokens=None).max_tokens is None
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams.from_openai({"top_p": "x"})
+    assert e.value.field == "top_p"
+
+
+@given(
+    temperature=st.floats(0, 100),
+    top_p=st.floats(0, 1, exclude_min=True),
+    min_p=st.floats(0, 1),
+    top_k=st.integers(-1, 1000),
+)
+def test_valid_values_accepted(
+    temperature: float, top_p: float, min_p: float, top_k: int
+) -> None:
+    p = SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
+    assert p.top_k >= 0

@@ -24,8 +24,8 @@ def tests(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     session.install("ruff")
-    session.run("ruff", "check", "src", "tests", "noxfile.py")
-    session.run("ruff", "format", "--check", "src", "tests", "noxfile.py")
+    session.run("ruff", "check", "src", "tests", "parity", "noxfile.py")
+    session.run("ruff", "format", "--check", "src", "tests", "parity", "noxfile.py")
 
 
 @nox.session(python=PYTHON)

@@ -166,7 +166,9 @@ def _bench_structllm(
     )
     # warm-up: one short request, not timed
     llm.generate(
-        [work[0][0][:8]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False
+        [_warmup_prompt(work)],
+        SamplingParams(max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
     )
     params = [
         SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in work
@@ -182,6 +184,11 @@ def _bench_structllm(
         "output_tokens": produced,
         "tokens_per_s": produced / elapsed,
     }
+
+
+def _warmup_prompt(work: list[tuple[list[int], int]]) -> list[int]:
+    """The longest prompt: warming up with it grows every buffer once, untimed."""
+    return max((p for p, _ in work), key=len)
 
 
 def _median_run(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -208,7 +215,7 @@ def _bench_core(
     from structllm.params import SamplingParams
 
     core = EngineCore(EngineConfig(model=model, **_engine_args(ns, threads)))
-    for i, (p, o) in enumerate([(work[0][0][:8], 4), *work]):
+    for i, (p, o) in enumerate([(_warmup_prompt(work), 8), *work]):
         core.add_request(
             CoreRequest(
                 request_id=str(i),
@@ -244,7 +251,7 @@ async def _bench_async(
         model, executor="process", show_progress=False, **_engine_args(ns, threads)
     ) as llm:
         await llm.complete(
-            {"prompt_token_ids": work[0][0][:8]}, SamplingParams(max_tokens=4)
+            {"prompt_token_ids": _warmup_prompt(work)}, SamplingParams(max_tokens=8)
         )
 
         async def one(prompt: list[int], n: int) -> None:

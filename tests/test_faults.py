@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -161,3 +163,41 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def test_worker_outlives_the_thread_that_started_it() -> None:
+    """Only the parent *process* dying ends the worker.
+
+    trio starts processes from pooled threads that retire after 10 s idle; a
+    worker tied to its spawning thread (PR_SET_PDEATHSIG) died with it.
+    """
+    ours, theirs = socket.socketpair()
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def spawn() -> None:
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "structllm.engine.worker",
+                    "--fd",
+                    str(theirs.fileno()),
+                    "--parent-pid",
+                    str(os.getpid()),
+                ],
+                pass_fds=[theirs.fileno()],
+            )
+        )
+
+    thread = threading.Thread(target=spawn)
+    thread.start()
+    thread.join()  # the spawning thread is gone
+    theirs.close()
+    (worker,) = procs
+    try:
+        time.sleep(1.0)
+        assert worker.poll() is None, "the worker died with its spawning thread"
+    finally:
+        ours.close()  # EOF: the worker exits by itself
+        assert worker.wait(timeout=10) == 0

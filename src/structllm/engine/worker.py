@@ -8,19 +8,21 @@ new requests and aborts between steps, so an abort frees its blocks within
 one step.
 
 The worker exits when told to (Shutdown), when the socket closes (the front
-end went away), or when its parent process dies (``PR_SET_PDEATHSIG`` on
-Linux). It starts as a fresh interpreter and ignores SIGINT: Ctrl-C is the
+end went away), or when its parent process dies (a pidfd watch, even
+mid-step). It starts as a fresh interpreter and ignores SIGINT: Ctrl-C is the
 front end's to handle.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import select
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -224,14 +226,31 @@ def _inject(kind: str, step: int) -> None:
     raise ValueError(f"unknown fault {kind!r}")
 
 
-def _die_with_parent() -> None:
-    if sys.platform != "linux":
-        return
-    import ctypes
+def _exit_with_parent(parent_pid: int) -> None:
+    """Exit at once, even mid-step, when the parent process dies.
 
-    PR_SET_PDEATHSIG = 1
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    A thread waits on a pidfd of the parent (readable when it exits). Not
+    ``PR_SET_PDEATHSIG``: that fires when the parent *thread* that forked us
+    exits, and trio starts processes from a pooled thread that retires after
+    10 s idle, which would kill a healthy worker.
+    """
+
+    def watch_pidfd(fd: int) -> None:
+        select.select([fd], [], [])
+        os._exit(0)
+
+    def watch_ppid() -> None:  # no pidfd (not Linux): check once a second
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(0)
+
+    try:
+        fd = os.pidfd_open(parent_pid)
+    except (AttributeError, OSError):
+        watch = watch_ppid
+    else:
+        watch = functools.partial(watch_pidfd, fd)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,9 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent-pid", type=int, default=None)
     ns = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
-    if ns.parent_pid is not None and os.getppid() != ns.parent_pid:
-        return 0  # the parent died before we could ask to follow it
+    if ns.parent_pid is not None:
+        _exit_with_parent(ns.parent_pid)
+        if os.getppid() != ns.parent_pid:
+            return 0  # the parent died before the watch began
     sock = socket.socket(fileno=ns.fd)
     try:
         return serve(sock)

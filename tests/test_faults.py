@@ -23,6 +23,7 @@ import pytest
 
 from structllm import EngineDeadError, ModelLoadError, SamplingParams
 from structllm.engine.async_llm import AsyncLLM, WorkerCrashedError
+from structllm.engine.protocol import FrameReader, Ready, Start, encode
 from structllm.model.checkpoint import write_random_checkpoint
 from structllm.model.config import tiny_config
 
@@ -173,6 +174,7 @@ def test_worker_outlives_the_thread_that_started_it() -> None:
     """
     ours, theirs = socket.socketpair()
     procs: list[subprocess.Popen[bytes]] = []
+    release = threading.Event()
 
     def spawn() -> None:
         procs.append(
@@ -189,15 +191,35 @@ def test_worker_outlives_the_thread_that_started_it() -> None:
                 pass_fds=[theirs.fileno()],
             )
         )
+        release.wait()  # stay alive until the worker is fully up
 
     thread = threading.Thread(target=spawn)
     thread.start()
-    thread.join()  # the spawning thread is gone
-    theirs.close()
-    (worker,) = procs
     try:
+        # handshake: once Ready arrives, the worker has set up its parent watch
+        ours.sendall(
+            encode(
+                Start(
+                    config={"model": "tiny", "max_model_len": 64, "num_blocks": 8},
+                    heartbeat_interval=1.0,
+                )
+            )
+        )
+        reader = FrameReader()
+        ready = False
+        while not ready:
+            data = ours.recv(1 << 16)
+            assert data, "the worker exited during start-up"
+            ready = any(isinstance(m, Ready) for m in reader.feed(data))
+        release.set()
+        thread.join()  # the spawning thread is gone now
         time.sleep(1.0)
+        (worker,) = procs
         assert worker.poll() is None, "the worker died with its spawning thread"
     finally:
+        release.set()
+        thread.join()
+        theirs.close()
         ours.close()  # EOF: the worker exits by itself
-        assert worker.wait(timeout=10) == 0
+        for worker in procs:
+            assert worker.wait(timeout=10) == 0

@@ -365,11 +365,19 @@ def _print(r: dict[str, Any]) -> None:
         f"{r['output_tokens']} output tokens; {r['threads']} threads"
     )
     base = r["systems"]["structllm"]["tokens_per_s"]
-    print(f"{'system':<28}{'seconds':>10}{'out tok/s':>12}{'structllm ×':>14}")
+    print(
+        f"{'system':<38}{'seconds':>9}{'out tok/s':>11}{'structllm x':>13}{'gen tok/s':>11}"
+    )
     for name, s in r["systems"].items():
+        tps = s["tokens_per_s"]
+        gen = s.get("generated_tokens_per_s", tps)
         print(
-            f"{name:<28}{s['seconds']:>10.2f}{s['tokens_per_s']:>12.1f}{base / s['tokens_per_s']:>14.2f}"
+            f"{name:<38}{s['seconds']:>9.2f}{tps:>11.1f}{base / tps:>13.2f}{gen:>11.1f}"
         )
+    print(
+        "out tok/s counts requested tokens; gen tok/s also counts tokens a "
+        "baseline generated past a request's length (padding to its batch's longest)"
+    )
     if "frontend_overhead" in r:
         pairs = ", ".join(f"{100 * x:.1f}%" for x in r["frontend_overhead_runs"])
         print(

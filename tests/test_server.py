@@ -357,6 +357,53 @@ def test_overload_timeout_and_death() -> None:
         assert proc.returncode == 1
 
 
+def test_health_is_503_while_loading_then_200(tmp_path: Path) -> None:
+    from structllm.tiny import make_tiny_model
+
+    # big enough that loading takes a while (~30M parameters)
+    make_tiny_model(
+        tmp_path,
+        hidden_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=8,
+        intermediate_size=1536,
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "structllm.cli",
+        "serve",
+        str(tmp_path),
+        "--port",
+        "0",
+        "--max-model-len",
+        "256",
+        "--num-blocks",
+        "64",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        url = re.search(r"listening on (http://\S+)", line)
+        assert url is not None, line
+        assert httpx.get(f"{url.group(1)}/health").status_code == 503
+        r = httpx.post(f"{url.group(1)}/v1/completions", json={"prompt": "x"})
+        assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+        assert "serving" in proc.stdout.readline()
+        assert httpx.get(f"{url.group(1)}/health").status_code == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+
+
 def test_graceful_shutdown_exits_zero() -> None:
     with run_server(*ENGINE) as (url, proc):
         assert httpx.get(f"{url}/health").status_code == 200

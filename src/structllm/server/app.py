@@ -32,7 +32,7 @@ from structllm.outputs import RequestOutput
 from structllm.server import protocol as oai
 from structllm.server.metrics import Metrics
 
-__all__ = ["ServerConfig", "build_app"]
+__all__ = ["EngineSlot", "ServerConfig", "build_app"]
 
 Emit = Callable[[dict[str, Any] | str], Awaitable[None]]
 
@@ -48,6 +48,22 @@ class ServerConfig:
 
 class _Timeout(Exception):
     pass
+
+
+class EngineLoadingError(Exception):
+    """The server is up but the engine has not finished loading."""
+
+
+@attrs.define(eq=False)
+class EngineSlot:
+    """Holds the engine once it is up: the server listens while it loads."""
+
+    llm: AsyncLLM | None = None
+
+    def get(self) -> AsyncLLM:
+        if self.llm is None:
+            raise EngineLoadingError("the engine is loading")
+        return self.llm
 
 
 def _error(
@@ -111,12 +127,14 @@ async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> N
             return
 
 
-def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
+def build_app(slot: EngineSlot, config: ServerConfig) -> FastAPI:
     app = FastAPI(title="structllm", docs_url=None, redoc_url=None)
     created = oai.now()
 
     def gauges() -> dict[str, tuple[str, float]]:
-        s = llm.statistics()
+        if slot.llm is None:
+            return {"engine_healthy": ("1 when the engine serves, else 0.", 0.0)}
+        s = slot.llm.statistics()
         usage = s.blocks_used / s.num_blocks if s.num_blocks else 0.0
         return {
             "num_requests_running": ("Requests in the running batch.", s.running),
@@ -185,6 +203,13 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
                 type_="ServiceUnavailableError",
                 headers={"Retry-After": str(config.retry_after)},
             )
+        if isinstance(exc, EngineLoadingError):
+            return _error(
+                503,
+                str(exc),
+                type_="ServiceUnavailableError",
+                headers={"Retry-After": str(config.retry_after)},
+            )
         if isinstance(exc, EngineDeadError):
             return _error(
                 503,
@@ -201,7 +226,9 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        s = llm.statistics()
+        if slot.llm is None:
+            return Response(status_code=503)  # loading
+        s = slot.llm.statistics()
         if s.ready and not s.dead:
             return Response(status_code=200)
         return Response(status_code=503)
@@ -213,7 +240,15 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         )
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models() -> Any:
+        if slot.llm is None:
+            return _error(
+                503,
+                "the engine is loading",
+                type_="ServiceUnavailableError",
+                headers={"Retry-After": str(config.retry_after)},
+            )
+        llm = slot.llm
         return {
             "object": "list",
             "data": [
@@ -230,6 +265,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         async def handle(body: Any) -> Response:
+            slot.get()  # 503 while loading, before anything streams
             req = oai.parse_completion(
                 body, default_max_tokens=config.default_max_tokens
             )
@@ -255,6 +291,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         async def handle(body: Any) -> Response:
+            llm = slot.get()
             req = oai.parse_chat(body, llm.tokenizer, default_max_tokens=None)
             if (bad := check_model(req.model)) is not None:
                 return bad
@@ -433,7 +470,7 @@ def build_app(llm: AsyncLLM, config: ServerConfig) -> FastAPI:
         start = time.monotonic()
         last = start
         first = True
-        s = llm.stream(oai.as_prompt(prompt), params)
+        s = slot.get().stream(oai.as_prompt(prompt), params)
         try:
             async with s:
                 async for out in s:

@@ -21,7 +21,8 @@ from typing import Any
 import anyio
 
 from structllm.engine.async_llm import AsyncLLM
-from structllm.server.app import ServerConfig, build_app
+from structllm.errors import StructLLMError
+from structllm.server.app import EngineSlot, ServerConfig, build_app
 
 __all__ = ["add_serve_args", "run_server"]
 
@@ -53,7 +54,6 @@ async def _serve(ns: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((ns.host, ns.port))
     sock.listen(1024)
-    sock.set_inheritable(True)
     port = sock.getsockname()[1]
     config = Config()
     config.bind = [f"fd://{sock.fileno()}"]
@@ -62,41 +62,61 @@ async def _serve(ns: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     config.errorlog = "-"
     name = ns.served_model_name or ns.model
     shutdown = anyio.Event()
-    dead = False
+    slot = EngineSlot()
+    app = build_app(
+        slot,
+        ServerConfig(
+            model_name=name,
+            request_timeout=ns.request_timeout,
+            default_max_tokens=ns.default_max_tokens,
+        ),
+    )
+    status = 0
     try:
-        async with AsyncLLM.open(
-            ns.model,
-            tokenizer=ns.tokenizer,
-            executor=ns.executor,
-            max_queued_requests=ns.max_queued_requests,
-            shutdown_grace=ns.shutdown_grace,
-            max_restarts=ns.max_restarts,
-            **engine_args,
-        ) as llm:
-            app = build_app(
-                llm,
-                ServerConfig(
-                    model_name=name,
-                    request_timeout=ns.request_timeout,
-                    default_max_tokens=ns.default_max_tokens,
-                ),
-            )
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(_on_signals, shutdown)
-                tg.start_soon(_watch_engine, llm, shutdown)
-                print(
-                    f"structllm: serving {name!r} on http://{ns.host}:{port}",
-                    flush=True,
-                )
-                await _hypercorn(app, config, shutdown)
-                tg.cancel_scope.cancel()
-            dead = llm.statistics().dead
+        async with anyio.create_task_group() as tg:
+            # listen from the start: /health answers 503 while the model loads
+            served = anyio.Event()
+
+            async def serve_http() -> None:
+                try:
+                    await _hypercorn(app, config, shutdown)
+                finally:
+                    served.set()
+
+            tg.start_soon(serve_http)
+            tg.start_soon(_on_signals, shutdown)
+            print(f"structllm: listening on http://{ns.host}:{port}", flush=True)
+            try:
+                async with AsyncLLM.open(
+                    ns.model,
+                    tokenizer=ns.tokenizer,
+                    executor=ns.executor,
+                    max_queued_requests=ns.max_queued_requests,
+                    shutdown_grace=ns.shutdown_grace,
+                    max_restarts=ns.max_restarts,
+                    **engine_args,
+                ) as llm:
+                    slot.llm = llm
+                    tg.start_soon(_watch_engine, llm, shutdown)
+                    print(
+                        f"structllm: serving {name!r} on http://{ns.host}:{port}",
+                        flush=True,
+                    )
+                    # hypercorn returns once shutdown is set and open requests drained
+                    await served.wait()
+                    status = 1 if llm.statistics().dead else 0
+                    slot.llm = None
+            except StructLLMError as exc:
+                print(f"structllm: the engine failed to start: {exc}", file=sys.stderr)
+                status = 1
+                shutdown.set()
+            tg.cancel_scope.cancel()
     finally:
         if sock.fileno() != -1:
             with contextlib.suppress(OSError):  # hypercorn may have closed it
                 sock.close()
-    print("structllm: stopped" + (" (the engine died)" if dead else ""), flush=True)
-    return 1 if dead else 0
+    print("structllm: stopped" + (" (the engine died)" if status else ""), flush=True)
+    return status
 
 
 async def _hypercorn(app: Any, config: Any, shutdown: anyio.Event) -> None:

@@ -23,6 +23,7 @@ import pytest
 
 from structllm import EngineDeadError, ModelLoadError, SamplingParams
 from structllm.engine.async_llm import AsyncLLM, WorkerCrashedError
+from structllm.engine.executor import worker_command
 from structllm.engine.protocol import FrameReader, Ready, Start, encode
 from structllm.model.checkpoint import write_random_checkpoint
 from structllm.model.config import tiny_config
@@ -177,20 +178,8 @@ def test_worker_outlives_the_thread_that_started_it() -> None:
     release = threading.Event()
 
     def spawn() -> None:
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "structllm.engine.worker",
-                    "--fd",
-                    str(theirs.fileno()),
-                    "--parent-pid",
-                    str(os.getpid()),
-                ],
-                pass_fds=[theirs.fileno()],
-            )
-        )
+        fd = theirs.fileno()
+        procs.append(subprocess.Popen(worker_command(fd), pass_fds=[fd]))
         release.wait()  # stay alive until the worker is fully up
 
     thread = threading.Thread(target=spawn)

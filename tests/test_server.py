@@ -172,25 +172,10 @@ def test_chat_sync_and_async(server: str) -> None:
 
 def test_n_seed_and_logprobs(server: str) -> None:
     c = client(server)
-    r = c.completions.create(
-        model="tiny",
-        prompt="abc",
-        max_tokens=6,
-        temperature=1.0,
-        n=3,
-        seed=7,
-        logprobs=2,
-    )
+    request = {"model": "tiny", "prompt": "abc", "max_tokens": 6, "temperature": 1.0}
+    r = c.completions.create(**request, n=3, seed=7, logprobs=2)
     assert sorted(ch.index for ch in r.choices) == [0, 1, 2]
-    again = c.completions.create(
-        model="tiny",
-        prompt="abc",
-        max_tokens=6,
-        temperature=1.0,
-        n=3,
-        seed=7,
-        logprobs=2,
-    )
+    again = c.completions.create(**request, n=3, seed=7, logprobs=2)
     assert [ch.text for ch in r.choices] == [ch.text for ch in again.choices]
     lp = r.choices[0].logprobs
     assert lp is not None and len(lp.token_logprobs) == 6

@@ -27,7 +27,12 @@ import attrs
 
 from structllm.engine.protocol import FrameReader, Message, encode
 
-__all__ = ["WorkerConnection", "open_inline_worker", "open_process_worker"]
+__all__ = [
+    "WorkerConnection",
+    "open_inline_worker",
+    "open_process_worker",
+    "worker_command",
+]
 
 
 @attrs.define(eq=False)
@@ -54,6 +59,19 @@ class WorkerConnection:
                 self.process.kill()
 
 
+def worker_command(fd: int) -> list[str]:
+    """The worker's command line, serving on inherited socket ``fd``."""
+    return [
+        sys.executable,
+        "-m",
+        "structllm.engine.worker",
+        "--fd",
+        str(fd),
+        "--parent-pid",
+        str(os.getpid()),
+    ]
+
+
 @asynccontextmanager
 async def open_process_worker(
     *, exit_timeout: float = 10.0
@@ -62,15 +80,7 @@ async def open_process_worker(
     ours, theirs = socket.socketpair()
     try:
         process = await anyio.open_process(
-            [
-                sys.executable,
-                "-m",
-                "structllm.engine.worker",
-                "--fd",
-                str(theirs.fileno()),
-                "--parent-pid",
-                str(os.getpid()),
-            ],
+            worker_command(theirs.fileno()),
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
             stdout=None,

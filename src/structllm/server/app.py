@@ -196,14 +196,7 @@ def build_app(slot: EngineSlot, config: ServerConfig) -> FastAPI:
     def _error_response(exc: BaseException) -> JSONResponse | None:
         if isinstance(exc, InvalidRequestError):
             return _error(400, str(exc), type_="BadRequestError", param=exc.field)
-        if isinstance(exc, EngineOverloadedError):
-            return _error(
-                503,
-                str(exc),
-                type_="ServiceUnavailableError",
-                headers={"Retry-After": str(config.retry_after)},
-            )
-        if isinstance(exc, EngineLoadingError):
+        if isinstance(exc, EngineOverloadedError | EngineLoadingError):
             return _error(
                 503,
                 str(exc),

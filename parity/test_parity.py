@@ -48,6 +48,7 @@ CHECKPOINTS = {
         "arch": "llama",
         "rope_scaling": {"rope_type": "linear", "factor": 4.0},
     },
+    "mistral-sliding-window-8": {"arch": "mistral", "sliding_window": 8},
     "mistral-gqa": {
         "arch": "mistral",
         "num_kv_heads": 2,

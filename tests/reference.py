@@ -38,6 +38,8 @@ def reference_logits(
 
     x = f("model.embed_tokens.weight")[list(ids)]
     causal = np.tril(np.ones((t, t), dtype=bool))
+    if c.sliding_window is not None:  # query i sees keys j with i - j < window
+        causal &= np.subtract.outer(np.arange(t), np.arange(t)) < c.sliding_window
     for n in range(c.num_hidden_layers):
         p = f"model.layers.{n}."
         h = rms(x, f(p + "input_layernorm.weight"))

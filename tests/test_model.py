@@ -31,6 +31,9 @@ CONFIGS = {
             rope_type="llama3", factor=8.0, original_max_position_embeddings=64
         ),
     ),
+    "sliding-window": attrs.evolve(
+        tiny_config(), architecture="MistralForCausalLM", sliding_window=5
+    ),
     "linear-rope": attrs.evolve(
         tiny_config(), rope_scaling=RopeScaling(rope_type="linear", factor=2.0)
     ),

@@ -43,6 +43,7 @@ def make_tiny_model(
     seed: int = 0,
     rope_theta: float = 10000.0,
     rope_scaling: dict[str, Any] | None = None,
+    sliding_window: int | None = None,
 ) -> ModelConfig:
     """Write a random checkpoint of ``arch`` to ``directory``; return its config."""
     if arch not in ARCHITECTURES:
@@ -77,7 +78,9 @@ def make_tiny_model(
         if tie_word_embeddings is None
         else tie_word_embeddings,
         qkv_bias=bias,
-        sliding_window=max_position_embeddings if arch == "mistral" else None,
+        sliding_window=(sliding_window or max_position_embeddings)
+        if arch == "mistral"
+        else None,
         bos_token_id=None,
         eos_token_ids=(eos,),
         checkpoint_dtype=dtype,

@@ -83,8 +83,17 @@ class PortableAttention:
     """Paged attention from gathers and batched matmuls."""
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        *,
+        sliding_window: int | None = None,
     ) -> None:
+        #: a query at position p sees keys j with p - j < sliding_window
+        #: (Mistral); None: all earlier keys
+        self.sliding_window = sliding_window
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -117,7 +126,10 @@ class PortableAttention:
             slots = np.zeros((num_decodes, width), dtype=np.int64)
             for i, s in enumerate(seqs[:num_decodes]):
                 slots[i, : lens[i]] = slots_for(s.block_table, 0, lens[i], bs)
-            valid = np.arange(width)[None, :] < lens[:, None]  # (B, K)
+            keys = np.arange(width)[None, :]
+            valid = keys < lens[:, None]  # (B, K)
+            if self.sliding_window is not None:
+                valid &= keys >= lens[:, None] - self.sliding_window
             mask = np.where(valid, 0.0, _NEG_INF).astype(np.float32)
             decode_slots = slots.reshape(-1)
             decode_mask = paddle.to_tensor(mask[None, :, None, :])
@@ -129,7 +141,10 @@ class PortableAttention:
             kv = slots_for(s.block_table, 0, total, bs)
             # query i (absolute position context_len + i) sees keys 0..context_len+i
             q_pos = s.context_len + np.arange(s.query_len)[:, None]
-            visible = np.arange(total)[None, :] <= q_pos  # (q, L)
+            keys = np.arange(total)[None, :]
+            visible = keys <= q_pos  # (q, L)
+            if self.sliding_window is not None:
+                visible &= q_pos - keys < self.sliding_window
             mask = np.where(visible, 0.0, _NEG_INF).astype(np.float32)
             prefills.append(
                 _Prefill(

@@ -132,7 +132,13 @@ class ModelConfig:
                 () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
             )
             window = d.get("sliding_window")
-            if arch == "Qwen2ForCausalLM" and not d.get("use_sliding_window", False):
+            if arch == "Qwen2ForCausalLM":
+                if d.get("use_sliding_window", False):
+                    # Qwen2 windows only layers >= max_window_layers
+                    raise UnsupportedModelError(
+                        "Qwen2 use_sliding_window=true (per-layer windows) is not "
+                        "supported"
+                    )
                 window = None
             return cls(
                 architecture=arch,

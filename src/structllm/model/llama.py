@@ -87,6 +87,7 @@ class LlamaForCausalLM:
             config.num_key_value_heads,
             config.head_dim,
             block_size,
+            sliding_window=config.sliding_window,
         )
         # cos/sin for every position, float32: (max_model_len, head_dim / 2)
         freqs = np.outer(

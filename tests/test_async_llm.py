@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from structllm import (
+    EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
     OutputKind,
@@ -281,3 +282,48 @@ async def test_nothing_left_behind(executor: str) -> None:
             assert engine_threads() == ["structllm-inline-worker"]
     assert engine_threads() == []
     assert child_pids() == children
+
+
+async def test_reusing_an_id_at_once_never_mixes_requests() -> None:
+    """A late result for a released request must not land in its successor."""
+    async with open_llm() as llm:
+        expected = list((await llm.complete("zz", GREEDY)).token_ids)
+        for _ in range(20):
+            async with llm.stream("x", SamplingParams(max_tokens=200)) as s:
+                async for _out in s:
+                    break
+            out = await llm.complete("zz", GREEDY, request_id=s.request_id)
+            assert list(out.token_ids) == expected
+
+
+async def test_heartbeats_continue_under_submit_and_abort_churn() -> None:
+    """Requests aborted before their first step make no step results."""
+    async with open_llm(heartbeat_interval=0.1, heartbeat_timeout=0.4) as llm:
+        with anyio.move_on_after(1.5):
+            while True:
+                async with llm.stream("x", GREEDY):
+                    pass  # registered and released without reading
+                await anyio.sleep(0.01)
+        assert llm.statistics().restarts == 0
+
+
+async def test_waiting_for_a_restart_ends_when_the_engine_closes() -> None:
+    """A submitter outside open() must not wait forever for a restart."""
+    errors: list[BaseException] = []
+    failed = anyio.Event()
+    async with anyio.create_task_group() as outer:
+        async with open_llm(fault="raise_at_step:0", restart_backoff=30.0) as llm:
+            with pytest.raises(EngineDeadError):
+                await llm.complete("x", GREEDY)  # kills the worker
+
+            async def late() -> None:
+                try:
+                    await llm.complete("y", GREEDY)  # waits for the restart
+                except EngineDeadError as exc:
+                    errors.append(exc)
+                    failed.set()
+
+            outer.start_soon(late)
+        with anyio.fail_after(5):  # leaving open() must wake it
+            await failed.wait()
+    assert "shutting down" in str(errors[0])

@@ -218,6 +218,28 @@ def test_invalid_json_and_unknown_model(server: str) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
+def test_more_refusals_and_usage(server: str) -> None:
+    # streaming or not, a bad prompt is refused before any 200 is promised
+    r = httpx.post(
+        f"{server}/v1/completions", json={"prompt": [1] * 300, "stream": True}
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(f"{server}/v1/completions", content=b"[" * 100_000)
+    assert r.status_code == 400
+    r = httpx.post(
+        f"{server}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    # two prompts, two choices each: each prompt's tokens counted once
+    r = httpx.post(
+        f"{server}/v1/completions", json={"prompt": ["a", "a"], "n": 2, "max_tokens": 1}
+    )
+    assert r.status_code == 200
+    per_prompt = len(parse_prompt("a", load_tokenizer("tiny")).token_ids)
+    assert r.json()["usage"]["prompt_tokens"] == 2 * per_prompt
+
+
 def test_models_and_health(server: str) -> None:
     assert httpx.get(f"{server}/health").status_code == 200
     models = client(server).models.list()
@@ -332,6 +354,22 @@ def test_overload_timeout_and_death() -> None:
             json={"prompt": "x", "max_tokens": 2000, "ignore_eos": True},
         )
         assert r.status_code == 408 and "longer than 1s" in r.json()["error"]["message"]
+        wait_idle(url)
+        # streaming: the 200 is already sent, so the error is the last event
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/completions",
+            timeout=30,
+            json={
+                "prompt": "x",
+                "max_tokens": 2000,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data:")]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][5:])["error"]["code"] == 408
         wait_idle(url)
         # kill the worker: no restarts allowed, so the engine is dead for good
         pid = _worker_pid(proc.pid)

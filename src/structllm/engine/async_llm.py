@@ -29,9 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from types import TracebackType
 from typing import Any, Literal
@@ -146,6 +147,9 @@ class _Live:
 
     request_id: str
     state: RequestState
+    #: the id on the wire: unique per submission, so a caller's id can be
+    #: reused at once without a late result for the old request landing here
+    wire_id: str = ""
     scope: anyio.CancelScope | None = None
     error: BaseException | None = None
     #: no more outputs will be delivered (finished, aborted or failed)
@@ -261,6 +265,8 @@ class AsyncLLM:
         self.config = front
         self.tokenizer = tokenizer
         self._live: dict[str, _Live] = {}
+        self._wire: dict[str, _Live] = {}
+        self._submissions = itertools.count()
         self._outgoing: MemoryObjectSendStream[Message] | None = None
         self._ready = False
         self._ready_event = anyio.Event()
@@ -477,41 +483,65 @@ class AsyncLLM:
         while not self._ready:
             self._check_admitting()
             await self._ready_event.wait()
-        self._check_admitting()
         # From here to the end: no await. Registered and submitted, or neither.
-        info = self._info
-        assert info is not None and self._outgoing is not None
-        ids = parsed.token_ids
-        check_prompt(ids, vocab_size=info.vocab_size, max_model_len=info.max_model_len)
+        info = self.check_admission(parsed.token_ids)
         if request_id in self._live:
             raise InvalidRequestError(
                 f"request_id {request_id!r} is already in use by a live request",
                 field="request_id",
             )
+        ids = parsed.token_ids
+        wire_id = f"{request_id}#{next(self._submissions)}"
+        live = _Live(
+            request_id,
+            RequestState(request_id, parsed.text, ids, params, self.tokenizer),
+            wire_id=wire_id,
+        )
+        assert self._outgoing is not None
+        try:
+            self._outgoing.send_nowait(
+                AddRequest(
+                    request_id=wire_id,
+                    prompt_token_ids=list(ids),
+                    params=_params_to_wire(params),
+                    eos_token_ids=sorted(self._eos | frozenset(info.eos_token_ids)),
+                    priority=priority,
+                )
+            )
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            # the worker just died; its teardown has not reached us yet
+            raise EngineDeadError("the engine core died; it is restarting") from None
+        self._live[request_id] = live
+        self._wire[wire_id] = live
+        return live
+
+    def check_admission(self, prompt_token_ids: Sequence[int], count: int = 1) -> Ready:
+        """Raise now what submitting ``count`` requests for this prompt would.
+
+        EngineDeadError when dead, shutting down or restarting;
+        InvalidRequestError for a prompt the model cannot take;
+        EngineOverloadedError when admission control would refuse. Servers
+        call it before promising a streaming response.
+        """
+        self._check_admitting()
+        info = self._info
+        if not self._ready or info is None or self._outgoing is None:
+            raise EngineDeadError("the engine core is restarting")
+        check_prompt(
+            prompt_token_ids,
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
+        )
         limit = self.config.max_queued_requests
         if (
             limit is not None
-            and len(self._live) >= self.engine_config.max_num_seqs + limit
+            and len(self._live) + count > self.engine_config.max_num_seqs + limit
         ):
             raise EngineOverloadedError(
                 f"{len(self._live)} requests in flight; max_queued_requests={limit} "
                 "are already waiting beyond max_num_seqs"
             )
-        live = _Live(
-            request_id,
-            RequestState(request_id, parsed.text, ids, params, self.tokenizer),
-        )
-        self._live[request_id] = live
-        self._outgoing.send_nowait(
-            AddRequest(
-                request_id=request_id,
-                prompt_token_ids=list(ids),
-                params=_params_to_wire(params),
-                eos_token_ids=sorted(self._eos | frozenset(info.eos_token_ids)),
-                priority=priority,
-            )
-        )
-        return live
+        return info
 
     def _check_admitting(self) -> None:
         if self._dead is not None:
@@ -528,7 +558,7 @@ class AsyncLLM:
     def _release(self, live: _Live) -> None:
         """The consumer is done with ``live``: abort it in the core if unfinished."""
         if self._live.get(live.request_id) is live:
-            self._send_nowait(AbortRequests([live.request_id]))
+            self._send_nowait(AbortRequests([live.wire_id]))
             # a generate() consumer reads on: give it the finished "abort" output
             live.deliver(live.state.abort())
             self._retire(live)
@@ -536,6 +566,7 @@ class AsyncLLM:
 
     def _retire(self, live: _Live) -> None:
         del self._live[live.request_id]
+        self._wire.pop(live.wire_id, None)
         if not self._live:
             self._idle_event.set()
             self._idle_event = anyio.Event()
@@ -586,7 +617,7 @@ class AsyncLLM:
                     cause = exc
                 finally:
                     self._on_worker_gone()
-                if cause is not None and not self._closing:
+                if cause is not None:
                     # fail requests now, not after the worker is reaped
                     conn.kill()
                     if started:
@@ -722,7 +753,7 @@ class AsyncLLM:
                 self._counts = msg
                 self._stats_updated()
             elif isinstance(msg, AddFailed):
-                live = self._live.get(msg.request_id)
+                live = self._wire.get(msg.request_id)
                 if live is not None:
                     self._retire(live)
                     live.close(InvalidRequestError(msg.message, field=msg.field))
@@ -735,11 +766,11 @@ class AsyncLLM:
         self._counts = Heartbeat(msg.num_running, msg.num_waiting, msg.blocks_used)
         self._preemptions = msg.total_preemptions
         for wo in msg.outputs:
-            live = self._live.get(wo.request_id)
+            live = self._wire.get(wo.request_id)
             if live is None:
                 continue  # released already; its abort is on the way
             step = RequestStepOutput(
-                request_id=wo.request_id,
+                request_id=live.request_id,
                 new_token_ids=tuple(wo.new_token_ids),
                 logprobs=None
                 if wo.logprobs is None
@@ -766,6 +797,7 @@ class AsyncLLM:
 
     async def _shutdown(self) -> None:
         self._closing = True
+        self._ready_event.set()  # submitters waiting for a restart: "shutting down"
         with anyio.move_on_after(self.config.shutdown_grace):
             while self._live:
                 await self._idle_event.wait()
@@ -783,6 +815,7 @@ async def _receive(conn: WorkerConnection) -> Message:
         anyio.BrokenResourceError,
         anyio.ClosedResourceError,
         OSError,
+        ValueError,  # a malformed frame (msgspec.DecodeError is a ValueError)
     ) as exc:
         raise _WorkerLost(
             ConnectionError(f"the worker connection closed ({exc!r})")

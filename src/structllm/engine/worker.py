@@ -92,6 +92,7 @@ def _load(start: Start, send: Callable[[Message], None]):  # type: ignore[no-unt
             EngineConfig(**start.config),
             on_progress=lambda e: send(LoadProgressMsg(e.stage, e.done, e.total)),
         )
+        _warm_up(core, send)
     except Exception as exc:
         send(
             Fatal(
@@ -138,13 +139,21 @@ def _loop(core, start: Start, backlog: list[Message], receive, send) -> int:  # 
     fault_kind, _, fault_step = (start.fault or "").partition(":")
     steps = 0
     pending: list[Message] = list(backlog)
+    last_sent = time.monotonic()
     while True:
         busy = core.has_unfinished_requests()
         if not pending or busy:
             got = receive(0.0 if busy else start.heartbeat_interval)
-            if got is None and not busy:
+            # Idle, a heartbeat at least once an interval, also while messages
+            # keep arriving (requests aborted before their first step make no
+            # step results, and silence would look like a hung worker).
+            if not busy and (
+                got is None or time.monotonic() - last_sent >= start.heartbeat_interval
+            ):
                 s = core.scheduler
                 send(Heartbeat(len(s.running), len(s.waiting), core.pool.num_used))
+                last_sent = time.monotonic()
+            if got is None and not busy:
                 continue
             pending += got or []
         for msg in pending:
@@ -180,6 +189,7 @@ def _loop(core, start: Start, backlog: list[Message], receive, send) -> int:  # 
             return 1
         steps += 1
         stats = core.scheduler
+        last_sent = time.monotonic()
         send(
             StepResult(
                 outputs=[

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -20,15 +20,18 @@ import attrs
 from anyio.streams.memory import MemoryObjectSendStream
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from structllm.engine.async_llm import AsyncLLM
+from structllm.engine.inputs import parse_prompt
 from structllm.errors import (
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
 )
 from structllm.outputs import RequestOutput
+from structllm.params import SamplingParams
 from structllm.server import protocol as oai
 from structllm.server.metrics import Metrics
 
@@ -170,10 +173,13 @@ def build_app(slot: EngineSlot, config: ServerConfig) -> FastAPI:
         The body is read first: afterwards the only message left to receive
         is the disconnect, which a watcher task waits for.
         """
-        raw = await request.body()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:
+            return Response(status_code=499)
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
             return _error(
                 400, f"the body is not valid JSON: {exc}", type_="BadRequestError"
             )
@@ -265,7 +271,7 @@ def build_app(slot: EngineSlot, config: ServerConfig) -> FastAPI:
             if (bad := check_model(req.model)) is not None:
                 return bad
             jobs = [
-                (i * req.n + j, p, oai.choice_seed(req.params, j))
+                _Job(i * req.n + j, i, p, oai.choice_seed(req.params, j))
                 for i, p in enumerate(req.prompts)
                 for j in range(req.n)
             ]
@@ -290,7 +296,9 @@ def build_app(slot: EngineSlot, config: ServerConfig) -> FastAPI:
                 return bad
             # the template writes BOS itself: tokenise without special tokens
             ids = tuple(llm.tokenizer.encode(req.prompt_text, add_special_tokens=False))
-            jobs = [(j, ids, oai.choice_seed(req.params, j)) for j in range(req.n)]
+            jobs = [
+                _Job(j, 0, ids, oai.choice_seed(req.params, j)) for j in range(req.n)
+            ]
             return await _run(
                 request,
                 jobs,
@@ -305,7 +313,7 @@ def build_app(slot: EngineSlot, config: ServerConfig) -> FastAPI:
 
     async def _run(
         request: Request,
-        jobs: list[tuple[int, Any, Any]],
+        jobs: list[_Job],
         prefix: str,
         stream: bool,
         include_usage: bool,
@@ -319,12 +327,12 @@ def build_app(slot: EngineSlot, config: ServerConfig) -> FastAPI:
         if not stream:
             finals: dict[int, RequestOutput] = {}
 
-            async def one(index: int, prompt: Any, params: Any) -> None:
-                finals[index] = await _observed(index, prompt, params, None)
+            async def one(job: _Job) -> None:
+                finals[job.index] = await _observed(job.prompt, job.params, None)
 
             async with anyio.create_task_group() as tg:
                 for job in jobs:
-                    tg.start_soon(one, *job)
+                    tg.start_soon(one, job)
             choices = []
             completion_tokens = 0
             for index in sorted(finals):
@@ -379,12 +387,23 @@ def build_app(slot: EngineSlot, config: ServerConfig) -> FastAPI:
                 }
 
             async def one(
-                out_channel: MemoryObjectSendStream[dict[str, Any]],
-                index: int,
-                prompt: Any,
-                params: Any,
+                out_channel: MemoryObjectSendStream[dict[str, Any]], job: _Job
             ) -> None:
+                index = job.index
                 with out_channel:
+                    if echo:
+                        out_channel.send_nowait(
+                            chunk(
+                                [
+                                    {
+                                        "index": index,
+                                        "text": _prompt_text(job.prompt),
+                                        "logprobs": None,
+                                        "finish_reason": None,
+                                    }
+                                ]
+                            )
+                        )
                     if chat:
                         out_channel.send_nowait(
                             chunk(
@@ -421,13 +440,13 @@ def build_app(slot: EngineSlot, config: ServerConfig) -> FastAPI:
                             choice["stop_reason"] = c.stop_reason
                         out_channel.send_nowait(chunk([choice]))
 
-                    finals[index] = await _observed(index, prompt, params, on_output)
+                    finals[index] = await _observed(job.prompt, job.params, on_output)
 
             try:
                 async with anyio.create_task_group() as tg:
                     with send:
                         for job in jobs:
-                            tg.start_soon(one, send.clone(), *job)
+                            tg.start_soon(one, send.clone(), job)
                     async for event in receive:
                         await emit(event)
             except BaseExceptionGroup as group:
@@ -448,13 +467,29 @@ def build_app(slot: EngineSlot, config: ServerConfig) -> FastAPI:
             await emit("[DONE]")
 
         async def produce_with_deadline(emit: Emit) -> None:
-            with _deadline(config.request_timeout):
-                await produce(emit)
+            try:
+                with _deadline(config.request_timeout):
+                    await produce(emit)
+            except _Timeout:  # the 200 is sent: report in the stream
+                response = _error_response(_Timeout())
+                assert response is not None
+                await emit(json.loads(bytes(response.body)))
+                await emit("[DONE]")
 
+        # Refuse what we can before promising a 200: a bad prompt is a 400
+        # and overload a 503, streaming or not.
+        llm = slot.get()
+        for prompt in {job.prompt_index: job.prompt for job in jobs}.values():
+            ids = parse_prompt(oai.as_prompt(prompt), llm.tokenizer).token_ids
+            llm.check_admission(ids, count=len(jobs))
         return EventStream(produce_with_deadline)
 
+    def _prompt_text(prompt: str | Sequence[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return slot.get().tokenizer.decode(list(prompt))
+
     async def _observed(
-        index: int,
         prompt: Any,
         params: Any,
         on_output: Callable[[RequestOutput], None] | None,
@@ -500,14 +535,22 @@ def _leaf(group: BaseExceptionGroup[Any]) -> BaseException:
     return exc
 
 
-def _prompt_tokens(
-    finals: dict[int, RequestOutput], jobs: list[tuple[int, Any, Any]]
-) -> int:
-    """Prompt tokens counted once per distinct prompt (n samples share one)."""
+@attrs.frozen
+class _Job:
+    """One choice to generate: choice ``index`` of prompt ``prompt_index``."""
+
+    index: int
+    prompt_index: int
+    prompt: str | tuple[int, ...]
+    params: SamplingParams
+
+
+def _prompt_tokens(finals: dict[int, RequestOutput], jobs: list[_Job]) -> int:
+    """Prompt tokens counted once per prompt (its n choices share it)."""
     seen: dict[int, int] = {}
-    for index, prompt, _ in jobs:
-        if index in finals:
-            seen.setdefault(id(prompt), len(finals[index].prompt_token_ids))
+    for job in jobs:
+        if job.index in finals:
+            seen.setdefault(job.prompt_index, len(finals[job.index].prompt_token_ids))
     return sum(seen.values())
 
 

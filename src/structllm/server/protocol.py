@@ -172,11 +172,16 @@ def parse_chat(
             )
         content = m.get("content")
         if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            parts = [
-                p.get("text", "")
-                for p in content
-                if isinstance(p, dict) and p.get("type") == "text"
-            ]
+            parts = []
+            for p in content:
+                if isinstance(p, dict) and p.get("type") == "text":
+                    text = p.get("text", "")
+                    if not isinstance(text, str):
+                        raise InvalidRequestError(
+                            f"messages[{i}].content[].text must be a string",
+                            field="messages",
+                        )
+                    parts.append(text)
             content = "".join(parts)
         if content is None:
             content = ""

@@ -263,7 +263,10 @@ async def test_slow_consumer_gets_merged_deltas_and_stalls_nobody() -> None:
 def child_pids() -> set[int]:
     pids: set[int] = set()
     for task in Path("/proc/self/task").iterdir():
-        pids |= {int(p) for p in (task / "children").read_text().split()}
+        try:
+            pids |= {int(p) for p in (task / "children").read_text().split()}
+        except FileNotFoundError:  # the thread ended while we looked
+            continue
     return pids
 
 

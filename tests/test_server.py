@@ -436,7 +436,10 @@ def test_graceful_shutdown_exits_zero() -> None:
 
 def _worker_pid(parent: int) -> int:
     for task in os.listdir(f"/proc/{parent}/task"):
-        kids = Path(f"/proc/{parent}/task/{task}/children").read_text().split()
+        try:
+            kids = Path(f"/proc/{parent}/task/{task}/children").read_text().split()
+        except FileNotFoundError:  # the thread ended while we looked
+            continue
         if kids:
             return int(kids[0])
     raise AssertionError("no worker process")

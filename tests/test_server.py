@@ -315,6 +315,9 @@ def test_256_concurrent_streams(server: str) -> None:
     wait_idle(server)
 
 
+LONG_STREAM = {"prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+
+
 def test_overload_timeout_and_death() -> None:
     args = [
         "--max-model-len",
@@ -335,12 +338,7 @@ def test_overload_timeout_and_death() -> None:
             "POST",
             f"{url}/v1/completions",
             timeout=30,
-            json={
-                "prompt": "x",
-                "max_tokens": 2000,
-                "ignore_eos": True,
-                "stream": True,
-            },
+            json=LONG_STREAM,
         ) as first:
             lines = first.iter_lines()  # keep a reference: closing it hangs up
             next(lines)
@@ -360,12 +358,7 @@ def test_overload_timeout_and_death() -> None:
             "POST",
             f"{url}/v1/completions",
             timeout=30,
-            json={
-                "prompt": "x",
-                "max_tokens": 2000,
-                "ignore_eos": True,
-                "stream": True,
-            },
+            json=LONG_STREAM,
         ) as r:
             events = [line for line in r.iter_lines() if line.startswith("data:")]
         assert events[-1] == "data: [DONE]"

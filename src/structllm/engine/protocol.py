@@ -11,7 +11,6 @@ whatever the model or Paddle print cannot corrupt the stream.
 
 from __future__ import annotations
 
-import socket
 import struct
 from typing import Any
 
@@ -167,7 +166,3 @@ class FrameReader:
             del self._buf[: _HEADER.size + n]
             out.append(decode(body))
         return out
-
-
-def send_blocking(sock: socket.socket, msg: Message) -> None:
-    sock.sendall(encode(msg))

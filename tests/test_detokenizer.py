@@ -15,17 +15,9 @@ from structllm.text import (
     HFTokenizer,
     IncrementalDetokenizer,
     Tokenizer,
-    write_byte_level_bpe_tokenizer,
 )
 
 BYTE = ByteTokenizer()
-
-
-@pytest.fixture(scope="module")
-def bpe(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
-    directory = tmp_path_factory.mktemp("bpe")
-    write_byte_level_bpe_tokenizer(directory)
-    return HFTokenizer.from_directory(directory)
 
 
 def _run(detok: IncrementalDetokenizer, chunks: Sequence[Sequence[int]]) -> list[str]:

@@ -27,18 +27,6 @@ from structllm.text import (
 BYTE = ByteTokenizer()
 
 
-@pytest.fixture(scope="module")
-def bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    directory = tmp_path_factory.mktemp("bpe")
-    write_byte_level_bpe_tokenizer(directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def bpe(bpe_dir: Path) -> HFTokenizer:
-    return HFTokenizer.from_directory(bpe_dir)
-
-
 def _copy_with(
     src: Path,
     dst: Path,

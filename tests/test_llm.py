@@ -92,3 +92,20 @@ def test_make_tiny_model_and_generate_cli(tmp_path: Path) -> None:
     assert "finish_reason=" in gen.stderr
     bad = cli("generate", "tiny", "Hello", "--temperature", "-1")
     assert bad.returncode == 2 and "temperature" in bad.stderr
+
+
+def test_stream_yields_deltas_and_closing_aborts(llm: LLM) -> None:
+    from structllm import OutputKind
+
+    params = SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True, output_kind=OutputKind.DELTA
+    )
+    outs = list(llm.stream("Hello", params))
+    whole = llm.generate("Hello", GREEDY, use_tqdm=False)[0]
+    assert [t for o in outs for t in o.token_ids] == list(whole.token_ids)
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    stream = llm.stream("Hello", SamplingParams(max_tokens=100, ignore_eos=True))
+    next(stream)
+    stream.close()  # leaving early aborts the request in the core
+    assert not llm.core.has_unfinished_requests()
+    assert llm.core.statistics().scheduler.blocks.num_used == 0

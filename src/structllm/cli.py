@@ -143,9 +143,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _generate(ns: argparse.Namespace) -> int:
-    from structllm.core.request import CoreRequest
-    from structllm.engine.inputs import Prompt, parse_prompt
-    from structllm.engine.output_processor import RequestState
     from structllm.errors import StructLLMError
     from structllm.llm import LLM
     from structllm.params import OutputKind, SamplingParams
@@ -163,41 +160,28 @@ def _generate(ns: argparse.Namespace) -> int:
             output_kind=OutputKind.DELTA,
         )
         llm = LLM(ns.model, **engine_args(ns))
-        prompt = parse_prompt(ns.prompt, llm.tokenizer)
+        prompt: Any = ns.prompt
         if ns.chat:
             # the template writes any BOS itself: encode without special tokens
             text = llm.tokenizer.apply_chat_template(
                 [{"role": "user", "content": ns.prompt}]
             )
-            prompt = Prompt(
-                text, tuple(llm.tokenizer.encode(text, add_special_tokens=False))
-            )
-        state = RequestState("0", prompt.text, prompt.token_ids, params, llm.tokenizer)
-        llm.core.add_request(
-            CoreRequest(
-                request_id="0",
-                prompt_token_ids=prompt.token_ids,
-                params=params,
-                eos_token_ids=llm.eos_token_ids,
-            )
-        )
+            ids = llm.tokenizer.encode(text, add_special_tokens=False)
+            prompt = {"prompt": text, "prompt_token_ids": ids}
+        outputs = llm.stream(prompt, params)
+        last = None
+        for last in outputs:
+            sys.stdout.write(last.text)
+            sys.stdout.flush()
     except StructLLMError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        while not state.finished:
-            for out in llm.core.step().outputs:
-                delta = state.process(out)
-                if delta is not None:
-                    sys.stdout.write(delta.text)
-                    sys.stdout.flush()
-    finally:
-        llm.core.abort_requests(["0"])
     sys.stdout.write("\n")
-    print(
-        f"[{len(state.token_ids)} tokens, finish_reason={state.finish_reason}]",
-        file=sys.stderr,
-    )
+    if last is not None:
+        print(
+            f"[{last.num_generated_tokens} tokens, finish_reason={last.finish_reason}]",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -10,7 +10,7 @@ has finished, outputs in input order.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -108,53 +108,80 @@ class LLM:
                 field="priority",
             )
         # Tokenise and validate everything before the core sees any request.
-        states: dict[str, RequestState] = {}
-        order: list[str] = []
-        requests: list[CoreRequest] = []
-        for i, (prompt, p) in enumerate(zip(batch, plist, strict=True)):
-            parsed = parse_prompt(prompt, self.tokenizer)
-            rid = str(next(self._counter))
-            p = p if p.output_kind is OutputKind.FINAL else _final(p)
-            states[rid] = RequestState(
-                rid, parsed.text, parsed.token_ids, p, self.tokenizer
+        prepared = [
+            self._prepare(
+                prompt,
+                p if p.output_kind is OutputKind.FINAL else _final(p),
+                0 if priority is None else priority[i],
             )
-            order.append(rid)
-            requests.append(
-                CoreRequest(
-                    request_id=rid,
-                    prompt_token_ids=parsed.token_ids,
-                    params=p,
-                    eos_token_ids=self.eos_token_ids,
-                    priority=0 if priority is None else priority[i],
-                )
-            )
+            for i, (prompt, p) in enumerate(zip(batch, plist, strict=True))
+        ]
+        states = {state.request_id: state for state, _ in prepared}
+        results: dict[str, RequestOutput] = {}
         try:
-            for r in requests:
-                self.core.add_request(r)
-            return self._run(states, order, use_tqdm)
+            for _, request in prepared:
+                self.core.add_request(request)
+            with tqdm(
+                total=len(states), desc="generating", unit="req", disable=not use_tqdm
+            ) as bar:
+                for rid, out in self._outputs(
+                    states, lambda: len(results) < len(states)
+                ):
+                    if out.finished:
+                        results[rid] = out
+                        bar.update(1)
         finally:
             # an exception (or KeyboardInterrupt) mid-run leaves nothing behind
-            self.core.abort_requests(order)
+            self.core.abort_requests(states)
+        return [results[rid] for rid in states]
 
-    def _run(
-        self, states: dict[str, RequestState], order: list[str], use_tqdm: bool
-    ) -> list[RequestOutput]:
-        results: dict[str, RequestOutput] = {}
-        with tqdm(
-            total=len(order), desc="generating", unit="req", disable=not use_tqdm
-        ) as bar:
-            while len(results) < len(order):
-                step = self.core.step()
-                for out in step.outputs:
-                    state = states[out.request_id]
-                    final = state.process(out)
-                    if state.finished:
-                        if out.finish_reason is None:  # a stop string
-                            self.core.abort_requests([out.request_id])
-                        assert final is not None
-                        results[out.request_id] = final
-                        bar.update(1)
-        return [results[rid] for rid in order]
+    def stream(
+        self, prompt: PromptInput, params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """One prompt's outputs as the engine steps (``params.output_kind``).
+
+        A plain generator: closing it early aborts the request in the core.
+        """
+        state, request = self._prepare(prompt, params or SamplingParams(), 0)
+        self.core.add_request(request)
+        try:
+            for _, out in self._outputs(
+                {state.request_id: state}, lambda: not state.finished
+            ):
+                yield out
+        finally:
+            self.core.abort_requests([state.request_id])
+
+    def _prepare(
+        self, prompt: PromptInput, params: SamplingParams, priority: int
+    ) -> tuple[RequestState, CoreRequest]:
+        parsed = parse_prompt(prompt, self.tokenizer)
+        rid = str(next(self._counter))
+        state = RequestState(rid, parsed.text, parsed.token_ids, params, self.tokenizer)
+        request = CoreRequest(
+            request_id=rid,
+            prompt_token_ids=parsed.token_ids,
+            params=params,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+        )
+        return state, request
+
+    def _outputs(
+        self, states: dict[str, RequestState], more: Callable[[], bool]
+    ) -> Iterator[tuple[str, RequestOutput]]:
+        """Step the core while ``more()``; yield each output for ``states``."""
+        while more():
+            for step in self.core.step().outputs:
+                state = states.get(step.request_id)
+                if state is None:  # left by a stream() nobody closed
+                    self.core.abort_requests([step.request_id])
+                    continue
+                out = state.process(step)
+                if state.finished and step.finish_reason is None:
+                    self.core.abort_requests([step.request_id])  # a stop string
+                if out is not None:
+                    yield step.request_id, out
 
 
 def _final(p: SamplingParams) -> SamplingParams:

@@ -187,12 +187,9 @@ class EngineCore:
         check_prompt(
             prompt, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
-        if self.pool.blocks_for(len(prompt) + 1) > self.pool.num_blocks:
-            raise InvalidRequestError(
-                f"prompt has {len(prompt)} tokens, more than the whole KV cache "
-                f"({self.pool.num_blocks * self.pool.block_size} tokens) holds",
-                field="prompt",
-            )
+        # No separate "fits in the pool" check: __init__ refuses a pool that
+        # cannot hold one max_model_len sequence, and check_prompt refuses
+        # prompts of max_model_len tokens, so every admitted prompt fits.
         room = self.max_model_len - len(prompt)
         max_new = min(r.params.max_tokens or room, room)
         return Request(

@@ -330,3 +330,19 @@ async def test_waiting_for_a_restart_ends_when_the_engine_closes() -> None:
         with anyio.fail_after(5):  # leaving open() must wake it
             await failed.wait()
     assert "shutting down" in str(errors[0])
+
+
+async def test_cancelled_while_waiting_for_a_restart() -> None:
+    """The one await before registration: cancelled there, nothing is left."""
+    async with open_llm(fault="raise_at_step:0", restart_backoff=1.0) as llm:
+        with pytest.raises(EngineDeadError):
+            await llm.complete("x", GREEDY)  # kills the first worker
+        assert not llm.statistics().ready
+        with anyio.move_on_after(0.1) as scope:
+            await llm.complete("y", GREEDY, request_id="waiting")
+        assert scope.cancelled_caught
+        assert llm.statistics().live_requests == 0
+        with anyio.fail_after(30):  # the restarted engine serves, id free
+            out = await llm.complete("y", GREEDY, request_id="waiting")
+        assert out.finish_reason == "length"
+        await all_blocks_free(llm)

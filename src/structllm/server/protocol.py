@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from structllm.errors import InvalidRequestError
-from structllm.outputs import CompletionOutput, RequestOutput
+from structllm.outputs import CompletionOutput
 from structllm.params import OutputKind, SamplingParams
 from structllm.text.tokenizer import Tokenizer
 
@@ -269,10 +269,6 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
-
-
-def prompt_len(out: RequestOutput) -> int:
-    return len(out.prompt_token_ids)
 
 
 def choice_seed(params: SamplingParams, index: int) -> SamplingParams:

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from structllm.model.config import ModelConfig
-from structllm.model.llama import rope_inv_freq
+from structllm.model.llama import rope_attention_factor, rope_inv_freq
 
 
 def reference_logits(
@@ -29,19 +29,21 @@ def reference_logits(
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + c.rms_norm_eps) * g
 
     ang = np.outer(np.arange(t), rope_inv_freq(c))  # (T, d/2)
-    cos = np.concatenate([np.cos(ang)] * 2, -1)[:, None, :]
-    sin = np.concatenate([np.sin(ang)] * 2, -1)[:, None, :]
+    scale = rope_attention_factor(c)
+    cos = np.concatenate([np.cos(ang)] * 2, -1)[:, None, :] * scale
+    sin = np.concatenate([np.sin(ang)] * 2, -1)[:, None, :] * scale
 
     def rope(x: np.ndarray) -> np.ndarray:
         rot = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], -1)
         return x * cos + rot * sin
 
     x = f("model.embed_tokens.weight")[list(ids)]
-    causal = np.tril(np.ones((t, t), dtype=bool))
-    if c.sliding_window is not None:  # query i sees keys j with i - j < window
-        causal &= np.subtract.outer(np.arange(t), np.arange(t)) < c.sliding_window
     for n in range(c.num_hidden_layers):
         p = f"model.layers.{n}."
+        causal = np.tril(np.ones((t, t), dtype=bool))
+        window = c.layer_window(n)
+        if window is not None:  # query i sees keys j with i - j < window
+            causal &= np.subtract.outer(np.arange(t), np.arange(t)) < window
         h = rms(x, f(p + "input_layernorm.weight"))
         q = h @ f(p + "self_attn.q_proj.weight").T
         k = h @ f(p + "self_attn.k_proj.weight").T
@@ -50,19 +52,28 @@ def reference_logits(
             q = q + f(p + "self_attn.q_proj.bias")
             k = k + f(p + "self_attn.k_proj.bias")
             v = v + f(p + "self_attn.v_proj.bias")
-        q = rope(q.reshape(t, nh, d))
-        k = np.repeat(rope(k.reshape(t, kvh, d)), nh // kvh, axis=1)
+        q, k = q.reshape(t, nh, d), k.reshape(t, kvh, d)
+        if c.qk_norm:
+            q = rms(q, f(p + "self_attn.q_norm.weight"))
+            k = rms(k, f(p + "self_attn.k_norm.weight"))
+        q = rope(q)
+        k = np.repeat(rope(k), nh // kvh, axis=1)
         v = np.repeat(v.reshape(t, kvh, d), nh // kvh, axis=1)
         s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d)
         s = np.where(causal[None], s, -np.inf)
         s = np.exp(s - s.max(-1, keepdims=True))
         s /= s.sum(-1, keepdims=True)
         a = np.einsum("hqk,khd->qhd", s, v).reshape(t, nh * d)
-        x = x + a @ f(p + "self_attn.o_proj.weight").T
+        o = a @ f(p + "self_attn.o_proj.weight").T
+        x = x + (o + f(p + "self_attn.o_proj.bias") if c.o_bias else o)
         h = rms(x, f(p + "post_attention_layernorm.weight"))
         gate = h @ f(p + "mlp.gate_proj.weight").T
         up = h @ f(p + "mlp.up_proj.weight").T
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ f(p + "mlp.down_proj.weight").T
+        if c.mlp_bias:
+            gate = gate + f(p + "mlp.gate_proj.bias")
+            up = up + f(p + "mlp.up_proj.bias")
+        down = (gate / (1 + np.exp(-gate)) * up) @ f(p + "mlp.down_proj.weight").T
+        x = x + (down + f(p + "mlp.down_proj.bias") if c.mlp_bias else down)
     x = rms(x, f("model.norm.weight"))
     head = f("model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight")
     return x @ head.T

@@ -37,6 +37,33 @@ CONFIGS = {
     "linear-rope": attrs.evolve(
         tiny_config(), rope_scaling=RopeScaling(rope_type="linear", factor=2.0)
     ),
+    "yarn-rope": attrs.evolve(
+        tiny_config(),
+        rope_theta=1e6,
+        rope_scaling=RopeScaling(
+            rope_type="yarn", factor=4.0, original_max_position_embeddings=16
+        ),
+    ),
+    "dynamic-rope": attrs.evolve(
+        tiny_config(), rope_scaling=RopeScaling(rope_type="dynamic", factor=2.0)
+    ),
+    "llama-all-biases": attrs.evolve(
+        tiny_config(), qkv_bias=True, o_bias=True, mlp_bias=True
+    ),
+    "qwen3-qk-norm-head-dim-24": attrs.evolve(
+        tiny_config(),
+        architecture="Qwen3ForCausalLM",
+        head_dim=24,
+        qk_norm=True,
+        tie_word_embeddings=False,
+    ),
+    "qwen2-sliding-layer-1": attrs.evolve(
+        tiny_config(),
+        architecture="Qwen2ForCausalLM",
+        qkv_bias=True,
+        sliding_window=4,
+        sliding_layers=(1,),
+    ),
 }
 
 

@@ -129,11 +129,11 @@ class EngineCore:
             on_progress=on_progress,
         )
         self.model_config: ModelConfig = loaded.config
-        limit = loaded.config.max_position_embeddings
+        limit = loaded.config.max_context_len
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(
                 f"max_model_len ({config.max_model_len}) exceeds the model's "
-                f"max_position_embeddings ({limit})"
+                f"context ({limit}: max_position_embeddings, or yarn's extension)"
             )
         self.max_model_len = config.max_model_len or limit
         blocks_per_seq = math.ceil(self.max_model_len / config.block_size)

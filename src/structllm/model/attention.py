@@ -28,7 +28,7 @@ A GPU backend can replace :class:`PortableAttention` by providing the same
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -63,7 +63,7 @@ class _Prefill:
     start: int  # first row of this sequence in the flattened batch
     stop: int
     kv_slots: np.ndarray  # (L,) int64, L = context_len + query_len
-    mask: paddle.Tensor  # (1, q, 1, L) additive
+    masks: Mapping[int | None, paddle.Tensor]  # window -> (1, q, 1, L) additive
 
 
 @attrs.frozen
@@ -75,7 +75,8 @@ class AttentionMetadata:
     num_decodes: int  # rows 0..num_decodes-1 are one-token sequences
     decode_slots: np.ndarray | None  # (B * K,) int64, padded with slot 0
     decode_width: int  # K: the longest decode context
-    decode_mask: paddle.Tensor | None  # (1, B, 1, K) additive
+    #: window (None: full attention) -> (1, B, 1, K) additive mask
+    decode_masks: Mapping[int | None, paddle.Tensor]
     prefills: tuple[_Prefill, ...]
 
 
@@ -89,11 +90,11 @@ class PortableAttention:
         head_dim: int,
         block_size: int,
         *,
-        sliding_window: int | None = None,
+        windows: Collection[int | None] = (None,),
     ) -> None:
-        #: a query at position p sees keys j with p - j < sliding_window
-        #: (Mistral); None: all earlier keys
-        self.sliding_window = sliding_window
+        #: the windows layers use: a query at position p sees keys j with
+        #: p - j < window; None: all earlier keys. One mask per window a step.
+        self.windows = tuple(sorted(set(windows), key=lambda w: (w is not None, w)))
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -118,7 +119,8 @@ class PortableAttention:
             np.concatenate(slot_parts) if slot_parts else np.zeros(0, np.int64)
         )
 
-        decode_slots = decode_mask = None
+        decode_slots = None
+        decode_masks: dict[int | None, paddle.Tensor] = {}
         width = 0
         if num_decodes:
             lens = np.array([s.context_len + 1 for s in seqs[:num_decodes]])
@@ -128,11 +130,15 @@ class PortableAttention:
                 slots[i, : lens[i]] = slots_for(s.block_table, 0, lens[i], bs)
             keys = np.arange(width)[None, :]
             valid = keys < lens[:, None]  # (B, K)
-            if self.sliding_window is not None:
-                valid &= keys >= lens[:, None] - self.sliding_window
-            mask = np.where(valid, 0.0, _NEG_INF).astype(np.float32)
+            for window in self.windows:
+                seen = (
+                    valid
+                    if window is None
+                    else valid & (keys >= lens[:, None] - window)
+                )
+                mask = np.where(seen, 0.0, _NEG_INF).astype(np.float32)
+                decode_masks[window] = paddle.to_tensor(mask[None, :, None, :])
             decode_slots = slots.reshape(-1)
-            decode_mask = paddle.to_tensor(mask[None, :, None, :])
 
         prefills = []
         row = num_decodes
@@ -143,16 +149,13 @@ class PortableAttention:
             q_pos = s.context_len + np.arange(s.query_len)[:, None]
             keys = np.arange(total)[None, :]
             visible = keys <= q_pos  # (q, L)
-            if self.sliding_window is not None:
-                visible &= q_pos - keys < self.sliding_window
-            mask = np.where(visible, 0.0, _NEG_INF).astype(np.float32)
+            masks = {}
+            for window in self.windows:
+                seen = visible if window is None else visible & (q_pos - keys < window)
+                mask = np.where(seen, 0.0, _NEG_INF).astype(np.float32)
+                masks[window] = paddle.to_tensor(mask[None, :, None, :])
             prefills.append(
-                _Prefill(
-                    start=row,
-                    stop=row + s.query_len,
-                    kv_slots=kv,
-                    mask=paddle.to_tensor(mask[None, :, None, :]),
-                )
+                _Prefill(start=row, stop=row + s.query_len, kv_slots=kv, masks=masks)
             )
             row += s.query_len
         return AttentionMetadata(
@@ -161,7 +164,7 @@ class PortableAttention:
             num_decodes=num_decodes,
             decode_slots=decode_slots,
             decode_width=width,
-            decode_mask=decode_mask,
+            decode_masks=decode_masks,
             prefills=tuple(prefills),
         )
 
@@ -178,7 +181,9 @@ class PortableAttention:
         k_cache: paddle.Tensor,  # (num_kv_heads, num_slots, head_dim)
         v_cache: paddle.Tensor,
         meta: AttentionMetadata,
+        window: int | None = None,
     ) -> paddle.Tensor:  # (T, num_heads * head_dim)
+        """Attend ``q`` over the cache (after writing ``k``/``v``) under ``window``."""
         kvh, g, d = self.num_kv_heads, self.group, self.head_dim
         cache = _SlotIO(k_cache, v_cache)
         cache.write(meta.slot_mapping, k, v)
@@ -192,7 +197,7 @@ class PortableAttention:
                 qd,
                 kd.reshape([kvh, b, width, d]),
                 vd.reshape([kvh, b, width, d]),
-                meta.decode_mask,
+                meta.decode_masks[window],
             )  # (kvh, B, g, d)
             outs.append(out.transpose([1, 0, 2, 3]).reshape([b, kvh * g * d]))
         for p in meta.prefills:
@@ -200,7 +205,7 @@ class PortableAttention:
             kp, vp = cache.gather(p.kv_slots)  # (kvh, L, d)
             qp = q[p.start : p.stop].reshape([n, kvh, g, d]).transpose([1, 0, 2, 3])
             # (kvh, q, g, d) @ (kvh, 1, L, d)^T -> (kvh, q, g, L)
-            out = self._attend(qp, kp.unsqueeze(1), vp.unsqueeze(1), p.mask)
+            out = self._attend(qp, kp.unsqueeze(1), vp.unsqueeze(1), p.masks[window])
             outs.append(out.transpose([1, 0, 2, 3]).reshape([n, kvh * g * d]))
         return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
 

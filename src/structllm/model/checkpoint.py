@@ -20,8 +20,12 @@ def write_random_checkpoint(
     seed: int = 0,
     dtype: str = "float32",
     shards: int = 1,
+    legacy_config: bool = False,
 ) -> None:
     """Write ``config.json`` and random weights as safetensors.
+
+    ``config.json`` is in the current transformers form, or with
+    ``legacy_config`` in the 4.x form (``rope_theta``, ``torch_dtype``).
 
     ``shards > 1`` splits the tensors over ``model-0000i-of-0000n.safetensors``
     with a ``model.safetensors.index.json``, as large HF checkpoints are.
@@ -29,8 +33,8 @@ def write_random_checkpoint(
     since numpy has no such type).
     """
     directory.mkdir(parents=True, exist_ok=True)
-    hf = config.to_hf()
-    hf["torch_dtype"] = dtype
+    hf = config.to_hf(legacy=legacy_config)
+    hf["torch_dtype" if legacy_config else "dtype"] = dtype
     (directory / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     tensors = dict(random_hf_tensors(config, seed))
     names = list(tensors)

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral) in plain Paddle ops.
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) in plain Paddle ops.
 
 Weights are held as Paddle tensors in ``(in, out)`` layout with fused
 projections: ``qkv`` is ``[q | k | v]`` and ``gate_up`` is ``[gate | up]``.
@@ -10,6 +10,7 @@ control flow per token.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import attrs
@@ -17,11 +18,19 @@ import numpy as np
 
 from structllm.model._paddle import paddle
 from structllm.model.attention import AttentionMetadata, PortableAttention
-from structllm.model.config import ModelConfig
+from structllm.model.config import ModelConfig, RopeScaling
 
-__all__ = ["DecoderLayerWeights", "LlamaForCausalLM", "ModelWeights", "rope_inv_freq"]
+__all__ = [
+    "DecoderLayerWeights",
+    "LlamaForCausalLM",
+    "ModelWeights",
+    "rope_attention_factor",
+    "rope_inv_freq",
+]
 
 _fused_rms_norm = paddle.incubate.nn.functional.fused_rms_norm
+#: Paddle's CPU fused_rms_norm kernel is AVX-512 code: SIGILL on AVX2-only CPUs
+_FUSED_RMS_NORM = paddle.is_compiled_with_cuda() or paddle.base.core.supports_avx512f()
 _swiglu = paddle.nn.functional.swiglu
 
 
@@ -34,6 +43,11 @@ class DecoderLayerWeights:
     post_attention_norm: paddle.Tensor  # (H,)
     gate_up: paddle.Tensor  # (H, 2 * I)
     down: paddle.Tensor  # (I, H)
+    o_bias: paddle.Tensor | None = None  # (H,)
+    gate_up_bias: paddle.Tensor | None = None  # (2 * I,)
+    down_bias: paddle.Tensor | None = None  # (H,)
+    q_norm: paddle.Tensor | None = None  # (head_dim,) Qwen3
+    k_norm: paddle.Tensor | None = None  # (head_dim,)
 
 
 @attrs.define(eq=False)
@@ -45,19 +59,28 @@ class ModelWeights:
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse frequencies (head_dim/2,), with linear or llama3 scaling."""
+    """Inverse frequencies (head_dim/2,) as transformers computes them.
+
+    ``dynamic`` is the default inside ``max_position_embeddings``, which is
+    where structllm runs it (past it transformers' frequencies depend on how
+    the sequence was fed).
+    """
     d = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    base = config.rope_theta
+    inv = 1.0 / (base ** (np.arange(0, d, 2, dtype=np.float64) / d))
     sc = config.rope_scaling
-    if sc is None:
+    if sc is None or sc.rope_type == "dynamic":
         return inv
     if sc.rope_type == "linear":
         return inv / sc.factor
+    orig = sc.original_max_position_embeddings or config.max_position_embeddings
+    if sc.rope_type == "yarn":
+        return _yarn_inv_freq(inv, sc, d, base, orig)
     # llama3: long wavelengths slowed by `factor`, short ones kept, blend between
-    low_wavelen = sc.original_max_position_embeddings / sc.low_freq_factor
-    high_wavelen = sc.original_max_position_embeddings / sc.high_freq_factor
+    low_wavelen = orig / sc.low_freq_factor
+    high_wavelen = orig / sc.high_freq_factor
     wavelen = 2 * np.pi / inv
-    smooth = (sc.original_max_position_embeddings / wavelen - sc.low_freq_factor) / (
+    smooth = (orig / wavelen - sc.low_freq_factor) / (
         sc.high_freq_factor - sc.low_freq_factor
     )
     blended = (1 - smooth) * inv / sc.factor + smooth * inv
@@ -66,6 +89,31 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
         inv / sc.factor,
         np.where(wavelen < high_wavelen, inv, blended),
     )
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """The factor cos and sin are scaled by (yarn's mscale; 1 otherwise)."""
+    sc = config.rope_scaling
+    return sc.yarn_attention_factor() if sc and sc.rope_type == "yarn" else 1.0
+
+
+def _yarn_inv_freq(
+    inv: np.ndarray, sc: RopeScaling, d: int, base: float, orig: int
+) -> np.ndarray:
+    """YaRN's NTK-by-parts blend of extrapolated and interpolated frequencies."""
+
+    def correction_dim(rotations: float) -> float:
+        return (d * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(sc.beta_fast), correction_dim(sc.beta_slow)
+    if sc.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    extrapolate = 1 - ramp
+    return (inv / sc.factor) * (1 - extrapolate) + inv * extrapolate
 
 
 class LlamaForCausalLM:
@@ -87,14 +135,18 @@ class LlamaForCausalLM:
             config.num_key_value_heads,
             config.head_dim,
             block_size,
-            sliding_window=config.sliding_window,
+            windows={config.layer_window(i) for i in range(config.num_hidden_layers)},
         )
+        self._windows = [
+            config.layer_window(i) for i in range(config.num_hidden_layers)
+        ]
         # cos/sin for every position, float32: (max_model_len, head_dim / 2)
         freqs = np.outer(
             np.arange(max_model_len, dtype=np.float64), rope_inv_freq(config)
         )
         # full-width tables, sin signed for the rotated half: (max_len, head_dim)
-        cos, sin = np.cos(freqs), np.sin(freqs)
+        scale = rope_attention_factor(config)
+        cos, sin = np.cos(freqs) * scale, np.sin(freqs) * scale
         self._cos = paddle.to_tensor(np.concatenate([cos, cos], -1).astype(np.float32))
         self._sin = paddle.to_tensor(np.concatenate([-sin, sin], -1).astype(np.float32))
 
@@ -134,19 +186,37 @@ class LlamaForCausalLM:
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             qk = qkv[:, : c.q_size + c.kv_size].reshape([t, nh + kvh, d])
+            if layer.q_norm is not None:
+                # Qwen3: RMSNorm over each head's head_dim, q and k apart
+                q = _rms_norm(
+                    qk[:, :nh].reshape([t * nh, d]), layer.q_norm, c.rms_norm_eps
+                )
+                k = _rms_norm(
+                    qk[:, nh:].reshape([t * kvh, d]), layer.k_norm, c.rms_norm_eps
+                )
+                qk = paddle.concat(
+                    [q.reshape([t, nh, d]), k.reshape([t, kvh, d])], axis=1
+                )
             qk = _apply_rope(qk, cos, sin)  # (T, nh + kvh, d)
             q, k = qk[:, :nh], qk[:, nh:]
             v = qkv[:, c.q_size + c.kv_size :].reshape([t, kvh, d])
             k_cache, v_cache = kv_caches[i]
             attn = self.attention.forward(
-                q, k, v, k_cache, v_cache, meta
+                q, k, v, k_cache, v_cache, meta, self._windows[i]
             )  # (T, nh * d)
-            x = residual + paddle.matmul(attn, layer.o)
+            out = paddle.matmul(attn, layer.o)
+            if layer.o_bias is not None:
+                out = out + layer.o_bias
+            x = residual + out
             residual = x
             h = _rms_norm(x, layer.post_attention_norm, c.rms_norm_eps)
-            x = residual + paddle.matmul(
-                _swiglu(paddle.matmul(h, layer.gate_up)), layer.down
-            )
+            gate_up = paddle.matmul(h, layer.gate_up)  # (T, 2 I)
+            if layer.gate_up_bias is not None:
+                gate_up = gate_up + layer.gate_up_bias
+            out = paddle.matmul(_swiglu(gate_up), layer.down)
+            if layer.down_bias is not None:
+                out = out + layer.down_bias
+            x = residual + out
             residual = x
         return _rms_norm(x, w.norm, c.rms_norm_eps)
 
@@ -162,7 +232,7 @@ class LlamaForCausalLM:
 
 
 def _rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
-    if x.dtype == paddle.float32:
+    if x.dtype == paddle.float32 and _FUSED_RMS_NORM:
         # begin_norm_axis=1 for (T, H): normalise over H
         return _fused_rms_norm(x, weight, None, eps, 1)[0]
     xf = x.astype(paddle.float32)

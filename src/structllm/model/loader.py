@@ -75,11 +75,20 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (c.q_size,)
             shapes[p + "self_attn.k_proj.bias"] = (c.kv_size,)
             shapes[p + "self_attn.v_proj.bias"] = (c.kv_size,)
+        if c.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
         shapes[p + "self_attn.o_proj.weight"] = (h, c.q_size)
+        if c.o_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         shapes[p + "mlp.gate_proj.weight"] = (i, h)
         shapes[p + "mlp.up_proj.weight"] = (i, h)
         shapes[p + "mlp.down_proj.weight"] = (h, i)
+        if c.mlp_bias:
+            shapes[p + "mlp.gate_proj.bias"] = (i,)
+            shapes[p + "mlp.up_proj.bias"] = (i,)
+            shapes[p + "mlp.down_proj.bias"] = (h,)
     shapes["model.norm.weight"] = (h,)
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, h)
@@ -97,7 +106,9 @@ def random_hf_tensors(
     """
     rng = np.random.default_rng(seed)
     for name, shape in hf_tensor_shapes(config).items():
-        if name.endswith("norm.weight"):
+        if name.endswith(("q_norm.weight", "k_norm.weight")):
+            t = 1.0 + 0.3 * rng.standard_normal(shape)
+        elif name.endswith("norm.weight"):
             t = 1.0 + 0.1 * rng.standard_normal(shape)
         elif name.endswith(".bias"):
             t = 0.1 * rng.standard_normal(shape)
@@ -200,7 +211,7 @@ def build_model(
         for n, x in tensors.items()
     }
     weights = _fuse(config, t, dtype)
-    limit = config.max_position_embeddings
+    limit = config.max_context_len
     max_len = min(max_model_len or limit, limit)
     return LlamaForCausalLM(
         config, weights, block_size=block_size, max_model_len=max_len
@@ -250,6 +261,14 @@ def _read_safetensors(
         raise ModelLoadError(
             f"checkpoint in {path} lacks {len(missing)} tensors, e.g. {missing[:3]}"
         )
+    unexpected = sorted(n for n in files if n not in shapes and not _ignorable(n))
+    if unexpected:
+        # weights config.json does not account for (a bias, a norm, a second
+        # head...): running without them would silently compute another model
+        raise ModelLoadError(
+            f"checkpoint in {path} holds {len(unexpected)} tensors its config.json "
+            f"does not use, e.g. {unexpected[:3]}: config and weights disagree"
+        )
     by_file: dict[Path, list[str]] = {}
     for name in shapes:
         by_file.setdefault(files[name], []).append(name)
@@ -270,6 +289,12 @@ def _read_safetensors(
             raise ModelLoadError(f"{file} could not be read: {exc}") from exc
 
 
+def _ignorable(name: str) -> bool:
+    """Tensors transformers itself skips: RoPE buffers old checkpoints saved,
+    and the head of a tied checkpoint (a copy of the embedding)."""
+    return name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight"
+
+
 def _fuse(config: ModelConfig, t: dict[str, paddle.Tensor], dtype: str) -> ModelWeights:
     """HF tensors -> fused, ``(in, out)`` tensors in ``dtype``."""
 
@@ -285,32 +310,33 @@ def _fuse(config: ModelConfig, t: dict[str, paddle.Tensor], dtype: str) -> Model
         )
         return cast(w).transpose([1, 0]).contiguous()
 
+    def optional(*names: str) -> paddle.Tensor | None:
+        if names[0] not in t:
+            return None
+        return cast(paddle.concat([t.pop(n) for n in names]))
+
     layers = []
     for n in range(config.num_hidden_layers):
         p = f"model.layers.{n}."
         a, m = p + "self_attn.", p + "mlp."
-        bias = None
-        if config.qkv_bias:
-            bias = cast(
-                paddle.concat(
-                    [
-                        t.pop(a + "q_proj.bias"),
-                        t.pop(a + "k_proj.bias"),
-                        t.pop(a + "v_proj.bias"),
-                    ]
-                )
-            )
         layers.append(
             DecoderLayerWeights(
                 input_norm=cast(t.pop(p + "input_layernorm.weight")),
                 qkv=linear(
                     a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"
                 ),
-                qkv_bias=bias,
+                qkv_bias=optional(
+                    a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"
+                ),
                 o=linear(a + "o_proj.weight"),
                 post_attention_norm=cast(t.pop(p + "post_attention_layernorm.weight")),
                 gate_up=linear(m + "gate_proj.weight", m + "up_proj.weight"),
                 down=linear(m + "down_proj.weight"),
+                o_bias=optional(a + "o_proj.bias"),
+                gate_up_bias=optional(m + "gate_proj.bias", m + "up_proj.bias"),
+                down_bias=optional(m + "down_proj.bias"),
+                q_norm=optional(a + "q_norm.weight"),
+                k_norm=optional(a + "k_norm.weight"),
             )
         )
     return ModelWeights(

@@ -1,4 +1,4 @@
-"""The ``structllm`` command: generate, make-tiny-model, bench."""
+"""The ``structllm`` command: generate, inspect, serve, make-tiny-model, bench."""
 
 from __future__ import annotations
 
@@ -64,9 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     _add_sampling_args(gen)
 
+    insp = sub.add_parser(
+        "inspect", help="print what structllm understands of a model's config.json"
+    )
+    insp.add_argument("model", help="model directory, or 'tiny'")
+
     tiny = sub.add_parser("make-tiny-model", help="write a random-weight HF checkpoint")
     tiny.add_argument("directory")
-    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral"])
+    tiny.add_argument(
+        "--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"]
+    )
     tiny.add_argument("--hidden", type=int, default=64, help="hidden size")
     tiny.add_argument("--layers", type=int, default=2)
     tiny.add_argument("--heads", type=int, default=4)
@@ -127,6 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if ns.command == "generate":
         return _generate(ns)
+    if ns.command == "inspect":
+        return _inspect(ns)
     if ns.command == "serve":
         from structllm.server.run import run_server
 
@@ -140,6 +149,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_throughput(ns)
     raise AssertionError(ns.command)  # pragma: no cover
+
+
+def _inspect(ns: argparse.Namespace) -> int:
+    """Read config.json only (no weights) and print how it will run."""
+    from pathlib import Path
+
+    from structllm.errors import StructLLMError
+    from structllm.model.config import ModelConfig, tiny_config
+
+    try:
+        config = (
+            tiny_config()
+            if ns.model == "tiny"
+            else ModelConfig.from_directory(Path(ns.model))
+        )
+    except StructLLMError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    # CPU compute is float32 (Paddle has no CPU half-precision matmul)
+    for label, value in config.describe("float32").items():
+        print(f"{label + ':':<24}{value}")
+    return 0
 
 
 def _generate(ns: argparse.Namespace) -> int:

@@ -2,7 +2,7 @@
 
 ``make_tiny_model`` writes ``config.json``, safetensors weights and a byte-level
 BPE tokenizer trained on a built-in corpus; ``transformers`` loads the result
-as it would a real Llama, Qwen2 or Mistral checkpoint.
+as it would a real Llama, Qwen2, Qwen3 or Mistral checkpoint.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ __all__ = ["ARCHITECTURES", "make_tiny_model"]
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", False, False),
     "qwen2": ("Qwen2ForCausalLM", True, True),
+    "qwen3": ("Qwen3ForCausalLM", False, True),
     "mistral": ("MistralForCausalLM", False, False),
 }
 
@@ -78,6 +79,7 @@ def make_tiny_model(
         if tie_word_embeddings is None
         else tie_word_embeddings,
         qkv_bias=bias,
+        qk_norm=arch == "qwen3",
         sliding_window=(sliding_window or max_position_embeddings)
         if arch == "mistral"
         else None,

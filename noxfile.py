@@ -37,7 +37,11 @@ def typecheck(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def parity(session: nox.Session) -> None:
-    """Greedy tokens equal transformers' on tiny Llama / Qwen2 / Mistral checkpoints."""
+    """Greedy tokens and logits equal transformers' on generated checkpoints.
+
+    A seeded generator draws Llama / Qwen2 / Qwen3 / Mistral configs
+    (PARITY_CASES, default 64; PARITY_SEED, default 0); see docs/parity.md.
+    """
     _install(session)
     session.install("torch==2.13.0", "transformers")
     session.run(

@@ -89,7 +89,8 @@ def sample_case(index: int) -> tuple[str, dict[str, Any]]:
     layers = int(rng.integers(1, 4))
     kw: dict[str, Any] = {
         "vocab_size": int(rng.integers(300, 1100)) | 1,  # odd sizes
-        "hidden_size": int(rng.choice([32, 48, 64, 96])),
+        # a multiple of the head count (transformers' Llama insists)
+        "hidden_size": heads * int(rng.choice([6, 8, 12, 16])),
         "intermediate_size": int(rng.choice([48, 96, 160])),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,

@@ -575,7 +575,7 @@ def _architecture(d: Mapping[str, Any]) -> str:
     archs = d.get("architectures") or []
     if isinstance(archs, str):
         archs = [archs]
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    arch: str | None = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None and not archs:
         # no architectures: transformers' AutoModelForCausalLM goes by model_type
         by_type = {t: a for a, t in SUPPORTED_ARCHITECTURES.items()}

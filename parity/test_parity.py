@@ -195,12 +195,13 @@ def _hf_greedy(hf: Any, prompt: list[int]) -> tuple[list[int], np.ndarray]:
 
 
 def _structllm(
-    path: Path, prompts: list[list[int]], num_blocks: int
+    path: Path, prompts: list[list[int]], num_blocks: int, backend: str
 ) -> tuple[dict[int, list[int]], dict[int, np.ndarray], int]:
     """Greedy tokens for all prompts batched, first-step logits, preemptions."""
     core = EngineCore(
         EngineConfig(
             model=str(path),
+            model_backend=backend,
             block_size=BLOCK,
             num_blocks=num_blocks,
             max_model_len=MAX_MODEL_LEN,
@@ -312,12 +313,19 @@ def test_generated_checkpoint_matches_transformers(
 
     prompts = _prompts(seed, hf_config.vocab_size)
     reference = [_hf_greedy(hf, p) for p in prompts]
+    # both model backends: the oneDNN predictors and eager Paddle
     runs = {
-        "batched": _structllm(current, prompts, NUM_BLOCKS),
-        "4.x config": _structllm(legacy, prompts, NUM_BLOCKS),
-        "preempted": _structllm(current, prompts, PREEMPT_BLOCKS),
+        "batched (inference backend)": _structllm(
+            current, prompts, NUM_BLOCKS, "inference"
+        ),
+        "4.x config (eager backend)": _structllm(legacy, prompts, NUM_BLOCKS, "eager"),
+        "preempted (inference backend)": _structllm(
+            current, prompts, PREEMPT_BLOCKS, "inference"
+        ),
     }
-    assert runs["preempted"][2] > 0, "the small pool did not preempt" + context()
+    assert runs["preempted (inference backend)"][2] > 0, (
+        "the small pool did not preempt" + context()
+    )
     worst = 0.0
     for run, (tokens, logits, _) in runs.items():
         for i, (ref_tokens, ref_logits) in enumerate(reference):

@@ -67,9 +67,14 @@ CONFIGS = {
 }
 
 
-def _model(config: ModelConfig, block_size: int = 4) -> LlamaForCausalLM:
+def _model(
+    config: ModelConfig, block_size: int = 4, backend: str = "eager"
+) -> LlamaForCausalLM:
     return build_model(
-        config, dict(random_hf_tensors(config, seed=3)), block_size=block_size
+        config,
+        dict(random_hf_tensors(config, seed=3)),
+        block_size=block_size,
+        backend=backend,
     )
 
 
@@ -84,11 +89,12 @@ def _run(model, seqs, token_ids, positions, caches):
     return model.compute_logits(hidden).numpy()
 
 
+@pytest.mark.parametrize("backend", ["eager", "inference"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_mixed_paged_batch_matches_reference(name: str) -> None:
+def test_mixed_paged_batch_matches_reference(name: str, backend: str) -> None:
     config = CONFIGS[name]
     block_size = 4
-    model = _model(config, block_size)
+    model = _model(config, block_size, backend)
     weights = dict(random_hf_tensors(config, seed=3))
     rng = np.random.default_rng(0)
     # four sequences with shuffled, interleaved blocks in one pool

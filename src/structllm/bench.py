@@ -59,6 +59,12 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--skip-async", action="store_true", help="skip the AsyncLLM run")
     p.add_argument(
+        "--compare-eager",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run LLM.generate on the eager Paddle backend",
+    )
+    p.add_argument(
         "--repeats",
         type=int,
         default=3,
@@ -122,6 +128,11 @@ def run_throughput(ns: argparse.Namespace) -> int:
             "systems": {},
         }
         results["systems"]["structllm"] = _bench_structllm(model, work, ns, threads)
+        if ns.compare_eager:
+            # the same run on eager Paddle kernels: what the oneDNN backend buys
+            results["systems"]["structllm, eager Paddle backend"] = _bench_structllm(
+                model, work, ns, threads, backend="eager"
+            )
         # core and front end alternate, so drift on a noisy machine hits both;
         # the overhead is the median of the per-pair ratios
         cores, fronts = [], []
@@ -150,7 +161,11 @@ def run_throughput(ns: argparse.Namespace) -> int:
 
 
 def _bench_structllm(
-    model: str, work: list[tuple[list[int], int]], ns: argparse.Namespace, threads: int
+    model: str,
+    work: list[tuple[list[int], int]],
+    ns: argparse.Namespace,
+    threads: int,
+    backend: str = "auto",
 ) -> dict[str, float]:
     from structllm.llm import LLM
     from structllm.params import SamplingParams
@@ -163,6 +178,7 @@ def _bench_structllm(
         num_threads=threads,
         max_model_len=4096,
         kv_cache_memory=2 << 30,
+        model_backend=backend,
     )
     # warm-up: one short request, not timed
     llm.generate(

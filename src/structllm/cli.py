@@ -22,6 +22,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
     g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument(
+        "--model-backend",
+        default="auto",
+        choices=["auto", "eager", "inference"],
+        help="auto: oneDNN predictors (Paddle Inference) for float32 on CPU",
+    )
 
 
 def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
@@ -34,6 +40,7 @@ def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
         "max_num_seqs": ns.max_num_seqs,
         "max_num_batched_tokens": ns.max_num_batched_tokens,
         "num_threads": ns.num_threads,
+        "model_backend": ns.model_backend,
     }
 
 

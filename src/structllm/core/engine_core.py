@@ -19,7 +19,7 @@ from structllm.core.request import CoreRequest, Request
 from structllm.core.runner import ModelRunner
 from structllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerStatistics
 from structllm.errors import InvalidRequestError
-from structllm.model._paddle import set_num_threads
+from structllm.model._paddle import default_num_threads, set_num_threads
 from structllm.model.config import ModelConfig
 from structllm.model.loader import LoadProgress, load_model
 from structllm.model.sampler import TokenLogprobs, make_generator
@@ -57,6 +57,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     #: CPU threads for Paddle's math; None = every core this process may use
     num_threads: int | None = None
+    #: "auto" (oneDNN predictors for float32 on CPU, else eager), "eager",
+    #: "inference"; see structllm.model.compiled
+    model_backend: str = "auto"
 
 
 @attrs.frozen
@@ -127,6 +130,8 @@ class EngineCore:
             max_model_len=config.max_model_len,
             seed=config.seed,
             on_progress=on_progress,
+            backend=config.model_backend,
+            num_threads=config.num_threads or default_num_threads(),
         )
         self.model_config: ModelConfig = loaded.config
         limit = loaded.config.max_context_len

@@ -5,6 +5,10 @@ from __future__ import annotations
 import os
 import warnings
 
+# Paddle's C++ logging (glog) writes warnings to stderr, e.g. one from
+# to_static on every process that builds oneDNN predictors; errors still show
+os.environ.setdefault("GLOG_minloglevel", "2")
+
 with warnings.catch_warnings():
     # Paddle warns at import about ccache (a build tool) and other trivia.
     warnings.simplefilter("ignore")

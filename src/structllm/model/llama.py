@@ -174,50 +174,16 @@ class LlamaForCausalLM:
     ) -> paddle.Tensor:  # (T, H)
         c = self.config
         w = self.weights
-        t = input_ids.shape[0]
-        nh, kvh, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         cos = self._cos[positions].unsqueeze(1)  # (T, 1, d)
         sin = self._sin[positions].unsqueeze(1)
         x = paddle.nn.functional.embedding(input_ids, w.embed)  # (T, H)
-        residual = x
         for i, layer in enumerate(w.layers):
-            h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
-            qkv = paddle.matmul(h, layer.qkv)  # (T, q_size + 2 kv_size)
-            if layer.qkv_bias is not None:
-                qkv = qkv + layer.qkv_bias
-            qk = qkv[:, : c.q_size + c.kv_size].reshape([t, nh + kvh, d])
-            if layer.q_norm is not None:
-                # Qwen3: RMSNorm over each head's head_dim, q and k apart
-                q = _rms_norm(
-                    qk[:, :nh].reshape([t * nh, d]), layer.q_norm, c.rms_norm_eps
-                )
-                k = _rms_norm(
-                    qk[:, nh:].reshape([t * kvh, d]), layer.k_norm, c.rms_norm_eps
-                )
-                qk = paddle.concat(
-                    [q.reshape([t, nh, d]), k.reshape([t, kvh, d])], axis=1
-                )
-            qk = _apply_rope(qk, cos, sin)  # (T, nh + kvh, d)
-            q, k = qk[:, :nh], qk[:, nh:]
-            v = qkv[:, c.q_size + c.kv_size :].reshape([t, kvh, d])
+            q, k, v = attention_inputs(c, layer, x, cos, sin)
             k_cache, v_cache = kv_caches[i]
             attn = self.attention.forward(
                 q, k, v, k_cache, v_cache, meta, self._windows[i]
             )  # (T, nh * d)
-            out = paddle.matmul(attn, layer.o)
-            if layer.o_bias is not None:
-                out = out + layer.o_bias
-            x = residual + out
-            residual = x
-            h = _rms_norm(x, layer.post_attention_norm, c.rms_norm_eps)
-            gate_up = paddle.matmul(h, layer.gate_up)  # (T, 2 I)
-            if layer.gate_up_bias is not None:
-                gate_up = gate_up + layer.gate_up_bias
-            out = paddle.matmul(_swiglu(gate_up), layer.down)
-            if layer.down_bias is not None:
-                out = out + layer.down_bias
-            x = residual + out
-            residual = x
+            x = layer_output(c, layer, x, attn)
         return _rms_norm(x, w.norm, c.rms_norm_eps)
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:  # (N, V) float32
@@ -231,12 +197,61 @@ class LlamaForCausalLM:
         )
 
 
+def attention_inputs(
+    c: ModelConfig,
+    layer: DecoderLayerWeights,
+    x: paddle.Tensor,  # (T, H) the residual stream
+    cos: paddle.Tensor,  # (T, 1, d)
+    sin: paddle.Tensor,
+) -> tuple[paddle.Tensor, paddle.Tensor, paddle.Tensor]:
+    """Norm, q/k/v projection, Qwen3's q/k norm and RoPE: ``q, k, v``.
+
+    Written for eager and static graphs alike (no Python-side shapes).
+    """
+    nh, kvh, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
+    qkv = paddle.matmul(h, layer.qkv)  # (T, q_size + 2 kv_size)
+    if layer.qkv_bias is not None:
+        qkv = qkv + layer.qkv_bias
+    qk = qkv[:, : c.q_size + c.kv_size].reshape([-1, nh + kvh, d])
+    if layer.q_norm is not None:
+        # Qwen3: RMSNorm over each head's head_dim, q and k apart
+        q = _rms_norm(qk[:, :nh].reshape([-1, d]), layer.q_norm, c.rms_norm_eps)
+        k = _rms_norm(qk[:, nh:].reshape([-1, d]), layer.k_norm, c.rms_norm_eps)
+        qk = paddle.concat([q.reshape([-1, nh, d]), k.reshape([-1, kvh, d])], axis=1)
+    qk = _apply_rope(qk, cos, sin)  # (T, nh + kvh, d)
+    v = qkv[:, c.q_size + c.kv_size :].reshape([-1, kvh, d])
+    return qk[:, :nh], qk[:, nh:], v
+
+
+def layer_output(
+    c: ModelConfig,
+    layer: DecoderLayerWeights,
+    x: paddle.Tensor,  # (T, H) the residual stream
+    attn: paddle.Tensor,  # (T, nh * d) attention output
+) -> paddle.Tensor:  # (T, H)
+    """o projection and the MLP block, each added to the residual stream."""
+    out = paddle.matmul(attn, layer.o)
+    if layer.o_bias is not None:
+        out = out + layer.o_bias
+    x = x + out
+    h = _rms_norm(x, layer.post_attention_norm, c.rms_norm_eps)
+    gate_up = paddle.matmul(h, layer.gate_up)  # (T, 2 I)
+    if layer.gate_up_bias is not None:
+        gate_up = gate_up + layer.gate_up_bias
+    out = paddle.matmul(_swiglu(gate_up), layer.down)
+    if layer.down_bias is not None:
+        out = out + layer.down_bias
+    return x + out
+
+
 def _rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
     if x.dtype == paddle.float32 and _FUSED_RMS_NORM:
         # begin_norm_axis=1 for (T, H): normalise over H
         return _fused_rms_norm(x, weight, None, eps, 1)[0]
     xf = x.astype(paddle.float32)
-    xf = xf * paddle.rsqrt((xf * xf).mean(axis=-1, keepdim=True) + eps)
+    # sum / n, not mean: oneDNN prints a line to stdout for every reduce_mean
+    xf = xf * paddle.rsqrt((xf * xf).sum(axis=-1, keepdim=True) / weight.shape[0] + eps)
     return xf.astype(x.dtype) * weight
 
 

@@ -32,8 +32,12 @@ __all__ = [
     "hf_tensor_shapes",
     "load_model",
     "random_hf_tensors",
+    "resolve_backend",
     "resolve_dtype",
 ]
+
+#: ``model_backend="auto"`` uses oneDNN predictors from this size up
+AUTO_INFERENCE_MIN_PARAMETERS = 10_000_000
 
 #: The name of the built-in random model.
 TINY = "tiny"
@@ -153,6 +157,8 @@ def load_model(
     max_model_len: int | None = None,
     seed: int = 0,
     on_progress: Callable[[LoadProgress], None] | None = None,
+    backend: str = "auto",
+    num_threads: int | None = None,
 ) -> LoadedModel:
     """Load ``model`` (a directory, or ``"tiny"``) ready to run."""
     path: Path | None
@@ -193,6 +199,8 @@ def load_model(
         dtype=compute_dtype,
         block_size=block_size,
         max_model_len=max_model_len,
+        backend=backend,
+        num_threads=num_threads,
     )
     return LoadedModel(config=config, model=llm, path=path)
 
@@ -204,6 +212,8 @@ def build_model(
     dtype: str = "float32",
     block_size: int = 16,
     max_model_len: int | None = None,
+    backend: str = "eager",
+    num_threads: int | None = None,
 ) -> LlamaForCausalLM:
     """A model from HF-named tensors (consumed; HF ``(out, in)`` layout)."""
     t = {
@@ -213,9 +223,48 @@ def build_model(
     weights = _fuse(config, t, dtype)
     limit = config.max_context_len
     max_len = min(max_model_len or limit, limit)
+    if resolve_backend(backend, dtype, config) == "inference":
+        from structllm.model.compiled import CompiledLlamaForCausalLM
+
+        return CompiledLlamaForCausalLM(
+            config,
+            weights,
+            block_size=block_size,
+            max_model_len=max_len,
+            num_threads=num_threads or 1,
+        )
     return LlamaForCausalLM(
         config, weights, block_size=block_size, max_model_len=max_len
     )
+
+
+def resolve_backend(backend: str, dtype: str, config: ModelConfig) -> str:
+    """``auto``: oneDNN predictors for float32 models of 10M+ parameters on CPU.
+
+    Below that a step is mostly per-call overhead, which the predictors add
+    to (a 0.2M model decodes 2-3x slower through them); above it their
+    kernels win (docs/benchmarks.md). Elsewhere eager Paddle.
+    """
+    if backend not in ("auto", "eager", "inference"):
+        raise ModelLoadError(
+            f"model_backend must be auto, eager or inference, got {backend!r}"
+        )
+    on_cpu = not paddle.is_compiled_with_cuda() or paddle.get_device() == "cpu"
+    if backend == "auto":
+        from structllm.model.compiled import inference_available
+
+        fast = (
+            on_cpu
+            and dtype == "float32"
+            and config.num_parameters >= AUTO_INFERENCE_MIN_PARAMETERS
+            and inference_available()
+        )
+        return "inference" if fast else "eager"
+    if backend == "inference" and not (on_cpu and dtype == "float32"):
+        raise ModelLoadError(
+            "model_backend='inference' runs float32 on CPU only; use 'eager'"
+        )
+    return backend
 
 
 def _checkpoint_files(path: Path) -> dict[str, Path]:

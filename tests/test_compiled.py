@@ -1,0 +1,65 @@
+"""The oneDNN model backend (Paddle Inference predictors) against eager Paddle."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import pytest
+
+from structllm.core.engine_core import EngineConfig, EngineCore
+from structllm.core.request import CoreRequest
+from structllm.errors import ModelLoadError
+from structllm.model.config import tiny_config
+from structllm.model.loader import AUTO_INFERENCE_MIN_PARAMETERS, resolve_backend
+from structllm.params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def _tokens(backend: str) -> tuple[dict[str, list[int]], type]:
+    core = EngineCore(
+        EngineConfig(
+            model="tiny",
+            model_backend=backend,
+            num_blocks=12,
+            max_model_len=128,
+            max_num_batched_tokens=24,
+        )
+    )
+    rng = np.random.default_rng(4)
+    for i, n in enumerate([1, 9, 30, 47, 70]):
+        prompt = tuple(rng.integers(0, 256, size=n).tolist())
+        core.add_request(
+            CoreRequest(request_id=str(i), prompt_token_ids=prompt, params=GREEDY)
+        )
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(5)}
+    preempted = 0
+    while core.has_unfinished_requests():
+        step = core.step()
+        preempted += len(step.preempted)
+        for out in step.outputs:
+            tokens[out.request_id] += out.new_token_ids
+    assert preempted, "the 12-block pool should preempt"
+    return tokens, type(core.runner.model)
+
+
+def test_inference_backend_gives_the_eager_tokens() -> None:
+    # chunked prefills, decodes batched with them, and preemption
+    eager, eager_cls = _tokens("eager")
+    compiled, compiled_cls = _tokens("inference")
+    assert compiled_cls.__name__ == "CompiledLlamaForCausalLM"
+    assert eager_cls.__name__ == "LlamaForCausalLM"
+    assert compiled == eager
+
+
+def test_auto_picks_by_size_and_bad_names_are_refused() -> None:
+    small = tiny_config()
+    big = attrs.evolve(
+        small, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8
+    )
+    assert small.num_parameters < AUTO_INFERENCE_MIN_PARAMETERS <= big.num_parameters
+    assert resolve_backend("auto", "float32", small) == "eager"
+    assert resolve_backend("auto", "float32", big) == "inference"
+    assert resolve_backend("eager", "float32", big) == "eager"
+    with pytest.raises(ModelLoadError, match="model_backend"):
+        resolve_backend("onnx", "float32", small)

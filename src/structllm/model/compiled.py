@@ -10,8 +10,11 @@ whole MLP block runs 2.6x (16 tokens) to 3.5x (256 tokens) faster
         -> PortableAttention over the paged KV cache (eager, unchanged)
         -> layer_output (o projection, MLP block, residuals)
 
-and the two dense halves, plus the final norm and LM head, each become a
-predictor holding that layer's weights. They run the very functions the
+and the dense work between two attentions (layer i's output half and layer
+i+1's input half), the first input half, the last output half, and the
+final norm and LM head each become a predictor holding those weights:
+L + 2 predictor calls a step for L layers (each call costs ~0.3-1 ms of
+fixed overhead, so fewer and larger is better). They run the very functions the
 eager model runs (``attention_inputs``, ``layer_output`` in llama.py),
 traced once by ``paddle.jit.to_static``; every predictor is checked against
 the eager function on a random input when it is built.
@@ -22,6 +25,7 @@ and come back as numpy arrays wrapped by DLPack.
 
 from __future__ import annotations
 
+import functools
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
@@ -92,10 +96,10 @@ class _Program(paddle.nn.Layer):  # type: ignore[misc]
             getattr(self, name).set_value(weights[name])
 
     def forward(
-        self, a: paddle.Tensor, b: paddle.Tensor | None = None, c: Any = None
+        self, in0: paddle.Tensor, in1: Any = None, in2: Any = None, in3: Any = None
     ) -> Any:
         # explicit arguments: to_static matches them with the input specs
-        inputs = [t for t in (a, b, c) if t is not None]
+        inputs = [t for t in (in0, in1, in2, in3) if t is not None]
         return self._fn({n: getattr(self, n) for n in self._names}, *inputs)
 
 
@@ -214,56 +218,61 @@ class CompiledLlamaForCausalLM(LlamaForCausalLM):
         def head_fn(w: dict[str, paddle.Tensor], x: Any) -> Any:
             return paddle.matmul(_rms_norm(x, w["norm"], c.rms_norm_eps), w["head"])
 
-        spec = paddle.static.InputSpec
-        self._inputs: list[_Predictor] = []
-        self._outputs: list[_Predictor] = []
+        def mid_fn(
+            w: dict[str, paddle.Tensor], x: Any, attn: Any, cos: Any, sin: Any
+        ) -> Any:
+            # layer i's output half, then layer i+1's input half: one call
+            a = {n[2:]: t for n, t in w.items() if n.startswith("a_")}
+            b = {n[2:]: t for n, t in w.items() if n.startswith("b_")}
+            x = layer_output(c, _as_layer(a), x, attn)
+            return (x, *attention_inputs(c, _as_layer(b), x, cos, sin))
+
+        def specs(*shapes: list[int | None]) -> list[Any]:
+            # a fresh InputSpec per argument: to_static names them in place
+            return [paddle.static.InputSpec(s, "float32") for s in shapes]
+
+        xs, rope, attn_s = [None, h], [None, 1, d], [None, c.q_size]
+        layers = [_weights(layer) for layer in weights.layers]
+        fields = tuple(sorted(layers[0]))
         with tempfile.TemporaryDirectory(prefix="structllm-") as tmp, _LOCK:
             directory = Path(tmp)
-            for i, layer in enumerate(weights.layers):
-                w = _weights(layer)
-                self._inputs.append(
-                    self._build(
-                        directory,
-                        f"inputs{i}",
-                        ("inputs", c, tuple(sorted(w))),
-                        inputs_fn,
-                        w,
-                        [
-                            spec([None, h], "float32"),
-                            spec([None, 1, d], "float32"),
-                            spec([None, 1, d], "float32"),
-                        ],
-                        (x, cos, sin),
-                        num_threads,
-                    )
-                )
-                self._outputs.append(
-                    self._build(
-                        directory,
-                        f"output{i}",
-                        ("output", c, tuple(sorted(w))),
-                        output_fn,
-                        w,
-                        [spec([None, h], "float32"), spec([None, c.q_size], "float32")],
-                        (x, attn),
-                        num_threads,
-                    )
-                )
-            self._head = self._build(
-                directory,
-                "head",
-                ("head", c),
-                head_fn,
-                head_w,
-                [spec([None, h], "float32")],
-                (x,),
-                num_threads,
+            build = functools.partial(self._build, directory, num_threads=num_threads)
+            self._first = build(
+                "first",
+                ("first", c, fields),
+                inputs_fn,
+                layers[0],
+                specs(xs, rope, rope),
+                (x, cos, sin),
             )
+            self._mid = [
+                build(
+                    f"mid{i}",
+                    ("mid", c, fields),
+                    mid_fn,
+                    {
+                        **{"a_" + n: t for n, t in layers[i].items()},
+                        **{"b_" + n: t for n, t in layers[i + 1].items()},
+                    },
+                    specs(xs, attn_s, rope, rope),
+                    (x, attn, cos, sin),
+                )
+                for i in range(len(layers) - 1)
+            ]
+            self._last = build(
+                "last",
+                ("last", c, fields),
+                output_fn,
+                layers[-1],
+                specs(xs, attn_s),
+                (x, attn),
+            )
+            self._head = build("head", ("head", c), head_fn, head_w, specs(xs), (x,))
         # the predictors hold the layer weights now; keep the embedding only
         self.weights = ModelWeights(
             embed=weights.embed, layers=[], norm=weights.norm, lm_head=None
         )
-        self._num_layers = len(self._inputs)
+        self._num_layers = len(layers)
 
     @staticmethod
     def _build(
@@ -274,6 +283,7 @@ class CompiledLlamaForCausalLM(LlamaForCausalLM):
         weights: dict[str, paddle.Tensor],
         spec: list[Any],
         probe: tuple[paddle.Tensor, ...],
+        *,
         num_threads: int,
     ) -> _Predictor:
         traced = _TRACED.get(key)
@@ -304,13 +314,16 @@ class CompiledLlamaForCausalLM(LlamaForCausalLM):
         cos = self._cos[positions].unsqueeze(1)  # (T, 1, d)
         sin = self._sin[positions].unsqueeze(1)
         x = paddle.nn.functional.embedding(input_ids, self.weights.embed)  # (T, H)
+        q, k, v = self._first(x, cos, sin)
         for i in range(self._num_layers):
-            q, k, v = self._inputs[i](x, cos, sin)
             k_cache, v_cache = kv_caches[i]
             attn = self.attention.forward(
                 q, k, v, k_cache, v_cache, meta, self._windows[i]
             )  # (T, nh * d)
-            (x,) = self._outputs[i](x, attn)
+            if i + 1 < self._num_layers:
+                x, q, k, v = self._mid[i](x, attn, cos, sin)
+            else:
+                (x,) = self._last(x, attn)
         return x
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:  # (N, V)

@@ -311,8 +311,7 @@ class CompiledLlamaForCausalLM(LlamaForCausalLM):
         kv_caches: Sequence[tuple[paddle.Tensor, paddle.Tensor]],
         meta: AttentionMetadata,
     ) -> paddle.Tensor:  # (T, H), before the final norm
-        cos = self._cos[positions].unsqueeze(1)  # (T, 1, d)
-        sin = self._sin[positions].unsqueeze(1)
+        cos, sin = self.rope_tables(positions)
         x = paddle.nn.functional.embedding(input_ids, self.weights.embed)  # (T, H)
         q, k, v = self._first(x, cos, sin)
         for i in range(self._num_layers):

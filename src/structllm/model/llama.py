@@ -165,6 +165,12 @@ class LlamaForCausalLM:
         elem = 4 if self.dtype == paddle.float32 else 2
         return 2 * c.num_hidden_layers * self.attention.block_size * c.kv_size * elem
 
+    def rope_tables(
+        self, positions: paddle.Tensor
+    ) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """cos and sin rows for ``positions``: ``(T, 1, head_dim)`` each."""
+        return self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1)
+
     def forward(
         self,
         input_ids: paddle.Tensor,  # (T,) int64
@@ -174,8 +180,7 @@ class LlamaForCausalLM:
     ) -> paddle.Tensor:  # (T, H)
         c = self.config
         w = self.weights
-        cos = self._cos[positions].unsqueeze(1)  # (T, 1, d)
-        sin = self._sin[positions].unsqueeze(1)
+        cos, sin = self.rope_tables(positions)
         x = paddle.nn.functional.embedding(input_ids, w.embed)  # (T, H)
         for i, layer in enumerate(w.layers):
             q, k, v = attention_inputs(c, layer, x, cos, sin)

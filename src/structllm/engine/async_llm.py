@@ -62,12 +62,14 @@ from structllm.engine.protocol import (
     Shutdown,
     Start,
     StepResult,
+    encode,
 )
 from structllm.errors import (
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
     ModelLoadError,
+    RequestFailedError,
 )
 from structllm.model.sampler import TokenLogprobs
 from structllm.outputs import RequestOutput
@@ -267,7 +269,9 @@ class AsyncLLM:
         self._live: dict[str, _Live] = {}
         self._wire: dict[str, _Live] = {}
         self._submissions = itertools.count()
-        self._outgoing: MemoryObjectSendStream[Message] | None = None
+        #: encoded frames for the writer: a message that cannot be encoded fails
+        #: at its sender (one request), never in the writer (every request)
+        self._outgoing: MemoryObjectSendStream[bytes] | None = None
         self._ready = False
         self._ready_event = anyio.Event()
         self._idle_event = anyio.Event()
@@ -497,17 +501,18 @@ class AsyncLLM:
             RequestState(request_id, parsed.text, ids, params, self.tokenizer),
             wire_id=wire_id,
         )
+        frame = _encode_request(
+            AddRequest(
+                request_id=wire_id,
+                prompt_token_ids=list(ids),
+                params=_params_to_wire(params),
+                eos_token_ids=sorted(self._eos | frozenset(info.eos_token_ids)),
+                priority=priority,
+            )
+        )
         assert self._outgoing is not None
         try:
-            self._outgoing.send_nowait(
-                AddRequest(
-                    request_id=wire_id,
-                    prompt_token_ids=list(ids),
-                    params=_params_to_wire(params),
-                    eos_token_ids=sorted(self._eos | frozenset(info.eos_token_ids)),
-                    priority=priority,
-                )
-            )
+            self._outgoing.send_nowait(frame)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             # the worker just died; its teardown has not reached us yet
             raise EngineDeadError("the engine core died; it is restarting") from None
@@ -575,7 +580,7 @@ class AsyncLLM:
         if self._outgoing is None:
             return  # no worker: nothing to tell
         with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
-            self._outgoing.send_nowait(msg)
+            self._outgoing.send_nowait(encode(msg))
 
     def _fail_all(self, make_error: Callable[[], BaseException]) -> None:
         for live in list(self._live.values()):
@@ -600,7 +605,7 @@ class AsyncLLM:
                 )
                 try:
                     self._info = await self._handshake(conn, fault)
-                    send, receive = anyio.create_memory_object_stream[Message](math.inf)
+                    send, receive = anyio.create_memory_object_stream[bytes](math.inf)
                     self._outgoing = send
                     self._ready = True
                     self._ready_event.set()
@@ -709,7 +714,7 @@ class AsyncLLM:
         bar.update(msg.done - bar.n)
 
     async def _serve(
-        self, conn: WorkerConnection, outgoing: MemoryObjectReceiveStream[Message]
+        self, conn: WorkerConnection, outgoing: MemoryObjectReceiveStream[bytes]
     ) -> None:
         try:
             async with anyio.create_task_group() as tg:
@@ -721,12 +726,12 @@ class AsyncLLM:
             raise group.exceptions[0] from None
 
     async def _write(
-        self, conn: WorkerConnection, outgoing: MemoryObjectReceiveStream[Message]
+        self, conn: WorkerConnection, outgoing: MemoryObjectReceiveStream[bytes]
     ) -> None:
         try:
             async with outgoing:
-                async for msg in outgoing:
-                    await conn.send(msg)
+                async for frame in outgoing:
+                    await conn.send_frame(frame)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
             raise _WorkerLost(exc) from None
 
@@ -782,7 +787,16 @@ class AsyncLLM:
                 stop_reason=wo.stop_reason,
                 queue_s=wo.queue_s,
             )
-            out = live.state.process(step)
+            try:
+                out = live.state.process(step)
+            except Exception as exc:  # e.g. detokenising: this request alone fails
+                self._send_nowait(AbortRequests([wo.request_id]))
+                live.state.abort("error")
+                self._retire(live)
+                failure = RequestFailedError(f"the request failed: {exc!r}")
+                failure.__cause__ = exc
+                live.close(failure)
+                continue
             if live.state.finished:
                 if wo.finish_reason is None:  # a stop string: the core doesn't know
                     self._send_nowait(AbortRequests([wo.request_id]))
@@ -826,6 +840,16 @@ def _dead_error(message: str, cause: BaseException) -> EngineDeadError:
     err = EngineDeadError(f"{message}: {cause}")
     err.__cause__ = cause
     return err
+
+
+def _encode_request(msg: AddRequest) -> bytes:
+    """The request's frame; a value the wire cannot carry fails this request only."""
+    try:
+        return encode(msg)
+    except (OverflowError, UnicodeEncodeError, TypeError, ValueError) as exc:
+        raise InvalidRequestError(
+            f"the request cannot be sent to the engine: {exc}", field=None
+        ) from exc
 
 
 def _params_to_wire(p: SamplingParams) -> dict[str, Any]:

@@ -22,6 +22,8 @@ from structllm.model.config import ModelConfig
 __all__ = ["DecoderLayerWeights", "LlamaForCausalLM", "ModelWeights", "rope_inv_freq"]
 
 _fused_rms_norm = paddle.incubate.nn.functional.fused_rms_norm
+#: Paddle's CPU fused_rms_norm kernel is AVX-512 code: SIGILL on AVX2-only CPUs
+_FUSED_RMS_NORM = paddle.is_compiled_with_cuda() or paddle.base.core.supports_avx512f()
 _swiglu = paddle.nn.functional.swiglu
 
 
@@ -162,7 +164,7 @@ class LlamaForCausalLM:
 
 
 def _rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
-    if x.dtype == paddle.float32:
+    if x.dtype == paddle.float32 and _FUSED_RMS_NORM:
         # begin_norm_axis=1 for (T, H): normalise over H
         return _fused_rms_norm(x, weight, None, eps, 1)[0]
     xf = x.astype(paddle.float32)

@@ -48,7 +48,7 @@ from structllm.engine.executor import (
     open_inline_worker,
     open_process_worker,
 )
-from structllm.engine.inputs import PromptInput, parse_prompt
+from structllm.engine.inputs import PromptInput, parse_prompt_off_loop
 from structllm.engine.output_processor import RequestState, merge_outputs
 from structllm.engine.protocol import (
     AbortRequests,
@@ -121,6 +121,13 @@ class FrontendConfig:
     restart_window: float = 300.0
     restart_backoff: float = 0.25
     show_progress: bool = True
+    #: prompts longer than this in UTF-8 are refused before tokenising;
+    #: None = 32 bytes per token of max_model_len (at least 64 KiB)
+    max_prompt_bytes: int | None = None
+    #: check_health() and statistics().healthy report unhealthy once the
+    #: worker has been silent this long; None = 3 heartbeat intervals (a
+    #: step longer than this also reads as unhealthy until it ends)
+    health_timeout: float | None = None
     #: test hook forwarded to the worker ("raise_at_step:N", "hang_at_step:N",
     #: "exit_at_step:N") for its first ``fault_starts`` starts
     fault: str | None = None
@@ -141,6 +148,10 @@ class EngineStatistics:
     ready: bool
     dead: bool
     worker_pid: int | None
+    #: seconds since the worker was last heard from (None: no worker)
+    silent_for: float | None = None
+    #: ready, not dead, and heard from within the health timeout
+    healthy: bool = False
 
 
 @attrs.define(eq=False)
@@ -283,6 +294,7 @@ class AsyncLLM:
         self._preemptions = 0
         self._eos: frozenset[int] = frozenset(tokenizer.eos_token_ids)
         self._stats_event = anyio.Event()
+        self._last_heard: float | None = None
 
     # ------------------------------------------------------------------ open
 
@@ -426,6 +438,15 @@ class AsyncLLM:
 
     def statistics(self) -> EngineStatistics:
         c = self._counts
+        silent = None
+        if self._ready and self._last_heard is not None:
+            silent = anyio.current_time() - self._last_heard
+        healthy = (
+            self._ready
+            and self._dead is None
+            and silent is not None
+            and silent <= self.health_timeout
+        )
         return EngineStatistics(
             live_requests=len(self._live),
             running=c.num_running,
@@ -437,7 +458,30 @@ class AsyncLLM:
             ready=self._ready,
             dead=self._dead is not None,
             worker_pid=None if self._info is None else self._info.pid,
+            silent_for=silent,
+            healthy=healthy,
         )
+
+    @property
+    def health_timeout(self) -> float:
+        t = self.config.health_timeout
+        if t is None:
+            t = min(3 * self.config.heartbeat_interval, self.config.heartbeat_timeout)
+        return t
+
+    @property
+    def max_prompt_bytes(self) -> int | None:
+        """The byte cap on prompts (None until the context length is known)."""
+        if self.config.max_prompt_bytes is not None:
+            return self.config.max_prompt_bytes
+        if self._info is None:
+            return None
+        return max(64 << 10, 32 * self._info.max_model_len)
+
+    @property
+    def vocab_size(self) -> int:
+        assert self._info is not None
+        return self._info.vocab_size
 
     async def wait_statistics(
         self, predicate: Callable[[EngineStatistics], bool]
@@ -483,12 +527,14 @@ class AsyncLLM:
             raise InvalidRequestError(
                 f"priority must be an integer, got {priority!r}", field="priority"
             )
-        parsed = parse_prompt(prompt, self.tokenizer)
+        parsed = await parse_prompt_off_loop(
+            prompt, self.tokenizer, max_bytes=self.max_prompt_bytes
+        )
         while not self._ready:
             self._check_admitting()
             await self._ready_event.wait()
         # From here to the end: no await. Registered and submitted, or neither.
-        info = self.check_admission(parsed.token_ids)
+        info = self.check_admission(parsed.token_ids, params=params)
         if request_id in self._live:
             raise InvalidRequestError(
                 f"request_id {request_id!r} is already in use by a live request",
@@ -520,7 +566,13 @@ class AsyncLLM:
         self._wire[wire_id] = live
         return live
 
-    def check_admission(self, prompt_token_ids: Sequence[int], count: int = 1) -> Ready:
+    def check_admission(
+        self,
+        prompt_token_ids: Sequence[int],
+        count: int = 1,
+        *,
+        params: SamplingParams | None = None,
+    ) -> Ready:
         """Raise now what submitting ``count`` requests for this prompt would.
 
         EngineDeadError when dead, shutting down or restarting;
@@ -537,6 +589,8 @@ class AsyncLLM:
             vocab_size=info.vocab_size,
             max_model_len=info.max_model_len,
         )
+        if params is not None:
+            _check_token_ids(params, info.vocab_size)
         limit = self.config.max_queued_requests
         if (
             limit is not None
@@ -605,6 +659,7 @@ class AsyncLLM:
                 )
                 try:
                     self._info = await self._handshake(conn, fault)
+                    self._last_heard = anyio.current_time()
                     send, receive = anyio.create_memory_object_stream[bytes](math.inf)
                     self._outgoing = send
                     self._ready = True
@@ -746,6 +801,7 @@ class AsyncLLM:
             try:
                 with anyio.fail_after(self.config.heartbeat_timeout):
                     msg = await _receive(conn)
+                self._last_heard = anyio.current_time()
             except TimeoutError:
                 raise _WorkerLost(
                     TimeoutError(
@@ -850,6 +906,23 @@ def _encode_request(msg: AddRequest) -> bytes:
         raise InvalidRequestError(
             f"the request cannot be sent to the engine: {exc}", field=None
         ) from exc
+
+
+def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids in ``params`` must lie in the model's vocabulary."""
+    fields: tuple[tuple[str, Sequence[int]], ...] = (
+        ("stop_token_ids", params.stop_token_ids),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+        ("logit_bias", [t for t, _ in params.logit_bias]),
+    )
+    for name, ids in fields:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"{name} has token id {bad[0]}, outside the vocabulary "
+                f"[0, {vocab_size})",
+                field=name,
+            )
 
 
 def _params_to_wire(p: SamplingParams) -> dict[str, Any]:

@@ -336,6 +336,23 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+#: bodies larger than this are parsed and validated in a worker thread
+_BIG_BODY = 256 << 10
+
+_T = TypeVar("_T")
+
+
+async def _maybe_off_loop(big: bool, fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)``, in a worker thread when ``big`` (the loop stays responsive).
+
+    Cancelled meanwhile, it waits for the thread (CPU work bounded by the
+    body cap) and then raises; the thread's result is dropped.
+    """
+    if not big:
+        return fn(*args)
+    return await anyio.to_thread.run_sync(fn, *args)
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -433,7 +450,7 @@ def build_app(
             )
 
     async def guarded(
-        request: Request, handler: Callable[[Any], Awaitable[Response]]
+        request: Request, handler: Callable[[Any, bool], Awaitable[Response]]
     ) -> Response:
         """Errors -> OpenAI error bodies; a disconnect cancels the handler.
 
@@ -457,8 +474,9 @@ def build_app(
                 f"the request body was not received within {config.body_timeout:g}s",
                 headers={"connection": "close"},
             )
+        big = len(raw) > _BIG_BODY
         try:
-            body = _parse_json(raw)
+            body = await _maybe_off_loop(big, _parse_json, raw)
         except (ValueError, RecursionError) as exc:
             return _error(400, f"the body is not valid JSON: {exc}"[:500])
         try:
@@ -466,7 +484,7 @@ def build_app(
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_cancel_on_disconnect, request.receive, tg.cancel_scope)
                 with _deadline(config.request_timeout):
-                    response = await handler(body)
+                    response = await handler(body, big)
                 tg.cancel_scope.cancel()
             if response is None:  # the client went away
                 return Response(status_code=499)
@@ -550,9 +568,9 @@ def build_app(
         response_model=None,
     )
     async def completions(request: Request) -> Response:
-        async def handle(body: Any) -> Response:
+        async def handle(body: Any, big: bool) -> Response:
             llm = slot.get()  # 503 while loading, before anything streams
-            req = _validate(oai.CompletionRequest, body)
+            req = await _maybe_off_loop(big, _validate, oai.CompletionRequest, body)
             check_model(req.model)
             params = req.to_sampling_params(config.default_max_tokens)
             prompts = []
@@ -589,15 +607,15 @@ def build_app(
         response_model=None,
     )
     async def chat(request: Request) -> Response:
-        async def handle(body: Any) -> Response:
+        async def handle(body: Any, big: bool) -> Response:
             llm = slot.get()
-            req = _validate(oai.ChatRequest, body)
+            req = await _maybe_off_loop(big, _validate, oai.ChatRequest, body)
             check_model(req.model)
             params = req.to_sampling_params(None)
             messages = req.template_messages()
             size = sum(len(m["content"]) for m in messages)
             cap = llm.max_prompt_bytes
-            if cap is not None and size > cap:
+            if cap is not None and 4 * size > cap:  # 4: the most bytes per char
                 text = "".join(m["content"] for m in messages)
                 check_prompt_bytes(text, cap, field="messages")
             add_generation_prompt = req.add_generation_prompt is not False

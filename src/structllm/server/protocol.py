@@ -71,9 +71,9 @@ INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
 #: OpenAI (and vLLM) fields structllm refuses, with the reason. A field is
 #: refused when present with a value other than null or a listed no-op value.
 REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "tools": ("tool calling is not supported", ((),)),
+    "tools": ("tool calling is not supported", ([],)),
     "tool_choice": ("tool calling is not supported", ("none",)),
-    "functions": ("function calling is not supported", ((),)),
+    "functions": ("function calling is not supported", ([],)),
     "function_call": ("function calling is not supported", ("none",)),
     "parallel_tool_calls": ("tool calling is not supported", ()),
     "response_format": ("structured output is not supported", ({"type": "text"},)),

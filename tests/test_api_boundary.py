@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -516,3 +517,100 @@ def test_sigterm_drains_then_cuts_streams_with_done() -> None:
         assert len(events) < 8 * 2000  # cut at the grace timeout, with an error
         assert json.loads(events[-2][5:])["error"]["code"] == 503
         assert proc.wait(timeout=30) == 0
+
+
+# -- arbitrary JSON into every field ---------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from structllm.server import protocol as oai  # noqa: E402
+
+
+def _nested(depth: int) -> str:
+    """A placeholder that :func:`_dumps` turns into ``depth`` nested arrays."""
+    return f"\x00deep:{depth}\x00"
+
+
+def _dumps(body: Any) -> bytes:
+    """JSON as a careless client writes it: NaN, Infinity, deep nesting."""
+    text = json.dumps(body, allow_nan=True)
+    for depth in {int(m) for m in re.findall(r"\\u0000deep:(\d+)\\u0000", text)}:
+        deep = "[" * depth + "1" + "]" * depth
+        text = text.replace(f'"\\u0000deep:{depth}\\u0000"', deep)
+    return text.encode()
+
+
+#: every JSON value, with what breaks parsers: huge integers, lone
+#: surrogates, NaN and infinities, deep nesting
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.sampled_from([2**63, 2**64, -(2**63) - 1, 2**70, 10**400, -1, 0])
+    | st.floats()
+    | st.text(st.characters(codec=None, exclude_categories=()), max_size=8)
+    | st.sampled_from(["\ud800", "a\udfff", "", "text"])
+    | st.integers(100, 20_000).map(_nested),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(
+            st.text(max_size=4) | st.sampled_from(["1", "type", "text"]),
+            inner,
+            max_size=4,
+        )
+    ),
+    max_leaves=8,
+)
+
+_COMMON = sorted(
+    set(oai.CompletionRequest.model_fields)
+    | set(oai.ChatRequest.model_fields)
+    | set(oai.REFUSED)
+)
+_GOOD = {
+    "/v1/completions": {"prompt": "ok", "max_tokens": 2},
+    "/v1/chat/completions": {
+        "messages": [{"role": "user", "content": "ok"}],
+        "max_tokens": 2,
+    },
+}
+_MESSAGE_FIELDS = ["role", "content", "name", "tool_calls"]
+
+
+@st.composite
+def fuzzed_requests(draw: st.DrawFn) -> tuple[str, bytes]:
+    path = draw(st.sampled_from(sorted(_GOOD)))
+    body: dict[str, Any] = dict(_GOOD[path])
+    for _ in range(draw(st.integers(1, 3))):
+        if path.endswith("chat/completions") and draw(st.booleans()):
+            message = {"role": "user", "content": "hi"}
+            message[draw(st.sampled_from(_MESSAGE_FIELDS))] = draw(json_values)
+            body["messages"] = [message]
+        else:
+            body[draw(st.sampled_from(_COMMON))] = draw(json_values)
+    return path, _dumps(body)
+
+
+def test_arbitrary_json_in_every_field_never_breaks_the_server(server: str) -> None:
+    with httpx.Client(base_url=server, timeout=60) as http:
+
+        @settings(
+            max_examples=int(os.environ.get("STRUCTLLM_FUZZ_EXAMPLES", "120")),
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+            database=None,
+        )
+        @given(fuzzed_requests())
+        def check(request: tuple[str, bytes]) -> None:
+            path, raw = request
+            r = http.post(
+                path, content=raw, headers={"content-type": "application/json"}
+            )
+            assert r.status_code < 500, (raw[:300], r.text)
+            if r.status_code != 200:
+                assert r.json()["error"]["code"] == r.status_code
+            good = http.post(path, json=_GOOD[path])
+            assert good.status_code == 200, good.text
+
+        check()

@@ -409,3 +409,45 @@ async def test_an_output_that_fails_to_process_fails_its_request_alone(
         out = await llm.complete({"prompt_token_ids": p[1]}, GREEDY)
         assert list(out.token_ids) == alone(p[1])
         await all_blocks_free(llm)
+
+
+async def test_cancelled_while_tokenising_off_the_loop_registers_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A long text prompt is tokenised in a thread; cancelling the caller
+    meanwhile waits for the thread, then raises: nothing is registered and
+    the engine serves on."""
+    import structllm.engine.inputs as inputs
+
+    entered, release = threading.Event(), threading.Event()
+    real = inputs.parse_prompt
+
+    def slow_parse(prompt: object, tokenizer: object) -> object:
+        entered.set()
+        release.wait(10)
+        return real(prompt, tokenizer)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(inputs, "parse_prompt", slow_parse)
+    monkeypatch.setattr(inputs, "OFF_LOOP_CHARS", 10)
+    text = "a" * 11
+    async with open_llm(max_prompt_bytes=1 << 20) as llm:
+        with anyio.CancelScope() as scope:
+
+            async def cancel_once_in_thread() -> None:
+                await anyio.to_thread.run_sync(entered.wait)
+                scope.cancel()
+                release.set()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cancel_once_in_thread)
+                async with llm.stream(text, GREEDY):
+                    pytest.fail("the request was admitted after cancellation")
+        assert scope.cancelled_caught and llm.statistics().live_requests == 0
+        monkeypatch.setattr(inputs, "parse_prompt", real)
+        # over the byte cap: refused before tokenising
+        with pytest.raises(InvalidRequestError, match="max_prompt_bytes") as info:
+            await llm.complete("é" * (1 << 19) + "x", GREEDY)
+        assert info.value.field == "prompt"
+        out = await llm.complete({"prompt_token_ids": [1, 2, 3]}, GREEDY)
+        assert list(out.token_ids) == alone([1, 2, 3])
+        await all_blocks_free(llm)

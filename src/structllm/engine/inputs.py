@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
 
+import anyio.lowlevel
 import anyio.to_thread
 import attrs
 
@@ -96,7 +97,11 @@ async def parse_prompt_off_loop(
     check_prompt_bytes(text, max_bytes)
     if len(text) <= OFF_LOOP_CHARS:
         return parse_prompt(text, tokenizer)
-    return await anyio.to_thread.run_sync(parse_prompt, text, tokenizer)
+    parsed = await anyio.to_thread.run_sync(parse_prompt, text, tokenizer)
+    # the thread ran to the end under a cancelled scope: raise now, so a
+    # caller cancelled while tokenising never gets to register the request
+    await anyio.lowlevel.checkpoint_if_cancelled()
+    return parsed
 
 
 def is_batch(prompts: object) -> bool:

@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import attrs
 from anyio.streams.memory import MemoryObjectSendStream
@@ -350,7 +351,9 @@ async def _maybe_off_loop(big: bool, fn: Callable[..., _T], *args: Any) -> _T:
     """
     if not big:
         return fn(*args)
-    return await anyio.to_thread.run_sync(fn, *args)
+    result = await anyio.to_thread.run_sync(fn, *args)
+    await anyio.lowlevel.checkpoint_if_cancelled()
+    return result
 
 
 def _reject_constant(name: str) -> Any:
@@ -627,10 +630,7 @@ def build_app(
                 # the template writes BOS itself: tokenise without special tokens
                 return text, tuple(llm.tokenizer.encode(text, add_special_tokens=False))
 
-            if size > OFF_LOOP_CHARS:
-                text, ids = await anyio.to_thread.run_sync(render)
-            else:
-                text, ids = render()
+            text, ids = await _maybe_off_loop(size > OFF_LOOP_CHARS, render)
             prompt = Prompt(text, ids)
             limit = req.max_completion_tokens or req.max_tokens
             check_length(llm, ids, limit, req.limit_field)

@@ -299,6 +299,7 @@ def main() -> None:
         "--model", default="tiny", help="e.g. a `structllm make-tiny-model` dir"
     )
     parser.add_argument("--serve-arg", action="append", default=[])
+    parser.add_argument("--fail-on-reset", action="store_true")
     ns = parser.parse_args()
     MODEL[0] = ns.model
     EXTRA.extend(ns.serve_arg)
@@ -307,6 +308,8 @@ def main() -> None:
     else:
         result = globals()[ns.probe](ns.src, ns.loop)
     print(json.dumps({"probe": ns.probe, "loop": ns.loop, **result}, indent=1))
+    if ns.fail_on_reset and result.get("resets"):
+        sys.exit(f"{result['resets']} connections reset or refused")
 
 
 if __name__ == "__main__":

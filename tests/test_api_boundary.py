@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -614,3 +615,16 @@ def test_arbitrary_json_in_every_field_never_breaks_the_server(server: str) -> N
             assert good.status_code == 200, good.text
 
         check()
+
+
+def test_listen_backlog_is_the_servers_own(server: str) -> None:
+    """hypercorn re-listens with its default of 100 unless told the backlog."""
+    import shutil
+
+    if shutil.which("ss") is None:
+        pytest.skip("needs ss(8) to read the listen queue")
+    port = server.rsplit(":", 1)[1]
+    out = subprocess.run(
+        ["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert int(out[2]) >= 1024, out  # Send-Q of a listener: its backlog

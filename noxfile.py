@@ -53,3 +53,23 @@ def parity(session: nox.Session) -> None:
         "-s",
         *session.posargs,
     )
+
+
+@nox.session(python=PYTHON)
+def load(session: nox.Session) -> None:
+    """1,000 concurrent streaming clients against `structllm serve` on both loops.
+
+    Prints each loop's outcomes; fails on any connection reset or refusal
+    (503s would be allowed). ``nox -s load -- --clients 2000`` for more.
+    """
+    _install(session)
+    for loop in ("asyncio", "trio"):
+        session.run(
+            "python",
+            "tests/boundary_probe.py",
+            "load",
+            "--loop",
+            loop,
+            "--fail-on-reset",
+            *session.posargs,
+        )

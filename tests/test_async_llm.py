@@ -346,3 +346,108 @@ async def test_cancelled_while_waiting_for_a_restart() -> None:
             out = await llm.complete("y", GREEDY, request_id="waiting")
         assert out.finish_reason == "length"
         await all_blocks_free(llm)
+
+
+async def test_a_request_that_cannot_be_encoded_fails_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An encode failure (a value the wire cannot carry) is that request's 400."""
+    import structllm.engine.async_llm as front
+    from structllm.engine.protocol import AddRequest
+
+    real = front.encode
+
+    def encode(msg: object) -> bytes:
+        if isinstance(msg, AddRequest) and msg.request_id.startswith("poison#"):
+            raise OverflowError("can't serialize ints > 2**64 - 1")
+        return real(msg)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(front, "encode", encode)
+    p = prompts(3)
+    async with open_llm() as llm:
+        long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        results: dict[int, list[int]] = {}
+
+        async def run(i: int) -> None:
+            async with llm.stream({"prompt_token_ids": p[i]}, long) as s:
+                async for out in s:
+                    last = out
+            results[i] = list(last.token_ids)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, 0)
+            tg.start_soon(run, 1)
+            await llm.wait_statistics(lambda s: s.running == 2)
+            with pytest.raises(InvalidRequestError, match="cannot be sent"):
+                async with llm.stream(
+                    {"prompt_token_ids": p[2]}, GREEDY, request_id="poison"
+                ):
+                    pytest.fail("a request that cannot be sent was admitted")
+        assert results == {i: alone(p[i], long) for i in (0, 1)}
+        assert (await llm.complete({"prompt_token_ids": p[2]}, GREEDY)).token_ids
+        await all_blocks_free(llm)
+
+
+async def test_an_output_that_fails_to_process_fails_its_request_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from structllm.engine.output_processor import RequestState
+    from structllm.errors import RequestFailedError
+
+    real = RequestState.process
+
+    def process(self: RequestState, step: object) -> object:
+        if self.request_id == "poison":
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return real(self, step)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RequestState, "process", process)
+    p = prompts(2)
+    async with open_llm() as llm:
+        with pytest.raises(RequestFailedError, match="injected"):
+            await llm.complete({"prompt_token_ids": p[0]}, GREEDY, request_id="poison")
+        out = await llm.complete({"prompt_token_ids": p[1]}, GREEDY)
+        assert list(out.token_ids) == alone(p[1])
+        await all_blocks_free(llm)
+
+
+async def test_cancelled_while_tokenising_off_the_loop_registers_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A long text prompt is tokenised in a thread; cancelling the caller
+    meanwhile waits for the thread, then raises: nothing is registered and
+    the engine serves on."""
+    import structllm.engine.inputs as inputs
+
+    entered, release = threading.Event(), threading.Event()
+    real = inputs.parse_prompt
+
+    def slow_parse(prompt: object, tokenizer: object) -> object:
+        entered.set()
+        release.wait(10)
+        return real(prompt, tokenizer)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(inputs, "parse_prompt", slow_parse)
+    monkeypatch.setattr(inputs, "OFF_LOOP_CHARS", 10)
+    text = "a" * 11
+    async with open_llm(max_prompt_bytes=1 << 20) as llm:
+        with anyio.CancelScope() as scope:
+
+            async def cancel_once_in_thread() -> None:
+                await anyio.to_thread.run_sync(entered.wait)
+                scope.cancel()
+                release.set()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cancel_once_in_thread)
+                async with llm.stream(text, GREEDY):
+                    pytest.fail("the request was admitted after cancellation")
+        assert scope.cancelled_caught and llm.statistics().live_requests == 0
+        monkeypatch.setattr(inputs, "parse_prompt", real)
+        # over the byte cap: refused before tokenising
+        with pytest.raises(InvalidRequestError, match="max_prompt_bytes") as info:
+            await llm.complete("é" * (1 << 19) + "x", GREEDY)
+        assert info.value.field == "prompt"
+        out = await llm.complete({"prompt_token_ids": [1, 2, 3]}, GREEDY)
+        assert list(out.token_ids) == alone([1, 2, 3])
+        await all_blocks_free(llm)

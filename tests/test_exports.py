@@ -22,6 +22,7 @@ PUBLIC = {
     "ModelLoadError",
     "OutputKind",
     "RequestError",
+    "RequestFailedError",
     "RequestOutput",
     "RequestStream",
     "SamplingParams",

@@ -26,6 +26,20 @@ BAD = [
     ("stop", [""]),
     ("stop_token_ids", [-1]),
     ("stop_token_ids", "12"),
+    ("stop_token_ids", [2**64]),
+    ("stop", ["ok", "\ud800"]),
+    ("max_tokens", 2**64),
+    ("min_tokens", 2**64),
+    ("top_k", 2**64),
+    ("logit_bias", {"5": 101}),
+    ("logit_bias", {"5": float("nan")}),
+    ("logit_bias", {"x": 1}),
+    ("logit_bias", {-1: 1}),
+    ("logit_bias", {"99999999999999999999": 1}),
+    ("logit_bias", "5"),
+    ("allowed_token_ids", []),
+    ("allowed_token_ids", [2**31]),
+    ("allowed_token_ids", [True]),
     ("ignore_eos", 1),
     ("repetition_penalty", 0.0),
     ("presence_penalty", 2.5),
@@ -100,3 +114,10 @@ def test_valid_values_accepted(
 ) -> None:
     p = SamplingParams(temperature=temperature, top_p=top_p, min_p=min_p, top_k=top_k)
     assert p.top_k >= 0
+
+
+def test_logit_bias_and_allowed_ids_normalised() -> None:
+    p = SamplingParams(logit_bias={"7": 1, 3: -2.5}, allowed_token_ids=[9, 2, 9])
+    assert p.logit_bias == ((3, -2.5), (7, 1.0))
+    assert p.allowed_token_ids == (2, 9)
+    assert SamplingParams(logit_bias=[[7, 1.0], [3, -2.5]]).logit_bias == p.logit_bias

@@ -42,6 +42,17 @@ random_params = st.builds(
     min_p=st.sampled_from([0.0, 0.0, 0.05, 0.5]),
     seed=st.integers(0, 2**32),
 )
+#: also with logit_bias and allowed_token_ids (they change the distribution)
+biased_params = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.3, 0.7, 1.0, 2.0]),
+    top_k=st.sampled_from([0, 0, 2, 3, 10]),
+    top_p=st.sampled_from([1.0, 1.0, 0.3, 0.8, 0.95]),
+    min_p=st.sampled_from([0.0, 0.0, 0.05, 0.5]),
+    seed=st.integers(0, 2**32),
+    logit_bias=st.dictionaries(st.integers(0, 4), st.floats(-100, 100), max_size=3),
+    allowed_token_ids=st.none() | st.lists(st.integers(0, 4), min_size=1, max_size=4),
+)
 
 
 def row(params: SamplingParams, **kw: object) -> SamplingRow:
@@ -113,8 +124,8 @@ def test_tiny_top_p_gives_the_argmax(x: np.ndarray, seed: int, k: int) -> None:
 @given(
     logit_seed=st.integers(0, 2**32),
     vocab=st.sampled_from([5, 300, 3001]),
-    target=random_params,
-    others=st.lists(random_params, max_size=5),
+    target=biased_params,
+    others=st.lists(biased_params, max_size=5),
     where=st.integers(0, 5),
     candidates=st.sampled_from([1, 7, 1024]),
 )
@@ -305,3 +316,35 @@ def test_make_generator() -> None:
     assert a.random() == b.random()
     assert make_generator(5).random() == make_generator(5).random()
     assert make_generator(None).random() != make_generator(None).random()
+
+
+@given(
+    x=logit_rows(vocab=12),
+    allowed=st.lists(st.integers(0, 11), min_size=1, max_size=5),
+    t=st.sampled_from([0.0, 0.7, 1.5]),
+    seed=st.integers(0, 2**32),
+)
+def test_allowed_token_ids_are_the_only_choices(
+    x: np.ndarray, allowed: list[int], t: float, seed: int
+) -> None:
+    p = SamplingParams(temperature=t, seed=seed, allowed_token_ids=allowed)
+    got = sample1(x, row(p))
+    if (x[allowed] > -math.inf).any():
+        assert got in allowed
+    keep = process_logits(x[None, :], [row(p)])[0]
+    assert all(keep[i] == -math.inf for i in range(12) if i not in allowed)
+    assert all(keep[i] == x[i] for i in allowed)
+
+
+@given(x=logit_rows(vocab=12), token=st.integers(0, 11))
+def test_logit_bias_moves_the_argmax(x: np.ndarray, token: int) -> None:
+    x = np.maximum(x, np.float32(-3.0))  # finite, so a bias of 100 dominates
+    up = SamplingParams(temperature=0, logit_bias={token: 100.0})
+    assert sample1(x, row(up)) == token
+    biased = process_logits(x[None, :], [row(up)])[0]
+    assert (
+        biased[token] == np.float32(x[token] + 100)
+        and (np.delete(biased, token) == np.delete(x, token)).all()
+    )
+    down = SamplingParams(temperature=0, logit_bias={str(token): -100})
+    assert sample1(x, row(down)) != token

@@ -13,6 +13,7 @@ from structllm.errors import (
     InvalidRequestError,
     ModelLoadError,
     RequestError,
+    RequestFailedError,
     StructLLMError,
     UnsupportedModelError,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "ModelLoadError",
     "OutputKind",
     "RequestError",
+    "RequestFailedError",
     "RequestOutput",
     "RequestStream",
     "SamplingParams",

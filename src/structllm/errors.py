@@ -5,7 +5,8 @@ Two families, because a caller reacts to them differently::
     StructLLMError
     ├── RequestError                 this request failed; the engine serves on
     │   ├── InvalidRequestError      bad input (also a ValueError); names the field
-    │   └── EngineOverloadedError    admission refused; retry later
+    │   ├── EngineOverloadedError    admission refused; retry later
+    │   └── RequestFailedError       an internal error in this request alone
     ├── EngineDeadError              the engine is gone; raised ``from`` the cause
     └── ModelLoadError               a checkpoint could not be loaded
         └── UnsupportedModelError    the architecture is not one we implement
@@ -22,6 +23,7 @@ __all__ = [
     "InvalidRequestError",
     "ModelLoadError",
     "RequestError",
+    "RequestFailedError",
     "StructLLMError",
     "UnsupportedModelError",
 ]
@@ -49,6 +51,10 @@ class InvalidRequestError(RequestError, ValueError):
 
 class EngineOverloadedError(RequestError):
     """Admission control refused the request (queue full); retry later."""
+
+
+class RequestFailedError(RequestError):
+    """One request hit an internal error (a bug, not its input); others go on."""
 
 
 class EngineDeadError(StructLLMError):

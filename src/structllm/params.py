@@ -17,10 +17,23 @@ import attrs
 
 from structllm.errors import InvalidRequestError
 
-__all__ = ["MAX_LOGPROBS", "OutputKind", "SamplingParams"]
+__all__ = [
+    "MAX_COUNT",
+    "MAX_LOGIT_BIAS",
+    "MAX_LOGPROBS",
+    "MAX_TOKEN_ID",
+    "OutputKind",
+    "SamplingParams",
+]
 
 #: The largest ``logprobs`` a request may ask for (OpenAI allows 20).
 MAX_LOGPROBS = 20
+#: Token ids are below this (the vocabulary is checked where it is known).
+MAX_TOKEN_ID = 2**31 - 1
+#: The largest token count (``max_tokens``, ``min_tokens``, ``top_k``).
+MAX_COUNT = 2**31 - 1
+#: ``logit_bias`` values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range).
+MAX_LOGIT_BIAS = 100.0
 
 
 class OutputKind(enum.Enum):
@@ -76,6 +89,15 @@ def _float(
     return v
 
 
+def is_valid_unicode(s: str) -> bool:
+    """False for strings UTF-8 cannot encode (lone surrogates from JSON escapes)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _to_stop(value: object) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -85,17 +107,73 @@ def _to_stop(value: object) -> tuple[str, ...]:
         raise _fail("stop", value, "a string or a list of strings")
     if any(s == "" for s in value):
         raise _fail("stop", value, "a list of non-empty strings")
+    if not all(is_valid_unicode(s) for s in value):
+        raise _fail("stop", value, "valid Unicode (no lone surrogates)")
+    return tuple(value)
+
+
+def _token_id_list(field: str, value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise _fail(field, value, "a list of token ids")
+    for t in value:
+        _int(
+            field,
+            t,
+            lo=0,
+            hi=MAX_TOKEN_ID,
+            expected=f"a list of token ids in [0, {MAX_TOKEN_ID}]",
+        )
     return tuple(value)
 
 
 def _to_token_ids(value: object) -> tuple[int, ...]:
+    return _token_id_list("stop_token_ids", value)
+
+
+def _to_allowed(value: object) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    ids = _token_id_list("allowed_token_ids", value)
+    if not ids:
+        raise _fail("allowed_token_ids", value, "a non-empty list of token ids")
+    return tuple(sorted(set(ids)))
+
+
+def _to_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """``{token_id: bias}`` (keys may be strings, as JSON has them) or pairs."""
     if value is None:
         return ()
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-        raise _fail("stop_token_ids", value, "a list of token ids")
-    for t in value:
-        _int("stop_token_ids", t, lo=0, expected="a list of non-negative token ids")
-    return tuple(value)
+    items: Sequence[object]
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        items = value
+    else:
+        raise _fail("logit_bias", value, "a map from token ids to numbers")
+    out: dict[int, float] = {}
+    for item in items:
+        if not isinstance(item, Sequence) or len(item) != 2:
+            raise _fail("logit_bias", value, "a map from token ids to numbers")
+        key, bias = item
+        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 12:
+            key = int(key)
+        token = _int(
+            "logit_bias",
+            key,
+            lo=0,
+            hi=MAX_TOKEN_ID,
+            expected=f"keyed by token ids in [0, {MAX_TOKEN_ID}]",
+        )
+        out[token] = _float(
+            "logit_bias",
+            bias,
+            lo=-MAX_LOGIT_BIAS,
+            hi=MAX_LOGIT_BIAS,
+            expected=f"values in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+        )
+    return tuple(sorted(out.items()))
 
 
 def _to_output_kind(value: object) -> OutputKind:
@@ -146,6 +224,14 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = attrs.field(default=(), converter=_to_stop)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_to_token_ids)
+    #: added to the logits of these token ids before sampling (OpenAI's logit_bias)
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(
+        default=(), converter=_to_logit_bias
+    )
+    #: if set, only these token ids can be sampled
+    allowed_token_ids: tuple[int, ...] | None = attrs.field(
+        default=None, converter=_to_allowed
+    )
     include_stop_str_in_output: bool = attrs.field(
         default=False, converter=_to_include_stop
     )
@@ -164,8 +250,20 @@ class SamplingParams:
         # message can name its field; object.__setattr__ because we're frozen.
         set_ = object.__setattr__
         if self.max_tokens is not None:
-            _int("max_tokens", self.max_tokens, lo=1, expected="an integer >= 1")
-        _int("min_tokens", self.min_tokens, lo=0, expected="an integer >= 0")
+            _int(
+                "max_tokens",
+                self.max_tokens,
+                lo=1,
+                hi=MAX_COUNT,
+                expected=f"an integer in [1, {MAX_COUNT}]",
+            )
+        _int(
+            "min_tokens",
+            self.min_tokens,
+            lo=0,
+            hi=MAX_COUNT,
+            expected=f"an integer in [0, {MAX_COUNT}]",
+        )
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
@@ -195,7 +293,13 @@ class SamplingParams:
                 expected="a number in (0, 1]",
             ),
         )
-        top_k = _int("top_k", self.top_k, lo=-1, expected="-1, 0 or a positive integer")
+        top_k = _int(
+            "top_k",
+            self.top_k,
+            lo=-1,
+            hi=MAX_COUNT,
+            expected=f"-1, 0 or a positive integer up to {MAX_COUNT}",
+        )
         set_(self, "top_k", max(top_k, 0))
         set_(
             self,
@@ -284,6 +388,8 @@ class SamplingParams:
             "presence_penalty",
             "frequency_penalty",
             "skip_special_tokens",
+            "logit_bias",
+            "allowed_token_ids",
         )
         for name in simple:
             value = body.get(name)

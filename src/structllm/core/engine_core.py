@@ -92,16 +92,16 @@ def check_prompt(prompt: Sequence[int], *, vocab_size: int, max_model_len: int) 
     """Refuse an empty prompt, out-of-vocabulary ids, or no room to generate."""
     if not prompt:
         raise InvalidRequestError("prompt must not be empty", field="prompt")
+    if len(prompt) >= max_model_len:  # first: cheap, and bounds the scan below
+        raise InvalidRequestError(
+            f"prompt has {len(prompt)} tokens; max_model_len is {max_model_len}, "
+            f"so at most {max_model_len - 1} prompt tokens leave room to generate",
+            field="prompt",
+        )
     bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise InvalidRequestError(
             f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})",
-            field="prompt",
-        )
-    if len(prompt) >= max_model_len:
-        raise InvalidRequestError(
-            f"prompt has {len(prompt)} tokens; max_model_len is {max_model_len}, "
-            f"so at most {max_model_len - 1} prompt tokens leave room to generate",
             field="prompt",
         )
 

@@ -48,7 +48,7 @@ from structllm.engine.executor import (
     open_inline_worker,
     open_process_worker,
 )
-from structllm.engine.inputs import PromptInput, parse_prompt
+from structllm.engine.inputs import PromptInput, parse_prompt_off_loop
 from structllm.engine.output_processor import RequestState, merge_outputs
 from structllm.engine.protocol import (
     AbortRequests,
@@ -62,12 +62,14 @@ from structllm.engine.protocol import (
     Shutdown,
     Start,
     StepResult,
+    encode,
 )
 from structllm.errors import (
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
     ModelLoadError,
+    RequestFailedError,
 )
 from structllm.model.sampler import TokenLogprobs
 from structllm.outputs import RequestOutput
@@ -119,6 +121,13 @@ class FrontendConfig:
     restart_window: float = 300.0
     restart_backoff: float = 0.25
     show_progress: bool = True
+    #: prompts longer than this in UTF-8 are refused before tokenising;
+    #: None = 32 bytes per token of max_model_len (at least 64 KiB)
+    max_prompt_bytes: int | None = None
+    #: check_health() and statistics().healthy report unhealthy once the
+    #: worker has been silent this long; None = 3 heartbeat intervals (a
+    #: step longer than this also reads as unhealthy until it ends)
+    health_timeout: float | None = None
     #: test hook forwarded to the worker ("raise_at_step:N", "hang_at_step:N",
     #: "exit_at_step:N") for its first ``fault_starts`` starts
     fault: str | None = None
@@ -139,6 +148,10 @@ class EngineStatistics:
     ready: bool
     dead: bool
     worker_pid: int | None
+    #: seconds since the worker was last heard from (None: no worker)
+    silent_for: float | None = None
+    #: ready, not dead, and heard from within the health timeout
+    healthy: bool = False
 
 
 @attrs.define(eq=False)
@@ -267,7 +280,9 @@ class AsyncLLM:
         self._live: dict[str, _Live] = {}
         self._wire: dict[str, _Live] = {}
         self._submissions = itertools.count()
-        self._outgoing: MemoryObjectSendStream[Message] | None = None
+        #: encoded frames for the writer: a message that cannot be encoded fails
+        #: at its sender (one request), never in the writer (every request)
+        self._outgoing: MemoryObjectSendStream[bytes] | None = None
         self._ready = False
         self._ready_event = anyio.Event()
         self._idle_event = anyio.Event()
@@ -279,6 +294,7 @@ class AsyncLLM:
         self._preemptions = 0
         self._eos: frozenset[int] = frozenset(tokenizer.eos_token_ids)
         self._stats_event = anyio.Event()
+        self._last_heard: float | None = None
 
     # ------------------------------------------------------------------ open
 
@@ -422,6 +438,15 @@ class AsyncLLM:
 
     def statistics(self) -> EngineStatistics:
         c = self._counts
+        silent = None
+        if self._ready and self._last_heard is not None:
+            silent = anyio.current_time() - self._last_heard
+        healthy = (
+            self._ready
+            and self._dead is None
+            and silent is not None
+            and silent <= self.health_timeout
+        )
         return EngineStatistics(
             live_requests=len(self._live),
             running=c.num_running,
@@ -433,7 +458,30 @@ class AsyncLLM:
             ready=self._ready,
             dead=self._dead is not None,
             worker_pid=None if self._info is None else self._info.pid,
+            silent_for=silent,
+            healthy=healthy,
         )
+
+    @property
+    def health_timeout(self) -> float:
+        t = self.config.health_timeout
+        if t is None:
+            t = min(3 * self.config.heartbeat_interval, self.config.heartbeat_timeout)
+        return t
+
+    @property
+    def max_prompt_bytes(self) -> int | None:
+        """The byte cap on prompts (None until the context length is known)."""
+        if self.config.max_prompt_bytes is not None:
+            return self.config.max_prompt_bytes
+        if self._info is None:
+            return None
+        return max(64 << 10, 32 * self._info.max_model_len)
+
+    @property
+    def vocab_size(self) -> int:
+        assert self._info is not None
+        return self._info.vocab_size
 
     async def wait_statistics(
         self, predicate: Callable[[EngineStatistics], bool]
@@ -479,12 +527,14 @@ class AsyncLLM:
             raise InvalidRequestError(
                 f"priority must be an integer, got {priority!r}", field="priority"
             )
-        parsed = parse_prompt(prompt, self.tokenizer)
+        parsed = await parse_prompt_off_loop(
+            prompt, self.tokenizer, max_bytes=self.max_prompt_bytes
+        )
         while not self._ready:
             self._check_admitting()
             await self._ready_event.wait()
         # From here to the end: no await. Registered and submitted, or neither.
-        info = self.check_admission(parsed.token_ids)
+        info = self.check_admission(parsed.token_ids, params=params)
         if request_id in self._live:
             raise InvalidRequestError(
                 f"request_id {request_id!r} is already in use by a live request",
@@ -497,17 +547,18 @@ class AsyncLLM:
             RequestState(request_id, parsed.text, ids, params, self.tokenizer),
             wire_id=wire_id,
         )
+        frame = _encode_request(
+            AddRequest(
+                request_id=wire_id,
+                prompt_token_ids=list(ids),
+                params=_params_to_wire(params),
+                eos_token_ids=sorted(self._eos | frozenset(info.eos_token_ids)),
+                priority=priority,
+            )
+        )
         assert self._outgoing is not None
         try:
-            self._outgoing.send_nowait(
-                AddRequest(
-                    request_id=wire_id,
-                    prompt_token_ids=list(ids),
-                    params=_params_to_wire(params),
-                    eos_token_ids=sorted(self._eos | frozenset(info.eos_token_ids)),
-                    priority=priority,
-                )
-            )
+            self._outgoing.send_nowait(frame)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             # the worker just died; its teardown has not reached us yet
             raise EngineDeadError("the engine core died; it is restarting") from None
@@ -515,7 +566,13 @@ class AsyncLLM:
         self._wire[wire_id] = live
         return live
 
-    def check_admission(self, prompt_token_ids: Sequence[int], count: int = 1) -> Ready:
+    def check_admission(
+        self,
+        prompt_token_ids: Sequence[int],
+        count: int = 1,
+        *,
+        params: SamplingParams | None = None,
+    ) -> Ready:
         """Raise now what submitting ``count`` requests for this prompt would.
 
         EngineDeadError when dead, shutting down or restarting;
@@ -532,6 +589,8 @@ class AsyncLLM:
             vocab_size=info.vocab_size,
             max_model_len=info.max_model_len,
         )
+        if params is not None:
+            _check_token_ids(params, info.vocab_size)
         limit = self.config.max_queued_requests
         if (
             limit is not None
@@ -575,7 +634,7 @@ class AsyncLLM:
         if self._outgoing is None:
             return  # no worker: nothing to tell
         with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
-            self._outgoing.send_nowait(msg)
+            self._outgoing.send_nowait(encode(msg))
 
     def _fail_all(self, make_error: Callable[[], BaseException]) -> None:
         for live in list(self._live.values()):
@@ -600,7 +659,8 @@ class AsyncLLM:
                 )
                 try:
                     self._info = await self._handshake(conn, fault)
-                    send, receive = anyio.create_memory_object_stream[Message](math.inf)
+                    self._last_heard = anyio.current_time()
+                    send, receive = anyio.create_memory_object_stream[bytes](math.inf)
                     self._outgoing = send
                     self._ready = True
                     self._ready_event.set()
@@ -709,7 +769,7 @@ class AsyncLLM:
         bar.update(msg.done - bar.n)
 
     async def _serve(
-        self, conn: WorkerConnection, outgoing: MemoryObjectReceiveStream[Message]
+        self, conn: WorkerConnection, outgoing: MemoryObjectReceiveStream[bytes]
     ) -> None:
         try:
             async with anyio.create_task_group() as tg:
@@ -721,12 +781,12 @@ class AsyncLLM:
             raise group.exceptions[0] from None
 
     async def _write(
-        self, conn: WorkerConnection, outgoing: MemoryObjectReceiveStream[Message]
+        self, conn: WorkerConnection, outgoing: MemoryObjectReceiveStream[bytes]
     ) -> None:
         try:
             async with outgoing:
-                async for msg in outgoing:
-                    await conn.send(msg)
+                async for frame in outgoing:
+                    await conn.send_frame(frame)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
             raise _WorkerLost(exc) from None
 
@@ -741,6 +801,7 @@ class AsyncLLM:
             try:
                 with anyio.fail_after(self.config.heartbeat_timeout):
                     msg = await _receive(conn)
+                self._last_heard = anyio.current_time()
             except TimeoutError:
                 raise _WorkerLost(
                     TimeoutError(
@@ -782,7 +843,16 @@ class AsyncLLM:
                 stop_reason=wo.stop_reason,
                 queue_s=wo.queue_s,
             )
-            out = live.state.process(step)
+            try:
+                out = live.state.process(step)
+            except Exception as exc:  # e.g. detokenising: this request alone fails
+                self._send_nowait(AbortRequests([wo.request_id]))
+                live.state.abort("error")
+                self._retire(live)
+                failure = RequestFailedError(f"the request failed: {exc!r}")
+                failure.__cause__ = exc
+                live.close(failure)
+                continue
             if live.state.finished:
                 if wo.finish_reason is None:  # a stop string: the core doesn't know
                     self._send_nowait(AbortRequests([wo.request_id]))
@@ -826,6 +896,33 @@ def _dead_error(message: str, cause: BaseException) -> EngineDeadError:
     err = EngineDeadError(f"{message}: {cause}")
     err.__cause__ = cause
     return err
+
+
+def _encode_request(msg: AddRequest) -> bytes:
+    """The request's frame; a value the wire cannot carry fails this request only."""
+    try:
+        return encode(msg)
+    except (OverflowError, UnicodeEncodeError, TypeError, ValueError) as exc:
+        raise InvalidRequestError(
+            f"the request cannot be sent to the engine: {exc}", field=None
+        ) from exc
+
+
+def _check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids in ``params`` must lie in the model's vocabulary."""
+    fields: tuple[tuple[str, Sequence[int]], ...] = (
+        ("stop_token_ids", params.stop_token_ids),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+        ("logit_bias", [t for t, _ in params.logit_bias]),
+    )
+    for name, ids in fields:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"{name} has token id {bad[0]}, outside the vocabulary "
+                f"[0, {vocab_size})",
+                field=name,
+            )
 
 
 def _params_to_wire(p: SamplingParams) -> dict[str, Any]:

@@ -52,6 +52,10 @@ class WorkerConnection:
     async def send(self, msg: Message) -> None:
         await self.stream.send(encode(msg))
 
+    async def send_frame(self, frame: bytes) -> None:
+        """Send a message already encoded with :func:`protocol.encode`."""
+        await self.stream.send(frame)
+
     def kill(self) -> None:
         """Kill a worker process that died or hung (a thread cannot be killed)."""
         if self.process is not None and self.process.returncode is None:

@@ -5,12 +5,25 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
 
+import anyio.lowlevel
+import anyio.to_thread
 import attrs
 
 from structllm.errors import InvalidRequestError
 from structllm.text.tokenizer import Tokenizer
 
-__all__ = ["Prompt", "PromptInput", "is_batch", "parse_prompt"]
+__all__ = [
+    "OFF_LOOP_CHARS",
+    "Prompt",
+    "PromptInput",
+    "check_prompt_bytes",
+    "is_batch",
+    "parse_prompt",
+    "parse_prompt_off_loop",
+]
+
+#: texts longer than this are tokenised in a worker thread, off the event loop
+OFF_LOOP_CHARS = 8192
 
 #: A string, a list of token ids, or ``{"prompt": str}`` /
 #: ``{"prompt_token_ids": [int, ...]}`` (vLLM's TextPrompt / TokensPrompt).
@@ -38,6 +51,57 @@ def parse_prompt(prompt: PromptInput, tokenizer: Tokenizer) -> Prompt:
             "a prompt dict needs 'prompt' or 'prompt_token_ids'", field="prompt"
         )
     return Prompt(None, _token_ids(prompt))
+
+
+def check_prompt_bytes(text: str, max_bytes: int | None, field: str = "prompt") -> None:
+    """Refuse, before tokenising, a text longer than ``max_bytes`` in UTF-8.
+
+    Counted without encoding (a character takes at least one byte), so a
+    huge text costs nothing; a lone surrogate is refused here too.
+    """
+    if max_bytes is not None and len(text) > max_bytes:
+        raise InvalidRequestError(
+            f"{field} has more than {max_bytes} bytes (max_prompt_bytes); "
+            "it cannot fit the context",
+            field=field,
+        )
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidRequestError(
+            f"{field} must be valid Unicode (it contains a lone surrogate)",
+            field=field,
+        ) from None
+    if max_bytes is not None and size > max_bytes:
+        raise InvalidRequestError(
+            f"{field} is {size} bytes, more than max_prompt_bytes={max_bytes}; "
+            "it cannot fit the context",
+            field=field,
+        )
+
+
+async def parse_prompt_off_loop(
+    prompt: PromptInput, tokenizer: Tokenizer, *, max_bytes: int | None = None
+) -> Prompt:
+    """:func:`parse_prompt`, tokenising long texts in a worker thread.
+
+    The byte cap is checked first. Cancelled while a thread tokenises, it
+    waits for the thread (bounded by the cap) and then raises; nothing is
+    left behind.
+    """
+    text = prompt if isinstance(prompt, str) else None
+    if isinstance(prompt, Mapping) and "prompt_token_ids" not in prompt:
+        text = _text(prompt.get("prompt"))
+    if text is None:
+        return parse_prompt(prompt, tokenizer)
+    check_prompt_bytes(text, max_bytes)
+    if len(text) <= OFF_LOOP_CHARS:
+        return parse_prompt(text, tokenizer)
+    parsed = await anyio.to_thread.run_sync(parse_prompt, text, tokenizer)
+    # the thread ran to the end under a cancelled scope: raise now, so a
+    # caller cancelled while tokenising never gets to register the request
+    await anyio.lowlevel.checkpoint_if_cancelled()
+    return parsed
 
 
 def is_batch(prompts: object) -> bool:

@@ -170,6 +170,8 @@ def _loop(core, start: Start, backlog: list[Message], receive, send) -> int:  # 
                     )
                 except InvalidRequestError as exc:
                     send(AddFailed(msg.request_id, str(exc), exc.field))
+                except Exception as exc:  # one bad request never stops the core
+                    send(AddFailed(msg.request_id, f"{type(exc).__name__}: {exc}"))
             elif isinstance(msg, AbortRequests):
                 core.abort_requests(msg.request_ids)
             elif isinstance(msg, Shutdown):

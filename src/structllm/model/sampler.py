@@ -4,12 +4,14 @@ Works on numpy ``float32`` logits already copied off the device; no Paddle.
 Per step, for every row (vLLM-compatible semantics):
 
 1. logprobs, if asked for, from ``log_softmax`` of the *raw* logits;
-2. penalties: repetition (HF-style, over prompt + output tokens), then
+2. ``allowed_token_ids`` (every other token to ``-inf``), then ``logit_bias``
+   added to the logits;
+3. penalties: repetition (HF-style, over prompt + output tokens), then
    frequency and presence (OpenAI-style, over output tokens);
-3. while ``len(output_token_ids) < min_tokens``, EOS and stop token ids are
+4. while ``len(output_token_ids) < min_tokens``, EOS and stop token ids are
    set to ``-inf``;
-4. greedy rows take the argmax (ties to the lowest id) and draw nothing;
-5. other rows divide by the temperature, keep the top-k, then the nucleus
+5. greedy rows take the argmax (ties to the lowest id) and draw nothing;
+6. other rows divide by the temperature, keep the top-k, then the nucleus
    (top-p), then drop tokens under ``min_p * max_prob``, and choose by inverse
    CDF with exactly one uniform from the row's own generator.
 
@@ -172,7 +174,9 @@ class Sampler:
 
 
 def process_logits(logits: F32, rows: Sequence[SamplingRow]) -> F32:
-    """Penalties and the ``min_tokens`` mask; returns ``logits`` or a copy.
+    """Allowed ids, logit bias, penalties and the ``min_tokens`` mask.
+
+    Returns ``logits`` itself when no row needs any of them, else a copy.
 
     ``logits`` (N, V) is never modified. Penalties touch only the (row,
     token) pairs that occur, found with ``np.unique`` over flat indices.
@@ -185,10 +189,22 @@ def process_logits(logits: F32, rows: Sequence[SamplingRow]) -> F32:
         if len(r.output_token_ids) < r.params.min_tokens
         and (r.eos_token_ids or r.params.stop_token_ids)
     ]
-    if not pen and not masked:
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+    allowed = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    if not pen and not masked and not biased and not allowed:
         return logits
     x = logits.copy()
     flat = x.reshape(-1)  # (N * V,) view
+    for i in allowed:
+        ids = np.asarray(rows[i].params.allowed_token_ids, dtype=np.int64)
+        keep = x[i, ids[ids < vocab]]
+        x[i] = -np.inf
+        x[i, ids[ids < vocab]] = keep
+    for i in biased:
+        pairs = [(t, b) for t, b in rows[i].params.logit_bias if t < vocab]
+        if pairs:
+            ids = np.array([t for t, _ in pairs], dtype=np.int64)
+            x[i, ids] += np.array([b for _, b in pairs], dtype=np.float32)
     if pen:
         _penalise(flat, vocab, [rows[i] for i in pen], pen)
     if masked:

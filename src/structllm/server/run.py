@@ -3,10 +3,16 @@
     async with AsyncLLM.open(...) as llm:      # the engine (worker process)
         await hypercorn serve(app)             # until SIGINT / SIGTERM
 
-On a signal the server stops accepting, lets open requests finish for
-``--graceful-timeout`` seconds, then the engine drains for its shutdown
-grace and stops its worker. Exit status 0, or 1 when the engine had died
-for good.
+On a signal the server drains: the listener stays open and new requests get
+503 (``/health`` too), open requests have ``--graceful-timeout`` seconds to
+finish, then those still running are cut (a stream with a final error event
+and ``[DONE]``); then hypercorn stops, and the engine stops its worker.
+Exit status 0, or 1 when the engine had died for good.
+
+The listen backlog is ``--backlog`` (hypercorn would otherwise re-listen
+the socket with its own default of 100). Error responses that hypercorn
+writes itself (malformed HTTP, 431 for oversized headers) carry an OpenAI
+error body too.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import anyio
 
 from structllm.engine.async_llm import AsyncLLM
 from structllm.errors import StructLLMError
-from structllm.server.app import EngineSlot, ServerConfig, build_app
+from structllm.server.app import Drain, EngineSlot, ServerConfig, build_app, error_json
 
 __all__ = ["add_serve_args", "run_server"]
 
@@ -41,6 +47,28 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--executor", choices=["process", "inline"], default="process")
     p.add_argument("--max-restarts", type=int, default=3)
     p.add_argument("--default-max-tokens", type=int, default=16)
+    p.add_argument("--backlog", type=int, default=4096, help="listen backlog (>= 1024)")
+    p.add_argument(
+        "--max-body-bytes", type=int, default=32 << 20, help="413 beyond this"
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to receive a request body (408 after)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection may take to send its request headers",
+    )
+    p.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=None,
+        help="refuse longer prompts before tokenising (default 32 x max-model-len)",
+    )
 
 
 def run_server(ns: argparse.Namespace, engine_args: dict[str, Any]) -> int:
@@ -53,23 +81,33 @@ async def _serve(ns: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     sock = socket.socket(socket.AF_INET6 if ":" in ns.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((ns.host, ns.port))
-    sock.listen(1024)
+    sock.listen(ns.backlog)
     port = sock.getsockname()[1]
     config = Config()
     config.bind = [f"fd://{sock.fileno()}"]
-    config.graceful_timeout = ns.graceful_timeout
+    # hypercorn calls listen() again on the socket with this value
+    config.backlog = ns.backlog
+    # our Drain has already cut every request when hypercorn is told to stop
+    config.graceful_timeout = 2.0
+    # an idle connection (also one still sending its headers) closes after this
+    config.keep_alive_timeout = ns.header_timeout
     config.accesslog = None
     config.errorlog = "-"
+    _openai_error_bodies()
     name = ns.served_model_name or ns.model
     shutdown = anyio.Event()
     slot = EngineSlot()
+    drain = Drain()
     app = build_app(
         slot,
         ServerConfig(
             model_name=name,
             request_timeout=ns.request_timeout,
             default_max_tokens=ns.default_max_tokens,
+            max_body_bytes=ns.max_body_bytes,
+            body_timeout=ns.body_timeout,
         ),
+        drain,
     )
     status = 0
     try:
@@ -84,7 +122,7 @@ async def _serve(ns: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                     served.set()
 
             tg.start_soon(serve_http)
-            tg.start_soon(_on_signals, shutdown)
+            tg.start_soon(_on_signals, drain, ns.graceful_timeout, shutdown)
             print(f"structllm: listening on http://{ns.host}:{port}", flush=True)
             try:
                 async with AsyncLLM.open(
@@ -94,6 +132,7 @@ async def _serve(ns: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                     max_queued_requests=ns.max_queued_requests,
                     shutdown_grace=ns.shutdown_grace,
                     max_restarts=ns.max_restarts,
+                    max_prompt_bytes=ns.max_prompt_bytes,
                     **engine_args,
                 ) as llm:
                     slot.llm = llm
@@ -132,15 +171,62 @@ async def _hypercorn(app: Any, config: Any, shutdown: anyio.Event) -> None:
         await asyncio_serve(app, config, shutdown_trigger=shutdown.wait)
 
 
-async def _on_signals(shutdown: anyio.Event) -> None:
+async def _on_signals(drain: Drain, grace: float, shutdown: anyio.Event) -> None:
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             print(
                 f"structllm: {signal.Signals(signum).name}, shutting down",
                 file=sys.stderr,
             )
-            shutdown.set()
+            await drain_then_stop(drain, grace, shutdown)
             return
+
+
+async def drain_then_stop(drain: Drain, grace: float, shutdown: anyio.Event) -> None:
+    """503 for new requests, ``grace`` seconds for open ones, cut the rest, stop."""
+    drain.start()
+    with anyio.move_on_after(grace):
+        await drain.wait_idle()
+    drain.cut()
+    with anyio.move_on_after(5.0):  # cut requests write their last event
+        await drain.wait_idle()
+    shutdown.set()
+
+
+def _openai_error_bodies() -> None:
+    """Make hypercorn's own HTTP-level errors (400, 431, ...) OpenAI-shaped.
+
+    hypercorn answers a request h11 cannot parse with an empty body from
+    ``H11Protocol._send_error_response``; there is no hook for it, so that
+    one method is replaced (checked by tests/test_api_boundary.py).
+    """
+    from itertools import chain
+
+    import h11
+    from hypercorn.protocol.h11 import H11Protocol
+
+    if getattr(H11Protocol, "_structllm_bodies", False):
+        return
+
+    async def send_error_response(self: Any, status_code: int) -> None:
+        reason = {400: "malformed HTTP request", 431: "request headers too large"}
+        body = error_json(status_code, reason.get(status_code, "HTTP error"))
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        await self._send_h11_event(
+            h11.Response(
+                status_code=status_code,
+                headers=list(chain(headers, self.config.response_headers("h11"))),
+            )
+        )
+        await self._send_h11_event(h11.Data(data=body))
+        await self._send_h11_event(h11.EndOfMessage())
+
+    H11Protocol._send_error_response = send_error_response  # type: ignore[method-assign]
+    H11Protocol._structllm_bodies = True  # type: ignore[attr-defined]
 
 
 async def _watch_engine(llm: AsyncLLM, shutdown: anyio.Event) -> None:

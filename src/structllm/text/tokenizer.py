@@ -368,9 +368,15 @@ class HFTokenizer(Tokenizer):
         return self._special_ids
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        ids: list[int] = self.backend.encode(
-            text, add_special_tokens=add_special_tokens
-        ).ids
+        if len(text) > 4096:
+            # encode_batch releases the GIL (encode does not): a long text
+            # tokenised in a worker thread then leaves the event loop running
+            (encoding,) = self.backend.encode_batch(
+                [text], add_special_tokens=add_special_tokens
+            )
+            ids: list[int] = encoding.ids
+        else:
+            ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self._prepend_bos:
             assert self._bos_token_id is not None
             ids.insert(0, self._bos_token_id)

@@ -1,0 +1,331 @@
+"""Probe `structllm serve` the way issue 18 did; print figures as JSON.
+
+    python tests/boundary_probe.py crashers [--src DIR] [--loop asyncio|trio]
+    python tests/boundary_probe.py stall    [--src DIR] [--loop ...]
+    python tests/boundary_probe.py frozen   [--src DIR] [--loop ...]
+    python tests/boundary_probe.py sigterm  [--src DIR] [--loop ...]
+    python tests/boundary_probe.py load     [--src DIR] [--loop ...] [--clients 1000]
+
+``--src`` is the ``src`` directory to serve from (default: this checkout),
+so the same probe measures an older tree (``git archive REV src | tar -x``)
+for before/after figures. ``nox -s load`` runs ``load`` on both loops.
+Not a pytest module (no ``test_`` prefix): it takes minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+HERE = Path(__file__).resolve().parent.parent / "src"
+#: the model to serve: "tiny" (byte tokenizer) or a directory (--model)
+MODEL = ["tiny"]
+#: more `structllm serve` arguments (--serve-arg)
+EXTRA: list[str] = []
+ENGINE = ["--max-model-len", "2048", "--num-blocks", "1024", "--max-num-seqs", "64"]
+
+
+@contextmanager
+def serve(
+    src: Path, loop: str, *extra: str
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    env = {**os.environ}
+    env["PYTHONPATH"] = str(src) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "structllm.cli", "serve", MODEL[0], "--port", "0"]
+    proc = subprocess.Popen(
+        [*cmd, "--loop", loop, *ENGINE, *EXTRA, *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    assert proc.stdout is not None
+    url = None
+    while url is None:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"server exited with {proc.wait()}")
+        m = re.search(r"serving .* on (http://\S+)", line)
+        url = m.group(1) if m else None
+    try:
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        proc.stdout.close()
+
+
+def worker_pid(parent: int) -> int:
+    for task in os.listdir(f"/proc/{parent}/task"):
+        try:
+            kids = Path(f"/proc/{parent}/task/{task}/children").read_text().split()
+        except FileNotFoundError:
+            continue
+        if kids:
+            return int(kids[0])
+    raise RuntimeError("no worker process")
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+S = "\ud800"
+CRASHERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "max_tokens=2**64": ("/v1/completions", {"prompt": "x", "max_tokens": 2**64}),
+    "max_completion_tokens=2**64": (
+        "/v1/chat/completions",
+        {"messages": CHAT, "max_completion_tokens": 2**64},
+    ),
+    "top_k=2**64": ("/v1/completions", {"prompt": "x", "top_k": 2**64}),
+    "stop_token_ids=[2**64]": (
+        "/v1/completions",
+        {"prompt": "x", "stop_token_ids": [2**64]},
+    ),
+    "stop=[surrogate]": ("/v1/completions", {"prompt": "x", "stop": [S]}),
+    "prompt=surrogate": ("/v1/completions", {"prompt": S}),
+    "content=surrogate": (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": S}]},
+    ),
+    "role=surrogate": (
+        "/v1/chat/completions",
+        {"messages": [{"role": S, "content": "x"}]},
+    ),
+}
+
+
+def crashers(src: Path, loop: str) -> dict[str, Any]:
+    """Each crasher against a fresh server, with a long stream running."""
+    results = {}
+    for name, (path, body) in CRASHERS.items():
+        with serve(src, loop) as (url, proc):
+            long = {"prompt": "x", "max_tokens": 2000, "ignore_eos": True}
+            with httpx.stream(
+                "POST", f"{url}/v1/completions", json={**long, "stream": True}
+            ) as s:
+                lines = s.iter_lines()
+                next(lines)
+                try:
+                    r = httpx.post(
+                        f"{url}{path}",
+                        content=json.dumps(body),
+                        headers={"content-type": "application/json"},
+                        timeout=30,
+                    )
+                except httpx.HTTPError as exc:
+                    r = httpx.Response(599, text=type(exc).__name__)
+                try:
+                    ct = r.headers.get("content-type", "")
+                    shaped = "json" in ct and "error" in r.json()
+                except ValueError:
+                    shaped = False
+                events = []
+                try:
+                    events = [x for x in lines if x.startswith("data:")]
+                except httpx.HTTPError as exc:  # cut without a proper end
+                    events.append(f"<{type(exc).__name__}>")
+            time.sleep(6)
+            results[name] = {
+                "status": r.status_code,
+                "openai_body": shaped,
+                "param": r.json()["error"].get("param") if shaped else None,
+                "stream_ended_with_done": bool(events) and events[-1] == "data: [DONE]",
+                "stream_error_event": any('"error"' in e for e in events),
+                "server_exit_code": proc.poll(),
+            }
+    return results
+
+
+def stall(src: Path, loop: str) -> dict[str, Any]:
+    """Worst /health latency while a 5 MB prompt is posted."""
+    with serve(src, loop) as (url, _):
+
+        async def main() -> dict[str, Any]:
+            worst = 0.0
+            async with httpx.AsyncClient(base_url=url, timeout=120) as ac:
+                started = time.monotonic()
+                big = asyncio.ensure_future(
+                    ac.post("/v1/completions", json={"prompt": "a" * 5_000_000})
+                )
+                while not big.done():
+                    t = time.monotonic()
+                    await ac.get("/health")
+                    worst = max(worst, time.monotonic() - t)
+                    await asyncio.sleep(0.02)
+                r = await big
+                return {
+                    "big_status": r.status_code,
+                    "big_seconds": round(time.monotonic() - started, 3),
+                    "worst_health_latency_s": round(worst, 3),
+                }
+
+        return asyncio.run(main())
+
+
+def frozen(src: Path, loop: str) -> dict[str, Any]:
+    """Seconds from SIGSTOP of the worker to /health 503 (capped at 15)."""
+    with serve(src, loop) as (url, proc):
+        pid = worker_pid(proc.pid)
+        os.kill(pid, signal.SIGSTOP)
+        start = time.monotonic()
+        try:
+            while time.monotonic() - start < 15:
+                if httpx.get(f"{url}/health").status_code == 503:
+                    break
+                time.sleep(0.05)
+            return {"seconds_to_503": round(time.monotonic() - start, 2)}
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+
+def sigterm(src: Path, loop: str) -> dict[str, Any]:
+    """A stream longer than the grace, then SIGTERM: how does it end?"""
+    with serve(src, loop, "--graceful-timeout", "1.5") as (url, proc):
+        body = {"prompt": "x", "n": 8, "max_tokens": 2000, "ignore_eos": True}
+        events: list[str] = []
+        probe: dict[str, Any] = {}
+
+        async def main() -> None:
+            first = asyncio.Event()
+            async with httpx.AsyncClient(base_url=url, timeout=60) as ac:
+
+                async def stream() -> None:
+                    try:
+                        async with ac.stream(
+                            "POST", "/v1/completions", json={**body, "stream": True}
+                        ) as r:
+                            async for line in r.aiter_lines():
+                                if line.startswith("data:"):
+                                    events.append(line)
+                                    first.set()
+                    except httpx.HTTPError as exc:
+                        events.append(f"<{type(exc).__name__}>")
+
+                task = asyncio.ensure_future(stream())
+                await first.wait()
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.5)
+                try:
+                    async with httpx.AsyncClient(base_url=url, timeout=5) as fresh:
+                        r = await fresh.post("/v1/completions", json={"prompt": "y"})
+                        probe["new_request_during_drain"] = r.status_code
+                except httpx.HTTPError as exc:
+                    probe["new_request_during_drain"] = type(exc).__name__
+                await task
+
+        asyncio.run(main())
+        return {
+            **probe,
+            "last_event": events[-1][:80] if events else None,
+            "error_event_before_done": len(events) > 1 and '"error"' in events[-2],
+            "exit_code": proc.wait(timeout=30),
+        }
+
+
+def load(src: Path, loop: str, clients: int) -> dict[str, Any]:
+    """``clients`` streaming requests opened at once over raw sockets."""
+    with serve(src, loop) as (url, _):
+        host, port = url.removeprefix("http://").split(":")
+        body = json.dumps(
+            {"prompt": "hi", "max_tokens": 8, "ignore_eos": True, "stream": True}
+        ).encode()
+        request = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nConnection: close\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+
+        async def one(go: asyncio.Event) -> str:
+            await go.wait()
+            try:
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(request)
+                await writer.drain()
+                data = b""
+                async with asyncio.timeout(300):
+                    # to [DONE], as clients do (under trio, hypercorn keeps a
+                    # streamed response's connection open despite
+                    # "Connection: close"), or to EOF
+                    while chunk := await reader.read(65536):
+                        data += chunk
+                        if b"data: [DONE]" in data:
+                            break
+                writer.close()
+            except ConnectionResetError:
+                return "reset"
+            except ConnectionRefusedError:
+                return "refused"
+            except TimeoutError:
+                return "timeout"
+            except OSError as exc:
+                return f"oserror:{exc.errno}"
+            if not data:
+                return "closed-without-response"
+            status = data.split(b" ", 2)[1].decode()
+            if status == "200":
+                return "200-done" if b"data: [DONE]" in data else "200-truncated"
+            return status
+
+        async def main() -> tuple[Counter[str], float]:
+            go = asyncio.Event()
+            tasks = [asyncio.ensure_future(one(go)) for _ in range(clients)]
+            await asyncio.sleep(0.2)
+            start = time.monotonic()
+            go.set()
+            results = await asyncio.gather(*tasks)
+            return Counter(results), time.monotonic() - start
+
+        counts, seconds = asyncio.run(main())
+        return {
+            "clients": clients,
+            "outcomes": dict(counts),
+            "resets": counts["reset"] + counts["refused"],
+            "seconds": round(seconds, 1),
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "probe", choices=["crashers", "stall", "frozen", "sigterm", "load"]
+    )
+    parser.add_argument("--src", type=Path, default=HERE)
+    parser.add_argument("--loop", default="asyncio")
+    parser.add_argument("--clients", type=int, default=1000)
+    parser.add_argument(
+        "--model", default="tiny", help="e.g. a `structllm make-tiny-model` dir"
+    )
+    parser.add_argument("--serve-arg", action="append", default=[])
+    parser.add_argument("--fail-on-reset", action="store_true")
+    ns = parser.parse_args()
+    MODEL[0] = ns.model
+    EXTRA.extend(ns.serve_arg)
+    if ns.probe == "load":
+        result = load(ns.src, ns.loop, ns.clients)
+    else:
+        result = globals()[ns.probe](ns.src, ns.loop)
+    print(json.dumps({"probe": ns.probe, "loop": ns.loop, **result}, indent=1))
+    if ns.fail_on_reset and result.get("resets"):
+        sys.exit(f"{result['resets']} connections reset or refused")
+
+
+if __name__ == "__main__":
+    main()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 
@@ -9,7 +10,7 @@ from structllm.core.engine_core import EngineConfig, EngineCore
 from structllm.core.request import CoreRequest
 from structllm.errors import ModelLoadError
 from structllm.model.config import tiny_config
-from structllm.model.loader import resolve_backend
+from structllm.model.loader import AUTO_INFERENCE_MIN_PARAMETERS, resolve_backend
 from structllm.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -51,9 +52,37 @@ def test_inference_backend_gives_the_eager_tokens() -> None:
     assert compiled == eager
 
 
-def test_auto_is_eager_and_bad_names_are_refused() -> None:
-    config = tiny_config()
-    assert resolve_backend("auto", "float32", config) == "eager"
-    assert resolve_backend("inference", "float32", config) == "inference"
+def test_auto_picks_by_size_and_bad_names_are_refused() -> None:
+    small = tiny_config()
+    big = attrs.evolve(
+        small, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8
+    )
+    assert small.num_parameters < AUTO_INFERENCE_MIN_PARAMETERS <= big.num_parameters
+    assert resolve_backend("auto", "float32", small) == "eager"
+    assert resolve_backend("auto", "float32", big) == "inference"
+    assert resolve_backend("eager", "float32", big) == "eager"
     with pytest.raises(ModelLoadError, match="model_backend"):
-        resolve_backend("onnx", "float32", config)
+        resolve_backend("onnx", "float32", small)
+
+
+def test_small_steps_run_eager_and_large_ones_through_the_predictors() -> None:
+    from structllm.model.compiled import SMALL_STEP
+
+    core = EngineCore(EngineConfig(model="tiny", model_backend="inference"))
+    model = core.runner.model
+    calls: list[int] = []
+    original = model._first
+
+    def spy(feeds):  # type: ignore[no-untyped-def]
+        calls.append(int(feeds["x"].shape[0]))
+        return original(feeds)
+
+    model._first = spy
+    prompt = tuple(range(3, 3 + 2 * SMALL_STEP))
+    core.add_request(
+        CoreRequest(request_id="a", prompt_token_ids=prompt, params=GREEDY)
+    )
+    while core.has_unfinished_requests():
+        core.step()
+    # the prefill went through the predictors; the batch-1 decodes did not
+    assert calls == [len(prompt)]

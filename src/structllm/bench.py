@@ -59,10 +59,10 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--skip-async", action="store_true", help="skip the AsyncLLM run")
     p.add_argument(
-        "--compare-inference",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also run LLM.generate with model_backend='inference'",
+        "--compare-backend",
+        default="eager",
+        choices=["eager", "inference", "none"],
+        help="also run LLM.generate with this model_backend (default: auto)",
     )
     p.add_argument(
         "--repeats",
@@ -128,10 +128,11 @@ def run_throughput(ns: argparse.Namespace) -> int:
             "systems": {},
         }
         results["systems"]["structllm"] = _bench_structllm(model, work, ns, threads)
-        if ns.compare_inference:
-            # the same run with the dense work in oneDNN predictors
-            results["systems"]["structllm, inference backend"] = _bench_structllm(
-                model, work, ns, threads, backend="inference"
+        if ns.compare_backend != "none":
+            # the same run on another model backend, right after
+            name = f"structllm, {ns.compare_backend} backend"
+            results["systems"][name] = _bench_structllm(
+                model, work, ns, threads, backend=ns.compare_backend
             )
         # core and front end alternate, so drift on a noisy machine hits both;
         # the overhead is the median of the per-pair ratios

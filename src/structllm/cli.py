@@ -26,7 +26,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--model-backend",
         default="auto",
         choices=["auto", "eager", "inference"],
-        help="inference: dense work as oneDNN predictors (faster batched, slower at batch 1)",
+        help="auto: oneDNN predictors (Paddle Inference) for float32 CPU models of 10M+ parameters",
     )
 
 

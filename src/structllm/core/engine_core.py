@@ -57,8 +57,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     #: CPU threads for Paddle's math; None = every core this process may use
     num_threads: int | None = None
-    #: "auto" (eager, for now), "eager", or "inference" (oneDNN predictors,
-    #: float32 on CPU; see structllm.model.compiled)
+    #: "auto" (oneDNN predictors for float32 CPU models of 10M+ parameters,
+    #: else eager), "eager", "inference"; see structllm.model.compiled
     model_backend: str = "auto"
 
 

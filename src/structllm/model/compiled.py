@@ -4,31 +4,35 @@ Paddle's eager CPU matmul goes through MKL, which on the AMD cores of the
 machines this project runs on reaches about 20 GFLOP/s a core; the same
 matmul inside a Paddle Inference predictor with oneDNN reaches 40-55, and a
 whole MLP block runs 2.6x (16 tokens) to 3.5x (256 tokens) faster
-(docs/benchmarks.md). So each decoder layer is split at the attention:
+(docs/benchmarks.md). So the decoder is cut at the paged attention:
 
     attention_inputs (norm, q/k/v projection, Qwen3 q/k norm, RoPE)
         -> PortableAttention over the paged KV cache (eager, unchanged)
         -> layer_output (o projection, MLP block, residuals)
 
-and the dense work between two attentions (layer i's output half and layer
-i+1's input half), the first input half, the last output half, and the
-final norm and LM head each become a predictor holding those weights:
-L + 2 predictor calls a step for L layers (each call costs ~0.3-1 ms of
-fixed overhead, so fewer and larger is better). They run the very functions the
-eager model runs (``attention_inputs``, ``layer_output`` in llama.py),
-traced once by ``paddle.jit.to_static``; every predictor is checked against
-the eager function on a random input when it is built.
+and four programs cover the dense stretches: the first input half, the
+work between two attentions (layer i's output half and layer i+1's input
+half), the last output half, and the final norm with the LM head. Weights
+are *inputs* of the programs, fed from the eager model's own tensors without
+a copy (``share_external_data``): one copy of the weights, four predictors
+whatever the depth, L + 2 calls a step. The programs run the very functions
+the eager model runs (``attention_inputs``, ``layer_output`` in llama.py),
+traced once per shape by ``paddle.jit.to_static``, and are checked against
+them on the model's first layers when built.
 
-Tensors cross into a predictor without a copy (``share_external_data``)
-and come back as numpy arrays wrapped by DLPack.
+A predictor call has a fixed cost (0.3 ms on a quiet machine, more on a
+busy one), so a step of fewer than :data:`SMALL_STEP` tokens (a batch-1
+decode) runs eager, where that cost does not exist.
 """
 
 from __future__ import annotations
 
-import functools
+import atexit
+import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +51,10 @@ from structllm.model.llama import (
     layer_output,
 )
 
-__all__ = ["CompiledLlamaForCausalLM", "inference_available"]
+__all__ = ["SMALL_STEP", "CompiledLlamaForCausalLM", "inference_available"]
 
+#: steps (and logits batches) with fewer tokens than this run eager
+SMALL_STEP = 8
 #: oneDNN primitives cached per predictor, one per input shape seen
 _ONEDNN_CACHE = 64
 _LAYER_FIELDS = (
@@ -66,6 +72,20 @@ _LAYER_FIELDS = (
     "k_norm",
 )
 
+#: the weights each half of a layer reads (a program may take no unused input)
+_IN_FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm")
+_OUT_FIELDS = tuple(n for n in _LAYER_FIELDS if n not in _IN_FIELDS)
+
+Feeds = Mapping[str, paddle.Tensor]
+
+
+def _only(
+    feeds: Feeds, *groups: tuple[str, tuple[str, ...]]
+) -> dict[str, paddle.Tensor]:
+    """The entries of ``feeds`` named ``prefix + field`` for the given groups."""
+    names = {p + n for p, fields in groups for n in fields}
+    return {n: t for n, t in feeds.items() if n in names}
+
 
 def inference_available() -> bool:
     """Paddle Inference with oneDNN exists in this Paddle build (CPU)."""
@@ -76,52 +96,24 @@ def inference_available() -> bool:
     return bool(paddle.base.core.is_compiled_with_mkldnn())
 
 
-class _Program(paddle.nn.Layer):  # type: ignore[misc]
-    """Parameters shaped like one layer's weights, and a function over them."""
-
-    def __init__(self, fn: Callable[..., Any], weights: dict[str, paddle.Tensor]):
-        super().__init__()
-        self._fn = fn
-        self._names = sorted(weights)
-        for name, value in weights.items():
-            param = self.create_parameter(
-                list(value.shape),
-                dtype="float32",
-                default_initializer=paddle.nn.initializer.Constant(0.0),
-            )
-            self.add_parameter(name, param)
-
-    def load(self, weights: dict[str, paddle.Tensor]) -> None:
-        for name in self._names:
-            getattr(self, name).set_value(weights[name])
-
-    def forward(
-        self, in0: paddle.Tensor, in1: Any = None, in2: Any = None, in3: Any = None
-    ) -> Any:
-        # explicit arguments: to_static matches them with the input specs
-        inputs = [t for t in (in0, in1, in2, in3) if t is not None]
-        return self._fn({n: getattr(self, n) for n in self._names}, *inputs)
-
-
 class _Predictor:
-    """One saved program's predictor, with its handles in a fixed order."""
+    """One saved program's predictor; fed by input name."""
 
-    def __init__(self, directory: Path, name: str, num_threads: int) -> None:
+    def __init__(self, model_file: Path, num_threads: int) -> None:
         import paddle.inference as pi
 
-        cfg = pi.Config(
-            str(directory / f"{name}.json"), str(directory / f"{name}.pdiparams")
-        )
+        cfg = pi.Config(str(model_file), "")
         cfg.disable_gpu()
         cfg.enable_mkldnn()
         cfg.set_mkldnn_cache_capacity(_ONEDNN_CACHE)
         cfg.set_cpu_math_library_num_threads(num_threads)
         cfg.disable_glog_info()
         self._predictor = pi.create_predictor(cfg)
-        self._inputs = [
-            self._predictor.get_input_handle(n)
+        #: inputs the program kept (unused weights are pruned by the tracer)
+        self._inputs = {
+            n: self._predictor.get_input_handle(n)
             for n in self._predictor.get_input_names()
-        ]
+        }
         self._outputs = [
             self._predictor.get_output_handle(n)
             for n in self._predictor.get_output_names()
@@ -129,18 +121,16 @@ class _Predictor:
         #: output i of the traced function is predictor output _order[i]
         self._order = list(range(len(self._outputs)))
 
-    def __call__(self, *inputs: paddle.Tensor) -> list[paddle.Tensor]:
-        for handle, tensor in zip(self._inputs, inputs, strict=True):
-            handle.share_external_data(tensor.contiguous())
+    def __call__(self, feeds: Feeds) -> list[paddle.Tensor]:
+        for name, handle in self._inputs.items():
+            handle.share_external_data(feeds[name])
         self._predictor.run()
         return [paddle.from_dlpack(self._outputs[i].copy_to_cpu()) for i in self._order]
 
-    def match(
-        self, inputs: Sequence[paddle.Tensor], expected: Sequence[np.ndarray]
-    ) -> float:
-        """Order the outputs like ``expected`` (eager results); return the worst difference."""
+    def match(self, feeds: Feeds, expected: Sequence[np.ndarray]) -> float:
+        """Order the outputs like ``expected`` (eager results); the worst difference."""
         self._order = list(range(len(self._outputs)))
-        raw = [g.numpy() for g in self(*inputs)]
+        raw = [g.numpy() for g in self(feeds)]
         self._order = []
         worst = 0.0
         free = list(range(len(raw)))
@@ -157,23 +147,34 @@ class _Predictor:
         return worst
 
 
-# traced programs, reused for every layer and model of the same shapes
-_TRACED: dict[tuple[Any, ...], _Program] = {}
+# traced and saved programs, by what they compute and the shapes they take
+_SAVED: dict[tuple[Any, ...], Path] = {}
 _LOCK = threading.Lock()
+_DIR: Path | None = None
 
 
-def _weights(layer: DecoderLayerWeights) -> dict[str, paddle.Tensor]:
+def _program_dir() -> Path:
+    global _DIR
+    if _DIR is None:
+        _DIR = Path(tempfile.mkdtemp(prefix="structllm-programs-"))
+        atexit.register(shutil.rmtree, _DIR, ignore_errors=True)
+    return _DIR
+
+
+def _layer_feeds(layer: DecoderLayerWeights, prefix: str) -> dict[str, paddle.Tensor]:
     return {
-        n: getattr(layer, n) for n in _LAYER_FIELDS if getattr(layer, n) is not None
+        prefix + n: getattr(layer, n).contiguous()
+        for n in _LAYER_FIELDS
+        if getattr(layer, n) is not None
     }
 
 
-def _as_layer(w: dict[str, paddle.Tensor]) -> DecoderLayerWeights:
-    return DecoderLayerWeights(**{n: w.get(n) for n in _LAYER_FIELDS})
+def _as_layer(w: Mapping[str, paddle.Tensor], prefix: str) -> DecoderLayerWeights:
+    return DecoderLayerWeights(**{n: w.get(prefix + n) for n in _LAYER_FIELDS})
 
 
 class CompiledLlamaForCausalLM(LlamaForCausalLM):
-    """:class:`LlamaForCausalLM` with its dense halves in oneDNN predictors.
+    """:class:`LlamaForCausalLM` with its dense work in oneDNN predictors.
 
     ``forward`` returns the residual stream before the final norm;
     ``compute_logits`` applies the norm and the head (both row-wise, so the
@@ -195,112 +196,126 @@ class CompiledLlamaForCausalLM(LlamaForCausalLM):
             config, weights, block_size=block_size, max_model_len=max_model_len
         )
         c = config
-        h, d = c.hidden_size, c.head_dim
-        rng = np.random.default_rng(0)
-        x = paddle.to_tensor(rng.standard_normal((3, h)).astype(np.float32))
-        cos = self._cos[:3].unsqueeze(1)
-        sin = self._sin[:3].unsqueeze(1)
-        attn = paddle.to_tensor(rng.standard_normal((3, c.q_size)).astype(np.float32))
-
-        def inputs_fn(w: dict[str, paddle.Tensor], x: Any, cos: Any, sin: Any) -> Any:
-            return attention_inputs(c, _as_layer(w), x, cos, sin)
-
-        def output_fn(w: dict[str, paddle.Tensor], x: Any, attn: Any) -> Any:
-            return layer_output(c, _as_layer(w), x, attn)
-
-        head_w = {"norm": weights.norm}
-        head_w["head"] = (
-            weights.embed.transpose([1, 0]).contiguous()
+        self._layer_feeds = [_layer_feeds(layer, "") for layer in weights.layers]
+        self._mid_feeds = [
+            {**_layer_feeds(a, "a_"), **_layer_feeds(b, "b_")}
+            for a, b in zip(weights.layers, weights.layers[1:], strict=False)
+        ]
+        head = (
+            weights.embed.transpose([1, 0])
             if weights.lm_head is None
             else weights.lm_head
         )
+        self._head_feeds = {"norm": weights.norm, "head": head.contiguous()}
 
-        def head_fn(w: dict[str, paddle.Tensor], x: Any) -> Any:
-            return paddle.matmul(_rms_norm(x, w["norm"], c.rms_norm_eps), w["head"])
+        def first(acts: list[Any], w: Feeds) -> Any:
+            x, cos, sin = acts
+            return attention_inputs(c, _as_layer(w, ""), x, cos, sin)
 
-        def mid_fn(
-            w: dict[str, paddle.Tensor], x: Any, attn: Any, cos: Any, sin: Any
-        ) -> Any:
-            # layer i's output half, then layer i+1's input half: one call
-            a = {n[2:]: t for n, t in w.items() if n.startswith("a_")}
-            b = {n[2:]: t for n, t in w.items() if n.startswith("b_")}
-            x = layer_output(c, _as_layer(a), x, attn)
-            return (x, *attention_inputs(c, _as_layer(b), x, cos, sin))
+        def mid(acts: list[Any], w: Feeds) -> Any:
+            x, attn, cos, sin = acts
+            x = layer_output(c, _as_layer(w, "a_"), x, attn)
+            return (x, *attention_inputs(c, _as_layer(w, "b_"), x, cos, sin))
 
-        def specs(*shapes: list[int | None]) -> list[Any]:
-            # a fresh InputSpec per argument: to_static names them in place
-            return [paddle.static.InputSpec(s, "float32") for s in shapes]
+        def last(acts: list[Any], w: Feeds) -> Any:
+            x, attn = acts
+            return layer_output(c, _as_layer(w, ""), x, attn)
 
-        xs, rope, attn_s = [None, h], [None, 1, d], [None, c.q_size]
-        layers = [_weights(layer) for layer in weights.layers]
-        fields = tuple(sorted(layers[0]))
-        with tempfile.TemporaryDirectory(prefix="structllm-") as tmp, _LOCK:
-            directory = Path(tmp)
-            build = functools.partial(self._build, directory, num_threads=num_threads)
+        def head_fn(acts: list[Any], w: Feeds) -> Any:
+            return paddle.matmul(
+                _rms_norm(acts[0], w["norm"], c.rms_norm_eps), w["head"]
+            )
+
+        # a probe through the model's first layers checks every program
+        rng = np.random.default_rng(0)
+        x = paddle.to_tensor(
+            rng.standard_normal((SMALL_STEP, c.hidden_size)), "float32"
+        )
+        attn = paddle.to_tensor(rng.standard_normal((SMALL_STEP, c.q_size)), "float32")
+        cos, sin = self.rope_tables(paddle.arange(SMALL_STEP))
+        acts = {"x": x, "attn": attn, "cos": cos.contiguous(), "sin": sin.contiguous()}
+        h, d = [None, c.hidden_size], [None, 1, c.head_dim]
+        shapes = {"x": h, "attn": [None, c.q_size], "cos": d, "sin": d}
+        build = self._build
+        with _LOCK:
             self._first = build(
                 "first",
-                ("first", c, fields),
-                inputs_fn,
-                layers[0],
-                specs(xs, rope, rope),
-                (x, cos, sin),
+                c,
+                first,
+                ("x", "cos", "sin"),
+                shapes,
+                acts,
+                _only(self._layer_feeds[0], ("", _IN_FIELDS)),
+                num_threads,
             )
-            self._mid = [
+            self._mid = (
                 build(
-                    f"mid{i}",
-                    ("mid", c, fields),
-                    mid_fn,
-                    {
-                        **{"a_" + n: t for n, t in layers[i].items()},
-                        **{"b_" + n: t for n, t in layers[i + 1].items()},
-                    },
-                    specs(xs, attn_s, rope, rope),
-                    (x, attn, cos, sin),
+                    "mid",
+                    c,
+                    mid,
+                    ("x", "attn", "cos", "sin"),
+                    shapes,
+                    acts,
+                    _only(self._mid_feeds[0], ("a_", _OUT_FIELDS), ("b_", _IN_FIELDS)),
+                    num_threads,
                 )
-                for i in range(len(layers) - 1)
-            ]
+                if self._mid_feeds
+                else None
+            )
             self._last = build(
                 "last",
-                ("last", c, fields),
-                output_fn,
-                layers[-1],
-                specs(xs, attn_s),
-                (x, attn),
+                c,
+                last,
+                ("x", "attn"),
+                shapes,
+                acts,
+                _only(self._layer_feeds[-1], ("", _OUT_FIELDS)),
+                num_threads,
             )
-            self._head = build("head", ("head", c), head_fn, head_w, specs(xs), (x,))
-        # the predictors hold the layer weights now; keep the embedding only
-        self.weights = ModelWeights(
-            embed=weights.embed, layers=[], norm=weights.norm, lm_head=None
-        )
-        self._num_layers = len(layers)
+            self._head = build(
+                "head", c, head_fn, ("x",), shapes, acts, self._head_feeds, num_threads
+            )
+        self._num_layers = len(weights.layers)
 
     @staticmethod
     def _build(
-        directory: Path,
-        name: str,
-        key: tuple[Any, ...],
-        fn: Callable[..., Any],
-        weights: dict[str, paddle.Tensor],
-        spec: list[Any],
-        probe: tuple[paddle.Tensor, ...],
-        *,
+        kind: str,
+        config: ModelConfig,
+        fn: Callable[[list[Any], Feeds], Any],
+        act_names: tuple[str, ...],
+        shapes: Mapping[str, list[int | None]],
+        acts: Mapping[str, paddle.Tensor],
+        weights: Mapping[str, paddle.Tensor],
         num_threads: int,
     ) -> _Predictor:
-        traced = _TRACED.get(key)
-        if traced is None:
-            program = _Program(fn, weights)
-            program.eval()
-            traced = paddle.jit.to_static(program, input_spec=spec, full_graph=True)
-            _TRACED[key] = traced
-        traced.load(weights)
-        paddle.jit.save(traced, str(directory / name))
-        predictor = _Predictor(directory, name, num_threads)
-        expected = fn(weights, *probe)
+        spec = paddle.static.InputSpec
+        key = (
+            kind,
+            config,
+            tuple(sorted((n, tuple(t.shape)) for n, t in weights.items())),
+        )
+        path = _SAVED.get(key)
+        if path is None:
+            act_spec = [spec(shapes[n], "float32", name=n) for n in act_names]
+            w_spec = {
+                n: spec(list(t.shape), "float32", name=n) for n, t in weights.items()
+            }
+            traced = paddle.jit.to_static(
+                fn, input_spec=[act_spec, w_spec], full_graph=True
+            )
+            path = _program_dir() / f"{kind}{len(_SAVED)}"
+            with warnings.catch_warnings():
+                # "what you save is a function": yes, on purpose
+                warnings.simplefilter("ignore", UserWarning)
+                paddle.jit.save(traced, str(path))
+            _SAVED[key] = path
+        predictor = _Predictor(path.with_suffix(".json"), num_threads)
+        expected = fn([acts[n] for n in act_names], weights)
         expected = expected if isinstance(expected, tuple) else (expected,)
-        worst = predictor.match(probe, [e.numpy() for e in expected])
+        worst = predictor.match({**acts, **weights}, [e.numpy() for e in expected])
         if not worst < 1e-3:
             raise ModelLoadError(
-                f"the oneDNN program {name} differs from the eager model by {worst:.2e}"
+                f"the oneDNN program {kind} differs from the eager model by {worst:.2e}"
             )
         return predictor
 
@@ -311,20 +326,27 @@ class CompiledLlamaForCausalLM(LlamaForCausalLM):
         kv_caches: Sequence[tuple[paddle.Tensor, paddle.Tensor]],
         meta: AttentionMetadata,
     ) -> paddle.Tensor:  # (T, H), before the final norm
+        if input_ids.shape[0] < SMALL_STEP:
+            return self.residual_stream(input_ids, positions, kv_caches, meta)
         cos, sin = self.rope_tables(positions)
-        x = paddle.nn.functional.embedding(input_ids, self.weights.embed)  # (T, H)
-        q, k, v = self._first(x, cos, sin)
+        acts = {"cos": cos.contiguous(), "sin": sin.contiguous()}
+        acts["x"] = paddle.nn.functional.embedding(input_ids, self.weights.embed)
+        q, k, v = self._first({**acts, **self._layer_feeds[0]})
         for i in range(self._num_layers):
             k_cache, v_cache = kv_caches[i]
-            attn = self.attention.forward(
+            acts["attn"] = self.attention.forward(
                 q, k, v, k_cache, v_cache, meta, self._windows[i]
             )  # (T, nh * d)
             if i + 1 < self._num_layers:
-                x, q, k, v = self._mid[i](x, attn, cos, sin)
+                assert self._mid is not None
+                acts["x"], q, k, v = self._mid({**acts, **self._mid_feeds[i]})
             else:
-                (x,) = self._last(x, attn)
-        return x
+                (acts["x"],) = self._last({**acts, **self._layer_feeds[i]})
+        return acts["x"]
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:  # (N, V)
-        (logits,) = self._head(hidden)
+        if hidden.shape[0] < SMALL_STEP:
+            normed = _rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps)
+            return super().compute_logits(normed)
+        (logits,) = self._head({"x": hidden.contiguous(), **self._head_feeds})
         return logits

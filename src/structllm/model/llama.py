@@ -178,6 +178,16 @@ class LlamaForCausalLM:
         kv_caches: Sequence[tuple[paddle.Tensor, paddle.Tensor]],
         meta: AttentionMetadata,
     ) -> paddle.Tensor:  # (T, H)
+        x = self.residual_stream(input_ids, positions, kv_caches, meta)
+        return _rms_norm(x, self.weights.norm, self.config.rms_norm_eps)
+
+    def residual_stream(
+        self,
+        input_ids: paddle.Tensor,  # (T,) int64
+        positions: paddle.Tensor,  # (T,) int64
+        kv_caches: Sequence[tuple[paddle.Tensor, paddle.Tensor]],
+        meta: AttentionMetadata,
+    ) -> paddle.Tensor:  # (T, H), before the final norm
         c = self.config
         w = self.weights
         cos, sin = self.rope_tables(positions)
@@ -189,7 +199,7 @@ class LlamaForCausalLM:
                 q, k, v, k_cache, v_cache, meta, self._windows[i]
             )  # (T, nh * d)
             x = layer_output(c, layer, x, attn)
-        return _rms_norm(x, w.norm, c.rms_norm_eps)
+        return x
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:  # (N, V) float32
         w = self.weights

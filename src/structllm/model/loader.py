@@ -36,6 +36,9 @@ __all__ = [
     "resolve_dtype",
 ]
 
+#: ``model_backend="auto"`` uses oneDNN predictors from this size up
+AUTO_INFERENCE_MIN_PARAMETERS = 10_000_000
+
 #: The name of the built-in random model.
 TINY = "tiny"
 
@@ -236,12 +239,12 @@ def build_model(
 
 
 def resolve_backend(backend: str, dtype: str, config: ModelConfig) -> str:
-    """``auto`` is eager Paddle for now; ``inference`` opts into oneDNN predictors.
+    """``auto``: oneDNN predictors for float32 models of 10M+ parameters on CPU.
 
-    Measured on the 27.8M bench model (docs/benchmarks.md): the predictors
-    make batched steps faster (16 concurrent requests: 1.12-1.48x) but a
-    batch-1 decode about 2x slower, from their fixed cost per call; until
-    that cost is cut, ``auto`` does not pick them.
+    On the 27.8M bench model they make 16 concurrent requests ~1.5x and a
+    single stream ~1.2x faster (docs/benchmarks.md); below 10M a step is
+    mostly fixed per-call cost and the build (1-2 s) is not worth it.
+    Elsewhere (GPU, half precision) eager Paddle.
     """
     if backend not in ("auto", "eager", "inference"):
         raise ModelLoadError(
@@ -249,7 +252,15 @@ def resolve_backend(backend: str, dtype: str, config: ModelConfig) -> str:
         )
     on_cpu = not paddle.is_compiled_with_cuda() or paddle.get_device() == "cpu"
     if backend == "auto":
-        return "eager"
+        from structllm.model.compiled import inference_available
+
+        fast = (
+            on_cpu
+            and dtype == "float32"
+            and config.num_parameters >= AUTO_INFERENCE_MIN_PARAMETERS
+            and inference_available()
+        )
+        return "inference" if fast else "eager"
     if backend == "inference" and not (on_cpu and dtype == "float32"):
         raise ModelLoadError(
             "model_backend='inference' runs float32 on CPU only; use 'eager'"

@@ -57,6 +57,14 @@ CONFIGS = {
         qk_norm=True,
         tie_word_embeddings=False,
     ),
+    # three layers: the oneDNN backend then has two "between" predictors, and
+    # a bias in each (one shared predictor kept the first layer's weights)
+    "qwen2-three-layers": attrs.evolve(
+        tiny_config(),
+        architecture="Qwen2ForCausalLM",
+        qkv_bias=True,
+        num_hidden_layers=3,
+    ),
     "qwen2-sliding-layer-1": attrs.evolve(
         tiny_config(),
         architecture="Qwen2ForCausalLM",

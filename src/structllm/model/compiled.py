@@ -14,8 +14,11 @@ and four programs cover the dense stretches: the first input half, the
 work between two attentions (layer i's output half and layer i+1's input
 half), the last output half, and the final norm with the LM head. Weights
 are *inputs* of the programs, fed from the eager model's own tensors without
-a copy (``share_external_data``): one copy of the weights, four predictors
-whatever the depth, L + 2 calls a step. The programs run the very functions
+a copy (``share_external_data``): one copy of the weights, four traced
+programs whatever the depth, L + 2 predictors and calls a step. Each use
+site has its own predictor and is always fed the same weights: oneDNN keeps
+what it derives from the weights of its first run (shared across layers, a
+bias add read the first layer's weights). The programs run the very functions
 the eager model runs (``attention_inputs``, ``layer_output`` in llama.py),
 traced once per shape by ``paddle.jit.to_static``, and are checked against
 them on the model's first layers when built.
@@ -123,7 +126,8 @@ class _Predictor:
 
     def __call__(self, feeds: Feeds) -> list[paddle.Tensor]:
         for name, handle in self._inputs.items():
-            handle.share_external_data(feeds[name])
+            # zero-copy: the predictor reads the tensor's memory as laid out
+            handle.share_external_data(feeds[name].contiguous())
         self._predictor.run()
         return [paddle.from_dlpack(self._outputs[i].copy_to_cpu()) for i in self._order]
 
@@ -248,7 +252,10 @@ class CompiledLlamaForCausalLM(LlamaForCausalLM):
                 _only(self._layer_feeds[0], ("", _IN_FIELDS)),
                 num_threads,
             )
-            self._mid = (
+            # one predictor per pair of layers, all from one traced program:
+            # oneDNN keeps what it derived from the first weights it was fed
+            # (a bias add read stale weights when one predictor served all)
+            self._mid = [
                 build(
                     "mid",
                     c,
@@ -256,12 +263,11 @@ class CompiledLlamaForCausalLM(LlamaForCausalLM):
                     ("x", "attn", "cos", "sin"),
                     shapes,
                     acts,
-                    _only(self._mid_feeds[0], ("a_", _OUT_FIELDS), ("b_", _IN_FIELDS)),
+                    _only(feeds, ("a_", _OUT_FIELDS), ("b_", _IN_FIELDS)),
                     num_threads,
                 )
-                if self._mid_feeds
-                else None
-            )
+                for feeds in self._mid_feeds
+            ]
             self._last = build(
                 "last",
                 c,
@@ -338,8 +344,7 @@ class CompiledLlamaForCausalLM(LlamaForCausalLM):
                 q, k, v, k_cache, v_cache, meta, self._windows[i]
             )  # (T, nh * d)
             if i + 1 < self._num_layers:
-                assert self._mid is not None
-                acts["x"], q, k, v = self._mid({**acts, **self._mid_feeds[i]})
+                acts["x"], q, k, v = self._mid[i]({**acts, **self._mid_feeds[i]})
             else:
                 (acts["x"],) = self._last({**acts, **self._layer_feeds[i]})
         return acts["x"]

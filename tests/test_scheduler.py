@@ -351,8 +351,9 @@ def check_invariants(h: Harness) -> None:
     for req in h.added:
         kv = kv_digests(req.cache_salt, req.token_slice(0, len(req.block_hashes) * bs))
         for i, block_hash in enumerate(req.block_hashes):
-            assert known.setdefault(block_hash, kv[i * bs : (i + 1) * bs]) == (
-                kv[i * bs : (i + 1) * bs]
+            assert (
+                known.setdefault(block_hash, kv[i * bs : (i + 1) * bs])
+                == (kv[i * bs : (i + 1) * bs])
             ), "two different prefixes hashed alike"
     for b in range(pool.num_blocks):
         block_hash = pool.block_hash(b)
@@ -618,7 +619,9 @@ def test_waiting_queue_is_priority_then_arrival() -> None:
 
 
 def test_a_large_head_blocks_the_queue() -> None:
-    h = Harness.build(num_blocks=4, block_size=1, max_model_len=4, enable_prefix_caching=False)
+    h = Harness.build(
+        num_blocks=4, block_size=1, max_model_len=4, enable_prefix_caching=False
+    )
     h.add("a", 2, max_tokens=2, ignore_eos=True)
     h.step()
     h.add("big", 3, max_tokens=1)  # needs 3 blocks, 1 free

@@ -255,9 +255,7 @@ class BlockPool:
             if h is not None:
                 assert self._cached.get(h) == b, f"block {b}: hash not registered"
         assert len(self._cached) == sum(h is not None for h in self._hashes)
-        assert self._num_free_cached == sum(
-            self._hashes[b] is not None for b in free
-        )
+        assert self._num_free_cached == sum(self._hashes[b] is not None for b in free)
         # uncached free blocks are all in front of the cached ones
         states = [self._hashes[b] is not None for b in self._free]
         assert states == sorted(states), "a cached block is ahead of an uncached one"

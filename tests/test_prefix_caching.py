@@ -551,3 +551,33 @@ def test_cache_salt_is_validated_and_isolates() -> None:
             for o in core.step().outputs:
                 cached[o.request_id] = o.num_cached_tokens
     assert cached == {"a": 0, "b": 0, "c": 64}
+
+
+def test_llm_shares_a_repeated_prompt_and_matches_uncached_outputs() -> None:
+    """n > 1 through the offline API: one prompt, n seeds, prefilled once."""
+    from structllm.llm import LLM
+
+    params = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=8, ignore_eos=True)
+        for i in range(4)
+    ]
+    prompts = [{"prompt_token_ids": list(SYSTEM)}] * 4
+    outs = {}
+    for caching in (True, False):
+        llm = LLM(
+            "tiny",
+            show_progress=False,
+            max_model_len=256,
+            num_blocks=64,
+            enable_prefix_caching=caching,
+        )
+        outs[caching] = [
+            o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
+        stats = llm.core.statistics().scheduler
+        # the three siblings find SYSTEM's 4 full blocks of 16
+        assert stats.prefix_cache_hits == (3 * 64 if caching else 0)
+        assert (llm.reset_prefix_cache() > 0) is caching
+        assert llm.core.statistics().scheduler.blocks.num_cached == 0
+    assert outs[True] == outs[False]
+    assert len(set(outs[True])) > 1  # the seeds differ, and so do the samples

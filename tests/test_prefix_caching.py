@@ -581,3 +581,27 @@ def test_llm_shares_a_repeated_prompt_and_matches_uncached_outputs() -> None:
         assert llm.core.statistics().scheduler.blocks.num_cached == 0
     assert outs[True] == outs[False]
     assert len(set(outs[True])) > 1  # the seeds differ, and so do the samples
+
+
+def test_a_failed_step_leaves_nothing_uncomputed_in_the_cache() -> None:
+    core = _core(True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = SYSTEM
+
+    def boom(step: object) -> object:
+        raise RuntimeError("forward failed")
+
+    core.add_request(
+        CoreRequest(request_id="a", prompt_token_ids=prompt, params=params)
+    )
+    real, core.runner.execute = core.runner.execute, boom  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="forward failed"):
+        core.step()
+    core.runner.execute = real  # type: ignore[method-assign]
+    # the front ends abort a failed step's requests; nothing was registered
+    assert core.abort_requests(["a"]) == ["a"]
+    blocks = core.statistics().scheduler.blocks
+    assert (blocks.num_used, blocks.num_cached) == (0, 0)
+    core.pool.audit()
+    tokens = _run(core, [prompt], [params])["r0"][0]
+    assert tokens == _run(_core(False), [prompt], [params])["r0"][0]

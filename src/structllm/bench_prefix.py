@@ -260,9 +260,11 @@ def run_prefix(ns: argparse.Namespace) -> int:
                 if r_on.pop("answers") != r_off.pop("answers"):
                     raise SystemExit(f"{w}: outputs differ with caching on and off")
             results["workloads"][w] = _summarise(runs, len(sessions))
-    _print(results)
-    if ns.json:
-        Path(ns.json).write_text(json.dumps(results, indent=2))
+            if w == workloads[0]:
+                _print_header(results)
+            _print_workload(w, results["workloads"][w])
+            if ns.json:  # after each workload, so a long run keeps what it has
+                Path(ns.json).write_text(json.dumps(results, indent=2))
     return 0
 
 
@@ -286,7 +288,7 @@ def _summarise(runs: dict[str, list[dict[str, Any]]], sessions: int) -> dict[str
     }
 
 
-def _print(r: dict[str, Any]) -> None:
+def _print_header(r: dict[str, Any]) -> None:
     m = r["model"]
     print(
         f"model: hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, vocab "
@@ -294,18 +296,22 @@ def _print(r: dict[str, Any]) -> None:
     )
     print(
         f"{'workload':<9}{'caching':>8}{'reqs':>6}{'TTFT p50':>10}{'p90':>9}"
-        f"{'out tok/s':>11}{'computed':>10}{'hit rate':>10}"
+        f"{'out tok/s':>11}{'computed':>10}{'hit rate':>10}",
+        flush=True,
     )
-    for name, w in r["workloads"].items():
-        for mode in ("on", "off"):
-            s = w["median"][mode]
-            print(
-                f"{name:<9}{mode:>8}{s['requests']:>6.0f}{s['ttft_p50_ms']:>8.0f}ms"
-                f"{s['ttft_p90_ms']:>7.0f}ms{s['tokens_per_s']:>11.1f}"
-                f"{s['computed_tokens']:>10.0f}{100 * s['hit_rate']:>9.1f}%"
-            )
+
+
+def _print_workload(name: str, w: dict[str, Any]) -> None:
+    for mode in ("on", "off"):
+        s = w["median"][mode]
         print(
-            f"{'':<9}TTFT p50 off/on {w['ttft_p50_speedup']:.2f}x, throughput on/off "
-            f"{w['throughput_ratio']:.3f} (medians of {len(w['runs']['on'])} "
-            "alternating pairs)"
+            f"{name:<9}{mode:>8}{s['requests']:>6.0f}{s['ttft_p50_ms']:>8.0f}ms"
+            f"{s['ttft_p90_ms']:>7.0f}ms{s['tokens_per_s']:>11.1f}"
+            f"{s['computed_tokens']:>10.0f}{100 * s['hit_rate']:>9.1f}%"
         )
+    print(
+        f"{'':<9}TTFT p50 off/on {w['ttft_p50_speedup']:.2f}x, throughput on/off "
+        f"{w['throughput_ratio']:.3f} (medians of {len(w['runs']['on'])} "
+        "alternating pairs)",
+        flush=True,
+    )

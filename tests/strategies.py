@@ -77,6 +77,10 @@ class RequestSpec:
     priority: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    #: prompts of the same variant share all their tokens, of different
+    #: variants the first ``SHARED_PREFIX`` (see tests.test_scheduler)
+    prompt_variant: int = 0
+    cache_salt: str | None = None
 
 
 @st.composite
@@ -101,4 +105,6 @@ def request_specs(
             draw(st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=2, unique=True))
         ),
         ignore_eos=draw(st.booleans()),
+        prompt_variant=draw(st.integers(0, 2)),
+        cache_salt=draw(st.sampled_from([None, None, "tenant-a", "tenant-b"])),
     )

@@ -1,10 +1,14 @@
-"""The scheduler batches, chunks, preempts and aborts without losing a block
-or changing a single generated token.
+"""The scheduler batches, chunks, preempts, aborts and shares cached prefix
+blocks without losing a block or changing a single generated token.
 
 The "model" is a pure function of (request id, position), so every request's
 completion is known in advance; a fake runner keeps a simulated KV cache in
 the blocks the scheduler hands out and checks, before each sample, that the
-request's blocks hold exactly its own tokens.
+request's blocks hold exactly the KV of its own tokens: at each position, a
+digest of the cache salt and every token up to it (what real KV depends
+on), so a block shared by two requests passes only when their prefixes and
+salts are equal. It also refuses any write into a block that is shared or
+registered in the prefix cache.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import itertools
 import zlib
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -52,8 +57,25 @@ def fake_token(request_id: str, position: int) -> int:
     return zlib.crc32(f"{request_id}/{position}".encode()) % VOCAB_SIZE
 
 
-def prompt_tokens(prompt_len: int) -> tuple[int, ...]:
-    return tuple((3 * i + 1) % VOCAB_SIZE for i in range(prompt_len))
+#: prompts of different variants share this many leading tokens
+SHARED_PREFIX = 6
+
+
+def prompt_tokens(prompt_len: int, variant: int = 0) -> tuple[int, ...]:
+    return tuple(
+        (3 * i + 1 + (variant if i >= SHARED_PREFIX else 0)) % VOCAB_SIZE
+        for i in range(prompt_len)
+    )
+
+
+def kv_digests(salt: str | None, tokens: Sequence[int]) -> list[int]:
+    """What the fake KV cache holds at each position of ``tokens``."""
+    out = []
+    h = hash(("salt", salt))
+    for t in tokens:
+        h = hash((h, t))
+        out.append(h)
+    return out
 
 
 @attrs.frozen
@@ -83,20 +105,26 @@ def expected_completion(req: Request) -> Completion:
 class FakeRunner:
     """Runs chunks against a simulated KV cache; samples from ``fake_token``.
 
-    Each cache slot remembers which request wrote which token at which
-    position; a block that goes back to the pool loses its contents.
+    Each cache slot holds the digest of (salt, tokens up to its position); a
+    block that goes back to the pool uncached loses its contents.
     """
 
     pool: BlockPool
-    slots: dict[int, tuple[Request, int, int]] = attrs.Factory(dict)
+    slots: dict[int, int] = attrs.Factory(dict)
+    #: tokens run through the fake model, ever
+    computed_tokens: int = 0
 
     def _slot(self, req: Request, position: int) -> int:
         bs = self.pool.block_size
         return req.block_ids[position // bs] * bs + position % bs
 
     def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        bs = self.pool.block_size
-        for slot in [s for s in self.slots if self.pool.ref_count(s // bs) == 0]:
+        bs, pool = self.pool.block_size, self.pool
+        for slot in [
+            s
+            for s in self.slots
+            if pool.ref_count(s // bs) == 0 and pool.block_hash(s // bs) is None
+        ]:
             del self.slots[slot]
         sampled: dict[str, int] = {}
         for chunk in output.chunks:
@@ -107,18 +135,19 @@ class FakeRunner:
             assert 1 <= chunk.num_tokens <= req.num_pending_tokens
             assert chunk.samples == (stop == req.num_tokens)
             assert len(req.block_ids) == self.pool.blocks_for(stop)
-            tokens = req.token_slice(start, stop)
-            assert len(tokens) == chunk.num_tokens
-            for pos, token in zip(range(start, stop), tokens, strict=True):
-                self.slots[self._slot(req, pos)] = (req, pos, token)
+            assert len(req.token_slice(start, stop)) == chunk.num_tokens
+            kv = kv_digests(req.cache_salt, req.token_slice(0, stop))
+            for pos in range(start, stop):
+                block = req.block_ids[pos // bs]
+                assert pool.ref_count(block) == 1, f"write into shared block {block}"
+                assert pool.block_hash(block) is None, f"write into cached {block}"
+                self.slots[self._slot(req, pos)] = kv[pos]
+            self.computed_tokens += chunk.num_tokens
             if chunk.samples:
-                everything = req.token_slice(0, stop)
                 for pos in range(stop):
-                    assert self.slots.get(self._slot(req, pos)) == (
-                        req,
-                        pos,
-                        everything[pos],
-                    ), f"KV cache of {req.request_id!r} is wrong at position {pos}"
+                    assert self.slots.get(self._slot(req, pos)) == kv[pos], (
+                        f"KV cache of {req.request_id!r} is wrong at position {pos}"
+                    )
                 sampled[req.request_id] = fake_token(req.request_id, stop)
         return sampled
 
@@ -134,6 +163,9 @@ class Harness:
     #: every request that finished with stop/length, in order
     finished: list[Request] = attrs.Factory(list)
     aborted: list[Request] = attrs.Factory(list)
+    #: every request ever added (to know what each block hash stands for)
+    added: list[Request] = attrs.Factory(list)
+    _evictions: int = 0
 
     @classmethod
     def build(
@@ -145,6 +177,7 @@ class Harness:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 1024,
         enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
     ) -> Harness:
         assert num_blocks * block_size >= max_model_len  # as EngineCore checks
         pool = BlockPool(num_blocks, block_size)
@@ -153,12 +186,13 @@ class Harness:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching,
         )
         return cls(Scheduler(config, pool), FakeRunner(pool))
 
     @classmethod
-    def from_setup(cls, setup: SchedulerSetup) -> Harness:
-        return cls.build(**attrs.asdict(setup))
+    def from_setup(cls, setup: SchedulerSetup, *, caching: bool = True) -> Harness:
+        return cls.build(**attrs.asdict(setup), enable_prefix_caching=caching)
 
     @property
     def pool(self) -> BlockPool:
@@ -178,7 +212,7 @@ class Harness:
         seq = next(self._sequence)
         return Request(
             request_id=request_id,
-            prompt_token_ids=prompt_tokens(spec.prompt_len),
+            prompt_token_ids=prompt_tokens(spec.prompt_len, spec.prompt_variant),
             params=params,
             eos_token_ids=frozenset({EOS_TOKEN_ID}),
             priority=spec.priority,
@@ -186,11 +220,16 @@ class Harness:
             sequence_number=seq,
             max_new_tokens=min(spec.max_tokens or room, room),
             generator=np.random.default_rng(seq),
+            cache_salt=spec.cache_salt,
         )
+
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+        self.added.append(req)
 
     def add(self, request_id: str, prompt_len: int, **spec: Any) -> Request:
         req = self.make_request(request_id, RequestSpec(prompt_len=prompt_len, **spec))
-        self.scheduler.add_request(req)
+        self.add_request(req)
         return req
 
     def abort(self, request_id: str) -> list[Request]:
@@ -232,6 +271,19 @@ class Harness:
         assert admitted == waiting_before[: len(admitted)]
         if out.preempted:
             assert not admitted
+        bs = self.pool.block_size
+        for chunk in out.chunks[n_old:]:
+            req = chunk.request
+            # an admitted request takes exactly the longest cached chain that
+            # leaves it a token to compute, and those blocks come first
+            usable = (req.num_tokens - 1) // bs
+            hit = self.pool.lookup(req.block_hashes[:usable])
+            if not sched.config.enable_prefix_caching:
+                assert hit == [] and req.block_hashes == []
+            assert chunk.context_len == len(hit) * bs < req.num_tokens
+            assert req.block_ids[: len(hit)] == hit
+            if hit:
+                note_event("prefix cache hit")
         if n_old < len(survivors):  # a running request was left out...
             assert out.num_batched_tokens == budget  # ...only for want of budget
 
@@ -239,6 +291,9 @@ class Harness:
             note_event("preempted")
         if any(not c.samples for c in out.chunks):
             note_event("chunked prefill")
+        if any(self.pool.ref_count(b) > 1 for b in range(self.pool.num_blocks)):
+            note_event("block shared by running requests")
+        evictions = self.pool.statistics().total_evictions
         sampled = self.runner.execute(out)
         finished = sched.update_from_output(out, sampled)
         assert {r.request_id for r in finished} <= set(sampled)
@@ -260,6 +315,9 @@ class Harness:
             if req.num_preemptions:
                 note_event("finished after preemption")
         self.finished += finished
+        if evictions > self._evictions:
+            note_event("cached block evicted")
+        self._evictions = evictions
         return out, finished
 
     def run_until_done(self, max_steps: int = 10_000) -> list[SchedulerOutput]:
@@ -280,7 +338,32 @@ def note_event(name: str) -> None:
 
 def check_invariants(h: Harness) -> None:
     sched, pool = h.scheduler, h.pool
+    bs = pool.block_size
     assert pool.num_free + pool.num_used == pool.num_blocks
+    # each block free-uncached, free-cached or referenced: the pool's books
+    pool.audit()
+    assert pool.num_cached == sum(
+        pool.ref_count(b) == 0 and pool.block_hash(b) is not None
+        for b in range(pool.num_blocks)
+    )
+    # every block registered in the cache holds the KV its hash names
+    known: dict[bytes, list[int]] = {}
+    for req in h.added:
+        kv = kv_digests(req.cache_salt, req.token_slice(0, len(req.block_hashes) * bs))
+        for i, block_hash in enumerate(req.block_hashes):
+            assert (
+                known.setdefault(block_hash, kv[i * bs : (i + 1) * bs])
+                == (kv[i * bs : (i + 1) * bs])
+            ), "two different prefixes hashed alike"
+    for b in range(pool.num_blocks):
+        block_hash = pool.block_hash(b)
+        if block_hash is not None:
+            assert [h.runner.slots.get(b * bs + j) for j in range(bs)] == known[
+                block_hash
+            ], f"cached block {b} does not hold the KV of its hash"
+    if not sched.config.enable_prefix_caching:
+        assert pool.num_cached == 0
+        assert all(pool.block_hash(b) is None for b in range(pool.num_blocks))
     assert len(sched.running) <= sched.config.max_num_seqs
 
     # every live request is in exactly one queue, and nothing else is queued
@@ -299,6 +382,10 @@ def check_invariants(h: Harness) -> None:
         assert req.status is RequestStatus.RUNNING
         assert 1 <= req.num_computed_tokens <= req.num_tokens
         assert len(req.block_ids) == pool.blocks_for(req.num_computed_tokens)
+        if sched.config.enable_prefix_caching:
+            # every full computed block has been offered to the cache
+            assert req.num_cached_blocks == req.num_computed_tokens // bs
+            assert len(req.block_hashes) == req.num_tokens // bs
 
     # the pool's reference counts are exactly the running requests' blocks
     held = Counter(b for r in sched.running for b in r.block_ids)
@@ -348,9 +435,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     h: Harness
     used_ids: set[str]
 
-    @initialize(setup=scheduler_setups())
-    def build(self, setup: SchedulerSetup) -> None:
-        self.h = Harness.from_setup(setup)
+    @initialize(setup=scheduler_setups(), caching=st.booleans())
+    def build(self, setup: SchedulerSetup, caching: bool) -> None:
+        self.h = Harness.from_setup(setup, caching=caching)
         self.used_ids = set()
         self.added: list[Request] = []
         self.steps = 0
@@ -364,7 +451,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _add(self, rid: str, spec: RequestSpec) -> None:
         req = self.h.make_request(rid, spec)
-        self.h.scheduler.add_request(req)
+        self.h.add_request(req)
         assert req.status is RequestStatus.WAITING
         self.used_ids.add(rid)
         self.added.append(req)
@@ -385,6 +472,26 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_model_len = self.h.scheduler.config.max_model_len
         for rid in free[:k]:
             self._add(rid, data.draw(request_specs(max_model_len, long=True)))
+
+    @precondition(lambda self: len(self.live) < len(IDS) - 1)
+    @rule(data=st.data())
+    def siblings(self, data: st.DataObject) -> None:
+        """n > 1: several requests with one prompt, submitted together."""
+        free = self._free_ids()
+        k = data.draw(st.integers(2, min(3, len(free))), label="n")
+        max_model_len = self.h.scheduler.config.max_model_len
+        spec = data.draw(request_specs(max_model_len), label="spec")
+        for rid in free[:k]:
+            self._add(rid, spec)
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        dropped = self.h.scheduler.reset_prefix_cache()
+        assert dropped >= 0
+        assert self.h.pool.num_cached == 0
+        assert all(
+            self.h.pool.block_hash(b) is None for b in range(self.h.pool.num_blocks)
+        )
 
     @rule(data=st.data())
     def add_duplicate_is_rejected(self, data: st.DataObject) -> None:
@@ -475,7 +582,11 @@ def test_running_decodes_go_before_new_prefills() -> None:
 
 def test_chunked_prefill_respects_budget_and_samples_only_at_the_end() -> None:
     h = Harness.build(
-        num_blocks=8, block_size=2, max_model_len=16, max_num_batched_tokens=4
+        num_blocks=8,
+        block_size=2,
+        max_model_len=16,
+        max_num_batched_tokens=4,
+        enable_prefix_caching=False,  # b's prompt is a's prefix
     )
     a = h.add("a", 10, max_tokens=2, ignore_eos=True)
     b = h.add("b", 3, max_tokens=1, ignore_eos=True)
@@ -508,7 +619,9 @@ def test_waiting_queue_is_priority_then_arrival() -> None:
 
 
 def test_a_large_head_blocks_the_queue() -> None:
-    h = Harness.build(num_blocks=4, block_size=1, max_model_len=4)
+    h = Harness.build(
+        num_blocks=4, block_size=1, max_model_len=4, enable_prefix_caching=False
+    )
     h.add("a", 2, max_tokens=2, ignore_eos=True)
     h.step()
     h.add("big", 3, max_tokens=1)  # needs 3 blocks, 1 free
@@ -526,6 +639,7 @@ def test_without_chunked_prefill_prompts_run_whole() -> None:
         max_model_len=8,
         max_num_batched_tokens=8,
         enable_chunked_prefill=False,
+        enable_prefix_caching=False,
     )
     a = h.add("a", 3, max_tokens=4, ignore_eos=True)
     b = h.add("b", 7, max_tokens=1)
@@ -547,12 +661,24 @@ def test_config_without_chunked_prefill_needs_budget_for_a_whole_sequence() -> N
     SchedulerConfig(max_model_len=8, max_num_batched_tokens=4)  # chunked: fine
 
 
-def preemption_scenario() -> Harness:
-    """Three requests that fill a 6-block pool; c is oldest but least urgent."""
-    h = Harness.build(num_blocks=6, block_size=1, max_model_len=6)
-    h.add("c", 2, max_tokens=3, priority=1, ignore_eos=True)
-    h.add("a", 2, max_tokens=3, ignore_eos=True)
-    h.add("b", 2, max_tokens=3, ignore_eos=True)
+def preemption_scenario(*, caching: bool = False) -> Harness:
+    """Three requests that fill a 6-block pool; c is oldest but least urgent.
+
+    With ``caching`` their prompts are salted apart, so nothing is shared at
+    first, but a victim's blocks stay cached for its return.
+    """
+    h = Harness.build(
+        num_blocks=6, block_size=1, max_model_len=6, enable_prefix_caching=caching
+    )
+    for rid, priority in [("c", 1), ("a", 0), ("b", 0)]:
+        h.add(
+            rid,
+            2,
+            max_tokens=3,
+            priority=priority,
+            ignore_eos=True,
+            cache_salt=rid if caching else None,
+        )
     out, _ = h.step()
     assert [c.request.request_id for c in out.chunks] == ["a", "b", "c"]
     assert h.pool.num_free == 0
@@ -595,10 +721,14 @@ def test_preempted_request_recomputes_its_outputs() -> None:
     assert (rerun.context_len, rerun.num_tokens, rerun.samples) == (0, 3, True)
 
 
-def reach(state: str) -> tuple[Harness, str]:
-    """A harness with a request id in ``state``, plus other live requests."""
+def reach(state: str, caching: bool = False) -> tuple[Harness, str]:
+    """A harness with a request id in ``state``, plus other live requests.
+
+    With ``caching``, x's prompt starts with other's, so a running x shares
+    other's first block (x first waits a step for other to compute it).
+    """
     if state == "preempted":
-        h = preemption_scenario()
+        h = preemption_scenario(caching=caching)
         h.step()
         assert h.scheduler.requests["c"].status is RequestStatus.PREEMPTED
         return h, "c"
@@ -608,6 +738,7 @@ def reach(state: str) -> tuple[Harness, str]:
         max_model_len=16,
         max_num_seqs=2,
         max_num_batched_tokens=4,
+        enable_prefix_caching=caching,
     )
     h.add("other", 2, max_tokens=4, ignore_eos=True)
     if state == "waiting":
@@ -619,7 +750,13 @@ def reach(state: str) -> tuple[Harness, str]:
     if state == "prefilling":
         h.add("x", 8, max_tokens=4)
         h.step()
+        if caching:
+            assert h.scheduler.requests["x"].status is RequestStatus.WAITING
+            h.step()
         x = h.scheduler.requests["x"]
+        assert (x.block_ids[0] == h.scheduler.requests["other"].block_ids[0]) is (
+            caching
+        )
         assert x.status is RequestStatus.RUNNING
         assert 0 < x.num_computed_tokens < 8
         return h, "x"
@@ -641,12 +778,13 @@ def reach(state: str) -> tuple[Harness, str]:
     return h, "x"
 
 
+@pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize(
     "state",
     ["waiting", "prefilling", "decoding", "preempted", "finished", "unknown"],
 )
-def test_abort_frees_everything_in_every_state(state: str) -> None:
-    h, rid = reach(state)
+def test_abort_frees_everything_in_every_state(state: str, caching: bool) -> None:
+    h, rid = reach(state, caching)
     target = h.scheduler.requests.get(rid)
     others = [r for r in h.scheduler.requests.values() if r is not target]
     assert others

@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     from structllm.bench_serve import add_serve_args as add_bench_serve_args
 
     add_bench_serve_args(srv)
+    pfx = bsub.add_parser("prefix", help="TTFT/throughput, prefix caching on vs off")
+    from structllm.bench_prefix import add_prefix_args
+
+    add_prefix_args(pfx)
     return parser
 
 
@@ -151,6 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from structllm.bench_serve import run_serve
 
         return run_serve(ns)
+    if ns.command == "bench" and ns.bench == "prefix":
+        from structllm.bench_prefix import run_prefix
+
+        return run_prefix(ns)
     if ns.command == "bench" and ns.bench == "throughput":
         from structllm.bench import run_throughput
 

@@ -71,6 +71,10 @@ class LLM:
         )
         self._counter = itertools.count()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block; return how many were forgotten."""
+        return self.core.reset_prefix_cache()
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],

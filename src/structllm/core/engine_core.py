@@ -55,6 +55,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     enable_chunked_prefill: bool = True
+    #: reuse the KV of cached full blocks for requests with the same prefix
+    enable_prefix_caching: bool = True
     #: CPU threads for Paddle's math; None = every core this process may use
     num_threads: int | None = None
     #: "auto" (oneDNN predictors for float32 CPU models of 10M+ parameters,
@@ -73,6 +75,9 @@ class RequestStepOutput:
     stop_reason: int | str | None = None
     #: on a request's first output: seconds from arrival to first scheduled
     queue_s: float | None = None
+    #: on a request's first output: prompt tokens read from the prefix cache
+    #: (OpenAI's usage.prompt_tokens_details.cached_tokens)
+    num_cached_tokens: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -163,6 +168,7 @@ class EngineCore:
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                enable_prefix_caching=config.enable_prefix_caching,
             ),
             self.pool,
         )
@@ -188,6 +194,12 @@ class EngineCore:
                 f"request_id {r.request_id!r} is already in use by a live request",
                 field="request_id",
             )
+        if r.cache_salt is not None and (
+            not isinstance(r.cache_salt, str) or not r.cache_salt
+        ):
+            raise InvalidRequestError(
+                "cache_salt must be a non-empty string or None", field="cache_salt"
+            )
         prompt = r.prompt_token_ids
         check_prompt(
             prompt, vocab_size=self.vocab_size, max_model_len=self.max_model_len
@@ -207,6 +219,7 @@ class EngineCore:
             sequence_number=next(self._sequence),
             max_new_tokens=max_new,
             generator=make_generator(r.params.seed),
+            cache_salt=r.cache_salt,
         )
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
@@ -215,6 +228,14 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block; return how many were forgotten.
+
+        Safe at any time: running requests keep their blocks (no longer
+        shareable), later requests recompute what they need.
+        """
+        return self.scheduler.reset_prefix_cache()
 
     def step(self) -> StepOutput:
         """Schedule and run one batch; return each scheduled request's news."""
@@ -246,9 +267,11 @@ class EngineCore:
             fin = finished.get(rid)
             lp = ran.logprobs.get(rid)
             req = by_id[rid]
-            queue_s = None
-            if len(req.output_token_ids) == 1 and req.first_scheduled_time is not None:
-                queue_s = req.first_scheduled_time - req.arrival_time
+            queue_s = cached = None
+            if len(req.output_token_ids) == 1:
+                cached = req.num_cached_tokens
+                if req.first_scheduled_time is not None:
+                    queue_s = req.first_scheduled_time - req.arrival_time
             outputs.append(
                 RequestStepOutput(
                     request_id=rid,
@@ -257,6 +280,7 @@ class EngineCore:
                     finish_reason=None if fin is None else fin.finish_reason,
                     stop_reason=None if fin is None else fin.stop_reason,
                     queue_s=queue_s,
+                    num_cached_tokens=cached,
                 )
             )
         return StepOutput(

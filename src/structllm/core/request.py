@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
+from structllm.core.block_pool import BlockHash
 from structllm.outputs import FinishReason
 from structllm.params import SamplingParams
 
@@ -25,6 +26,8 @@ class CoreRequest:
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0
     arrival_time: float = 0.0
+    #: requests with different salts never share prefix-cache blocks
+    cache_salt: str | None = None
 
 
 class RequestStatus(enum.Enum):
@@ -60,6 +63,13 @@ class Request:
     first_scheduled_time: float | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    cache_salt: str | None = None
+    #: chained hash of each full block of prompt + outputs (prefix caching on)
+    block_hashes: list[BlockHash] = attrs.Factory(list)
+    #: leading entries of block_ids already offered to the prefix cache
+    num_cached_blocks: int = 0
+    #: prompt tokens taken from the prefix cache when first scheduled
+    num_cached_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,17 @@ Policy, in order, each step:
    while there is token budget, a free sequence slot and blocks for their
    first chunk. The queue is strict: a request that does not fit blocks those
    behind it, so large prompts cannot starve.
+
+Prefix caching (``enable_prefix_caching``): a request admitted takes the
+longest chain of cached full blocks matching its tokens (prompt, and for a
+preempted request its outputs too) and computes only the rest; at least its
+last token is always computed, so the sample has logits. Every block that a
+step fills is registered in the pool as soon as the step's tokens are
+recorded, so requests running together share blocks too. A waiting request
+whose next uncached block is being computed by a running request (its
+sibling with the same prompt, say) waits for it rather than compute it a
+second time; that wait is bounded by the running request's prefill, which
+progresses every step the waiting one could have been admitted.
 """
 
 from __future__ import annotations
@@ -25,7 +36,13 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
-from structllm.core.block_pool import BlockPool, BlockPoolStatistics
+from structllm.core.block_pool import (
+    BlockHash,
+    BlockPool,
+    BlockPoolStatistics,
+    hash_block_tokens,
+    root_hash,
+)
 from structllm.core.request import Request, RequestStatus
 from structllm.outputs import FinishReason
 
@@ -47,6 +64,8 @@ class SchedulerConfig:
     )
     #: split prompts longer than the token budget over several steps
     enable_chunked_prefill: bool = True
+    #: reuse cached full blocks of earlier requests with the same prefix
+    enable_prefix_caching: bool = True
 
     def __attrs_post_init__(self) -> None:
         if (
@@ -92,6 +111,17 @@ class SchedulerStatistics:
     num_preempted: int
     total_preemptions: int
     blocks: BlockPoolStatistics
+    #: tokens of admitted requests looked up in the prefix cache, ever
+    prefix_cache_queries: int = 0
+    #: of those, tokens found there (not computed)
+    prefix_cache_hits: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hits over queries, in tokens; 0.0 before any query."""
+        if not self.prefix_cache_queries:
+            return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries
 
 
 @attrs.define(eq=False)
@@ -104,6 +134,8 @@ class Scheduler:
     waiting: list[Request] = attrs.Factory(list)
     running: list[Request] = attrs.Factory(list)
     total_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``; the caller has validated it (see EngineCore)."""
@@ -111,7 +143,13 @@ class Scheduler:
             raise ValueError(f"request {request.request_id!r} is already live")
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
+        if self.config.enable_prefix_caching:
+            self._extend_hashes(request)
         bisect.insort(self.waiting, request, key=_key)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (see :meth:`BlockPool.reset_prefix_cache`)."""
+        return self.pool.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -145,6 +183,9 @@ class Scheduler:
             budget -= n
             i += 1
 
+        caching = self.config.enable_prefix_caching
+        # hashes of blocks that running requests have yet to compute
+        in_flight: set[BlockHash] | None = None
         while (
             not preempted
             and self.waiting
@@ -152,18 +193,45 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
-            pending = req.num_pending_tokens
+            hit: list[int] = []
+            if caching:
+                # at most num_tokens - 1 cached: the last token must be computed
+                usable = (req.num_tokens - 1) // self.pool.block_size
+                hit = self.pool.lookup(req.block_hashes[:usable])
+                if len(hit) < usable:
+                    if in_flight is None:
+                        in_flight = {
+                            h
+                            for r in self.running
+                            for h in r.block_hashes[r.num_cached_blocks :]
+                        }
+                    if req.block_hashes[len(hit)] in in_flight:
+                        break  # wait for it rather than compute it twice
+            computed = len(hit) * self.pool.block_size
+            pending = req.num_tokens - computed
             n = min(pending, budget)
             if n < pending and not self.config.enable_chunked_prefill:
                 break
-            need = self.pool.blocks_for(n)
-            if need > self.pool.num_free:
+            need = self.pool.blocks_for(computed + n) - len(hit)
+            # hits on free-cached blocks take them off the free list too
+            revived = sum(self.pool.ref_count(b) == 0 for b in hit)
+            if need + revived > self.pool.num_free:
                 break
             del self.waiting[0]
-            req.block_ids = self.pool.allocate(need)
+            self.pool.incref(hit)  # before allocate, which could evict them
+            req.block_ids = hit + self.pool.allocate(need)
+            req.num_computed_tokens = computed
+            req.num_cached_blocks = len(hit)
+            if caching:
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += computed
+                if in_flight is not None:
+                    in_flight.update(req.block_hashes[len(hit) :])
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = min(computed, len(req.prompt_token_ids))
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=_key)
-            chunks.append(ScheduledChunk(req, 0, n, n == pending))
+            chunks.append(ScheduledChunk(req, computed, n, n == pending))
             budget -= n
         return SchedulerOutput(tuple(chunks), tuple(preempted))
 
@@ -177,10 +245,13 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += chunk.num_tokens
-            if not chunk.samples:
+            token = sampled[req.request_id] if chunk.samples else None
+            if token is not None:
+                req.output_token_ids.append(token)
+            if self.config.enable_prefix_caching:
+                self._cache_computed_blocks(req)
+            if token is None:
                 continue
-            token = sampled[req.request_id]
-            req.output_token_ids.append(token)
             stop = _check_stop(req, token)
             if stop is not None:
                 self._finish(req, *stop)
@@ -206,12 +277,36 @@ class Scheduler:
             ),
             total_preemptions=self.total_preemptions,
             blocks=self.pool.statistics(),
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
         )
+
+    def _extend_hashes(self, req: Request) -> None:
+        """Hash every full block of ``req``'s known tokens not hashed yet."""
+        bs = self.pool.block_size
+        hashes = req.block_hashes
+        parent = hashes[-1] if hashes else root_hash(req.cache_salt)
+        for i in range(len(hashes), req.num_tokens // bs):
+            parent = hash_block_tokens(parent, req.token_slice(i * bs, (i + 1) * bs))
+            hashes.append(parent)
+
+    def _cache_computed_blocks(self, req: Request) -> None:
+        """Offer the blocks ``req`` has filled with computed tokens to the cache."""
+        self._extend_hashes(req)
+        full = req.num_computed_tokens // self.pool.block_size
+        for i in range(req.num_cached_blocks, full):
+            self.pool.cache_block(req.block_ids[i], req.block_hashes[i])
+        req.num_cached_blocks = max(req.num_cached_blocks, full)
+
+    def _release(self, req: Request) -> None:
+        # tail first: the pool then evicts a sequence's tail before its head
+        self.pool.free(reversed(req.block_ids))
+        req.block_ids = []
+        req.num_cached_blocks = 0
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.pool.free(req.block_ids)
-        req.block_ids = []
+        self._release(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -225,8 +320,7 @@ class Scheduler:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
-        self.pool.free(req.block_ids)
-        req.block_ids = []
+        self._release(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason

@@ -23,6 +23,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=1024)
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of repeated prompt prefixes (default: on)",
+    )
+    g.add_argument(
         "--model-backend",
         default="auto",
         choices=["auto", "eager", "inference"],
@@ -41,6 +47,7 @@ def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": ns.max_num_batched_tokens,
         "num_threads": ns.num_threads,
         "model_backend": ns.model_backend,
+        "enable_prefix_caching": ns.enable_prefix_caching,
     }
 
 

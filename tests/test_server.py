@@ -436,3 +436,28 @@ def _worker_pid(parent: int) -> int:
         if kids:
             return int(kids[0])
     raise AssertionError("no worker process")
+
+
+def test_repeated_prompt_reports_cached_tokens(server: str) -> None:
+    c = client(server)
+    prompt = "cached prefix " * 4 + server[-5:]  # ~60 byte tokens, unique per server
+    first = c.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = c.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    # whole 16-token blocks, and at least one prompt token is computed again
+    assert cached and cached % 16 == 0 and cached < again.usage.prompt_tokens
+    chunks = list(
+        c.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == cached

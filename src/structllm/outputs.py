@@ -56,6 +56,8 @@ class RequestOutput:
     num_generated_tokens: int = 0
     #: seconds from arrival in the engine core to first being scheduled
     queue_time: float | None = None
+    #: prompt tokens whose KV came from the prefix cache (once scheduled)
+    num_cached_tokens: int | None = None
 
     @property
     def text(self) -> str:

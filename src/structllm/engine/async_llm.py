@@ -842,6 +842,7 @@ class AsyncLLM:
                 finish_reason=wo.finish_reason,  # type: ignore[arg-type]
                 stop_reason=wo.stop_reason,
                 queue_s=wo.queue_s,
+                num_cached_tokens=wo.num_cached_tokens,
             )
             try:
                 out = live.state.process(step)

@@ -36,6 +36,7 @@ class RequestState:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     queue_time: float | None = None
+    num_cached_tokens: int | None = None
     #: how much text / how many tokens earlier delta outputs carried
     _sent_text: int = 0
     _sent_tokens: int = 0
@@ -68,6 +69,8 @@ class RequestState:
         self.token_ids.extend(step.new_token_ids)
         if step.queue_s is not None:
             self.queue_time = step.queue_s
+        if step.num_cached_tokens is not None:
+            self.num_cached_tokens = step.num_cached_tokens
         if self.logprobs is not None and step.logprobs is not None:
             for token, lp in zip(step.new_token_ids, step.logprobs, strict=True):
                 self.logprobs.append(self._logprob_dict(token, lp))
@@ -131,6 +134,7 @@ class RequestState:
             finished=self.finished,
             num_generated_tokens=len(self.token_ids),
             queue_time=self.queue_time,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
     def _logprob_dict(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:

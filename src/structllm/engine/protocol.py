@@ -86,6 +86,8 @@ class WireOutput(msgspec.Struct, array_like=True):
     #: per new token: [sampled_logprob, sampled_rank, top_ids, top_logprobs]
     logprobs: list[tuple[float, int, list[int], list[float]]] | None = None
     queue_s: float | None = None
+    #: on a request's first output: prompt tokens found in the prefix cache
+    num_cached_tokens: int | None = None
 
 
 class StepResult(msgspec.Struct, tag=True):

@@ -212,6 +212,7 @@ def _loop(core, start: Start, backlog: list[Message], receive, send) -> int:  # 
                             for lp in o.logprobs
                         ],
                         o.queue_s,
+                        o.num_cached_tokens,
                     )
                     for o in out.outputs
                 ],

@@ -709,7 +709,11 @@ def build_app(
                 "model": config.model_name,
                 "system_fingerprint": fingerprint,
                 "choices": choices,
-                "usage": oai.usage(prompt_tokens, completion_tokens),
+                "usage": oai.usage(
+                    prompt_tokens,
+                    completion_tokens,
+                    sum(f.num_cached_tokens or 0 for f in finals.values()),
+                ),
             }
             if shape.chat and shape.return_token_ids:
                 body["prompt_token_ids"] = list(jobs[0].prompt.token_ids)
@@ -719,6 +723,7 @@ def build_app(
             chunk_obj = "chat.completion.chunk" if shape.chat else "text_completion"
             send, receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
             generated: dict[int, int] = {job.index: 0 for job in jobs}
+            cached: dict[int, int] = {job.index: 0 for job in jobs}
 
             def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
                 event: dict[str, Any] = {
@@ -730,7 +735,9 @@ def build_app(
                     "choices": choices,
                 }
                 if shape.continuous_usage:
-                    event["usage"] = oai.usage(prompt_tokens, sum(generated.values()))
+                    event["usage"] = oai.usage(
+                        prompt_tokens, sum(generated.values()), sum(cached.values())
+                    )
                 return event
 
             async def one(
@@ -761,6 +768,7 @@ def build_app(
                     def on_output(out: RequestOutput) -> None:
                         c = out.outputs[0]
                         generated[index] = out.num_generated_tokens
+                        cached[index] = out.num_cached_tokens or 0
                         choice: dict[str, Any] = {"index": index}
                         if shape.chat:
                             choice["delta"] = (
@@ -800,7 +808,9 @@ def build_app(
             else:
                 if shape.include_usage:
                     event = chunk([])
-                    event["usage"] = oai.usage(prompt_tokens, sum(generated.values()))
+                    event["usage"] = oai.usage(
+                        prompt_tokens, sum(generated.values()), sum(cached.values())
+                    )
                     await emit(event)
             await emit("[DONE]")
 

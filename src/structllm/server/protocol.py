@@ -560,13 +560,15 @@ def error_body(
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        # no prefix cache: no prompt token is ever served from one
-        "prompt_tokens_details": {"cached_tokens": 0},
+        # prompt tokens served from the prefix cache, as OpenAI and vLLM report
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

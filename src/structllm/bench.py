@@ -89,25 +89,32 @@ def make_workload(
     return out
 
 
+def bench_model(ns: argparse.Namespace, tmp: Path) -> str:
+    """``--model``, or a random checkpoint of the ``--hidden ...`` shape in ``tmp``."""
+    if ns.model is not None:
+        return str(ns.model)
+    from structllm.tiny import make_tiny_model
+
+    model = str(tmp / "model")
+    make_tiny_model(
+        model,
+        hidden_size=ns.hidden,
+        num_layers=ns.layers,
+        num_heads=ns.heads,
+        num_kv_heads=ns.kv_heads,
+        intermediate_size=ns.intermediate,
+        max_position_embeddings=4096,
+        seed=ns.seed,
+    )
+    return model
+
+
 def run_throughput(ns: argparse.Namespace) -> int:
     from structllm.model._paddle import default_num_threads
-    from structllm.tiny import make_tiny_model
 
     threads = ns.num_threads or default_num_threads()
     with tempfile.TemporaryDirectory() as tmp:
-        model = ns.model
-        if model is None:
-            model = str(Path(tmp) / "model")
-            make_tiny_model(
-                model,
-                hidden_size=ns.hidden,
-                num_layers=ns.layers,
-                num_heads=ns.heads,
-                num_kv_heads=ns.kv_heads,
-                intermediate_size=ns.intermediate,
-                max_position_embeddings=4096,
-                seed=ns.seed,
-            )
+        model = bench_model(ns, Path(tmp))
         config = json.loads((Path(model) / "config.json").read_text())
         work = make_workload(
             ns.num_prompts,

@@ -208,26 +208,14 @@ def drive(core: Any, sessions: list[Session]) -> dict[str, Any]:
 
 
 def run_prefix(ns: argparse.Namespace) -> int:
+    from structllm.bench import bench_model
     from structllm.core.engine_core import EngineConfig, EngineCore
     from structllm.model._paddle import default_num_threads
-    from structllm.tiny import make_tiny_model
 
     threads = ns.num_threads or default_num_threads()
     workloads = [w for w in ns.workloads.split(",") if w]
     with tempfile.TemporaryDirectory() as tmp:
-        model = ns.model
-        if model is None:
-            model = str(Path(tmp) / "model")
-            make_tiny_model(
-                model,
-                hidden_size=ns.hidden,
-                num_layers=ns.layers,
-                num_heads=ns.heads,
-                num_kv_heads=ns.kv_heads,
-                intermediate_size=ns.intermediate,
-                max_position_embeddings=4096,
-                seed=ns.seed,
-            )
+        model = bench_model(ns, Path(tmp))
         config = json.loads((Path(model) / "config.json").read_text())
         cores = {
             mode: EngineCore(

@@ -24,16 +24,15 @@ import attrs
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from structllm.bench_serve import (
-    RequestResult,
+from structllm.bench.serve import (
     ServeConfig,
     add_serve_args,
     arrival_times,
     make_requests,
     run_benchmark,
     run_serve,
-    summarize,
 )
+from structllm.bench.serve_results import RequestResult, summarize
 
 TTFT = 0.03
 ITL = 0.005

@@ -3,7 +3,7 @@
 """Alternating A/B: EngineCore throughput, eager vs inference backend, same workload."""
 import sys, time, json, numpy as np, tempfile
 from structllm.tiny import make_tiny_model
-from structllm.bench import make_workload
+from structllm.bench.throughput import make_workload
 from structllm.core.engine_core import EngineConfig, EngineCore
 from structllm.core.request import CoreRequest
 from structllm.params import SamplingParams

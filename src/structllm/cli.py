@@ -111,15 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
     thr = bsub.add_parser("throughput", help="offline throughput vs transformers")
-    from structllm.bench import add_throughput_args
+    from structllm.bench.throughput import add_throughput_args
 
     add_throughput_args(thr)
     srv = bsub.add_parser("serve", help="load-test an OpenAI-compatible server")
-    from structllm.bench_serve import add_serve_args as add_bench_serve_args
+    from structllm.bench.serve import add_serve_args as add_bench_serve_args
 
     add_bench_serve_args(srv)
     pfx = bsub.add_parser("prefix", help="TTFT/throughput, prefix caching on vs off")
-    from structllm.bench_prefix import add_prefix_args
+    from structllm.bench.prefix import add_prefix_args
 
     add_prefix_args(pfx)
     return parser
@@ -159,15 +159,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_server(ns, engine_args(ns))
     if ns.command == "bench" and ns.bench == "serve":
-        from structllm.bench_serve import run_serve
+        from structllm.bench.serve import run_serve
 
         return run_serve(ns)
     if ns.command == "bench" and ns.bench == "prefix":
-        from structllm.bench_prefix import run_prefix
+        from structllm.bench.prefix import run_prefix
 
         return run_prefix(ns)
     if ns.command == "bench" and ns.bench == "throughput":
-        from structllm.bench import run_throughput
+        from structllm.bench.throughput import run_throughput
 
         return run_throughput(ns)
     raise AssertionError(ns.command)  # pragma: no cover

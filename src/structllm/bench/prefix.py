@@ -208,7 +208,7 @@ def drive(core: Any, sessions: list[Session]) -> dict[str, Any]:
 
 
 def run_prefix(ns: argparse.Namespace) -> int:
-    from structllm.bench import bench_model
+    from structllm.bench.throughput import bench_model
     from structllm.core.engine_core import EngineConfig, EngineCore
     from structllm.model._paddle import default_num_threads
 

@@ -365,7 +365,7 @@ def _bench_hf(
         )
     try:
         proc = subprocess.run(
-            [ns.hf_python, "-m", "structllm._bench_hf", f.name],
+            [ns.hf_python, "-m", "structllm.bench.hf", f.name],
             capture_output=True,
             text=True,
             env={**os.environ, "OMP_NUM_THREADS": str(threads)},

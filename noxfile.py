@@ -73,3 +73,16 @@ def load(session: nox.Session) -> None:
             "--fail-on-reset",
             *session.posargs,
         )
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """Build the documentation site (mkdocs-material) with warnings as errors.
+
+    The CLI reference is generated from the parser (tools/docs_hooks.py) and
+    the API reference from docstrings; every code block on the pages runs in
+    the test suite (tests/test_docs.py). ``nox -s docs -- serve`` previews it.
+    """
+    _install(session, "docs")
+    command = session.posargs or ["build", "--strict"]
+    session.run("mkdocs", *command, env={"NO_MKDOCS_2_WARNING": "1"})

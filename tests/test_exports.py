@@ -54,3 +54,12 @@ def test_docs_examples_run(example: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "finish_reason" in proc.stdout or "length" in proc.stdout
+
+
+def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from structllm.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"structllm {structllm.__version__}"

@@ -66,7 +66,12 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from structllm import __version__
+
     parser = argparse.ArgumentParser(prog="structllm", description=__doc__)
+    parser.add_argument(
+        "--version", action="version", version=f"structllm {__version__}"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="stream a completion to the terminal")

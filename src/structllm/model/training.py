@@ -151,10 +151,9 @@ def hf_tensors(config: ModelConfig, model: LlamaForCausalLM) -> dict[str, np.nda
 
     w = model.weights
     out: dict[str, np.ndarray] = {"model.embed_tokens.weight": arr(w.embed)}
-    qkv = (("q_proj", config.q_size), ("k_proj", config.kv_size))
-    qkv += (("v_proj", config.kv_size),)
-    mlp = (("gate_proj", config.intermediate_size),)
-    mlp += (("up_proj", config.intermediate_size),)
+    kv, i_size = config.kv_size, config.intermediate_size
+    qkv = (("q_proj", config.q_size), ("k_proj", kv), ("v_proj", kv))
+    mlp = (("gate_proj", i_size), ("up_proj", i_size))
     for i, layer in enumerate(w.layers):
         p = f"model.layers.{i}"
         out[f"{p}.input_layernorm.weight"] = arr(layer.input_norm)

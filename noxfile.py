@@ -86,3 +86,15 @@ def docs(session: nox.Session) -> None:
     _install(session, "docs")
     command = session.posargs or ["build", "--strict"]
     session.run("mkdocs", *command, env={"NO_MKDOCS_2_WARNING": "1"})
+
+
+@nox.session(python=PYTHON, name="train-tiny")
+def train_tiny(session: nox.Session) -> None:
+    """Retrain the built-in ``tiny`` model (src/structllm/models/tiny/).
+
+    Seeded; minutes on 2 cores. ``-- --steps N`` and the other flags of
+    tools/train_tiny.py pass through. Then update the expected texts in
+    tests/test_tiny_model.py and the figures in docs/models.md.
+    """
+    _install(session)
+    session.run("python", "tools/train_tiny.py", *session.posargs)

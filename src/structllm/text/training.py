@@ -10,6 +10,7 @@ so the same arguments always give the same files.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import tokenizers
@@ -71,7 +72,7 @@ Emoji and symbols: 🎉 🚀 ✨ 👍🏽 ❤️ → ← ∑ ∞ ≈ ≠ ± × �
 """
 
 
-def _train(vocab_size: int) -> tokenizers.Tokenizer:
+def _train(vocab_size: int, corpus: Iterable[str]) -> tokenizers.Tokenizer:
     tokenizer = tokenizers.Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -83,7 +84,7 @@ def _train(vocab_size: int) -> tokenizers.Tokenizer:
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tokenizer.train_from_iterator(TRAINING_CORPUS.splitlines(), trainer=trainer)
+    tokenizer.train_from_iterator(corpus, trainer=trainer)
     return tokenizer
 
 
@@ -93,8 +94,11 @@ def write_byte_level_bpe_tokenizer(
     vocab_size: int = 512,
     chat_template: str | None = CHATML_TEMPLATE,
     model_max_length: int = 4096,
+    corpus: Iterable[str] | None = None,
+    eos_token: str = "<|im_end|>",
 ) -> None:
-    """Train a byte-level BPE on the built-in corpus and save it in *directory*.
+    """Train a byte-level BPE on *corpus* (default: the built-in one) and save
+    it in *directory*.
 
     Writes ``tokenizer.json`` and ``tokenizer_config.json`` (eos
     ``<|im_end|>``, pad ``<|endoftext|>``, no BOS, like Qwen2), creating
@@ -105,12 +109,13 @@ def write_byte_level_bpe_tokenizer(
         raise ValueError(f"vocab_size must be at least 259, got {vocab_size}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train(vocab_size)
+    lines = TRAINING_CORPUS.splitlines() if corpus is None else corpus
+    tokenizer = _train(vocab_size, lines)
     tokenizer.save(str(directory / "tokenizer.json"), pretty=True)
     config: dict[str, object] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
-        "eos_token": "<|im_end|>",
+        "eos_token": eos_token,
         "pad_token": "<|endoftext|>",
         "unk_token": None,
         "add_bos_token": False,

@@ -61,7 +61,7 @@ from structllm.engine.output_processor import (
     RequestState,
 )
 from structllm.engine.protocol import AbortRequests, AddFailed, CoreRequest, Ready
-from structllm.engine.request_stream import RequestStream, _queue
+from structllm.engine.request_stream import RequestStream
 from structllm.errors import (
     EngineDeadError,
     EngineOverloadedError,
@@ -195,7 +195,7 @@ class AsyncLLM:
             priority,
         )
         try:
-            while (out := await _queue(state).next()) is not None:
+            while (out := await state.mailbox.next()) is not None:
                 yield out
         finally:
             self._release(state)
@@ -228,7 +228,7 @@ class AsyncLLM:
         if state is not None:
             # cancel first: a consumer woken by the release alone would see
             # a normal end of stream and run on inside its block
-            scope = _queue(state).scope
+            scope = state.mailbox.scope
             if scope is not None:
                 scope.cancel()
             self._release(state)
@@ -381,7 +381,7 @@ class AsyncLLM:
     def on_add_failed(self, msg: AddFailed) -> None:
         state = self._processor.pop(msg.request_id)
         if state is not None:
-            _queue(state).close(InvalidRequestError(msg.message, field=msg.field))
+            state.mailbox.close(InvalidRequestError(msg.message, field=msg.field))
 
     def on_core_lost(self, cause: BaseException) -> None:
         self._processor.fail_all(lambda: dead_error("the engine core died", cause))

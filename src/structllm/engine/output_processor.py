@@ -128,6 +128,13 @@ class RequestState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def mailbox(self) -> RequestOutputCollector:
+        """The queue of a state that has one (every AsyncLLM request)."""
+        if self.queue is None:
+            raise RuntimeError(f"request {self.request_id!r} has no output queue")
+        return self.queue
+
     def process(self, step: RequestStepOutput) -> RequestOutput | None:
         """Take one step's tokens; return what to deliver, if anything.
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from structllm.engine.inputs import PromptInput
-from structllm.engine.output_processor import RequestOutputCollector, RequestState
+from structllm.engine.output_processor import RequestState
 from structllm.outputs import RequestOutput
 from structllm.params import SamplingParams
 
@@ -17,11 +17,6 @@ if TYPE_CHECKING:
     from structllm.engine.async_llm import AsyncLLM
 
 __all__ = ["RequestStream"]
-
-
-def _queue(state: RequestState) -> RequestOutputCollector:
-    assert state.queue is not None
-    return state.queue
 
 
 class RequestStream:
@@ -59,7 +54,7 @@ class RequestStream:
         )
         self._scope = anyio.CancelScope()
         self._scope.__enter__()
-        _queue(self._state).scope = self._scope
+        self._state.mailbox.scope = self._scope
         return self
 
     async def __aexit__(
@@ -81,7 +76,7 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._state is None:
             raise RuntimeError("use the stream inside `async with llm.stream(...)`")
-        out = await _queue(self._state).next()
+        out = await self._state.mailbox.next()
         if out is None:
             raise StopAsyncIteration
         return out

@@ -282,7 +282,7 @@ async def test_nothing_left_behind(executor: str) -> None:
         if executor == "process":
             assert llm.statistics().worker_pid in child_pids()
         else:
-            assert engine_threads() == ["structllm-inline-worker"]
+            assert engine_threads() == ["structllm-inline-core"]
     assert engine_threads() == []
     assert child_pids() == children
 
@@ -352,13 +352,12 @@ async def test_a_request_that_cannot_be_encoded_fails_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An encode failure (a value the wire cannot carry) is that request's 400."""
-    import structllm.engine.async_llm as front
-    from structllm.engine.protocol import AddRequest
+    import structllm.engine.core_connection as front
 
     real = front.encode
 
     def encode(msg: object) -> bytes:
-        if isinstance(msg, AddRequest) and msg.request_id.startswith("poison#"):
+        if isinstance(msg, CoreRequest) and msg.request_id.startswith("poison#"):
             raise OverflowError("can't serialize ints > 2**64 - 1")
         return real(msg)  # type: ignore[arg-type]
 

@@ -22,9 +22,11 @@ import anyio
 import pytest
 
 from structllm import EngineDeadError, ModelLoadError, SamplingParams
-from structllm.engine.async_llm import AsyncLLM, WorkerCrashedError
-from structllm.engine.executor import worker_command
+from structllm.core.engine_core import EngineConfig
+from structllm.engine.async_llm import AsyncLLM
+from structllm.engine.core_connection import core_process_command
 from structllm.engine.protocol import FrameReader, Ready, Start, encode
+from structllm.errors import EngineCoreError
 from structllm.model.checkpoint import write_random_checkpoint
 from structllm.model.config import tiny_config
 
@@ -72,7 +74,7 @@ async def test_sigkill_mid_stream_then_restart() -> None:
 async def test_forward_raises_at_step() -> None:
     async with AsyncLLM.open("tiny", fault="raise_at_step:5", **ENGINE) as llm:
         err, _ = await consume_until_dead(llm)
-        assert isinstance(err.__cause__, WorkerCrashedError)
+        assert isinstance(err.__cause__, EngineCoreError)
         assert "injected fault at step 5" in str(err.__cause__)
         with anyio.fail_after(30):
             assert (await llm.complete("x", SHORT)).finish_reason == "length"
@@ -179,7 +181,7 @@ def test_worker_outlives_the_thread_that_started_it() -> None:
 
     def spawn() -> None:
         fd = theirs.fileno()
-        procs.append(subprocess.Popen(worker_command(fd), pass_fds=[fd]))
+        procs.append(subprocess.Popen(core_process_command(fd), pass_fds=[fd]))
         release.wait()  # stay alive until the worker is fully up
 
     thread = threading.Thread(target=spawn)
@@ -189,7 +191,7 @@ def test_worker_outlives_the_thread_that_started_it() -> None:
         ours.sendall(
             encode(
                 Start(
-                    config={"model": "tiny", "max_model_len": 64, "num_blocks": 8},
+                    config=EngineConfig(model="tiny", max_model_len=64, num_blocks=8),
                     heartbeat_interval=1.0,
                 )
             )

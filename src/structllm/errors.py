@@ -8,8 +8,20 @@ Two families, because a caller reacts to them differently::
     │   ├── EngineOverloadedError    admission refused; retry later
     │   └── RequestFailedError       an internal error in this request alone
     ├── EngineDeadError              the engine is gone; raised ``from`` the cause
-    └── ModelLoadError               a checkpoint could not be loaded
-        └── UnsupportedModelError    the architecture is not one we implement
+    ├── EngineCoreError              the core process failed (also a RuntimeError);
+    │                                carries its traceback; a usual ``__cause__``
+    │                                of EngineDeadError
+    ├── EngineConfigError            an engine setting is invalid or does not fit
+    │                                the model (also a ValueError); names the field
+    ├── ModelLoadError               a checkpoint could not be loaded
+    │   └── UnsupportedModelError    the architecture is not one we implement
+    └── NoFreeBlocksError            the KV block pool ran dry (also a RuntimeError):
+                                     the scheduler prevents it, so it means a bug
+
+The offline ``LLM`` and the async ``AsyncLLM`` raise the same type for the
+same mistake: a setting that cannot work (``num_blocks`` too small for one
+sequence of ``max_model_len``) is an EngineConfigError from both, although
+``AsyncLLM`` learns of it from the core process.
 
 Foreign errors (Paddle, msgspec, OSError on pipes, safetensors) are translated
 into these at layer boundaries only; inside a layer they propagate unchanged.
@@ -18,10 +30,13 @@ into these at layer boundaries only; inside a layer they propagate unchanged.
 from __future__ import annotations
 
 __all__ = [
+    "EngineConfigError",
+    "EngineCoreError",
     "EngineDeadError",
     "EngineOverloadedError",
     "InvalidRequestError",
     "ModelLoadError",
+    "NoFreeBlocksError",
     "RequestError",
     "RequestFailedError",
     "StructLLMError",
@@ -59,6 +74,39 @@ class RequestFailedError(RequestError):
 
 class EngineDeadError(StructLLMError):
     """The engine core died and will not come back for this request."""
+
+
+class EngineCoreError(StructLLMError, RuntimeError):
+    """The engine core reported a fatal error; carries its traceback.
+
+    ``kind`` is the type name of the original exception, which was raised
+    in the core process and cannot travel as an object.
+    """
+
+    def __init__(self, kind: str, message: str, remote_traceback: str) -> None:
+        super().__init__(
+            f"{kind}: {message}\n--- engine core traceback ---\n{remote_traceback}"
+        )
+        self.kind = kind
+        self.remote_traceback = remote_traceback
+
+
+class EngineConfigError(StructLLMError, ValueError):
+    """An engine setting is invalid, or cannot work with this model.
+
+    ``field`` names the setting (``"num_blocks"``, ``"max_model_len"``).
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class NoFreeBlocksError(StructLLMError, RuntimeError):
+    """The KV block pool had fewer free blocks than asked for.
+
+    The scheduler checks before it allocates, so reaching a caller means a bug.
+    """
 
 
 class ModelLoadError(StructLLMError):

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from structllm.core.engine_core import EngineConfig, EngineCore
 from structllm.core.request import CoreRequest
 from structllm.engine.inputs import PromptInput, is_batch, parse_prompt
-from structllm.engine.output_processor import RequestState
+from structllm.engine.output_processor import OutputProcessor, RequestState
 from structllm.errors import InvalidRequestError
 from structllm.model.loader import LoadProgress
 from structllm.outputs import RequestOutput
@@ -70,6 +70,7 @@ class LLM:
             self.core.model_config.eos_token_ids
         )
         self._counter = itertools.count()
+        self._processor = OutputProcessor()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix block; return how many were forgotten."""
@@ -120,24 +121,25 @@ class LLM:
             )
             for i, (prompt, p) in enumerate(zip(batch, plist, strict=True))
         ]
-        states = {state.request_id: state for state, _ in prepared}
+        ids = [state.request_id for state, _ in prepared]
         results: dict[str, RequestOutput] = {}
         try:
-            for _, request in prepared:
+            for state, request in prepared:
                 self.core.add_request(request)
+                self._processor.add(state)
             with tqdm(
-                total=len(states), desc="generating", unit="req", disable=not use_tqdm
+                total=len(ids), desc="generating", unit="req", disable=not use_tqdm
             ) as bar:
                 for rid, out in self._outputs(
-                    states, lambda: len(results) < len(states)
+                    set(ids), lambda: len(results) < len(ids)
                 ):
                     if out.finished:
                         results[rid] = out
                         bar.update(1)
         finally:
             # an exception (or KeyboardInterrupt) mid-run leaves nothing behind
-            self.core.abort_requests(states)
-        return [results[rid] for rid in states]
+            self._drop(ids)
+        return [results[rid] for rid in ids]
 
     def stream(
         self, prompt: PromptInput, params: SamplingParams | None = None
@@ -148,13 +150,12 @@ class LLM:
         """
         state, request = self._prepare(prompt, params or SamplingParams(), 0)
         self.core.add_request(request)
+        self._processor.add(state)
         try:
-            for _, out in self._outputs(
-                {state.request_id: state}, lambda: not state.finished
-            ):
+            for _, out in self._outputs({state.request_id}, lambda: not state.finished):
                 yield out
         finally:
-            self.core.abort_requests([state.request_id])
+            self._drop([state.request_id])
 
     def _prepare(
         self, prompt: PromptInput, params: SamplingParams, priority: int
@@ -172,20 +173,28 @@ class LLM:
         return state, request
 
     def _outputs(
-        self, states: dict[str, RequestState], more: Callable[[], bool]
+        self, wanted: set[str], more: Callable[[], bool]
     ) -> Iterator[tuple[str, RequestOutput]]:
-        """Step the core while ``more()``; yield each output for ``states``."""
+        """Step the core while ``more()``; yield each output of ``wanted``."""
         while more():
-            for step in self.core.step().outputs:
-                state = states.get(step.request_id)
-                if state is None:  # left by a stream() nobody closed
-                    self.core.abort_requests([step.request_id])
-                    continue
-                out = state.process(step)
-                if state.finished and step.finish_reason is None:
-                    self.core.abort_requests([step.request_id])  # a stop string
-                if out is not None:
-                    yield step.request_id, out
+            processed = self._processor.process_outputs(self.core.step().outputs)
+            if processed.to_abort:
+                self.core.abort_requests(processed.to_abort)
+            if processed.failed:
+                raise processed.failed[0][1]
+            for state, out in processed.outputs:
+                if state.request_id in wanted:
+                    yield state.request_id, out
+                else:  # left by a stream() nobody closed: end it
+                    self._drop([state.request_id])
+
+    def _drop(self, request_ids: Sequence[str]) -> None:
+        """Abort in the core (idempotent) and forget ``request_ids``."""
+        self.core.abort_requests(request_ids)
+        for rid in request_ids:
+            state = self._processor.pop(rid)
+            if state is not None:
+                state.abort()
 
 
 def _final(p: SamplingParams) -> SamplingParams:

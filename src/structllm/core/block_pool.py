@@ -30,6 +30,8 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
+from structllm.errors import NoFreeBlocksError
+
 __all__ = [
     "ROOT_HASH",
     "BlockHash",
@@ -66,10 +68,6 @@ def hash_block_tokens(parent: BlockHash, tokens: Sequence[int]) -> BlockHash:
     h = hashlib.blake2b(parent, digest_size=_DIGEST_SIZE)
     h.update(array("q", tokens).tobytes())
     return h.digest()
-
-
-class NoFreeBlocksError(RuntimeError):
-    """``allocate`` was asked for more blocks than are free."""
 
 
 @attrs.frozen

@@ -1,8 +1,10 @@
 """The engine core: requests in, one batch per :meth:`EngineCore.step`, tokens out.
 
 Synchronous and single-threaded; it does no I/O beyond loading the model.
-The async front end (``structllm.engine``) drives it from a worker thread or
-process; the offline :class:`~structllm.llm.LLM` drives it directly.
+The async front end (``structllm.engine``) drives it in a core process (or a
+thread) over a socket; the offline :class:`~structllm.llm.LLM` drives it
+directly. Both pass it the same :class:`CoreRequest` and read the same
+:class:`StepOutput`.
 """
 
 from __future__ import annotations
@@ -13,12 +15,18 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 import attrs
+import msgspec
 
 from structllm.core.block_pool import BlockPool
 from structllm.core.request import CoreRequest, Request
 from structllm.core.runner import ModelRunner
-from structllm.core.scheduler import Scheduler, SchedulerConfig, SchedulerStatistics
-from structllm.errors import InvalidRequestError
+from structllm.core.scheduler import (
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    SchedulerStatistics,
+)
+from structllm.errors import EngineConfigError, InvalidRequestError
 from structllm.model._paddle import default_num_threads, set_num_threads
 from structllm.model.config import ModelConfig
 from structllm.model.loader import LoadProgress, load_model
@@ -64,9 +72,8 @@ class EngineConfig:
     model_backend: str = "auto"
 
 
-@attrs.frozen
-class RequestStepOutput:
-    """What one step produced for one request."""
+class RequestStepOutput(msgspec.Struct, frozen=True, array_like=True):
+    """What one step produced for one request (in process and on the wire)."""
 
     request_id: str
     new_token_ids: tuple[int, ...]
@@ -80,8 +87,12 @@ class RequestStepOutput:
     num_cached_tokens: int | None = None
 
 
-@attrs.frozen(kw_only=True)
-class StepOutput:
+class StepOutput(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """One step's news, and the scheduler's state after it.
+
+    The core process sends this very struct to the front end.
+    """
+
     outputs: tuple[RequestStepOutput, ...]
     num_batched_tokens: int
     num_seqs: int
@@ -91,6 +102,11 @@ class StepOutput:
     forward_s: float = 0.0
     sample_s: float = 0.0
     total_s: float = 0.0
+    #: scheduler snapshot after the step
+    num_running: int = 0
+    num_waiting: int = 0
+    blocks_used: int = 0
+    total_preemptions: int = 0
 
 
 def check_prompt(prompt: Sequence[int], *, vocab_size: int, max_model_len: int) -> None:
@@ -141,9 +157,10 @@ class EngineCore:
         self.model_config: ModelConfig = loaded.config
         limit = loaded.config.max_context_len
         if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(
+            raise EngineConfigError(
                 f"max_model_len ({config.max_model_len}) exceeds the model's "
-                f"context ({limit}: max_position_embeddings, or yarn's extension)"
+                f"context ({limit}: max_position_embeddings, or yarn's extension)",
+                field="max_model_len",
             )
         self.max_model_len = config.max_model_len or limit
         blocks_per_seq = math.ceil(self.max_model_len / config.block_size)
@@ -156,22 +173,29 @@ class EngineCore:
                 config.max_num_seqs * blocks_per_seq,
             )
         if num_blocks < blocks_per_seq:
-            raise ValueError(
+            raise EngineConfigError(
                 f"the KV cache holds {num_blocks} blocks of {config.block_size} tokens, "
                 f"fewer than one sequence of max_model_len={self.max_model_len} needs "
-                f"({blocks_per_seq}); raise num_blocks/kv_cache_memory or lower max_model_len"
+                f"({blocks_per_seq}); raise num_blocks/kv_cache_memory or lower "
+                "max_model_len",
+                field="num_blocks"
+                if config.num_blocks is not None
+                else "kv_cache_memory",
             )
         self.pool = BlockPool(num_blocks, config.block_size)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
+        try:
+            scheduler_config = SchedulerConfig(
                 max_model_len=self.max_model_len,
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 enable_prefix_caching=config.enable_prefix_caching,
-            ),
-            self.pool,
-        )
+            )
+        except EngineConfigError:
+            raise
+        except ValueError as exc:  # an attrs validator: "'max_num_seqs' must be..."
+            raise EngineConfigError(str(exc)) from exc
+        self.scheduler = Scheduler(scheduler_config, self.pool)
         self.runner = ModelRunner(loaded.model, num_blocks)
         self._sequence = itertools.count()
         self.steps = 0
@@ -247,14 +271,7 @@ class EngineCore:
                 chunk.request.first_scheduled_time = now
         schedule_s = time.perf_counter() - start
         if sched.is_empty:
-            return StepOutput(
-                outputs=(),
-                num_batched_tokens=0,
-                num_seqs=0,
-                preempted=sched.preempted,
-                schedule_s=schedule_s,
-                total_s=time.perf_counter() - start,
-            )
+            return self._step_output((), sched, start, schedule_s)
         ran = self.runner.execute(sched)
         finished = {
             r.request_id: r
@@ -283,15 +300,33 @@ class EngineCore:
                     num_cached_tokens=cached,
                 )
             )
+        return self._step_output(
+            tuple(outputs), sched, start, schedule_s, ran.forward_s, ran.sample_s
+        )
+
+    def _step_output(
+        self,
+        outputs: tuple[RequestStepOutput, ...],
+        sched: SchedulerOutput,
+        start: float,
+        schedule_s: float,
+        forward_s: float = 0.0,
+        sample_s: float = 0.0,
+    ) -> StepOutput:
+        s = self.scheduler
         return StepOutput(
-            outputs=tuple(outputs),
+            outputs=outputs,
             num_batched_tokens=sched.num_batched_tokens,
             num_seqs=len(sched.chunks),
             preempted=sched.preempted,
             schedule_s=schedule_s,
-            forward_s=ran.forward_s,
-            sample_s=ran.sample_s,
+            forward_s=forward_s,
+            sample_s=sample_s,
             total_s=time.perf_counter() - start,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            blocks_used=self.pool.num_used,
+            total_preemptions=s.total_preemptions,
         )
 
     def statistics(self) -> EngineCoreStatistics:

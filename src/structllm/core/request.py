@@ -1,4 +1,17 @@
-"""A request as the engine core sees it: token ids in, token ids out."""
+"""A request as the engine core sees it: token ids in, token ids out.
+
+:class:`CoreRequest` is the one shape of a submitted request: the offline
+``LLM`` hands it to :class:`~structllm.core.engine_core.EngineCore` directly,
+and the async front end sends the very same struct to the core process as a
+msgspec frame (``structllm.engine.protocol``). It is a msgspec ``Struct`` so
+that it needs no converter on either side; its ``params`` is the user-facing
+attrs :class:`SamplingParams`, which msgspec encodes from its fields and
+decodes through its ``__init__`` checks (the converters do not run on decode,
+but the field types are enforced, so a decoded value is already normalised).
+
+:class:`Request` is the scheduler's mutable state of an admitted request,
+never a message.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +19,7 @@ import enum
 from collections.abc import Sequence
 
 import attrs
+import msgspec
 import numpy as np
 
 from structllm.core.block_pool import BlockHash
@@ -15,9 +29,8 @@ from structllm.params import SamplingParams
 __all__ = ["CoreRequest", "Request", "RequestStatus"]
 
 
-@attrs.frozen(kw_only=True)
-class CoreRequest:
-    """What a front end submits to the core (also the wire message)."""
+class CoreRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """What a front end submits to the core, in process and on the wire."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]

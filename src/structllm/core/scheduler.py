@@ -44,6 +44,7 @@ from structllm.core.block_pool import (
     root_hash,
 )
 from structllm.core.request import Request, RequestStatus
+from structllm.errors import EngineConfigError
 from structllm.outputs import FinishReason
 
 __all__ = [
@@ -72,9 +73,10 @@ class SchedulerConfig:
             not self.enable_chunked_prefill
             and self.max_num_batched_tokens < self.max_model_len
         ):
-            raise ValueError(
+            raise EngineConfigError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}) without chunked prefill"
+                f"max_model_len ({self.max_model_len}) without chunked prefill",
+                field="max_num_batched_tokens",
             )
 
 

@@ -10,6 +10,7 @@ import anyio.to_thread
 import attrs
 
 from structllm.errors import InvalidRequestError
+from structllm.params import SamplingParams
 from structllm.text.tokenizer import Tokenizer
 
 __all__ = [
@@ -17,6 +18,8 @@ __all__ = [
     "Prompt",
     "PromptInput",
     "check_prompt_bytes",
+    "check_request_args",
+    "check_token_ids",
     "is_batch",
     "parse_prompt",
     "parse_prompt_off_loop",
@@ -102,6 +105,40 @@ async def parse_prompt_off_loop(
     # caller cancelled while tokenising never gets to register the request
     await anyio.lowlevel.checkpoint_if_cancelled()
     return parsed
+
+
+def check_request_args(params: object, request_id: object, priority: object) -> None:
+    """Refuse arguments of the wrong type, naming the field."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(
+            f"params must be SamplingParams, got {type(params).__name__}",
+            field="params",
+        )
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidRequestError(
+            "request_id must be a non-empty string", field="request_id"
+        )
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidRequestError(
+            f"priority must be an integer, got {priority!r}", field="priority"
+        )
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids in ``params`` must lie in the model's vocabulary."""
+    fields: tuple[tuple[str, Sequence[int]], ...] = (
+        ("stop_token_ids", params.stop_token_ids),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+        ("logit_bias", [t for t, _ in params.logit_bias]),
+    )
+    for name, ids in fields:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"{name} has token id {bad[0]}, outside the vocabulary "
+                f"[0, {vocab_size})",
+                field=name,
+            )
 
 
 def is_batch(prompts: object) -> bool:

@@ -1,23 +1,88 @@
-"""Turns the core's token ids into :class:`RequestOutput` for one request.
+"""Turns the core's token ids into :class:`RequestOutput`, for both front ends.
 
-Detokenises incrementally, finds stop strings (the caller then aborts the
-request in the core), builds logprobs and honours ``output_kind``.
+:class:`OutputProcessor` holds the :class:`RequestState` of every live
+request, keyed by the id the core knows it by. ``process_outputs`` takes one
+step's :class:`RequestStepOutput` list and returns what to deliver and which
+requests to abort in the core (a stop string ends a request the core does
+not know is finished; an output that fails to process fails its request
+alone). The offline ``LLM`` reads the outputs it returns; ``AsyncLLM`` gives
+each state a :class:`RequestOutputCollector`, a one-slot mailbox the
+processor delivers into, so the router never blocks on a slow consumer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
+import anyio
+import anyio.lowlevel
 import attrs
 
 from structllm.core.engine_core import RequestStepOutput
+from structllm.errors import RequestFailedError
 from structllm.model.sampler import TokenLogprobs
 from structllm.outputs import CompletionOutput, FinishReason, Logprob, RequestOutput
 from structllm.params import OutputKind, SamplingParams
 from structllm.text.detokenizer import IncrementalDetokenizer
 from structllm.text.tokenizer import Tokenizer
 
-__all__ = ["RequestState", "merge_outputs"]
+__all__ = [
+    "OutputProcessor",
+    "ProcessedOutputs",
+    "RequestOutputCollector",
+    "RequestState",
+    "merge_outputs",
+]
+
+
+@attrs.define(eq=False)
+class RequestOutputCollector:
+    """One request's mailbox: at most one pending output, merged when lagging.
+
+    When the consumer lags, a new delta merges into the pending one; a
+    cumulative or final output supersedes it. So a slow consumer costs
+    memory in proportion to its own tokens and never blocks the producer.
+    """
+
+    output_kind: OutputKind
+    #: the consumer's cancel scope (set by RequestStream); abort() cancels it
+    scope: anyio.CancelScope | None = None
+    error: BaseException | None = None
+    #: no more outputs will be delivered (finished, aborted or failed)
+    closed: bool = False
+    _pending: RequestOutput | None = None
+    _event: anyio.Event = attrs.Factory(anyio.Event)
+
+    def deliver(self, out: RequestOutput) -> None:
+        if self._pending is not None and self.output_kind is OutputKind.DELTA:
+            out = merge_outputs(self._pending, out)
+        self._pending = out
+        self._event.set()
+
+    def close(self, error: BaseException | None = None) -> None:
+        self.closed = True
+        if error is not None and self.error is None:
+            self.error = error
+        self._event.set()
+
+    async def next(self) -> RequestOutput | None:
+        """The next output, or None at the end; raises the request's error.
+
+        Always a checkpoint (as trio expects of every async call), so a
+        cancelled consumer stops here even when an output is ready.
+        """
+        await anyio.lowlevel.checkpoint()
+        while True:
+            if self._pending is not None:
+                out, self._pending = self._pending, None
+                return out
+            if self.error is not None:
+                raise self.error
+            if self.closed:
+                await anyio.lowlevel.checkpoint_if_cancelled()
+                return None
+            await self._event.wait()
+            self._event = anyio.Event()
 
 
 @attrs.define(eq=False)
@@ -29,6 +94,12 @@ class RequestState:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     tokenizer: Tokenizer
+    #: the id the core knows (AsyncLLM: unique per submission); default request_id
+    core_id: str = attrs.field(
+        default=attrs.Factory(lambda self: self.request_id, takes_self=True)
+    )
+    #: where outputs go (AsyncLLM); None: process_outputs returns them (LLM)
+    queue: RequestOutputCollector | None = None
     detokenizer: IncrementalDetokenizer = attrs.field(init=False)
     token_ids: list[int] = attrs.Factory(list)
     logprobs: list[dict[int, Logprob]] | None = attrs.field(init=False)
@@ -56,6 +127,13 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def mailbox(self) -> RequestOutputCollector:
+        """The queue of a state that has one (every AsyncLLM request)."""
+        if self.queue is None:
+            raise RuntimeError(f"request {self.request_id!r} has no output queue")
+        return self.queue
 
     def process(self, step: RequestStepOutput) -> RequestOutput | None:
         """Take one step's tokens; return what to deliver, if anything.
@@ -147,6 +225,113 @@ class RequestState:
         }
         d[token] = Logprob(lp.sampled_logprob, lp.sampled_rank, piece(token))
         return d
+
+
+@attrs.frozen
+class ProcessedOutputs:
+    """What one step's outputs mean for the front end."""
+
+    #: outputs of states without a queue (those with one got theirs delivered)
+    outputs: list[tuple[RequestState, RequestOutput]]
+    #: states that finished or failed in this step, already dropped
+    finished: list[RequestState]
+    #: core ids to abort in the core: stop strings, failures, unknown ids
+    to_abort: list[str]
+    #: states that failed, each with its RequestFailedError (queues closed)
+    failed: list[tuple[RequestState, RequestFailedError]]
+
+
+@attrs.define(eq=False)
+class OutputProcessor:
+    """The live requests' output states, by core id and by the caller's id."""
+
+    #: called whenever the last live request leaves
+    on_idle: Callable[[], None] | None = None
+    _states: dict[str, RequestState] = attrs.Factory(dict)
+    _by_request: dict[str, RequestState] = attrs.Factory(dict)
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def add(self, state: RequestState) -> None:
+        if state.core_id in self._states or state.request_id in self._by_request:
+            raise ValueError(f"request {state.request_id!r} is already live")
+        self._states[state.core_id] = state
+        self._by_request[state.request_id] = state
+
+    def get(self, request_id: str) -> RequestState | None:
+        """The live request the caller calls ``request_id``."""
+        return self._by_request.get(request_id)
+
+    def pop(self, core_id: str) -> RequestState | None:
+        """Drop the live request the core calls ``core_id``, if any."""
+        state = self._states.pop(core_id, None)
+        if state is not None:
+            del self._by_request[state.request_id]
+            if not self._states and self.on_idle is not None:
+                self.on_idle()
+        return state
+
+    def release(self, state: RequestState) -> bool:
+        """Its consumer is done with ``state``; True if the core must abort it.
+
+        A request still live finishes as ``abort`` (its queue gets that
+        final output, for a ``generate()`` consumer reading on) and leaves.
+        """
+        live = self._states.get(state.core_id) is state
+        if live:
+            out = state.abort()
+            if state.queue is not None:
+                state.queue.deliver(out)
+            self.pop(state.core_id)
+        if state.queue is not None:
+            state.queue.close()
+        return live
+
+    def fail_all(self, make_error: Callable[[], BaseException]) -> None:
+        """Finish every live request with ``error``, raising make_error() to each."""
+        for state in list(self._states.values()):
+            state.abort("error")
+            self.pop(state.core_id)
+            if state.queue is not None:
+                state.queue.close(make_error())
+
+    def process_outputs(
+        self, step_outputs: Iterable[RequestStepOutput]
+    ) -> ProcessedOutputs:
+        """Take one step's outputs; never raises for one request's failure."""
+        result = ProcessedOutputs([], [], [], [])
+        for step in step_outputs:
+            state = self._states.get(step.request_id)
+            if state is None:  # released already: make sure the core knows
+                result.to_abort.append(step.request_id)
+                continue
+            try:
+                out = state.process(step)
+            except Exception as exc:  # e.g. detokenising: this request alone
+                state.abort("error")
+                failure = RequestFailedError(f"the request failed: {exc!r}")
+                failure.__cause__ = exc
+                self.pop(state.core_id)
+                result.to_abort.append(state.core_id)
+                result.finished.append(state)
+                result.failed.append((state, failure))
+                if state.queue is not None:
+                    state.queue.close(failure)
+                continue
+            if state.finished:
+                self.pop(state.core_id)
+                result.finished.append(state)
+                if step.finish_reason is None:  # a stop string: the core goes on
+                    result.to_abort.append(state.core_id)
+            if out is not None:
+                if state.queue is not None:
+                    state.queue.deliver(out)
+                else:
+                    result.outputs.append((state, out))
+            if state.finished and state.queue is not None:
+                state.queue.close()
+        return result
 
 
 def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:

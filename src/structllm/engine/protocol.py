@@ -1,26 +1,37 @@
-"""Messages between the front end and the engine-core worker, and their framing.
+"""Messages between the front end and the core process, and their framing.
 
 Frames are a 4-byte big-endian length followed by a msgpack-encoded message
-(msgspec tagged union). The worker talks over a socket (never stdout), so
-whatever the model or Paddle print cannot corrupt the stream.
+(a msgspec tagged union). The core process talks over a socket (never
+stdout), so whatever the model or Paddle print cannot corrupt the stream.
 
-    front -> worker: Start (first), AddRequest, AbortRequests, Shutdown
-    worker -> front: LoadProgressMsg*, Ready | Fatal (first answers),
-                     StepResult, AddFailed, Heartbeat, Fatal
+    front -> core: Start (first), CoreRequest, AbortRequests, Shutdown
+    core -> front: LoadProgressMsg*, Ready | Fatal (first answers),
+                   StepOutput, AddFailed, Heartbeat, Fatal
+
+A request and a step's outputs cross the wire as the core's own structs
+(:class:`~structllm.core.request.CoreRequest`,
+:class:`~structllm.core.engine_core.StepOutput`), defined once in the core
+and used unchanged in process by the offline ``LLM``: there is no wire-only
+twin to convert to. Sampling params and the engine config are attrs classes
+that msgspec encodes from their fields and decodes through their checks.
 """
 
 from __future__ import annotations
 
 import struct
-from typing import Any
 
 import msgspec
 
+from structllm.core.engine_core import EngineConfig, StepOutput
+from structllm.core.request import CoreRequest
+
 __all__ = [
+    "MAX_FRAME",
     "AbortRequests",
     "AddFailed",
-    "AddRequest",
+    "CoreRequest",
     "Fatal",
+    "FrameError",
     "FrameReader",
     "Heartbeat",
     "LoadProgressMsg",
@@ -28,31 +39,23 @@ __all__ = [
     "Ready",
     "Shutdown",
     "Start",
-    "StepResult",
-    "WireOutput",
+    "StepOutput",
     "decode",
     "encode",
 ]
 
 _HEADER = struct.Struct(">I")
+#: the largest frame body either side accepts
 MAX_FRAME = 1 << 30
 
 
 class Start(msgspec.Struct, tag=True):
-    """Build an engine core from these EngineConfig fields."""
+    """Build an engine core from ``config``."""
 
-    config: dict[str, Any]
+    config: EngineConfig
     heartbeat_interval: float
     #: test hook: "raise_at_step:N", "hang_at_step:N", "exit_at_step:N"
     fault: str | None = None
-
-
-class AddRequest(msgspec.Struct, tag=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    params: dict[str, Any]
-    eos_token_ids: list[int]
-    priority: int = 0
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -78,30 +81,9 @@ class Ready(msgspec.Struct, tag=True):
     pid: int
 
 
-class WireOutput(msgspec.Struct, array_like=True):
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    #: per new token: [sampled_logprob, sampled_rank, top_ids, top_logprobs]
-    logprobs: list[tuple[float, int, list[int], list[float]]] | None = None
-    queue_s: float | None = None
-    #: on a request's first output: prompt tokens found in the prefix cache
-    num_cached_tokens: int | None = None
-
-
-class StepResult(msgspec.Struct, tag=True):
-    outputs: list[WireOutput]
-    #: scheduler snapshot after the step
-    num_running: int
-    num_waiting: int
-    blocks_used: int
-    total_preemptions: int
-    step_s: float
-    num_batched_tokens: int
-
-
 class AddFailed(msgspec.Struct, tag=True):
+    """The core refused a request (its id is the one the core was given)."""
+
     request_id: str
     message: str
     field: str | None = None
@@ -114,23 +96,25 @@ class Heartbeat(msgspec.Struct, tag=True):
 
 
 class Fatal(msgspec.Struct, tag=True):
-    """The worker cannot go on; it exits after sending this."""
+    """The core process cannot go on; it exits after sending this."""
 
     kind: str  # exception type name
     message: str
     traceback: str
-    #: the failure happened while loading the model (a ModelLoadError)
+    #: the failure happened while building the core (loading the model)
     during_load: bool = False
+    #: the offending setting, for an EngineConfigError
+    field: str | None = None
 
 
 Message = (
     Start
-    | AddRequest
+    | CoreRequest
     | AbortRequests
     | Shutdown
     | LoadProgressMsg
     | Ready
-    | StepResult
+    | StepOutput
     | AddFailed
     | Heartbeat
     | Fatal
@@ -140,13 +124,22 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
+class FrameError(ValueError):
+    """A frame that is too long or does not decode to a message."""
+
+
 def encode(msg: Message) -> bytes:
+    """One frame: length header and body."""
     body = _encoder.encode(msg)
     return _HEADER.pack(len(body)) + body
 
 
 def decode(body: bytes) -> Message:
-    return _decoder.decode(body)
+    """The message in one frame body; raises FrameError if there is none."""
+    try:
+        return _decoder.decode(body)
+    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        raise FrameError(f"bad frame: {exc}") from exc
 
 
 class FrameReader:
@@ -161,7 +154,7 @@ class FrameReader:
         while len(self._buf) >= _HEADER.size:
             (n,) = _HEADER.unpack_from(self._buf)
             if n > MAX_FRAME:
-                raise ValueError(f"frame of {n} bytes exceeds the limit")
+                raise FrameError(f"frame of {n} bytes exceeds the limit")
             if len(self._buf) < _HEADER.size + n:
                 break
             body = bytes(self._buf[_HEADER.size : _HEADER.size + n])

@@ -1,16 +1,17 @@
-"""The engine-core worker: ``python -m structllm.engine.worker --fd N``.
+"""The core process: ``python -m structllm.engine.core_process --fd N``.
 
 Runs an :class:`EngineCore` behind a socket (inherited as file descriptor N,
-or one end of a socketpair when run in a thread by the inline executor).
+or one end of a socketpair when run in a thread by the inline client).
 Synchronous by design: it waits in ``select`` when idle (waking only to send
 a heartbeat) and steps the core back to back while there is work, reading
 new requests and aborts between steps, so an abort frees its blocks within
 one step.
 
-The worker exits when told to (Shutdown), when the socket closes (the front
-end went away), or when its parent process dies (a pidfd watch, even
-mid-step). It starts as a fresh interpreter and ignores SIGINT: Ctrl-C is the
-front end's to handle.
+It exits when told to (Shutdown), when the socket closes (the front end went
+away), or when its parent process dies: a thread watches a pidfd of the
+parent and ends the process at once, even mid-step (see
+:func:`_exit_with_parent`). It starts as a fresh interpreter and ignores
+SIGINT: Ctrl-C is the front end's to handle.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from structllm.engine.protocol import (
     AbortRequests,
     AddFailed,
-    AddRequest,
+    CoreRequest,
     Fatal,
     FrameReader,
     Heartbeat,
@@ -39,12 +41,17 @@ from structllm.engine.protocol import (
     Ready,
     Shutdown,
     Start,
-    StepResult,
-    WireOutput,
     encode,
 )
 
+if TYPE_CHECKING:
+    from structllm.core.engine_core import EngineCore
+
 __all__ = ["main", "serve"]
+
+Send = Callable[[Message], None]
+#: messages that arrived within the timeout (None: wait); None on timeout
+Receive = Callable[[float | None], list[Message] | None]
 
 
 class _Closed(Exception):
@@ -54,13 +61,11 @@ class _Closed(Exception):
 def serve(sock: socket.socket) -> int:
     """Run the protocol on ``sock`` until shutdown or EOF; return an exit code."""
     reader = FrameReader()
-    send_lock_free = sock.sendall
 
     def send(msg: Message) -> None:
-        send_lock_free(encode(msg))
+        sock.sendall(encode(msg))
 
     def receive(timeout: float | None) -> list[Message] | None:
-        """Messages available within ``timeout`` (None: wait); None on timeout."""
         ready, _, _ = select.select([sock], [], [], timeout)
         if not ready:
             return None
@@ -84,19 +89,25 @@ def serve(sock: socket.socket) -> int:
         return 0
 
 
-def _load(start: Start, send: Callable[[Message], None]):  # type: ignore[no-untyped-def]
-    from structllm.core.engine_core import EngineConfig, EngineCore
+def _load(start: Start, send: Send) -> EngineCore | None:
+    from structllm.core.engine_core import EngineCore
+    from structllm.errors import EngineConfigError
 
     try:
         core = EngineCore(
-            EngineConfig(**start.config),
+            start.config,
             on_progress=lambda e: send(LoadProgressMsg(e.stage, e.done, e.total)),
         )
         _warm_up(core, send)
     except Exception as exc:
+        field = exc.field if isinstance(exc, EngineConfigError) else None
         send(
             Fatal(
-                type(exc).__name__, str(exc), traceback.format_exc(), during_load=True
+                type(exc).__name__,
+                str(exc),
+                traceback.format_exc(),
+                during_load=True,
+                field=field,
             )
         )
         return None
@@ -113,9 +124,8 @@ def _load(start: Start, send: Callable[[Message], None]):  # type: ignore[no-unt
     return core
 
 
-def _warm_up(core, send: Callable[[Message], None]) -> None:  # type: ignore[no-untyped-def]
+def _warm_up(core: EngineCore, send: Send) -> None:
     """One short request through every code path (prefill, decode, sampling)."""
-    from structllm.core.request import CoreRequest
     from structllm.params import SamplingParams
 
     send(LoadProgressMsg("warmup", 0, 1))
@@ -131,11 +141,13 @@ def _warm_up(core, send: Callable[[Message], None]) -> None:  # type: ignore[no-
     send(LoadProgressMsg("warmup", 1, 1))
 
 
-def _loop(core, start: Start, backlog: list[Message], receive, send) -> int:  # type: ignore[no-untyped-def]
-    from structllm.core.request import CoreRequest
-    from structllm.errors import InvalidRequestError
-    from structllm.params import SamplingParams
-
+def _loop(
+    core: EngineCore,
+    start: Start,
+    backlog: list[Message],
+    receive: Receive,
+    send: Send,
+) -> int:
     fault_kind, _, fault_step = (start.fault or "").partition(":")
     steps = 0
     pending: list[Message] = list(backlog)
@@ -146,32 +158,18 @@ def _loop(core, start: Start, backlog: list[Message], receive, send) -> int:  # 
             got = receive(0.0 if busy else start.heartbeat_interval)
             # Idle, a heartbeat at least once an interval, also while messages
             # keep arriving (requests aborted before their first step make no
-            # step results, and silence would look like a hung worker).
+            # step outputs, and silence would look like a hung process).
             if not busy and (
                 got is None or time.monotonic() - last_sent >= start.heartbeat_interval
             ):
-                s = core.scheduler
-                send(Heartbeat(len(s.running), len(s.waiting), core.pool.num_used))
+                send(_heartbeat(core))
                 last_sent = time.monotonic()
             if got is None and not busy:
                 continue
             pending += got or []
         for msg in pending:
-            if isinstance(msg, AddRequest):
-                try:
-                    core.add_request(
-                        CoreRequest(
-                            request_id=msg.request_id,
-                            prompt_token_ids=tuple(msg.prompt_token_ids),
-                            params=SamplingParams(**msg.params),
-                            eos_token_ids=frozenset(msg.eos_token_ids),
-                            priority=msg.priority,
-                        )
-                    )
-                except InvalidRequestError as exc:
-                    send(AddFailed(msg.request_id, str(exc), exc.field))
-                except Exception as exc:  # one bad request never stops the core
-                    send(AddFailed(msg.request_id, f"{type(exc).__name__}: {exc}"))
+            if isinstance(msg, CoreRequest):
+                _add(core, msg, send)
             elif isinstance(msg, AbortRequests):
                 core.abort_requests(msg.request_ids)
             elif isinstance(msg, Shutdown):
@@ -179,8 +177,7 @@ def _loop(core, start: Start, backlog: list[Message], receive, send) -> int:  # 
         pending = []
         if not core.has_unfinished_requests():
             if busy:  # just went idle: report the freed blocks at once
-                s = core.scheduler
-                send(Heartbeat(len(s.running), len(s.waiting), core.pool.num_used))
+                send(_heartbeat(core))
             continue
         try:
             if fault_kind and steps == int(fault_step):
@@ -190,40 +187,24 @@ def _loop(core, start: Start, backlog: list[Message], receive, send) -> int:  # 
             send(Fatal(type(exc).__name__, str(exc), traceback.format_exc()))
             return 1
         steps += 1
-        stats = core.scheduler
         last_sent = time.monotonic()
-        send(
-            StepResult(
-                outputs=[
-                    WireOutput(
-                        o.request_id,
-                        list(o.new_token_ids),
-                        o.finish_reason,
-                        o.stop_reason,
-                        None
-                        if o.logprobs is None
-                        else [
-                            (
-                                lp.sampled_logprob,
-                                lp.sampled_rank,
-                                list(lp.top_ids),
-                                list(lp.top_logprobs),
-                            )
-                            for lp in o.logprobs
-                        ],
-                        o.queue_s,
-                        o.num_cached_tokens,
-                    )
-                    for o in out.outputs
-                ],
-                num_running=len(stats.running),
-                num_waiting=len(stats.waiting),
-                blocks_used=core.pool.num_used,
-                total_preemptions=stats.total_preemptions,
-                step_s=out.total_s,
-                num_batched_tokens=out.num_batched_tokens,
-            )
-        )
+        send(out)
+
+
+def _add(core: EngineCore, request: CoreRequest, send: Send) -> None:
+    from structllm.errors import InvalidRequestError
+
+    try:
+        core.add_request(request)
+    except InvalidRequestError as exc:
+        send(AddFailed(request.request_id, str(exc), exc.field))
+    except Exception as exc:  # one bad request never stops the core
+        send(AddFailed(request.request_id, f"{type(exc).__name__}: {exc}"))
+
+
+def _heartbeat(core: EngineCore) -> Heartbeat:
+    s = core.scheduler
+    return Heartbeat(len(s.running), len(s.waiting), core.pool.num_used)
 
 
 def _inject(kind: str, step: int) -> None:
@@ -245,7 +226,7 @@ def _exit_with_parent(parent_pid: int) -> None:
     A thread waits on a pidfd of the parent (readable when it exits). Not
     ``PR_SET_PDEATHSIG``: that fires when the parent *thread* that forked us
     exits, and trio starts processes from a pooled thread that retires after
-    10 s idle, which would kill a healthy worker.
+    10 s idle, which would kill a healthy core process.
     """
 
     def watch_pidfd(fd: int) -> None:
@@ -267,7 +248,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m structllm.engine.worker")
+    parser = argparse.ArgumentParser(prog="python -m structllm.engine.core_process")
     parser.add_argument("--fd", type=int, required=True, help="inherited socket fd")
     parser.add_argument("--parent-pid", type=int, default=None)
     ns = parser.parse_args(argv)

@@ -1,0 +1,413 @@
+"""The parent side of the engine core: start it, supervise it, talk to it.
+
+:class:`CoreClient` runs as one task in ``AsyncLLM.open()``'s task group. Its
+loop starts the core (a child process running
+:mod:`structllm.engine.core_process`, or that same loop in a thread for
+``executor="inline"``), shakes hands (relaying load progress to progress
+bars), then, for as long as that core lives, runs three tasks: the *reader*
+(step outputs, heartbeats, refusals; a silence of ``heartbeat_timeout``
+means the core hung), the *writer* (an unbounded memory channel of encoded
+frames to the socket) and a *watch* on the child's exit. When the core dies
+it tells the front end (which fails every live request) *before* reaping
+it, then restarts it with exponential backoff, at most ``max_restarts``
+times within ``restart_window``; after that the engine is dead for good.
+
+Requests are encoded by their sender
+(:func:`~structllm.engine.core_connection.encode_request`), so a value the
+wire cannot carry fails that request, never the writer shared by all. Where
+the core runs, and the socket to it, is :mod:`structllm.engine.core_connection`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Protocol
+
+import anyio
+import anyio.abc
+import attrs
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from structllm.core.engine_core import EngineConfig
+from structllm.engine.config import FrontendConfig
+from structllm.engine.core_connection import CoreConnection, open_core
+from structllm.engine.protocol import (
+    AddFailed,
+    Fatal,
+    Heartbeat,
+    LoadProgressMsg,
+    Message,
+    Ready,
+    Shutdown,
+    Start,
+    StepOutput,
+    encode,
+)
+from structllm.errors import (
+    EngineConfigError,
+    EngineCoreError,
+    EngineDeadError,
+    ModelLoadError,
+    UnsupportedModelError,
+)
+
+__all__ = [
+    "CoreClient",
+    "CoreEvents",
+    "EngineStatistics",
+    "dead_error",
+]
+
+
+# --------------------------------------------------------------- supervisor
+
+
+class CoreEvents(Protocol):
+    """What the client tells the front end (called synchronously)."""
+
+    def on_step(self, step: StepOutput) -> None: ...
+
+    def on_add_failed(self, msg: AddFailed) -> None: ...
+
+    def on_core_lost(self, cause: BaseException) -> None:
+        """The core died; fail every live request (it restarts afterwards)."""
+
+    def on_statistics(self) -> None:
+        """Counts, readiness or liveness changed."""
+
+
+class _CoreLost(Exception):
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+@attrs.frozen(kw_only=True)
+class EngineStatistics:
+    """A snapshot; the counts come from the core's latest report."""
+
+    live_requests: int
+    running: int
+    waiting: int
+    blocks_used: int
+    num_blocks: int
+    total_preemptions: int
+    restarts: int
+    ready: bool
+    dead: bool
+    #: the pid of the core process (this process's, for the inline executor)
+    worker_pid: int | None
+    #: seconds since the core was last heard from (None: no core)
+    silent_for: float | None = None
+    #: ready, not dead, and heard from within the health timeout
+    healthy: bool = False
+
+
+#: errors the core may report while loading, rebuilt by name in the parent
+_LOAD_ERRORS: dict[str, type[ModelLoadError]] = {
+    "ModelLoadError": ModelLoadError,
+    "UnsupportedModelError": UnsupportedModelError,
+}
+
+
+@attrs.define(eq=False)
+class CoreClient:
+    """Starts, supervises and talks to one engine core; see the module docstring."""
+
+    engine_config: EngineConfig
+    config: FrontendConfig
+    events: CoreEvents
+    #: the running core's handshake (None before the first)
+    info: Ready | None = None
+    #: a core is up and accepts requests
+    ready: bool = False
+    #: set once the engine is dead for good
+    dead: EngineDeadError | None = None
+    closing: bool = False
+    restarts: int = 0
+    counts: Heartbeat = attrs.Factory(Heartbeat)
+    total_preemptions: int = 0
+    #: when the core was last heard from (anyio.current_time())
+    last_heard: float | None = None
+    _outgoing: MemoryObjectSendStream[bytes] | None = None
+    _ready_event: anyio.Event = attrs.Factory(anyio.Event)
+
+    # ------------------------------------------------------------- senders
+
+    async def wait_ready(self) -> None:
+        """Wait for a running core; raise EngineDeadError if none will come."""
+        while not self.ready:
+            self.check_admitting()
+            await self._ready_event.wait()
+
+    def check_admitting(self) -> None:
+        if self.dead is not None:
+            raise self.new_dead_error()
+        if self.closing:
+            raise EngineDeadError("the engine is shutting down")
+
+    def new_dead_error(self) -> EngineDeadError:
+        """A fresh copy of the engine's death, for one more caller."""
+        assert self.dead is not None
+        err = EngineDeadError(str(self.dead))
+        err.__cause__ = self.dead.__cause__
+        return err
+
+    def submit_nowait(self, frame: bytes) -> None:
+        """Queue an encoded request; EngineDeadError if the core just died."""
+        if self._outgoing is None:
+            raise EngineDeadError("the engine core is restarting")
+        try:
+            self._outgoing.send_nowait(frame)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            # the core just died; its teardown has not reached us yet
+            raise EngineDeadError("the engine core died; it is restarting") from None
+
+    def send_nowait(self, msg: Message) -> None:
+        """Queue ``msg`` if a core runs; without one there is nothing to tell."""
+        if self._outgoing is None:
+            return
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self._outgoing.send_nowait(encode(msg))
+
+    def begin_shutdown(self) -> None:
+        """Admit nothing more; wake submitters waiting for a restart."""
+        self.closing = True
+        self._ready_event.set()
+
+    def send_shutdown(self) -> None:
+        self.send_nowait(Shutdown())
+
+    def statistics(self, *, live_requests: int) -> EngineStatistics:
+        """A snapshot, with the front end's count of live requests."""
+        client = self
+        c, info = client.counts, client.info
+        silent = None
+        if client.ready and client.last_heard is not None:
+            silent = anyio.current_time() - client.last_heard
+        healthy = (
+            client.ready
+            and client.dead is None
+            and silent is not None
+            and silent <= self.health_timeout
+        )
+        return EngineStatistics(
+            live_requests=live_requests,
+            running=c.num_running,
+            waiting=c.num_waiting,
+            blocks_used=c.blocks_used,
+            num_blocks=0 if info is None else info.num_blocks,
+            total_preemptions=client.total_preemptions,
+            restarts=client.restarts,
+            ready=client.ready,
+            dead=client.dead is not None,
+            worker_pid=None if info is None else info.pid,
+            silent_for=silent,
+            healthy=healthy,
+        )
+
+    @property
+    def health_timeout(self) -> float:
+        """Silence after which the core reads as unhealthy."""
+        t = self.config.health_timeout
+        if t is None:
+            t = min(3 * self.config.heartbeat_interval, self.config.heartbeat_timeout)
+        return t
+
+    # ---------------------------------------------------------- supervisor
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Start the core, restart it when it dies; ``started()`` once it is up.
+
+        A startup failure of the first core raises (ModelLoadError,
+        EngineConfigError, EngineDeadError); later deaths are restarts.
+        """
+        failures: list[float] = []
+        starts = 0
+        started = False
+        while True:
+            cause: BaseException | None = None
+            async with open_core(self.config.executor) as conn:
+                starts += 1
+                fault = (
+                    self.config.fault if starts <= self.config.fault_starts else None
+                )
+                try:
+                    self.info = await self._handshake(conn, fault)
+                    self.last_heard = anyio.current_time()
+                    send, receive = anyio.create_memory_object_stream[bytes](math.inf)
+                    self._outgoing = send
+                    self.ready = True
+                    self._ready_event.set()
+                    self.events.on_statistics()
+                    if not started:
+                        started = True
+                        task_status.started()
+                    await self._serve(conn, receive)
+                except _CoreLost as lost:
+                    cause = lost.cause
+                except (ModelLoadError, EngineConfigError) as exc:
+                    if not started:
+                        raise
+                    cause = exc
+                finally:
+                    self._on_core_gone()
+                if cause is not None:
+                    # fail requests now, not after the core is reaped
+                    conn.kill()
+                    if started:
+                        self.events.on_core_lost(cause)
+            assert cause is not None
+            if self.closing:
+                return
+            if not started:
+                raise EngineDeadError(
+                    f"the engine core failed to start: {cause}"
+                ) from cause
+            now = anyio.current_time()
+            window = self.config.restart_window
+            failures = [t for t in failures if now - t < window] + [now]
+            if len(failures) > self.config.max_restarts:
+                self.dead = dead_error(
+                    f"the engine core died {len(failures)} times within "
+                    f"{window:g}s; not restarting",
+                    cause,
+                )
+                self._ready_event.set()  # wake waiting submitters: they see dead
+                self.events.on_statistics()
+                return
+            self.restarts += 1
+            await anyio.sleep(self.config.restart_backoff * 2 ** (len(failures) - 1))
+
+    def _on_core_gone(self) -> None:
+        self.events.on_statistics()
+        self.ready = False
+        self._ready_event = anyio.Event()
+        if self._outgoing is not None:
+            self._outgoing.close()
+            self._outgoing = None
+
+    async def _handshake(self, conn: CoreConnection, fault: str | None) -> Ready:
+        await conn.send(
+            Start(
+                config=self.engine_config,
+                heartbeat_interval=self.config.heartbeat_interval,
+                fault=fault,
+            )
+        )
+        bars: dict[str, Any] = {}
+        try:
+            with anyio.fail_after(self.config.startup_timeout):
+                while True:
+                    msg = await _receive(conn)
+                    if isinstance(msg, LoadProgressMsg):
+                        self._show_progress(bars, msg)
+                    elif isinstance(msg, Ready):
+                        return msg
+                    elif isinstance(msg, Fatal):
+                        if msg.during_load:
+                            raise _load_error(msg)
+                        raise _CoreLost(
+                            EngineCoreError(msg.kind, msg.message, msg.traceback)
+                        )
+        except TimeoutError as exc:
+            raise _CoreLost(exc) from None
+        finally:
+            for bar in bars.values():
+                bar.close()
+
+    def _show_progress(self, bars: dict[str, Any], msg: LoadProgressMsg) -> None:
+        if not self.config.show_progress:
+            return
+        from tqdm import tqdm
+
+        bar = bars.get(msg.stage)
+        if bar is None:
+            bar = bars[msg.stage] = tqdm(
+                total=msg.total, desc=f"engine {msg.stage}", leave=False
+            )
+        bar.update(msg.done - bar.n)
+
+    async def _serve(
+        self, conn: CoreConnection, outgoing: MemoryObjectReceiveStream[bytes]
+    ) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._write, conn, outgoing)
+                if conn.process is not None:
+                    tg.start_soon(self._watch_process, conn.process)
+                await self._read(conn)
+        except* _CoreLost as group:
+            raise group.exceptions[0] from None
+
+    async def _write(
+        self, conn: CoreConnection, outgoing: MemoryObjectReceiveStream[bytes]
+    ) -> None:
+        try:
+            async with outgoing:
+                async for frame in outgoing:
+                    await conn.send_frame(frame)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
+            raise _CoreLost(exc) from None
+
+    async def _watch_process(self, process: anyio.abc.Process) -> None:
+        code = await process.wait()
+        raise _CoreLost(ChildProcessError(f"the core process exited with code {code}"))
+
+    async def _read(self, conn: CoreConnection) -> None:
+        timeout = self.config.heartbeat_timeout
+        while True:
+            try:
+                with anyio.fail_after(timeout):
+                    msg = await _receive(conn)
+                self.last_heard = anyio.current_time()
+            except TimeoutError:
+                raise _CoreLost(
+                    TimeoutError(f"no heartbeat from the engine core for {timeout:g}s")
+                ) from None
+            if isinstance(msg, StepOutput):
+                self.counts = Heartbeat(
+                    msg.num_running, msg.num_waiting, msg.blocks_used
+                )
+                self.total_preemptions = msg.total_preemptions
+                self.events.on_step(msg)
+                self.events.on_statistics()
+            elif isinstance(msg, Heartbeat):
+                self.counts = msg
+                self.events.on_statistics()
+            elif isinstance(msg, AddFailed):
+                self.events.on_add_failed(msg)
+            elif isinstance(msg, Fatal):
+                raise _CoreLost(EngineCoreError(msg.kind, msg.message, msg.traceback))
+
+
+async def _receive(conn: CoreConnection) -> Message:
+    try:
+        return await conn.receive()
+    except (
+        anyio.EndOfStream,
+        anyio.BrokenResourceError,
+        anyio.ClosedResourceError,
+        OSError,
+        ValueError,  # a malformed frame (protocol.FrameError)
+    ) as exc:
+        raise _CoreLost(
+            ConnectionError(f"the engine core connection closed ({exc!r})")
+        ) from None
+
+
+def _load_error(msg: Fatal) -> ModelLoadError | EngineConfigError:
+    """The parent's copy of the error that stopped the core from loading."""
+    if msg.kind == "EngineConfigError":
+        return EngineConfigError(msg.message, field=msg.field)
+    return _LOAD_ERRORS.get(msg.kind, ModelLoadError)(msg.message)
+
+
+def dead_error(message: str, cause: BaseException) -> EngineDeadError:
+    """EngineDeadError ``from`` ``cause``, with the cause in its message."""
+    err = EngineDeadError(f"{message}: {cause}")
+    err.__cause__ = cause
+    return err

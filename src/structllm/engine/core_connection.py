@@ -1,0 +1,179 @@
+"""Where the engine core runs, and the socket to it.
+
+Both ways to run a core are async context managers yielding a
+:class:`CoreConnection` over a socketpair speaking
+:mod:`structllm.engine.protocol`, so the client drives them alike:
+
+- :func:`open_core_process` (``executor="process"``, the default): a fresh
+  interpreter, ``python -m structllm.engine.core_process --fd N``, holding
+  the other end of the pair (``pass_fds``). It exits on EOF, on Shutdown,
+  or when this process dies.
+- :func:`open_core_thread` (``executor="inline"``): the same loop in a
+  dedicated thread of this process, for tests and notebooks.
+
+Leaving the context closes the socket and waits for the core, bounded; a
+process that does not exit in time is killed. Nothing outlives the block
+except a *hung* thread, which Python cannot kill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import attrs
+
+from structllm.engine.protocol import CoreRequest, FrameReader, Message, encode
+from structllm.errors import EngineConfigError, InvalidRequestError
+
+__all__ = [
+    "CoreConnection",
+    "core_process_command",
+    "encode_request",
+    "open_core",
+    "open_core_process",
+    "open_core_thread",
+]
+
+
+@attrs.define(eq=False)
+class CoreConnection:
+    """A socket to a running core, and its process (None for a thread)."""
+
+    stream: anyio.abc.ByteStream
+    process: anyio.abc.Process | None = None
+    _reader: FrameReader = attrs.Factory(FrameReader)
+    _backlog: deque[Message] = attrs.Factory(deque)
+
+    async def receive(self) -> Message:
+        """The next message; raises anyio.EndOfStream when the core is gone."""
+        while not self._backlog:
+            data = await self.stream.receive()
+            self._backlog.extend(self._reader.feed(data))
+        return self._backlog.popleft()
+
+    async def send(self, msg: Message) -> None:
+        await self.stream.send(encode(msg))
+
+    async def send_frame(self, frame: bytes) -> None:
+        """Send a message already encoded with :func:`protocol.encode`."""
+        await self.stream.send(frame)
+
+    def kill(self) -> None:
+        """Kill a core process that died or hung (a thread cannot be killed)."""
+        if self.process is not None and self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+
+
+def core_process_command(fd: int) -> list[str]:
+    """The core process's command line, serving on inherited socket ``fd``."""
+    return [
+        sys.executable,
+        "-m",
+        "structllm.engine.core_process",
+        "--fd",
+        str(fd),
+        "--parent-pid",
+        str(os.getpid()),
+    ]
+
+
+@asynccontextmanager
+async def open_core_process(
+    *, exit_timeout: float = 10.0
+) -> AsyncIterator[CoreConnection]:
+    """Start ``python -m structllm.engine.core_process`` on a socketpair.
+
+    Leaving closes the socket (the core exits on EOF) and waits for the
+    process, bounded; one that does not exit in time is killed.
+    """
+    ours, theirs = socket.socketpair()
+    try:
+        process = await anyio.open_process(
+            core_process_command(theirs.fileno()),
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=None,
+            stderr=None,
+        )
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    stream = await anyio.abc.UNIXSocketStream.from_socket(ours)
+    try:
+        yield CoreConnection(stream, process)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()
+            with anyio.move_on_after(exit_timeout):
+                await process.wait()
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            await process.aclose()
+
+
+@asynccontextmanager
+async def open_core_thread(
+    *, exit_timeout: float = 10.0
+) -> AsyncIterator[CoreConnection]:
+    """Run the core process's loop in a thread of this process, over a socketpair.
+
+    A dedicated thread, joined on exit: pooled threads (trio's thread cache)
+    would outlive the block and be torn down mid-Paddle at interpreter exit.
+    A *hung* thread cannot be killed; use the process where that matters.
+    """
+    from structllm.engine.core_process import serve
+
+    ours, theirs = socket.socketpair()
+
+    def run() -> None:
+        try:
+            serve(theirs)
+        finally:
+            theirs.close()
+
+    thread = threading.Thread(target=run, name="structllm-inline-core", daemon=True)
+    thread.start()
+    stream = await anyio.abc.UNIXSocketStream.from_socket(ours)
+    try:
+        yield CoreConnection(stream)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await stream.aclose()  # the loop ends on EOF
+            with anyio.move_on_after(exit_timeout):
+                await anyio.to_thread.run_sync(thread.join, abandon_on_cancel=True)
+
+
+def open_core(executor: str) -> AbstractAsyncContextManager[CoreConnection]:
+    """A fresh core for ``executor`` ("process" or "inline")."""
+    if executor == "inline":
+        return open_core_thread()
+    if executor == "process":
+        return open_core_process()
+    raise EngineConfigError(
+        f"executor must be 'process' or 'inline', got {executor!r}", field="executor"
+    )
+
+
+def encode_request(request: CoreRequest) -> bytes:
+    """The request's frame; a value the wire cannot carry fails this request only."""
+    try:
+        return encode(request)
+    except (OverflowError, UnicodeEncodeError, TypeError, ValueError) as exc:
+        raise InvalidRequestError(
+            f"the request cannot be sent to the engine: {exc}", field=None
+        ) from exc

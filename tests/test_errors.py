@@ -1,0 +1,79 @@
+"""One error tree; the same mistake raises the same type from LLM and AsyncLLM."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from structllm import LLM, AsyncLLM, StructLLMError
+from structllm.core.block_pool import NoFreeBlocksError as PoolNoFreeBlocksError
+from structllm.errors import (
+    EngineConfigError,
+    EngineCoreError,
+    EngineDeadError,
+    ModelLoadError,
+    NoFreeBlocksError,
+)
+
+BAD_SETTINGS = [
+    pytest.param({"max_model_len": 256, "num_blocks": 4}, "num_blocks", id="kv"),
+    pytest.param({"max_model_len": 10**7}, "max_model_len", id="context"),
+    pytest.param(
+        {"max_num_seqs": 0, "num_blocks": 64, "max_model_len": 256},
+        None,
+        id="max_num_seqs",
+    ),
+]
+
+
+def test_the_tree() -> None:
+    for cls in (EngineConfigError, EngineCoreError, NoFreeBlocksError):
+        assert issubclass(cls, StructLLMError)
+    assert issubclass(EngineConfigError, ValueError)
+    assert issubclass(EngineCoreError, RuntimeError)
+    assert issubclass(NoFreeBlocksError, RuntimeError)
+    assert PoolNoFreeBlocksError is NoFreeBlocksError
+    assert not issubclass(EngineConfigError, ModelLoadError | EngineDeadError)
+    err = EngineCoreError("RuntimeError", "boom", "Traceback ...")
+    assert err.kind == "RuntimeError" and "boom" in str(err)
+
+
+@pytest.mark.parametrize(("settings", "field"), BAD_SETTINGS)
+def test_llm_refuses_a_setting_that_cannot_work(
+    settings: dict[str, Any], field: str | None
+) -> None:
+    with pytest.raises(EngineConfigError) as info:
+        LLM("tiny", show_progress=False, **settings)
+    assert info.value.field == field
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("settings", "field"), BAD_SETTINGS)
+async def test_async_llm_refuses_it_with_the_same_error(
+    settings: dict[str, Any], field: str | None
+) -> None:
+    with pytest.raises(EngineConfigError) as info:
+        async with AsyncLLM.open(
+            "tiny", executor="inline", show_progress=False, **settings
+        ):
+            pytest.fail("open() should have failed")  # pragma: no cover
+    assert info.value.field == field
+
+
+@pytest.mark.anyio
+async def test_the_process_executor_reports_it_too() -> None:
+    with pytest.raises(EngineConfigError, match="fewer than one sequence") as info:
+        async with AsyncLLM.open(
+            "tiny", show_progress=False, max_model_len=256, num_blocks=4
+        ):
+            pytest.fail("open() should have failed")  # pragma: no cover
+    assert info.value.field == "num_blocks"
+
+
+@pytest.mark.anyio
+async def test_an_unknown_executor_is_a_config_error() -> None:
+    with pytest.raises(EngineConfigError) as info:
+        async with AsyncLLM.open("tiny", executor="cloud", show_progress=False):
+            pytest.fail("open() should have failed")  # pragma: no cover
+    assert info.value.field == "executor"

@@ -28,7 +28,10 @@ import anyio
 
 from structllm.engine.async_llm import AsyncLLM
 from structllm.errors import StructLLMError
-from structllm.server.app import Drain, EngineSlot, ServerConfig, build_app, error_json
+from structllm.server.app import build_app
+from structllm.server.drain import Drain, drain_then_stop
+from structllm.server.http_errors import error_json
+from structllm.server.serving import EngineSlot, ServerConfig
 
 __all__ = ["add_serve_args", "run_server"]
 
@@ -180,17 +183,6 @@ async def _on_signals(drain: Drain, grace: float, shutdown: anyio.Event) -> None
             )
             await drain_then_stop(drain, grace, shutdown)
             return
-
-
-async def drain_then_stop(drain: Drain, grace: float, shutdown: anyio.Event) -> None:
-    """503 for new requests, ``grace`` seconds for open ones, cut the rest, stop."""
-    drain.start()
-    with anyio.move_on_after(grace):
-        await drain.wait_idle()
-    drain.cut()
-    with anyio.move_on_after(5.0):  # cut requests write their last event
-        await drain.wait_idle()
-    shutdown.set()
 
 
 def _openai_error_bodies() -> None:

@@ -265,12 +265,13 @@ class Serving:
         async def produce(emit: Emit) -> None:
             send, receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
             try:
-                async with anyio.create_task_group() as tg:
-                    with send:
-                        for job in jobs:
-                            tg.start_soon(one, send.clone(), job)
-                    async for event in receive:
-                        await emit(event)
+                with receive:
+                    async with anyio.create_task_group() as tg:
+                        with send:  # each job holds a clone until it is done
+                            for job in jobs:
+                                tg.start_soon(one, send.clone(), job)
+                        async for event in receive:
+                            await emit(event)
             except BaseExceptionGroup as group:
                 response = self.error_response(_leaf(group))
                 if response is None:

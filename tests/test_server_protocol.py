@@ -16,13 +16,13 @@ from pydantic import BaseModel, ValidationError
 from structllm.errors import InvalidRequestError
 from structllm.params import MAX_COUNT, OutputKind, SamplingParams
 from structllm.server import responses as api
+from structllm.server.body import validate
 from structllm.server.protocol import (
     REFUSED,
     ChatRequest,
     CompletionRequest,
     validation_error,
 )
-from structllm.server.serving import validate
 
 CHAT = [{"role": "user", "content": "hi"}]
 

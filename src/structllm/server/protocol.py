@@ -54,6 +54,7 @@ __all__ = [
     "ChatRequest",
     "CompletionRequest",
     "Message",
+    "SamplingRequest",
     "StreamOptions",
     "choice_seed",
     "validation_error",
@@ -101,7 +102,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = None
 
 
-class _Sampling(BaseModel):
+class SamplingRequest(BaseModel):
     """Fields shared by completions and chat."""
 
     model_config = _MODEL_CONFIG
@@ -155,7 +156,7 @@ class _Sampling(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> _Sampling:
+    def _cross_checks(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise PydanticCustomError(
                 "stream_options", "stream_options is only allowed when stream is true"
@@ -203,7 +204,7 @@ class _Sampling(BaseModel):
         return kw
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``."""
 
     prompt: Prompts
@@ -254,7 +255,7 @@ class Message(BaseModel):
         return self.content or ""
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(SamplingRequest):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]

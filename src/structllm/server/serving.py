@@ -2,13 +2,15 @@
 
 :class:`Serving` holds the engine slot, the configuration and the metrics.
 ``guarded()`` reads the body under a size cap and a deadline, parses it as
-strict JSON (no NaN, bounded depth; big bodies in a worker thread), runs the
+strict JSON (:mod:`~structllm.server.body`: no NaN, bounded depth; big
+bodies in a worker thread), runs the
 endpoint's handler in a task group that also watches the connection (a
 client that leaves cancels it, the request's ``stream`` block exits and the
 engine aborts it within one step) under ``--request-timeout``, and turns the
 known errors into OpenAI error responses. ``run_to_end()`` and
 ``stream()`` run the requests of one response (prompts times ``n``), the
-latter as server-sent events whose chunks a :class:`StreamFormat` writes.
+latter as server-sent events whose chunks a :class:`StreamFormat` writes
+(each API's is a :class:`Chunks`).
 :mod:`~structllm.server.serving_completion` and
 :mod:`~structllm.server.serving_chat` are the endpoints.
 """
@@ -19,24 +21,29 @@ import json
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
-import anyio.lowlevel
-import anyio.to_thread
 import attrs
 from anyio.streams.memory import MemoryObjectSendStream
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
 from structllm.engine.async_llm import AsyncLLM
 from structllm.engine.inputs import Prompt
 from structllm.errors import EngineLoadingError, InvalidRequestError
-from structllm.outputs import RequestOutput
+from structllm.outputs import CompletionOutput, RequestOutput
 from structllm.params import SamplingParams
 from structllm.server import responses as api
+from structllm.server.body import (
+    BIG_BODY,
+    BodyTooLargeError,
+    maybe_off_loop,
+    parse_json,
+    read_body,
+)
 from structllm.server.http_errors import (
     ModelNotFoundError,
     RequestTimeoutError,
@@ -44,7 +51,7 @@ from structllm.server.http_errors import (
     json_error,
 )
 from structllm.server.metrics import Metrics
-from structllm.server.protocol import validation_error
+from structllm.server.protocol import SamplingRequest
 from structllm.server.streaming import (
     Emit,
     EventStream,
@@ -52,13 +59,9 @@ from structllm.server.streaming import (
     deadline,
 )
 
-__all__ = ["EngineSlot", "Job", "ServerConfig", "Serving", "StreamFormat"]
+__all__ = ["Chunks", "EngineSlot", "Job", "ServerConfig", "Serving", "StreamFormat"]
 
-#: bodies larger than this are parsed and validated in a worker thread
-BIG_BODY = 256 << 10
-
-_T = TypeVar("_T")
-_M = TypeVar("_M", bound=BaseModel)
+_R = TypeVar("_R", bound=SamplingRequest)
 
 
 @attrs.frozen(kw_only=True)
@@ -110,10 +113,6 @@ class StreamFormat(Protocol):
     def closing(self, usage: api.Usage) -> BaseModel: ...
 
 
-class _TooLarge(Exception):
-    pass
-
-
 @attrs.define(eq=False)
 class Serving:
     """The engine, the configuration and the metrics every endpoint shares."""
@@ -139,10 +138,10 @@ class Serving:
         config = self.config
         try:
             with anyio.fail_after(config.body_timeout):
-                raw = await _read_body(request, config.max_body_bytes)
+                raw = await read_body(request, config.max_body_bytes)
         except ClientDisconnect:
             return Response(status_code=499)
-        except _TooLarge:
+        except BodyTooLargeError:
             return json_error(
                 413,
                 f"the request body exceeds {config.max_body_bytes} bytes",
@@ -156,7 +155,7 @@ class Serving:
             )
         big = len(raw) > BIG_BODY
         try:
-            body = await maybe_off_loop(big, _parse_json, raw)
+            body = await maybe_off_loop(big, parse_json, raw)
         except (ValueError, RecursionError) as exc:
             return json_error(400, f"the body is not valid JSON: {exc}"[:500])
         try:
@@ -210,6 +209,24 @@ class Serving:
         """Prompt tokens counted once per prompt (its n choices share it)."""
         seen = {job.prompt_index: len(job.prompt.token_ids) for job in jobs}
         return sum(seen.values())
+
+    def head(self, rid: str) -> dict[str, Any]:
+        """The fields every response and chunk starts with."""
+        return {
+            "id": rid,
+            "created": api.now(),
+            "model": self.config.model_name,
+            "system_fingerprint": self.fingerprint,
+        }
+
+    def final_usage(
+        self, jobs: Sequence[Job], finals: dict[int, RequestOutput]
+    ) -> api.Usage:
+        return api.usage(
+            self.prompt_tokens(jobs),
+            sum(len(f.outputs[0].token_ids) for f in finals.values()),
+            sum(f.num_cached_tokens or 0 for f in finals.values()),
+        )
 
     # -- running requests --------------------------------------------------------
 
@@ -330,48 +347,37 @@ class Serving:
         return result
 
 
-async def maybe_off_loop(big: bool, fn: Callable[..., _T], *args: Any) -> _T:
-    """``fn(*args)``, in a worker thread when ``big`` (the loop stays responsive).
+@attrs.frozen
+class Chunks(Generic[_R]):
+    """What the StreamFormats of the APIs share: request, id, common fields."""
 
-    Cancelled meanwhile, it waits for the thread (CPU work bounded by the
-    body cap) and then raises; the thread's result is dropped.
-    """
-    if not big:
-        return fn(*args)
-    result = await anyio.to_thread.run_sync(fn, *args)
-    await anyio.lowlevel.checkpoint_if_cancelled()
-    return result
+    serving: Serving
+    req: _R
+    rid: str
 
+    @property
+    def include_usage(self) -> bool:
+        return self.req.include_usage
 
-def validate(model: type[_M], body: Any) -> _M:
-    """``body`` as a ``model``; InvalidRequestError naming the field if not."""
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
+    @property
+    def continuous_usage(self) -> bool:
+        return self.req.continuous_usage
 
+    def head(self, usage: api.Usage | None) -> dict[str, Any]:
+        """The fields of a chunk besides its choices."""
+        head = self.serving.head(self.rid)
+        if usage is not None:
+            head["usage"] = usage
+        return head
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refusing more than ``limit`` bytes (run it under a deadline)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _TooLarge
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _TooLarge
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _parse_json(raw: bytes) -> Any:
-    return json.loads(raw, parse_constant=_reject_constant)
+    def finish_fields(self, c: CompletionOutput) -> dict[str, Any]:
+        """A streamed choice's ``token_ids`` if asked, ``stop_reason`` at the end."""
+        extra: dict[str, Any] = {}
+        if self.req.return_token_ids:
+            extra["token_ids"] = list(c.token_ids)
+        if c.finish_reason is not None:
+            extra["stop_reason"] = c.stop_reason
+        return extra
 
 
 def _leaf(group: BaseExceptionGroup[Any]) -> BaseException:

@@ -17,9 +17,10 @@ from fastapi.responses import Response
 from structllm.engine.inputs import OFF_LOOP_CHARS, Prompt, check_prompt_bytes
 from structllm.outputs import RequestOutput
 from structllm.server import responses as api
+from structllm.server.body import maybe_off_loop, validate
 from structllm.server.http_errors import ASCIIJSONResponse
 from structllm.server.protocol import ChatRequest, choice_seed
-from structllm.server.serving import Job, Serving, maybe_off_loop, validate
+from structllm.server.serving import Chunks, Job, Serving
 
 __all__ = ["ChatServing"]
 
@@ -55,22 +56,16 @@ class ChatServing(Serving):
         jobs = [Job(j, 0, prompt, choice_seed(params, j)) for j in range(req.choices)]
         top_logprobs = params.logprobs or 0
         if req.stream:
-            return self.stream(llm, jobs, _Chunks(self, req, top_logprobs))
+            chunks = _Chunks(self, req, api.new_id("chatcmpl"), top_logprobs)
+            return self.stream(llm, jobs, chunks)
         finals = await self.run_to_end(jobs)
         extra: dict[str, Any] = {}
         if req.return_token_ids:
             extra["prompt_token_ids"] = list(prompt.token_ids)
         response = api.ChatCompletionResponse(
-            id=api.new_id("chatcmpl"),
-            created=api.now(),
-            model=self.config.model_name,
-            system_fingerprint=self.fingerprint,
+            **self.head(api.new_id("chatcmpl")),
             choices=[_choice(req, i, finals[i], top_logprobs) for i in sorted(finals)],
-            usage=api.usage(
-                self.prompt_tokens(jobs),
-                sum(len(f.outputs[0].token_ids) for f in finals.values()),
-                sum(f.num_cached_tokens or 0 for f in finals.values()),
-            ),
+            usage=self.final_usage(jobs, finals),
             **extra,
         )
         return ASCIIJSONResponse(api.dump(response))
@@ -96,21 +91,10 @@ def _choice(
 
 
 @attrs.frozen
-class _Chunks:
+class _Chunks(Chunks[ChatRequest]):
     """The chunks of a streaming chat completion (a StreamFormat)."""
 
-    serving: ChatServing
-    req: ChatRequest
     top_logprobs: int
-    rid: str = attrs.field(factory=lambda: api.new_id("chatcmpl"))
-
-    @property
-    def include_usage(self) -> bool:
-        return self.req.include_usage
-
-    @property
-    def continuous_usage(self) -> bool:
-        return self.req.continuous_usage
 
     def _chunk(
         self,
@@ -118,15 +102,8 @@ class _Chunks:
         usage: api.Usage | None,
         **extra: Any,
     ) -> api.ChatCompletionStreamResponse:
-        if usage is not None:
-            extra["usage"] = usage
         return api.ChatCompletionStreamResponse(
-            id=self.rid,
-            created=api.now(),
-            model=self.serving.config.model_name,
-            system_fingerprint=self.serving.fingerprint,
-            choices=choices,
-            **extra,
+            **self.head(usage), choices=choices, **extra
         )
 
     def opening(
@@ -148,11 +125,6 @@ class _Chunks:
         self, job: Job, out: RequestOutput, usage: api.Usage | None
     ) -> api.ChatCompletionStreamResponse:
         c = out.outputs[0]
-        extra: dict[str, Any] = {}
-        if self.req.return_token_ids:
-            extra["token_ids"] = list(c.token_ids)
-        if c.finish_reason is not None:
-            extra["stop_reason"] = c.stop_reason
         delta = (
             api.ChatDelta(content=c.text)
             if c.text or not c.finish_reason
@@ -165,7 +137,7 @@ class _Chunks:
                 c, self.top_logprobs, as_ids=bool(self.req.return_tokens_as_token_ids)
             ),
             finish_reason=c.finish_reason,
-            **extra,
+            **self.finish_fields(c),
         )
         return self._chunk([choice], usage)
 

@@ -16,9 +16,10 @@ from fastapi.responses import Response
 from structllm.engine.inputs import Prompt, parse_prompt_off_loop
 from structllm.outputs import RequestOutput
 from structllm.server import responses as api
+from structllm.server.body import maybe_off_loop, validate
 from structllm.server.http_errors import ASCIIJSONResponse
 from structllm.server.protocol import CompletionRequest, choice_seed
-from structllm.server.serving import Job, Serving, maybe_off_loop, validate
+from structllm.server.serving import Chunks, Job, Serving
 
 __all__ = ["CompletionServing"]
 
@@ -48,20 +49,13 @@ class CompletionServing(Serving):
             for j in range(req.choices)
         ]
         if req.stream:
-            return self.stream(llm, jobs, _Chunks(self, req))
+            return self.stream(llm, jobs, _Chunks(self, req, api.new_id("cmpl")))
         finals = await self.run_to_end(jobs)
         by_index = {job.index: job for job in jobs}
         response = api.CompletionResponse(
-            id=api.new_id("cmpl"),
-            created=api.now(),
-            model=self.config.model_name,
-            system_fingerprint=self.fingerprint,
+            **self.head(api.new_id("cmpl")),
             choices=[self._choice(req, by_index[i], finals[i]) for i in sorted(finals)],
-            usage=api.usage(
-                self.prompt_tokens(jobs),
-                sum(len(f.outputs[0].token_ids) for f in finals.values()),
-                sum(f.num_cached_tokens or 0 for f in finals.values()),
-            ),
+            usage=self.final_usage(jobs, finals),
         )
         return ASCIIJSONResponse(api.dump(response))
 
@@ -86,33 +80,13 @@ class CompletionServing(Serving):
 
 
 @attrs.frozen
-class _Chunks:
+class _Chunks(Chunks[CompletionRequest]):
     """The chunks of a streaming completion (a StreamFormat)."""
-
-    serving: CompletionServing
-    req: CompletionRequest
-    rid: str = attrs.field(factory=lambda: api.new_id("cmpl"))
-
-    @property
-    def include_usage(self) -> bool:
-        return self.req.include_usage
-
-    @property
-    def continuous_usage(self) -> bool:
-        return self.req.continuous_usage
 
     def _chunk(
         self, choices: list[api.CompletionStreamChoice], usage: api.Usage | None
     ) -> api.CompletionStreamResponse:
-        extra: dict[str, Any] = {} if usage is None else {"usage": usage}
-        return api.CompletionStreamResponse(
-            id=self.rid,
-            created=api.now(),
-            model=self.serving.config.model_name,
-            system_fingerprint=self.serving.fingerprint,
-            choices=choices,
-            **extra,
-        )
+        return api.CompletionStreamResponse(**self.head(usage), choices=choices)
 
     def opening(
         self, job: Job, usage: api.Usage | None
@@ -134,11 +108,6 @@ class _Chunks:
         self, job: Job, out: RequestOutput, usage: api.Usage | None
     ) -> api.CompletionStreamResponse:
         c = out.outputs[0]
-        extra: dict[str, Any] = {}
-        if self.req.return_token_ids:
-            extra["token_ids"] = list(c.token_ids)
-        if c.finish_reason is not None:
-            extra["stop_reason"] = c.stop_reason
         choice = api.CompletionStreamChoice(
             index=job.index,
             text=c.text,
@@ -146,7 +115,7 @@ class _Chunks:
                 c, as_ids=bool(self.req.return_tokens_as_token_ids)
             ),
             finish_reason=c.finish_reason,
-            **extra,
+            **self.finish_fields(c),
         )
         return self._chunk([choice], usage)
 

@@ -1,8 +1,9 @@
 """The server app in process: every route, error mapping, SSE, disconnects, drain.
 
 No socket and no process: ``build_app`` over an inline ``AsyncLLM``, driven
-through ``httpx.ASGITransport`` on both AnyIO backends. (tests/test_server.py
-keeps the same server behind a real socket with the real ``openai`` client.)
+through ``httpx.ASGITransport`` on both AnyIO backends, and once behind a
+real loopback socket on hypercorn in this process. (tests/test_server.py
+keeps ``structllm serve`` processes with the real ``openai`` client.)
 
 ``ASGITransport`` reads the whole response before returning it, and its
 ``receive()`` answers ``http.disconnect`` only once the response is
@@ -29,6 +30,7 @@ from structllm.params import SamplingParams
 from structllm.server import responses as api
 from structllm.server.app import build_app
 from structllm.server.drain import Drain
+from structllm.server.run import hypercorn_config, listen, serve_hypercorn
 from structllm.server.serving import EngineSlot, ServerConfig
 
 pytestmark = pytest.mark.anyio
@@ -390,3 +392,50 @@ async def test_drain_refuses_new_requests_then_cuts_a_stream() -> None:
         got = events(x.text)
         assert got[-1] == "[DONE]" and got[-2]["error"]["code"] == 503
         await s.wait_idle()
+
+
+# -- the same app behind a real socket, in this process ---------------------------
+
+
+@contextlib.asynccontextmanager
+async def open_socket_server(s: Server) -> AsyncIterator[str]:
+    """``s.app`` on hypercorn on a loopback port, under the test's own loop."""
+    sock = listen("127.0.0.1", 0, 128)
+    port = sock.getsockname()[1]
+    config = hypercorn_config(sock, backlog=128, header_timeout=10)
+    shutdown = anyio.Event()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve_hypercorn, s.app, config, shutdown)
+            yield f"http://127.0.0.1:{port}"
+            shutdown.set()
+    finally:
+        with contextlib.suppress(OSError):
+            sock.close()
+
+
+async def test_real_socket_stream_and_hang_up() -> None:
+    """hypercorn sends the real http.disconnect when the peer closes."""
+    async with open_server() as s, open_socket_server(s) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            r = await http.post(
+                "/v1/completions", json={"prompt": "x", "max_tokens": 3}
+            )
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        body = json.dumps({**LONG, "max_tokens": 250, "stream": True}).encode()
+        port = int(url.rsplit(":", 1)[1])
+        with anyio.fail_after(20):
+            async with await anyio.connect_tcp("127.0.0.1", port) as conn:
+                await conn.send(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n"
+                    b"Content-Type: application/json\r\n"
+                    + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+                received = b""
+                while b"data: {" not in received:
+                    received += await conn.receive()
+            # closed after one chunk: hypercorn tells the app
+        assert received.startswith(b"HTTP/1.1 200")
+        await s.wait_idle()
+        assert await s.metric('structllm_requests_total{finished_reason="abort"}') == 1

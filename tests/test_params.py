@@ -74,35 +74,6 @@ def test_normalisation() -> None:
     assert not SamplingParams().greedy
 
 
-def test_from_openai() -> None:
-    p = SamplingParams.from_openai(
-        {
-            "max_tokens": 5,
-            "temperature": 0.5,
-            "stop": "\n",
-            "logprobs": 3,
-            "seed": 1,
-            "unknown_field": 1,
-            "n": 2,
-        }
-    )
-    assert (p.max_tokens, p.temperature, p.stop, p.logprobs, p.seed) == (
-        5,
-        0.5,
-        ("\n",),
-        3,
-        1,
-    )
-    chat = SamplingParams.from_openai(
-        {"max_completion_tokens": 7, "logprobs": True, "top_logprobs": 2}
-    )
-    assert chat.max_tokens == 7 and chat.logprobs == 2
-    assert SamplingParams.from_openai({}, default_max_tokens=None).max_tokens is None
-    with pytest.raises(InvalidRequestError) as e:
-        SamplingParams.from_openai({"top_p": "x"})
-    assert e.value.field == "top_p"
-
-
 @given(
     temperature=st.floats(0, 100),
     top_p=st.floats(0, 1, exclude_min=True),

@@ -115,3 +115,22 @@ class ModelLoadError(StructLLMError):
 
 class UnsupportedModelError(ModelLoadError):
     """The checkpoint's architecture is not implemented by structllm."""
+
+
+# -- raised by the HTTP server (structllm.server) ------------------------------
+#
+#   RequestError
+#   ├── EngineLoadingError           the server listens, the engine is not up yet
+#   └── ShuttingDownError            the server is draining before it stops
+#
+# Both are answered with 503 and Retry-After.
+
+__all__ += ["EngineLoadingError", "ShuttingDownError"]
+
+
+class EngineLoadingError(RequestError):
+    """The server is up but the engine has not finished loading; retry later."""
+
+
+class ShuttingDownError(RequestError):
+    """The server is draining before it stops; retry on another replica."""

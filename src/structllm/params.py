@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import attrs
 
@@ -359,46 +358,3 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
-
-    @classmethod
-    def from_openai(
-        cls, body: Mapping[str, Any], *, default_max_tokens: int | None = 16
-    ) -> SamplingParams:
-        """Build from an OpenAI (or vLLM-extended) request body.
-
-        Only known fields are read, each by name; unknown fields are ignored
-        as OpenAI-compatible servers do. ``logprobs`` may be an integer
-        (completions) or a boolean with ``top_logprobs`` (chat).
-        """
-        kw: dict[str, Any] = {}
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        kw["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
-        simple = (
-            "min_tokens",
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "seed",
-            "stop",
-            "stop_token_ids",
-            "include_stop_str_in_output",
-            "ignore_eos",
-            "repetition_penalty",
-            "presence_penalty",
-            "frequency_penalty",
-            "skip_special_tokens",
-            "logit_bias",
-            "allowed_token_ids",
-        )
-        for name in simple:
-            value = body.get(name)
-            if value is not None:
-                kw[name] = value
-        logprobs = body.get("logprobs")
-        if isinstance(logprobs, bool):
-            if logprobs:
-                kw["logprobs"] = body.get("top_logprobs") or 0
-        elif logprobs is not None:
-            kw["logprobs"] = logprobs
-        return cls(**kw)

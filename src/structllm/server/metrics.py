@@ -1,18 +1,37 @@
-"""Prometheus metrics in the text exposition format, without a global registry.
+"""The server's Prometheus metrics, on ``prometheus-client`` with its own registry.
 
-Each server builds its own :class:`Metrics`; ``render()`` writes the
-exposition text, sampling the engine's gauges at scrape time.
+Each server builds its own :class:`Metrics` with a fresh
+``CollectorRegistry`` (never the process-global one, so two servers, or
+tests, in one process do not share counts). Latency histograms and token
+counters are updated as requests run; the engine gauges are sampled from
+``gauges()`` at scrape time by a collector. ``render()`` is the text
+exposition for ``GET /metrics``.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
 
 import attrs
+from prometheus_client import (
+    CONTENT_TYPE_PLAIN_0_0_4,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-__all__ = ["Counter", "Histogram", "Metrics"]
+from structllm.outputs import RequestOutput
+
+__all__ = ["CONTENT_TYPE", "Gauges", "Metrics"]
+
+#: the exposition format ``render()`` writes
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+
+#: gauge name (without the prefix) -> (help, value), sampled at scrape time
+Gauges = Callable[[], dict[str, tuple[str, float]]]
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
@@ -20,62 +39,44 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
-@attrs.define(eq=False)
-class Histogram:
-    name: str
-    help: str
-    buckets: Sequence[float] = _LATENCY_BUCKETS
-    _counts: list[int] = attrs.field(init=False)
-    _sum: float = 0.0
-    _count: int = 0
+@attrs.frozen
+class _GaugeCollector(Collector):
+    """Samples ``gauges()`` each time the registry is collected."""
 
-    def __attrs_post_init__(self) -> None:
-        self._counts = [0] * (len(self.buckets) + 1)
+    gauges: Gauges
+    prefix: str
 
-    def observe(self, value: float) -> None:
-        self._counts[bisect.bisect_left(self.buckets, value)] += 1
-        self._sum += value
-        self._count += 1
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, n in zip((*self.buckets, math.inf), self._counts, strict=True):
-            cumulative += n
-            le = "+Inf" if bound == math.inf else repr(bound)
-            lines.append(f'{self.name}_bucket{{le="{le}"}} {cumulative}')
-        lines.append(f"{self.name}_sum {self._sum}")
-        lines.append(f"{self.name}_count {self._count}")
-        return lines
+    def collect(self) -> Iterator[Metric]:
+        for name, (help_, value) in self.gauges().items():
+            yield GaugeMetricFamily(f"{self.prefix}_{name}", help_, value=value)
 
 
-@attrs.define(eq=False)
-class Counter:
-    name: str
-    help: str
-    _values: dict[str, float] = attrs.Factory(dict)
+@attrs.frozen
+class _WithoutCreated(Collector):
+    """The registry's metrics less the ``*_created`` samples.
 
-    def inc(self, amount: float = 1.0, **labels: str) -> None:
-        key = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-        self._values[key] = self._values.get(key, 0.0) + amount
+    prometheus-client adds a creation timestamp to every counter and
+    histogram; the exposition stays what it was before it (and what vLLM
+    sends) without them, and this needs no process-global switch.
+    """
 
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
-        for key, value in sorted(self._values.items()):
-            lines.append(
-                f"{self.name}{{{key}}} {value}" if key else f"{self.name} {value}"
-            )
-        if not self._values:
-            lines.append(f"{self.name} 0")
-        return lines
+    registry: CollectorRegistry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.registry.collect():
+            metric.samples = [
+                s for s in metric.samples if not s.name.endswith("_created")
+            ]
+            yield metric
 
 
 @attrs.define(eq=False)
 class Metrics:
     """The server's metrics; ``gauges`` sample the engine when scraped."""
 
-    gauges: Callable[[], dict[str, tuple[str, float]]]
+    gauges: Gauges
     prefix: str = "structllm"
+    registry: CollectorRegistry = attrs.field(init=False)
     ttft: Histogram = attrs.field(init=False)
     itl: Histogram = attrs.field(init=False)
     e2e: Histogram = attrs.field(init=False)
@@ -85,34 +86,41 @@ class Metrics:
     generation_tokens: Counter = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        p = self.prefix
-        self.ttft = Histogram(
-            f"{p}_time_to_first_token_seconds", "Time to first token."
+        p, r = self.prefix, CollectorRegistry()
+        self.registry = r
+
+        def histogram(name: str, help_: str) -> Histogram:
+            return Histogram(f"{p}_{name}", help_, registry=r, buckets=_LATENCY_BUCKETS)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between outputs.")
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end latency.")
+        self.queue = histogram(
+            "request_queue_time_seconds", "Arrival to first token, minus prefill."
         )
-        self.itl = Histogram(
-            f"{p}_inter_token_latency_seconds", "Time between outputs."
+        self.requests = Counter(
+            f"{p}_requests_total",
+            "Finished requests by reason.",
+            ["finished_reason"],
+            registry=r,
         )
-        self.e2e = Histogram(f"{p}_e2e_request_latency_seconds", "End-to-end latency.")
-        self.queue = Histogram(
-            f"{p}_request_queue_time_seconds", "Arrival to first token, minus prefill."
+        self.prompt_tokens = Counter(
+            f"{p}_prompt_tokens_total", "Prompt tokens.", registry=r
         )
-        self.requests = Counter(f"{p}_requests_total", "Finished requests by reason.")
-        self.prompt_tokens = Counter(f"{p}_prompt_tokens_total", "Prompt tokens.")
         self.generation_tokens = Counter(
-            f"{p}_generation_tokens_total", "Generated tokens."
+            f"{p}_generation_tokens_total", "Generated tokens.", registry=r
         )
+        r.register(_GaugeCollector(self.gauges, p))
+
+    def record_finished(self, result: RequestOutput, e2e: float) -> None:
+        """Count one finished request (``e2e``: seconds since it arrived)."""
+        self.e2e.observe(e2e)
+        if result.queue_time is not None:
+            self.queue.observe(result.queue_time)
+        self.requests.labels(finished_reason=str(result.finish_reason)).inc()
+        self.prompt_tokens.inc(len(result.prompt_token_ids))
+        self.generation_tokens.inc(len(result.token_ids))
 
     def render(self) -> str:
-        lines: list[str] = []
-        for name, (help_, value) in self.gauges().items():
-            full = f"{self.prefix}_{name}"
-            lines += [
-                f"# HELP {full} {help_}",
-                f"# TYPE {full} gauge",
-                f"{full} {value}",
-            ]
-        for m in (self.requests, self.prompt_tokens, self.generation_tokens):
-            lines += m.render()
-        for h in (self.ttft, self.itl, self.e2e, self.queue):
-            lines += h.render()
-        return "\n".join(lines) + "\n"
+        """The text exposition of every metric (format :data:`CONTENT_TYPE`)."""
+        return generate_latest(_WithoutCreated(self.registry)).decode()

@@ -5,68 +5,60 @@ else looks at it: JSON types (strict: ``"5"`` is not an integer, ``true`` is
 not a number), integer and float ranges (64-bit at most anywhere, token ids
 below 2**31, counts within sane limits), strings that must be valid Unicode
 (a JSON ``"\\ud800"`` escape is a lone surrogate that cannot be encoded),
-list lengths. A failure becomes an OpenAI-style 400 whose ``param`` is the
-path of the field (``max_tokens``, ``messages[0].content``). The models also
-give a truthful OpenAPI schema.
+list lengths (the field types are in :mod:`structllm.server.fields`). A
+failure becomes an OpenAI-style 400 whose ``param`` is the path of the field
+(``max_tokens``, ``messages[0].content``). The models also give the request
+bodies of the OpenAPI schema.
 
 Fields OpenAI defines but structllm does not implement are refused with a
 400 naming them (:data:`REFUSED`), never accepted and ignored; unknown
 fields outside OpenAI's and vLLM's sets are ignored, as OpenAI-compatible
 servers do.
+
+``to_sampling_params()`` on each model is the one conversion from an OpenAI
+body to :class:`~structllm.params.SamplingParams`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import time
-import uuid
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
 import attrs
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    PlainValidator,
-    ValidationError,
-    WithJsonSchema,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from structllm.errors import InvalidRequestError
-from structllm.outputs import CompletionOutput
-from structllm.params import (
-    MAX_COUNT,
-    MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
-    MAX_TOKEN_ID,
-    OutputKind,
-    SamplingParams,
-    is_valid_unicode,
+from structllm.params import MAX_COUNT, OutputKind, SamplingParams
+from structllm.server.fields import (
+    MAX_CHOICES,
+    MAX_ID_LIST,
+    MAX_MESSAGES,
+    MAX_N,
+    Content,
+    Count,
+    LogitBias,
+    Logprobs,
+    NonEmptyText,
+    Penalty,
+    Prompts,
+    Seed,
+    Stop,
+    Text,
+    TokenId,
+    TopK,
 )
 
 __all__ = [
     "REFUSED",
     "ChatRequest",
     "CompletionRequest",
-    "chat_logprobs",
-    "completion_logprobs",
-    "error_body",
-    "usage",
+    "Message",
+    "SamplingRequest",
+    "StreamOptions",
+    "choice_seed",
     "validation_error",
 ]
-
-MAX_N = 16
-#: prompts times n in one completions request
-MAX_CHOICES = MAX_N * 8
-MAX_STOP = 64
-MAX_STOP_LEN = 1024
-MAX_MESSAGES = 4096
-MAX_ID_LIST = 8192
-INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
 
 #: OpenAI (and vLLM) fields structllm refuses, with the reason. A field is
 #: refused when present with a value other than null or a listed no-op value.
@@ -102,166 +94,6 @@ _MODEL_CONFIG = ConfigDict(
 )
 
 
-def _unicode(s: str) -> str:
-    if not is_valid_unicode(s):
-        raise PydanticCustomError(
-            "unicode", "must be valid Unicode (it contains a lone surrogate)"
-        )
-    return s
-
-
-Text = Annotated[str, AfterValidator(_unicode)]
-NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_unicode)]
-TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
-Count = Annotated[int, Field(ge=1, le=MAX_COUNT)]
-Seed = Annotated[int, Field(ge=INT64_MIN, le=UINT64_MAX)]
-TopK = Annotated[int, Field(ge=-1, le=MAX_COUNT)]
-Logprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-
-
-def _stop(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or len(items) > MAX_STOP:
-        raise PydanticCustomError(
-            "stop", f"must be a string or a list of at most {MAX_STOP} strings"
-        )
-    for s in items:
-        if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_LEN:
-            raise PydanticCustomError(
-                "stop", f"must hold non-empty strings of at most {MAX_STOP_LEN} chars"
-            )
-        _unicode(s)
-    return tuple(items)
-
-
-Stop = Annotated[
-    tuple[str, ...],
-    PlainValidator(_stop),
-    WithJsonSchema(
-        {
-            "anyOf": [
-                {"type": "string"},
-                {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP},
-                {"type": "null"},
-            ]
-        }
-    ),
-]
-
-
-def _logit_bias(value: Any) -> dict[int, float]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or len(value) > MAX_ID_LIST:
-        raise PydanticCustomError(
-            "logit_bias", f"must be an object of at most {MAX_ID_LIST} entries"
-        )
-    out: dict[int, float] = {}
-    for key, bias in value.items():
-        token = key
-        if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 12:
-            token = int(key)
-        if (
-            isinstance(token, bool)
-            or not isinstance(token, int)
-            or not 0 <= token <= MAX_TOKEN_ID
-        ):
-            raise PydanticCustomError(
-                "logit_bias", "keys must be token ids (decimal strings)"
-            )
-        if (
-            isinstance(bias, bool)
-            or not isinstance(bias, int | float)
-            or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS
-        ):
-            raise PydanticCustomError(
-                "logit_bias",
-                f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
-            )
-        out[token] = float(bias)
-    return out
-
-
-LogitBias = Annotated[
-    dict[int, float],
-    PlainValidator(_logit_bias),
-    WithJsonSchema(
-        {
-            "type": "object",
-            "additionalProperties": {
-                "type": "number",
-                "minimum": -MAX_LOGIT_BIAS,
-                "maximum": MAX_LOGIT_BIAS,
-            },
-        }
-    ),
-]
-
-
-def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
-    """A string, strings, token ids or lists of token ids, none empty."""
-
-    def fail(message: str) -> PydanticCustomError:
-        return PydanticCustomError("prompt", message)
-
-    def ids(v: list[Any]) -> tuple[int, ...] | None:
-        if not v or not all(_is_token(t) for t in v):
-            return None
-        if len(v) > MAX_COUNT:
-            raise fail("has too many token ids")
-        for t in v:
-            if not 0 <= t <= MAX_TOKEN_ID:
-                raise fail(f"token ids must lie in [0, {MAX_TOKEN_ID}], got {t!r:.60}")
-        return tuple(v)
-
-    shape = (
-        "must be a non-empty string, a list of strings, a list of token ids "
-        "or a list of lists of token ids"
-    )
-    if isinstance(value, str):
-        if not value:
-            raise fail("must not be empty")
-        return (_unicode(value),)
-    if not isinstance(value, list) or not value:
-        raise fail(shape)
-    if len(value) > MAX_CHOICES:
-        raise fail(f"has more than {MAX_CHOICES} prompts")
-    if (one := ids(value)) is not None:
-        return (one,)
-    if all(isinstance(p, str) for p in value):
-        if any(p == "" for p in value):
-            raise fail("must not be empty")
-        return tuple(_unicode(p) for p in value)
-    if all(isinstance(p, list) for p in value):
-        out = []
-        for p in value:
-            if (each := ids(p)) is None:
-                raise fail(shape)
-            out.append(each)
-        return tuple(out)
-    raise fail(shape)
-
-
-_TOKEN_IDS_SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0}}
-Prompts = Annotated[
-    tuple[str | tuple[int, ...], ...],
-    PlainValidator(_prompts),
-    WithJsonSchema(
-        {
-            "anyOf": [
-                {"type": "string"},
-                {"type": "array", "items": {"type": "string"}},
-                _TOKEN_IDS_SCHEMA,
-                {"type": "array", "items": _TOKEN_IDS_SCHEMA},
-            ]
-        }
-    ),
-]
-
-
 class StreamOptions(BaseModel):
     model_config = _MODEL_CONFIG
 
@@ -270,7 +102,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = None
 
 
-class _Sampling(BaseModel):
+class SamplingRequest(BaseModel):
     """Fields shared by completions and chat."""
 
     model_config = _MODEL_CONFIG
@@ -324,7 +156,7 @@ class _Sampling(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _cross_checks(self) -> _Sampling:
+    def _cross_checks(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise PydanticCustomError(
                 "stream_options", "stream_options is only allowed when stream is true"
@@ -372,7 +204,7 @@ class _Sampling(BaseModel):
         return kw
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``."""
 
     prompt: Prompts
@@ -400,46 +232,6 @@ class CompletionRequest(_Sampling):
         return SamplingParams(**kw)
 
 
-def _content(value: Any) -> str | None:
-    """A string, or OpenAI content parts of type text (joined)."""
-    if value is None or isinstance(value, str):
-        return None if value is None else _unicode(value)
-    if not isinstance(value, list) or len(value) > MAX_MESSAGES:
-        raise PydanticCustomError(
-            "content", "must be a string or an array of text parts"
-        )
-    texts = []
-    for i, part in enumerate(value):
-        if not isinstance(part, dict) or part.get("type") != "text":
-            raise PydanticCustomError(
-                "content",
-                "part [{i}] must be an object of type 'text' (only text is supported)",
-                {"i": i},
-            )
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise PydanticCustomError(
-                "content", "part [{i}].text must be a string", {"i": i}
-            )
-        texts.append(_unicode(text))
-    return "".join(texts)
-
-
-Content = Annotated[
-    str | None,
-    PlainValidator(_content),
-    WithJsonSchema(
-        {
-            "anyOf": [
-                {"type": "string"},
-                {"type": "array", "items": {"type": "object"}},
-                {"type": "null"},
-            ]
-        }
-    ),
-]
-
-
 class Message(BaseModel):
     model_config = _MODEL_CONFIG
 
@@ -463,7 +255,7 @@ class Message(BaseModel):
         return self.content or ""
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(SamplingRequest):
     """``POST /v1/chat/completions``."""
 
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
@@ -546,112 +338,8 @@ def _path(loc: Sequence[int | str]) -> str:
     return out
 
 
-def _is_token(t: object) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool)
-
-
-def error_body(
-    message: str,
-    *,
-    type_: str = "invalid_request_error",
-    param: str | None = None,
-    code: str | int | None = None,
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def usage(
-    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
-) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        # prompt tokens served from the prefix cache, as OpenAI and vLLM report
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def _token_name(token_id: int, piece: str | None, as_ids: bool) -> str:
-    return f"token_id:{token_id}" if as_ids else (piece or "")
-
-
-def completion_logprobs(
-    out: CompletionOutput, text_offset: int = 0, *, as_ids: bool = False
-) -> dict[str, Any] | None:
-    """The completions API's logprobs object for the tokens in ``out``."""
-    if out.logprobs is None:
-        return None
-    tokens, token_lps, tops, offsets = [], [], [], []
-    offset = text_offset
-    for token_id, d in zip(out.token_ids, out.logprobs, strict=True):
-        lp = d[token_id]
-        piece = lp.decoded_token or ""
-        tokens.append(_token_name(token_id, piece, as_ids))
-        token_lps.append(lp.logprob)
-        tops.append(
-            {_token_name(t, v.decoded_token, as_ids): v.logprob for t, v in d.items()}
-        )
-        offsets.append(offset)
-        offset += len(piece)
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_lps,
-        "top_logprobs": tops,
-        "text_offset": offsets,
-    }
-
-
-def chat_logprobs(
-    out: CompletionOutput, top_n: int, *, as_ids: bool = False
-) -> dict[str, Any] | None:
-    if out.logprobs is None:
-        return None
-    content = []
-    for token_id, d in zip(out.token_ids, out.logprobs, strict=True):
-        lp = d[token_id]
-        name = _token_name(token_id, lp.decoded_token, as_ids)
-        ranked = sorted(
-            d.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30
-        )
-        content.append(
-            {
-                "token": name,
-                "logprob": lp.logprob,
-                "bytes": list(name.encode()),
-                "top_logprobs": [
-                    {
-                        "token": (top := _token_name(t, v.decoded_token, as_ids)),
-                        "logprob": v.logprob,
-                        "bytes": list(top.encode()),
-                    }
-                    for t, v in ranked[:top_n]
-                ],
-            }
-        )
-    return {"content": content}
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def fingerprint(*parts: object) -> str:
-    """``system_fingerprint``: changes when the serving configuration does."""
-    digest = hashlib.sha256(repr(parts).encode()).hexdigest()[:12]
-    return f"fp_{digest}"
-
-
 def choice_seed(params: SamplingParams, index: int) -> SamplingParams:
     """Choice ``index`` of ``n``: a distinct seed when the request gave one."""
     if params.seed is None or index == 0:
         return params
     return attrs.evolve(params, seed=(params.seed + index) % 2**63)
-
-
-def as_prompt(p: str | Sequence[int]) -> str | dict[str, Any]:
-    return p if isinstance(p, str) else {"prompt_token_ids": list(p)}

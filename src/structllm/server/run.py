@@ -28,9 +28,18 @@ import anyio
 
 from structllm.engine.async_llm import AsyncLLM
 from structllm.errors import StructLLMError
-from structllm.server.app import Drain, EngineSlot, ServerConfig, build_app, error_json
+from structllm.server.app import build_app
+from structllm.server.drain import Drain, drain_then_stop
+from structllm.server.http_errors import error_json
+from structllm.server.serving import EngineSlot, ServerConfig
 
-__all__ = ["add_serve_args", "run_server"]
+__all__ = [
+    "add_serve_args",
+    "hypercorn_config",
+    "listen",
+    "run_server",
+    "serve_hypercorn",
+]
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -75,25 +84,41 @@ def run_server(ns: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     return anyio.run(_serve, ns, engine_args, backend=ns.loop)
 
 
-async def _serve(ns: argparse.Namespace, engine_args: dict[str, Any]) -> int:
+def listen(host: str, port: int, backlog: int) -> socket.socket:
+    """A listening TCP socket (``port`` 0 picks a free one)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    return sock
+
+
+def hypercorn_config(
+    sock: socket.socket, *, backlog: int, header_timeout: float
+) -> Any:
+    """hypercorn's configuration for serving on ``sock``."""
     from hypercorn.config import Config
 
-    sock = socket.socket(socket.AF_INET6 if ":" in ns.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((ns.host, ns.port))
-    sock.listen(ns.backlog)
-    port = sock.getsockname()[1]
     config = Config()
     config.bind = [f"fd://{sock.fileno()}"]
     # hypercorn calls listen() again on the socket with this value
-    config.backlog = ns.backlog
+    config.backlog = backlog
     # our Drain has already cut every request when hypercorn is told to stop
     config.graceful_timeout = 2.0
     # an idle connection (also one still sending its headers) closes after this
-    config.keep_alive_timeout = ns.header_timeout
+    config.keep_alive_timeout = header_timeout
     config.accesslog = None
     config.errorlog = "-"
     _openai_error_bodies()
+    return config
+
+
+async def _serve(ns: argparse.Namespace, engine_args: dict[str, Any]) -> int:
+    sock = listen(ns.host, ns.port, ns.backlog)
+    port = sock.getsockname()[1]
+    config = hypercorn_config(
+        sock, backlog=ns.backlog, header_timeout=ns.header_timeout
+    )
     name = ns.served_model_name or ns.model
     shutdown = anyio.Event()
     slot = EngineSlot()
@@ -117,7 +142,7 @@ async def _serve(ns: argparse.Namespace, engine_args: dict[str, Any]) -> int:
 
             async def serve_http() -> None:
                 try:
-                    await _hypercorn(app, config, shutdown)
+                    await serve_hypercorn(app, config, shutdown)
                 finally:
                     served.set()
 
@@ -158,7 +183,8 @@ async def _serve(ns: argparse.Namespace, engine_args: dict[str, Any]) -> int:
     return status
 
 
-async def _hypercorn(app: Any, config: Any, shutdown: anyio.Event) -> None:
+async def serve_hypercorn(app: Any, config: Any, shutdown: anyio.Event) -> None:
+    """Serve ``app`` on hypercorn under the running loop until ``shutdown``."""
     import sniffio
 
     if sniffio.current_async_library() == "trio":
@@ -180,17 +206,6 @@ async def _on_signals(drain: Drain, grace: float, shutdown: anyio.Event) -> None
             )
             await drain_then_stop(drain, grace, shutdown)
             return
-
-
-async def drain_then_stop(drain: Drain, grace: float, shutdown: anyio.Event) -> None:
-    """503 for new requests, ``grace`` seconds for open ones, cut the rest, stop."""
-    drain.start()
-    with anyio.move_on_after(grace):
-        await drain.wait_idle()
-    drain.cut()
-    with anyio.move_on_after(5.0):  # cut requests write their last event
-        await drain.wait_idle()
-    shutdown.set()
 
 
 def _openai_error_bodies() -> None:

@@ -1,0 +1,91 @@
+"""The OpenAPI document, from the same models that validate and build bodies.
+
+Request bodies are read and validated by hand (size cap, deadline, strict
+JSON), so FastAPI never sees them as parameters; :func:`request_body` puts
+the request model's schema into the route's ``openapi_extra``, and
+:func:`responses` describes the 200 (JSON, and the chunk model as
+``text/event-stream`` for routes that stream) and the error statuses with
+:class:`~structllm.server.responses.ErrorResponse`. :func:`install` adds the
+collected schemas to ``components/schemas``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import JsonSchemaMode
+
+from structllm.server.responses import ErrorResponse
+
+__all__ = ["install", "request_body", "responses"]
+
+_REF = "#/components/schemas/{model}"
+_SCHEMAS: dict[str, Any] = {}
+
+_ERRORS = {
+    400: "Invalid JSON or a field out of range; `param` names the field.",
+    404: "The `model` is not the one this server serves.",
+    408: "The body or the request took too long.",
+    413: "The body is larger than `--max-body-bytes`.",
+    500: "An internal error in this request alone.",
+    503: "The engine is loading, overloaded, restarting or dead, or the server "
+    "is shutting down.",
+}
+
+
+def _schema(model: type[BaseModel], mode: JsonSchemaMode) -> dict[str, str]:
+    """``model``'s schema in components; a reference to it."""
+    schema = model.model_json_schema(ref_template=_REF, mode=mode)
+    _SCHEMAS.update(schema.pop("$defs", {}))
+    _SCHEMAS[model.__name__] = schema
+    return {"$ref": _REF.format(model=model.__name__)}
+
+
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` for a route whose JSON body ``model`` validates."""
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": _schema(model, "validation")}},
+        }
+    }
+
+
+def responses(
+    model: type[BaseModel],
+    chunk: type[BaseModel] | None = None,
+    errors: Iterable[int] = (400, 404, 408, 413, 500, 503),
+) -> dict[int | str, dict[str, Any]]:
+    """``responses`` for a route answering ``model`` (or ``chunk`` events)."""
+    ok: dict[str, Any] = {"model": model, "description": "The response."}
+    if chunk is not None:
+        ok["description"] = (
+            "The response; with `stream: true`, server-sent events, each "
+            "`data:` one chunk, then `data: [DONE]`."
+        )
+        ok["content"] = {
+            "text/event-stream": {"schema": _schema(chunk, "serialization")}
+        }
+    out: dict[int | str, dict[str, Any]] = {200: ok}
+    for status in errors:
+        out[status] = {"model": ErrorResponse, "description": _ERRORS[status]}
+    return out
+
+
+def install(app: FastAPI) -> None:
+    """Make ``app.openapi()`` include the schemas the routes refer to."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for name, schema in _SCHEMAS.items():
+                schemas.setdefault(name, schema)
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    setattr(app, "openapi", openapi)  # noqa: B010 (FastAPI's documented override)

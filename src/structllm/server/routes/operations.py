@@ -1,0 +1,51 @@
+"""``GET /health`` and ``GET /metrics``: for load balancers and Prometheus."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse, Response
+
+from structllm.server.drain import Drain
+from structllm.server.metrics import CONTENT_TYPE
+from structllm.server.serving import Serving
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.get(
+    "/health",
+    response_model=None,
+    responses={
+        200: {"description": "The engine serves."},
+        503: {
+            "description": "Loading, restarting, draining, dead, or the engine "
+            "process has been silent too long."
+        },
+    },
+    summary="Health check (empty body)",
+)
+async def health(request: Request) -> Response:
+    serving: Serving = request.app.state.serving
+    drain: Drain = request.app.state.drain
+    llm = serving.slot.llm
+    if llm is None or drain.draining:
+        return Response(status_code=503)  # loading, or shutting down
+    return Response(status_code=200 if llm.statistics().healthy else 503)
+
+
+@router.get(
+    "/metrics",
+    response_model=None,
+    responses={
+        200: {
+            "description": "Prometheus text exposition.",
+            "content": {CONTENT_TYPE: {"schema": {"type": "string"}}},
+        }
+    },
+    summary="Prometheus metrics",
+)
+async def metrics(request: Request) -> Response:
+    serving: Serving = request.app.state.serving
+    return PlainTextResponse(serving.metrics.render(), media_type=CONTENT_TYPE)

@@ -1,0 +1,388 @@
+"""The serving base: what every OpenAI endpoint does around its own logic.
+
+:class:`Serving` holds the engine slot, the configuration and the metrics.
+``guarded()`` reads the body under a size cap and a deadline, parses it as
+strict JSON (:mod:`~structllm.server.body`: no NaN, bounded depth; big
+bodies in a worker thread), runs the
+endpoint's handler in a task group that also watches the connection (a
+client that leaves cancels it, the request's ``stream`` block exits and the
+engine aborts it within one step) under ``--request-timeout``, and turns the
+known errors into OpenAI error responses. ``run_to_end()`` and
+``stream()`` run the requests of one response (prompts times ``n``), the
+latter as server-sent events whose chunks a :class:`StreamFormat` writes
+(each API's is a :class:`Chunks`).
+:mod:`~structllm.server.serving_completion` and
+:mod:`~structllm.server.serving_chat` are the endpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
+
+import anyio
+import attrs
+from anyio.streams.memory import MemoryObjectSendStream
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
+
+from structllm.engine.async_llm import AsyncLLM
+from structllm.engine.inputs import Prompt
+from structllm.errors import EngineLoadingError, InvalidRequestError
+from structllm.outputs import CompletionOutput, RequestOutput
+from structllm.params import SamplingParams
+from structllm.server import responses as api
+from structllm.server.body import (
+    BIG_BODY,
+    BodyTooLargeError,
+    maybe_off_loop,
+    parse_json,
+    read_body,
+)
+from structllm.server.http_errors import (
+    ModelNotFoundError,
+    RequestTimeoutError,
+    error_response,
+    json_error,
+)
+from structllm.server.metrics import Metrics
+from structllm.server.protocol import SamplingRequest
+from structllm.server.streaming import (
+    Emit,
+    EventStream,
+    cancel_on_disconnect,
+    deadline,
+)
+
+__all__ = ["Chunks", "EngineSlot", "Job", "ServerConfig", "Serving", "StreamFormat"]
+
+_R = TypeVar("_R", bound=SamplingRequest)
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    model_name: str
+    #: seconds before a request is ended with a timeout error; None = never
+    request_timeout: float | None = None
+    retry_after: int = 1
+    default_max_tokens: int = 16
+    #: larger request bodies are refused with 413 before being read
+    max_body_bytes: int = 32 << 20
+    #: a body not fully received within this many seconds gets 408
+    body_timeout: float = 30.0
+
+
+@attrs.define(eq=False)
+class EngineSlot:
+    """Holds the engine once it is up: the server listens while it loads."""
+
+    llm: AsyncLLM | None = None
+
+    def get(self) -> AsyncLLM:
+        if self.llm is None:
+            raise EngineLoadingError("the engine is loading")
+        return self.llm
+
+
+@attrs.frozen
+class Job:
+    """One choice to generate: choice ``index`` of prompt ``prompt_index``."""
+
+    index: int
+    prompt_index: int
+    prompt: Prompt
+    params: SamplingParams
+
+
+class StreamFormat(Protocol):
+    """How one API writes its chunks; ``usage`` is set for continuous usage."""
+
+    @property
+    def include_usage(self) -> bool: ...
+    @property
+    def continuous_usage(self) -> bool: ...
+    def opening(self, job: Job, usage: api.Usage | None) -> BaseModel | None: ...
+    def delta(
+        self, job: Job, out: RequestOutput, usage: api.Usage | None
+    ) -> BaseModel: ...
+    def closing(self, usage: api.Usage) -> BaseModel: ...
+
+
+@attrs.define(eq=False)
+class Serving:
+    """The engine, the configuration and the metrics every endpoint shares."""
+
+    slot: EngineSlot
+    config: ServerConfig
+    metrics: Metrics
+    fingerprint: str = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.fingerprint = api.fingerprint("structllm", self.config.model_name)
+
+    # -- the guard -----------------------------------------------------------
+
+    async def guarded(
+        self, request: Request, handler: Callable[[Any, bool], Awaitable[Response]]
+    ) -> Response:
+        """Errors -> OpenAI error bodies; a disconnect cancels the handler.
+
+        The body is read first: afterwards the only message left to receive
+        is the disconnect, which a watcher task waits for.
+        """
+        config = self.config
+        try:
+            with anyio.fail_after(config.body_timeout):
+                raw = await read_body(request, config.max_body_bytes)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except BodyTooLargeError:
+            return json_error(
+                413,
+                f"the request body exceeds {config.max_body_bytes} bytes",
+                headers={"connection": "close"},
+            )
+        except TimeoutError:
+            return json_error(
+                408,
+                f"the request body was not received within {config.body_timeout:g}s",
+                headers={"connection": "close"},
+            )
+        big = len(raw) > BIG_BODY
+        try:
+            body = await maybe_off_loop(big, parse_json, raw)
+        except (ValueError, RecursionError) as exc:
+            return json_error(400, f"the body is not valid JSON: {exc}"[:500])
+        try:
+            response = None
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cancel_on_disconnect, request.receive, tg.cancel_scope)
+                with deadline(config.request_timeout):
+                    response = await handler(body, big)
+                tg.cancel_scope.cancel()
+            if response is None:  # the client went away
+                return Response(status_code=499)
+            return response
+        except BaseExceptionGroup as group:
+            response = self.error_response(_leaf(group))
+            if response is None:
+                raise
+            return response
+
+    def error_response(self, exc: BaseException) -> Response | None:
+        return error_response(exc, retry_after=self.config.retry_after)
+
+    # -- checks shared by the endpoints ----------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        if name and name != self.config.model_name:
+            raise ModelNotFoundError(
+                f"the model {name!r} does not exist; this server serves "
+                f"{self.config.model_name!r}"
+            )
+
+    @staticmethod
+    def check_length(
+        llm: AsyncLLM, ids: Sequence[int], max_tokens: int | None, field: str
+    ) -> None:
+        room = llm.max_model_len - len(ids)
+        if max_tokens is not None and max_tokens > room:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {llm.max_model_len} "
+                f"tokens; the prompt has {len(ids)} and {field}={max_tokens} "
+                f"would need {len(ids) + max_tokens}",
+                field=field,
+            )
+
+    def prompt_text(self, prompt: Prompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return self.slot.get().tokenizer.decode(list(prompt.token_ids))
+
+    @staticmethod
+    def prompt_tokens(jobs: Sequence[Job]) -> int:
+        """Prompt tokens counted once per prompt (its n choices share it)."""
+        seen = {job.prompt_index: len(job.prompt.token_ids) for job in jobs}
+        return sum(seen.values())
+
+    def head(self, rid: str) -> dict[str, Any]:
+        """The fields every response and chunk starts with."""
+        return {
+            "id": rid,
+            "created": api.now(),
+            "model": self.config.model_name,
+            "system_fingerprint": self.fingerprint,
+        }
+
+    def final_usage(
+        self, jobs: Sequence[Job], finals: dict[int, RequestOutput]
+    ) -> api.Usage:
+        return api.usage(
+            self.prompt_tokens(jobs),
+            sum(len(f.outputs[0].token_ids) for f in finals.values()),
+            sum(f.num_cached_tokens or 0 for f in finals.values()),
+        )
+
+    # -- running requests --------------------------------------------------------
+
+    async def run_to_end(self, jobs: Sequence[Job]) -> dict[int, RequestOutput]:
+        """Every job's final output, by choice index (all run concurrently)."""
+        finals: dict[int, RequestOutput] = {}
+
+        async def one(job: Job) -> None:
+            finals[job.index] = await self.observe(job.prompt, job.params, None)
+
+        async with anyio.create_task_group() as tg:
+            for job in jobs:
+                tg.start_soon(one, job)
+        return finals
+
+    def stream(
+        self, llm: AsyncLLM, jobs: Sequence[Job], fmt: StreamFormat
+    ) -> EventStream:
+        """The jobs' chunks as server-sent events, then ``[DONE]``.
+
+        What can be refused is refused first, before the 200 is promised: a
+        bad prompt is a 400 and overload a 503, streaming or not. Errors
+        after that (a timeout, an engine death) are the last event.
+        """
+        for prompt in {job.prompt_index: job.prompt for job in jobs}.values():
+            llm.check_admission(
+                prompt.token_ids, count=len(jobs), params=jobs[0].params
+            )
+        prompt_tokens = self.prompt_tokens(jobs)
+        generated = {job.index: 0 for job in jobs}
+        cached = {job.index: 0 for job in jobs}
+
+        def usage() -> api.Usage:
+            return api.usage(
+                prompt_tokens, sum(generated.values()), sum(cached.values())
+            )
+
+        def running_usage() -> api.Usage | None:
+            return usage() if fmt.continuous_usage else None
+
+        async def one(out: MemoryObjectSendStream[dict[str, Any]], job: Job) -> None:
+            with out:
+                if (first := fmt.opening(job, running_usage())) is not None:
+                    out.send_nowait(api.dump(first))
+
+                def on_output(o: RequestOutput) -> None:
+                    generated[job.index] = o.num_generated_tokens
+                    cached[job.index] = o.num_cached_tokens or 0
+                    out.send_nowait(api.dump(fmt.delta(job, o, running_usage())))
+
+                await self.observe(job.prompt, job.params, on_output)
+
+        async def produce(emit: Emit) -> None:
+            send, receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
+            try:
+                with receive:
+                    async with anyio.create_task_group() as tg:
+                        with send:  # each job holds a clone until it is done
+                            for job in jobs:
+                                tg.start_soon(one, send.clone(), job)
+                        async for event in receive:
+                            await emit(event)
+            except BaseExceptionGroup as group:
+                response = self.error_response(_leaf(group))
+                if response is None:
+                    raise
+                await emit(json.loads(bytes(response.body)))
+            else:
+                if fmt.include_usage:
+                    await emit(api.dump(fmt.closing(usage())))
+            await emit("[DONE]")
+
+        async def produce_with_deadline(emit: Emit) -> None:
+            try:
+                with deadline(self.config.request_timeout):
+                    await produce(emit)
+            except RequestTimeoutError as exc:  # the 200 is sent: say it here
+                response = self.error_response(exc)
+                assert response is not None
+                await emit(json.loads(bytes(response.body)))
+                await emit("[DONE]")
+
+        return EventStream(produce_with_deadline)
+
+    async def observe(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        on_output: Callable[[RequestOutput], None] | None,
+    ) -> RequestOutput:
+        """Run one request, recording latency metrics; return its final output."""
+        metrics = self.metrics
+        start = time.monotonic()
+        last = start
+        first = True
+        given: dict[str, Any] = {"prompt_token_ids": list(prompt.token_ids)}
+        if prompt.text is not None:
+            given["prompt"] = prompt.text
+        s = self.slot.get().stream(given, params)
+        try:
+            async with s:
+                async for out in s:
+                    now = time.monotonic()
+                    if first:
+                        metrics.ttft.observe(now - start)
+                        first = False
+                    else:
+                        metrics.itl.observe(now - last)
+                    last = now
+                    if on_output is not None:
+                        on_output(out)
+        finally:
+            # also when cancelled (client gone, timeout): synchronous, no await
+            result = s.final_output
+            if result is not None:
+                metrics.record_finished(result, time.monotonic() - start)
+        assert result is not None
+        return result
+
+
+@attrs.frozen
+class Chunks(Generic[_R]):
+    """What the StreamFormats of the APIs share: request, id, common fields."""
+
+    serving: Serving
+    req: _R
+    rid: str
+
+    @property
+    def include_usage(self) -> bool:
+        return self.req.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.req.continuous_usage
+
+    def head(self, usage: api.Usage | None) -> dict[str, Any]:
+        """The fields of a chunk besides its choices."""
+        head = self.serving.head(self.rid)
+        if usage is not None:
+            head["usage"] = usage
+        return head
+
+    def finish_fields(self, c: CompletionOutput) -> dict[str, Any]:
+        """A streamed choice's ``token_ids`` if asked, ``stop_reason`` at the end."""
+        extra: dict[str, Any] = {}
+        if self.req.return_token_ids:
+            extra["token_ids"] = list(c.token_ids)
+        if c.finish_reason is not None:
+            extra["stop_reason"] = c.stop_reason
+        return extra
+
+
+def _leaf(group: BaseExceptionGroup[Any]) -> BaseException:
+    """The first leaf exception of a (nested) group."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc

@@ -1,0 +1,145 @@
+"""``POST /v1/chat/completions``: messages through the chat template, then
+choices, whole or streamed.
+
+A request is validated as a :class:`~structllm.server.protocol.ChatRequest`,
+its messages are rendered with the model's chat template and tokenised (off
+the event loop when long), and each of the ``n`` choices becomes one engine
+request; the responses are :mod:`structllm.server.responses` models.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from fastapi.responses import Response
+
+from structllm.engine.inputs import OFF_LOOP_CHARS, Prompt, check_prompt_bytes
+from structllm.outputs import RequestOutput
+from structllm.server import responses as api
+from structllm.server.body import maybe_off_loop, validate
+from structllm.server.http_errors import ASCIIJSONResponse
+from structllm.server.protocol import ChatRequest, choice_seed
+from structllm.server.serving import Chunks, Job, Serving
+
+__all__ = ["ChatServing"]
+
+
+@attrs.define(eq=False)
+class ChatServing(Serving):
+    """The chat endpoint's logic (the route only calls ``create``)."""
+
+    async def create(self, body: Any, big: bool) -> Response:
+        llm = self.slot.get()
+        req = await maybe_off_loop(big, validate, ChatRequest, body)
+        self.check_model(req.model)
+        params = req.to_sampling_params(None)
+        messages = req.template_messages()
+        size = sum(len(m["content"]) for m in messages)
+        cap = llm.max_prompt_bytes
+        if cap is not None and 4 * size > cap:  # 4: the most bytes per char
+            text = "".join(m["content"] for m in messages)
+            check_prompt_bytes(text, cap, field="messages")
+        add_generation_prompt = req.add_generation_prompt is not False
+
+        def render() -> tuple[str, tuple[int, ...]]:
+            text = llm.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt
+            )
+            # the template writes BOS itself: tokenise without special tokens
+            return text, tuple(llm.tokenizer.encode(text, add_special_tokens=False))
+
+        text, ids = await maybe_off_loop(size > OFF_LOOP_CHARS, render)
+        prompt = Prompt(text, ids)
+        limit = req.max_completion_tokens or req.max_tokens
+        self.check_length(llm, ids, limit, req.limit_field)
+        jobs = [Job(j, 0, prompt, choice_seed(params, j)) for j in range(req.choices)]
+        top_logprobs = params.logprobs or 0
+        if req.stream:
+            chunks = _Chunks(self, req, api.new_id("chatcmpl"), top_logprobs)
+            return self.stream(llm, jobs, chunks)
+        finals = await self.run_to_end(jobs)
+        extra: dict[str, Any] = {}
+        if req.return_token_ids:
+            extra["prompt_token_ids"] = list(prompt.token_ids)
+        response = api.ChatCompletionResponse(
+            **self.head(api.new_id("chatcmpl")),
+            choices=[_choice(req, i, finals[i], top_logprobs) for i in sorted(finals)],
+            usage=self.final_usage(jobs, finals),
+            **extra,
+        )
+        return ASCIIJSONResponse(api.dump(response))
+
+
+def _choice(
+    req: ChatRequest, index: int, out: RequestOutput, top_logprobs: int
+) -> api.ChatChoice:
+    c = out.outputs[0]
+    extra: dict[str, Any] = {}
+    if req.return_token_ids:
+        extra["token_ids"] = list(c.token_ids)
+    return api.ChatChoice(
+        index=index,
+        message=api.ChatMessage(content=req.echo_text + c.text),
+        logprobs=api.chat_logprobs(
+            c, top_logprobs, as_ids=bool(req.return_tokens_as_token_ids)
+        ),
+        finish_reason=c.finish_reason,
+        stop_reason=c.stop_reason,
+        **extra,
+    )
+
+
+@attrs.frozen
+class _Chunks(Chunks[ChatRequest]):
+    """The chunks of a streaming chat completion (a StreamFormat)."""
+
+    top_logprobs: int
+
+    def _chunk(
+        self,
+        choices: list[api.ChatStreamChoice],
+        usage: api.Usage | None,
+        **extra: Any,
+    ) -> api.ChatCompletionStreamResponse:
+        return api.ChatCompletionStreamResponse(
+            **self.head(usage), choices=choices, **extra
+        )
+
+    def opening(
+        self, job: Job, usage: api.Usage | None
+    ) -> api.ChatCompletionStreamResponse:
+        """The assistant's role (and vLLM's echo) before any generated token."""
+        first = api.ChatStreamChoice(
+            index=job.index,
+            delta=api.ChatDelta(role="assistant", content=self.req.echo_text),
+            logprobs=None,
+            finish_reason=None,
+        )
+        extra: dict[str, Any] = {}
+        if self.req.return_token_ids and job.index == 0:
+            extra["prompt_token_ids"] = list(job.prompt.token_ids)
+        return self._chunk([first], usage, **extra)
+
+    def delta(
+        self, job: Job, out: RequestOutput, usage: api.Usage | None
+    ) -> api.ChatCompletionStreamResponse:
+        c = out.outputs[0]
+        delta = (
+            api.ChatDelta(content=c.text)
+            if c.text or not c.finish_reason
+            else api.ChatDelta()
+        )
+        choice = api.ChatStreamChoice(
+            index=job.index,
+            delta=delta,
+            logprobs=api.chat_logprobs(
+                c, self.top_logprobs, as_ids=bool(self.req.return_tokens_as_token_ids)
+            ),
+            finish_reason=c.finish_reason,
+            **self.finish_fields(c),
+        )
+        return self._chunk([choice], usage)
+
+    def closing(self, usage: api.Usage) -> api.ChatCompletionStreamResponse:
+        return self._chunk([], usage)

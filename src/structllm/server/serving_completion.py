@@ -1,0 +1,123 @@
+"""``POST /v1/completions``: prompts in, choices out, whole or streamed.
+
+A request is validated as a :class:`~structllm.server.protocol.CompletionRequest`,
+each text prompt is tokenised (off the event loop when long), and every
+prompt times ``n`` becomes one engine request (a :class:`Job`); the
+responses are :mod:`structllm.server.responses` models.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from fastapi.responses import Response
+
+from structllm.engine.inputs import Prompt, parse_prompt_off_loop
+from structllm.outputs import RequestOutput
+from structllm.server import responses as api
+from structllm.server.body import maybe_off_loop, validate
+from structllm.server.http_errors import ASCIIJSONResponse
+from structllm.server.protocol import CompletionRequest, choice_seed
+from structllm.server.serving import Chunks, Job, Serving
+
+__all__ = ["CompletionServing"]
+
+
+@attrs.define(eq=False)
+class CompletionServing(Serving):
+    """The completions endpoint's logic (the route only calls ``create``)."""
+
+    async def create(self, body: Any, big: bool) -> Response:
+        llm = self.slot.get()  # 503 while loading, before anything streams
+        req = await maybe_off_loop(big, validate, CompletionRequest, body)
+        self.check_model(req.model)
+        params = req.to_sampling_params(self.config.default_max_tokens)
+        prompts = []
+        for p in req.prompt:
+            if isinstance(p, str):
+                prompt = await parse_prompt_off_loop(
+                    p, llm.tokenizer, max_bytes=llm.max_prompt_bytes
+                )
+            else:
+                prompt = Prompt(None, p)
+            self.check_length(llm, prompt.token_ids, req.max_tokens, "max_tokens")
+            prompts.append(prompt)
+        jobs = [
+            Job(i * req.choices + j, i, p, choice_seed(params, j))
+            for i, p in enumerate(prompts)
+            for j in range(req.choices)
+        ]
+        if req.stream:
+            return self.stream(llm, jobs, _Chunks(self, req, api.new_id("cmpl")))
+        finals = await self.run_to_end(jobs)
+        by_index = {job.index: job for job in jobs}
+        response = api.CompletionResponse(
+            **self.head(api.new_id("cmpl")),
+            choices=[self._choice(req, by_index[i], finals[i]) for i in sorted(finals)],
+            usage=self.final_usage(jobs, finals),
+        )
+        return ASCIIJSONResponse(api.dump(response))
+
+    def _choice(
+        self, req: CompletionRequest, job: Job, out: RequestOutput
+    ) -> api.CompletionChoice:
+        c = out.outputs[0]
+        extra: dict[str, Any] = {}
+        if req.return_token_ids:
+            extra["prompt_token_ids"] = list(job.prompt.token_ids)
+            extra["token_ids"] = list(c.token_ids)
+        return api.CompletionChoice(
+            index=job.index,
+            text=(self.prompt_text(job.prompt) + c.text) if req.echo else c.text,
+            logprobs=api.completion_logprobs(
+                c, as_ids=bool(req.return_tokens_as_token_ids)
+            ),
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            **extra,
+        )
+
+
+@attrs.frozen
+class _Chunks(Chunks[CompletionRequest]):
+    """The chunks of a streaming completion (a StreamFormat)."""
+
+    def _chunk(
+        self, choices: list[api.CompletionStreamChoice], usage: api.Usage | None
+    ) -> api.CompletionStreamResponse:
+        return api.CompletionStreamResponse(**self.head(usage), choices=choices)
+
+    def opening(
+        self, job: Job, usage: api.Usage | None
+    ) -> api.CompletionStreamResponse | None:
+        """The echoed prompt and its token ids, before any generated token."""
+        extra: dict[str, Any] = {}
+        if self.req.echo:
+            extra["text"] = self.serving.prompt_text(job.prompt)
+        if self.req.return_token_ids:
+            extra["prompt_token_ids"] = list(job.prompt.token_ids)
+        if not extra:
+            return None
+        first = api.CompletionStreamChoice(
+            index=job.index, logprobs=None, finish_reason=None, **extra
+        )
+        return self._chunk([first], usage)
+
+    def delta(
+        self, job: Job, out: RequestOutput, usage: api.Usage | None
+    ) -> api.CompletionStreamResponse:
+        c = out.outputs[0]
+        choice = api.CompletionStreamChoice(
+            index=job.index,
+            text=c.text,
+            logprobs=api.completion_logprobs(
+                c, as_ids=bool(self.req.return_tokens_as_token_ids)
+            ),
+            finish_reason=c.finish_reason,
+            **self.finish_fields(c),
+        )
+        return self._chunk([choice], usage)
+
+    def closing(self, usage: api.Usage) -> api.CompletionStreamResponse:
+        return self._chunk([], usage)

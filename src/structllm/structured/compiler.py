@@ -1,0 +1,205 @@
+"""Compile :class:`StructuredOutputs` into grammars: :class:`GrammarCompiler`.
+
+One compiler per model (it holds the model's
+:class:`~structllm.structured.vocabulary.GrammarVocabulary`). ``compile``
+turns a request's constraint into a :class:`CompiledGrammar`, from a bounded
+LRU cache keyed by ``(kind, canonical spec)``; each request then takes its
+own :class:`~structllm.structured.matcher.GrammarMatcher` from it.
+
+Errors: a constraint llguidance cannot compile (an unknown JSON Schema
+keyword or format, an unsatisfiable schema, a regex with look-around, a
+grammar that does not parse) raises
+:class:`~structllm.errors.InvalidRequestError` whose ``field`` is the
+constraint's (``"structured_outputs.json"``), with llguidance's message.
+Failures are not cached: they cost little to find again.
+
+Threads: ``compile`` may run in any thread, several at once (the engine
+runs it off the step loop with ``anyio.to_thread.run_sync``). llguidance
+builds the grammar with the GIL released (``LLMatcher``'s constructor); the
+cache is guarded by a lock that is never held while compiling, so two
+threads asking for the same new spec may both compile it, and the first
+result is kept. A :class:`CompiledGrammar` is immutable and shareable; its
+``matcher()`` deep-copies a prototype matcher in microseconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from typing import TYPE_CHECKING, Literal
+
+import attrs
+import llguidance
+from llguidance.gbnf_to_lark import any_to_lark
+
+from structllm.errors import InvalidRequestError
+from structllm.structured.matcher import GrammarMatcher
+from structllm.structured.spec import StructuredOutputKind, StructuredOutputs
+from structllm.structured.vocabulary import GrammarVocabulary
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+__all__ = ["CompiledGrammar", "CompilerStatistics", "GrammarCompiler"]
+
+#: How JSON output may be spaced. ``"compact"``: exactly ``", "`` between
+#: items and ``": "`` after keys, nothing else (what most models write, and a
+#: model cannot emit whitespace forever); ``"flexible"``: any JSON whitespace.
+JsonWhitespace = Literal["compact", "flexible"]
+
+
+@attrs.frozen(eq=False)
+class CompiledGrammar:
+    """A constraint compiled for one vocabulary; hand out matchers with
+    :meth:`matcher`."""
+
+    kind: StructuredOutputKind
+    spec: str = attrs.field(repr=False)
+    #: the grammar in llguidance's JSON envelope (what ``LLMatcher`` takes)
+    llguidance_grammar: str = attrs.field(repr=False)
+    vocabulary: GrammarVocabulary = attrs.field(repr=False)
+    _prototype: llguidance.LLMatcher = attrs.field(repr=False, alias="prototype")
+    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock, repr=False)
+
+    def matcher(self) -> GrammarMatcher:
+        """A fresh matcher at the start of the grammar (one per request)."""
+        with self._lock:  # deep_copy takes the prototype by &self; keep it simple
+            clone = self._prototype.deep_copy()
+        return GrammarMatcher(clone, self.vocabulary)
+
+
+@attrs.frozen
+class CompilerStatistics:
+    """A snapshot of a compiler's cache."""
+
+    hits: int
+    misses: int
+    size: int
+    capacity: int
+
+
+@attrs.define(eq=False)
+class GrammarCompiler:
+    """Compiles constraints for one vocabulary, with a bounded LRU cache."""
+
+    vocabulary: GrammarVocabulary
+    cache_size: int = attrs.field(default=256, kw_only=True)
+    json_whitespace: JsonWhitespace = attrs.field(default="compact", kw_only=True)
+    #: llguidance's parser limits (None: its defaults)
+    limits: llguidance.LLParserLimits | None = attrs.field(default=None, kw_only=True)
+
+    _cache: collections.OrderedDict[tuple[str, str], CompiledGrammar] = attrs.field(
+        init=False, factory=collections.OrderedDict
+    )
+    _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
+    _hits: int = attrs.field(init=False, default=0)
+    _misses: int = attrs.field(init=False, default=0)
+
+    def __attrs_post_init__(self) -> None:
+        if self.cache_size < 1:
+            raise ValueError(f"cache_size must be >= 1, got {self.cache_size}")
+        if self.json_whitespace not in ("compact", "flexible"):
+            raise ValueError(
+                f"json_whitespace must be 'compact' or 'flexible', "
+                f"got {self.json_whitespace!r}"
+            )
+
+    def compile(self, constraint: StructuredOutputs) -> CompiledGrammar:
+        """The grammar of *constraint*, from the cache when it is there.
+
+        Raises :class:`~structllm.errors.InvalidRequestError` naming the
+        constraint's field when llguidance refuses it. Thread-safe.
+        """
+        key = constraint.key
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                self._hits += 1
+                return cached
+            self._misses += 1
+        compiled = self._compile(constraint)
+        with self._lock:
+            kept = self._cache.setdefault(key, compiled)
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return kept
+
+    def statistics(self) -> CompilerStatistics:
+        with self._lock:
+            return CompilerStatistics(
+                hits=self._hits,
+                misses=self._misses,
+                size=len(self._cache),
+                capacity=self.cache_size,
+            )
+
+    def clear_cache(self) -> None:
+        with self._lock:
+            self._cache.clear()
+
+    # --- compiling ----------------------------------------------------------
+
+    def _json_options(self) -> JsonCompileOptions:
+        if self.json_whitespace == "flexible":
+            return {}
+        return {
+            "whitespace_flexible": False,
+            "item_separator": ", ",
+            "key_separator": ": ",
+        }
+
+    def _grammar_text(self, c: StructuredOutputs) -> str:
+        """llguidance's grammar text for *c* (may raise for bad input)."""
+        matcher = llguidance.LLMatcher
+        if c.json is not None:
+            return matcher.grammar_from_json_schema(
+                c.json, defaults=self._json_options()
+            )
+        if c.json_object:
+            return matcher.grammar_from_json_schema(
+                {"type": "object"}, defaults=self._json_options()
+            )
+        if c.regex is not None:
+            return matcher.grammar_from_regex(c.regex)
+        if c.choice is not None:
+            # A Lark alternation of string literals, JSON-quoted: Lark string
+            # literals take JSON escapes, so any text is spelled safely.
+            alternatives = " | ".join(json.dumps(s) for s in c.choice)
+            return matcher.grammar_from_lark(f"start: {alternatives}")
+        assert c.grammar is not None
+        # Lark is the dialect; GBNF (llama.cpp, "root ::= ...") is converted,
+        # as vLLM's guidance backend does
+        return matcher.grammar_from_lark(any_to_lark(c.grammar))
+
+    def _compile(self, c: StructuredOutputs) -> CompiledGrammar:
+        try:
+            text = self._grammar_text(c)
+        except Exception as exc:  # llguidance raises ValueError; its GBNF
+            # converter (pure Python) anything
+            raise _refused(c, str(exc)) from None
+        lltok = self.vocabulary.lltokenizer
+        matcher = llguidance.LLMatcher(lltok, text, log_level=0, limits=self.limits)
+        if matcher.is_error():
+            raise _refused(c, matcher.get_error())
+        return CompiledGrammar(c.kind, c.spec, text, self.vocabulary, prototype=matcher)
+
+
+_NAMES = {
+    "json": "JSON schema",
+    "json_object": "JSON object grammar",
+    "regex": "regex",
+    "choice": "choice list",
+    "grammar": "Lark grammar",
+}
+
+
+def _refused(c: StructuredOutputs, reason: str) -> InvalidRequestError:
+    reason = reason.strip()
+    if len(reason) > 500:
+        reason = reason[:500] + "..."
+    return InvalidRequestError(
+        f"{c.field}: cannot compile this {_NAMES[c.kind]}: {reason}", field=c.field
+    )

@@ -161,3 +161,19 @@ def test_decode_rows_must_come_first() -> None:
         model.attention.build_metadata(
             [SequenceSlice(0, 3, [0]), SequenceSlice(3, 1, [1])]
         )
+
+
+def test_gather_refuses_a_slot_outside_the_cache() -> None:
+    # host gathers use np.take(mode="clip") into reused buffers; the range is
+    # checked first, so a bad block table raises instead of reading slot 0
+    model = _model(tiny_config(), block_size=4)
+    caches = model.allocate_kv_cache(2)  # 8 slots
+    # the new token goes to block 0 (valid); its past sits in block 5 (not)
+    meta = model.attention.build_metadata([SequenceSlice(4, 1, [5, 0])])
+    with pytest.raises(IndexError, match="slot out of range"):
+        model.forward(
+            paddle.to_tensor(np.array([1], dtype=np.int64)),
+            paddle.to_tensor(np.array([4], dtype=np.int64)),
+            caches,
+            meta,
+        )

@@ -63,7 +63,7 @@ class _Prefill:
     start: int  # first row of this sequence in the flattened batch
     stop: int
     kv_slots: np.ndarray  # (L,) int64, L = context_len + query_len
-    masks: Mapping[int | None, paddle.Tensor]  # window -> (1, q, 1, L) additive
+    masks: Mapping[int | None, paddle.Tensor]  # window -> (q, group, L) additive
 
 
 @attrs.frozen
@@ -75,7 +75,7 @@ class AttentionMetadata:
     num_decodes: int  # rows 0..num_decodes-1 are one-token sequences
     decode_slots: np.ndarray | None  # (B * K,) int64, padded with slot 0
     decode_width: int  # K: the longest decode context
-    #: window (None: full attention) -> (1, B, 1, K) additive mask
+    #: window (None: full attention) -> (B, group, K) additive mask
     decode_masks: Mapping[int | None, paddle.Tensor]
     prefills: tuple[_Prefill, ...]
 
@@ -101,6 +101,8 @@ class PortableAttention:
         self.group = num_heads // num_kv_heads
         self.block_size = block_size
         self.scale = head_dim**-0.5
+        #: host gathers land in these (K, V), reused by every layer and step
+        self._gathered = (_Scratch(), _Scratch())
 
     def build_metadata(self, seqs: Sequence[SequenceSlice]) -> AttentionMetadata:
         """Slots, gathers and masks for ``seqs`` (one-token sequences first)."""
@@ -136,8 +138,7 @@ class PortableAttention:
                     if window is None
                     else valid & (keys >= lens[:, None] - window)
                 )
-                mask = np.where(seen, 0.0, _NEG_INF).astype(np.float32)
-                decode_masks[window] = paddle.to_tensor(mask[None, :, None, :])
+                decode_masks[window] = self._mask(seen)
             decode_slots = slots.reshape(-1)
 
         prefills = []
@@ -152,8 +153,7 @@ class PortableAttention:
             masks = {}
             for window in self.windows:
                 seen = visible if window is None else visible & (q_pos - keys < window)
-                mask = np.where(seen, 0.0, _NEG_INF).astype(np.float32)
-                masks[window] = paddle.to_tensor(mask[None, :, None, :])
+                masks[window] = self._mask(seen)
             prefills.append(
                 _Prefill(start=row, stop=row + s.query_len, kv_slots=kv, masks=masks)
             )
@@ -167,6 +167,19 @@ class PortableAttention:
             decode_masks=decode_masks,
             prefills=tuple(prefills),
         )
+
+    def _mask(self, seen: np.ndarray) -> paddle.Tensor:
+        """``(rows, keys)`` booleans -> an additive ``(rows, group, keys)`` mask.
+
+        Scores are ``(kv_heads, rows, group, keys)``. A mask that differs from
+        them only in its leading dimension adds 6-19x faster in Paddle on CPU
+        than a ``(1, rows, 1, keys)`` one (docs/benchmarks.md), so the group
+        axis is spelled out here, once a step, rather than broadcast per layer.
+        """
+        mask = np.where(seen, 0.0, _NEG_INF).astype(np.float32)[:, None, :]
+        if self.group > 1:
+            mask = np.repeat(mask, self.group, axis=1)
+        return paddle.to_tensor(mask)
 
     def allocate(self, num_blocks: int, dtype: str) -> paddle.Tensor:
         """One layer's K (or V) cache: ``(kv_heads, num_blocks * block_size, d)``."""
@@ -185,7 +198,7 @@ class PortableAttention:
     ) -> paddle.Tensor:  # (T, num_heads * head_dim)
         """Attend ``q`` over the cache (after writing ``k``/``v``) under ``window``."""
         kvh, g, d = self.num_kv_heads, self.group, self.head_dim
-        cache = _SlotIO(k_cache, v_cache)
+        cache = _SlotIO(k_cache, v_cache, self._gathered)
         cache.write(meta.slot_mapping, k, v)
         outs = []
         if meta.num_decodes:
@@ -225,11 +238,43 @@ class PortableAttention:
         return paddle.matmul(probs, v)
 
 
-class _SlotIO:
-    """Writes and gathers cache slots; numpy views on CPU, Paddle ops elsewhere."""
+class _Scratch:
+    """A float32 host buffer that grows to the largest gather seen."""
 
-    def __init__(self, k_cache: paddle.Tensor, v_cache: paddle.Tensor) -> None:
+    def __init__(self) -> None:
+        self._buf = np.empty(0, np.float32)
+
+    def take(self, src: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """``np.take(src, slots, axis=1)`` into this buffer (valid until the next)."""
+        if slots.size and not (slots.min() >= 0 and slots.max() < src.shape[1]):
+            raise IndexError(f"slot out of range for a cache of {src.shape[1]}")
+        shape = (src.shape[0], slots.size, *src.shape[2:])
+        size = int(np.prod(shape))
+        if self._buf.size < size:
+            self._buf = np.empty(size, np.float32)
+        out = self._buf[:size].reshape(shape)
+        # mode="clip" (range checked above): with "raise", out= goes through
+        # a temporary copy
+        return np.take(src, slots, axis=1, out=out, mode="clip")
+
+
+class _SlotIO:
+    """Writes and gathers cache slots; numpy views on CPU, Paddle ops elsewhere.
+
+    Host gathers go into buffers kept across layers and steps: a fresh array
+    per gather (1.6 MB for 16 sequences of 200 tokens) is fresh pages from
+    the kernel each time, and those page faults made the gathers the larger
+    part of a batch-16 decode step's attention (docs/benchmarks.md).
+    """
+
+    def __init__(
+        self,
+        k_cache: paddle.Tensor,
+        v_cache: paddle.Tensor,
+        scratch: tuple[_Scratch, _Scratch],
+    ) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
+        self.scratch = scratch
         self.host = k_cache.place.is_cpu_place() and k_cache.dtype == paddle.float32
 
     def write(self, slots: np.ndarray, k: paddle.Tensor, v: paddle.Tensor) -> None:
@@ -247,14 +292,12 @@ class _SlotIO:
             paddle.assign(updated.transpose([1, 0, 2]), cache)
 
     def gather(self, slots: np.ndarray) -> tuple[paddle.Tensor, paddle.Tensor]:
+        """K and V at ``slots``: ``(kvh, len(slots), d)``, valid until the next."""
         if self.host:
+            k_buf, v_buf = self.scratch
             return (
-                paddle.from_dlpack(
-                    np.take(np.from_dlpack(self.k_cache), slots, axis=1)
-                ),
-                paddle.from_dlpack(
-                    np.take(np.from_dlpack(self.v_cache), slots, axis=1)
-                ),
+                paddle.from_dlpack(k_buf.take(np.from_dlpack(self.k_cache), slots)),
+                paddle.from_dlpack(v_buf.take(np.from_dlpack(self.v_cache), slots)),
             )
         index = paddle.to_tensor(slots)
         return (

@@ -1,0 +1,96 @@
+# Usage: python tools/profile_step.py [BATCH] [CONTEXT] [REPS]
+#   e.g. 16 200 20 and 1 200 50
+"""Where one decode step of the bench model spends its time, both backends.
+
+Times ``build_metadata``, ``forward`` + ``compute_logits``, and inside them
+the attention calls and the predictor calls (wrapped with timers), median
+over REPS steps; BATCH one-token sequences with CONTEXT cached tokens each.
+"""
+
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from structllm.model._paddle import paddle, set_num_threads
+from structllm.model.attention import SequenceSlice
+from structllm.model.loader import load_model
+from structllm.tiny import make_tiny_model
+
+B = int(sys.argv[1]) if len(sys.argv) > 1 else 16
+CTX = int(sys.argv[2]) if len(sys.argv) > 2 else 200
+REPS = int(sys.argv[3]) if len(sys.argv) > 3 else 20
+BS = 16
+timers: dict[str, list[float]] = {}
+
+
+def timed(label: str, f: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        r = f(*a, **k)
+        timers.setdefault(label, [0.0])[-1] += time.perf_counter() - t
+        return r
+
+    return call
+
+
+def med(xs: list[float]) -> float:
+    return 1e3 * float(np.median(xs[3:]))
+
+
+def main() -> None:
+    set_num_threads(2)
+    d = tempfile.mkdtemp()
+    make_tiny_model(
+        d,
+        hidden_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=8,
+        intermediate_size=1536,
+        max_position_embeddings=4096,
+    )
+    per_seq = -(-(CTX + 1) // BS)
+    rng = np.random.default_rng(0)
+    seqs = [
+        SequenceSlice(CTX, 1, list(range(i * per_seq, (i + 1) * per_seq)))
+        for i in range(B)
+    ]
+    ids = paddle.to_tensor(rng.integers(0, 512, B).astype(np.int64))
+    pos = paddle.to_tensor(np.full(B, CTX, np.int64))
+    for backend in ("eager", "inference"):
+        m = load_model(d, backend=backend, num_threads=2).model
+        kv = m.allocate_kv_cache(B * per_seq + 1)
+        for k, v in kv:
+            np.from_dlpack(k)[:] = rng.standard_normal(k.shape).astype(np.float32)
+            np.from_dlpack(v)[:] = rng.standard_normal(v.shape).astype(np.float32)
+        m.attention.forward = timed("attention", m.attention.forward)
+        for name in ("_first", "_last", "_head"):
+            if hasattr(m, name):
+                setattr(m, name, timed("predictors", getattr(m, name)))
+        if hasattr(m, "_mid"):
+            m._mid = [timed("predictors", p) for p in m._mid]
+        totals, metas = [], []
+        for _ in range(REPS + 3):
+            for v in timers.values():
+                v.append(0.0)
+            t0 = time.perf_counter()
+            meta = m.attention.build_metadata(seqs)
+            t1 = time.perf_counter()
+            m.compute_logits(m.forward(ids, pos, kv, meta)).numpy()
+            totals.append(time.perf_counter() - t1)
+            metas.append(t1 - t0)
+        parts = ", ".join(f"{k} {med(v):.2f} ms" for k, v in timers.items())
+        print(
+            f"{backend:9s} B={B} ctx={CTX}: metadata {med(metas):.2f} ms, "
+            f"forward+logits {med(totals):.2f} ms; {parts}",
+            flush=True,
+        )
+        timers.clear()
+
+
+if __name__ == "__main__":
+    main()

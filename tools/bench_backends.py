@@ -8,22 +8,13 @@ import time
 
 import numpy as np
 
-from structllm.bench.throughput import make_workload
+from structllm.bench.throughput import make_workload, write_bench_checkpoint
 from structllm.core.engine_core import EngineConfig, EngineCore
 from structllm.core.request import CoreRequest
 from structllm.params import SamplingParams
-from structllm.tiny import make_tiny_model
 
 d = tempfile.mkdtemp()
-make_tiny_model(
-    d,
-    hidden_size=512,
-    num_layers=8,
-    num_heads=8,
-    num_kv_heads=8,
-    intermediate_size=1536,
-    max_position_embeddings=4096,
-)
+write_bench_checkpoint(d)
 work = make_workload(int(sys.argv[1]), (16, 256), (16, 128), 512, 0)
 B1 = sys.argv[2] == "b1" if len(sys.argv) > 2 else False
 cores = {

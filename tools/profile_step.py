@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from structllm.bench.throughput import write_bench_checkpoint
 from structllm.model._paddle import paddle, set_num_threads
 from structllm.model.attention import SequenceSlice
 from structllm.model.loader import load_model
-from structllm.tiny import make_tiny_model
 
 B = int(sys.argv[1]) if len(sys.argv) > 1 else 16
 CTX = int(sys.argv[2]) if len(sys.argv) > 2 else 200
@@ -44,15 +44,7 @@ def med(xs: list[float]) -> float:
 def main() -> None:
     set_num_threads(2)
     d = tempfile.mkdtemp()
-    make_tiny_model(
-        d,
-        hidden_size=512,
-        num_layers=8,
-        num_heads=8,
-        num_kv_heads=8,
-        intermediate_size=1536,
-        max_position_embeddings=4096,
-    )
+    write_bench_checkpoint(d)
     per_seq = -(-(CTX + 1) // BS)
     rng = np.random.default_rng(0)
     seqs = [

@@ -93,20 +93,42 @@ def bench_model(ns: argparse.Namespace, tmp: Path) -> str:
     """``--model``, or a random checkpoint of the ``--hidden ...`` shape in ``tmp``."""
     if ns.model is not None:
         return str(ns.model)
-    from structllm.tiny import make_tiny_model
-
     model = str(tmp / "model")
-    make_tiny_model(
+    write_bench_checkpoint(
         model,
-        hidden_size=ns.hidden,
-        num_layers=ns.layers,
-        num_heads=ns.heads,
-        num_kv_heads=ns.kv_heads,
-        intermediate_size=ns.intermediate,
-        max_position_embeddings=4096,
+        hidden=ns.hidden,
+        layers=ns.layers,
+        heads=ns.heads,
+        kv_heads=ns.kv_heads,
+        intermediate=ns.intermediate,
         seed=ns.seed,
     )
     return model
+
+
+def write_bench_checkpoint(
+    directory: str | Path,
+    *,
+    hidden: int = 512,
+    layers: int = 8,
+    heads: int = 8,
+    kv_heads: int = 8,
+    intermediate: int = 1536,
+    seed: int = 0,
+) -> None:
+    """A random Llama checkpoint; the defaults are the 27.8M bench model."""
+    from structllm.tiny import make_tiny_model
+
+    make_tiny_model(
+        directory,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        intermediate_size=intermediate,
+        max_position_embeddings=4096,
+        seed=seed,
+    )
 
 
 def run_throughput(ns: argparse.Namespace) -> int:

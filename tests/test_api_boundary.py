@@ -316,11 +316,11 @@ def test_refused_fields_are_400_naming_them(server: str) -> None:
 
 @pytest.fixture(scope="module")
 def reference() -> LLM:
-    return LLM("tiny", show_progress=False, max_model_len=512, num_blocks=64)
+    return LLM("tiny-random", show_progress=False, max_model_len=512, num_blocks=64)
 
 
 def greedy(llm: LLM, prompt: str, n: int, **params: Any) -> list[int]:
-    ids = parse_prompt(prompt, load_tokenizer("tiny")).token_ids
+    ids = parse_prompt(prompt, load_tokenizer("tiny-random")).token_ids
     out = llm.generate(
         {"prompt_token_ids": list(ids)},
         SamplingParams(temperature=0, max_tokens=n, **params),
@@ -353,7 +353,7 @@ def test_logit_bias_and_allowed_token_ids_work(server: str, reference: LLM) -> N
 
 
 def test_token_ids_usage_and_fingerprint(server: str, reference: LLM) -> None:
-    ids = list(parse_prompt("hello", load_tokenizer("tiny")).token_ids)
+    ids = list(parse_prompt("hello", load_tokenizer("tiny-random")).token_ids)
     body = {
         "prompt": "hello",
         "max_tokens": 5,

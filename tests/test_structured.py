@@ -4,7 +4,7 @@ and the batched mask, driven by a random-logits "model" (seeded numpy).
 Every generated output must be a complete match: JSON that validates
 against its schema (``jsonschema``), a regex full match, one of the
 choices, a sentence of the grammar. EOS must be allowed exactly when the
-output so far is complete. Both the byte tokenizer (the ``tiny`` model's)
+output so far is complete. Both the byte tokenizer (the ``tiny-random`` model's)
 and a trained byte-level BPE are used.
 """
 

@@ -31,6 +31,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
+from structllm.config import ServerConfig
 from structllm.engine.async_llm import AsyncLLM
 from structllm.engine.inputs import Prompt
 from structllm.errors import EngineLoadingError, InvalidRequestError
@@ -62,19 +63,6 @@ from structllm.server.streaming import (
 __all__ = ["Chunks", "EngineSlot", "Job", "ServerConfig", "Serving", "StreamFormat"]
 
 _R = TypeVar("_R", bound=SamplingRequest)
-
-
-@attrs.frozen(kw_only=True)
-class ServerConfig:
-    model_name: str
-    #: seconds before a request is ended with a timeout error; None = never
-    request_timeout: float | None = None
-    retry_after: int = 1
-    default_max_tokens: int = 16
-    #: larger request bodies are refused with 413 before being read
-    max_body_bytes: int = 32 << 20
-    #: a body not fully received within this many seconds gets 408
-    body_timeout: float = 30.0
 
 
 @attrs.define(eq=False)

@@ -25,7 +25,14 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
 import attrs
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from structllm.errors import InvalidRequestError
@@ -48,6 +55,24 @@ from structllm.server.fields import (
     TokenId,
     TopK,
 )
+from structllm.server.formats import (
+    GUIDED,
+    ResponseFormat,
+    SchemaObject,
+    StructuredOutputsRequest,
+    field_error,
+    output_constraint,
+)
+from structllm.server.tools import (
+    MAX_TOOLS,
+    NamedToolChoice,
+    Tool,
+    ToolCallParam,
+    ToolChoice,
+    check_tools,
+    tool_constraint,
+)
+from structllm.structured import StructuredOutputs
 
 __all__ = [
     "REFUSED",
@@ -63,17 +88,11 @@ __all__ = [
 #: OpenAI (and vLLM) fields structllm refuses, with the reason. A field is
 #: refused when present with a value other than null or a listed no-op value.
 REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "tools": ("tool calling is not supported", ([],)),
-    "tool_choice": ("tool calling is not supported", ("none",)),
-    "functions": ("function calling is not supported", ([],)),
-    "function_call": ("function calling is not supported", ("none",)),
-    "parallel_tool_calls": ("tool calling is not supported", ()),
-    "response_format": ("structured output is not supported", ({"type": "text"},)),
-    "guided_json": ("structured output is not supported", ()),
-    "guided_regex": ("structured output is not supported", ()),
-    "guided_choice": ("structured output is not supported", ()),
-    "guided_grammar": ("structured output is not supported", ()),
-    "structured_outputs": ("structured output is not supported", ()),
+    "functions": ("function calling is not supported; use tools", ([],)),
+    "function_call": ("function calling is not supported; use tool_choice", ("none",)),
+    "guided_decoding_backend": ("there is one backend (llguidance)", ()),
+    "guided_whitespace_pattern": ("JSON whitespace is not configurable", ()),
+    "structural_tag": ("structural tags are not supported", ()),
     "suffix": ("suffix (insertion) is not supported", ("",)),
     "audio": ("audio output is not supported", ()),
     "modalities": ("only text output is supported", (["text"],)),
@@ -83,6 +102,9 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "prompt_logprobs": ("prompt_logprobs is not supported yet", ()),
     "use_beam_search": ("beam search is not supported", (False,)),
 }
+
+#: chat's tool fields, refused by completions
+CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
 
 _MODEL_CONFIG = ConfigDict(
     strict=True,
@@ -139,6 +161,16 @@ class SamplingRequest(BaseModel):
     #: vLLM: logprobs name tokens as "token_id:N" instead of their text
     return_tokens_as_token_ids: bool | None = None
     user: Text | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: SchemaObject | str | None = None
+    guided_regex: NonEmptyText | None = None
+    guided_choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    guided_grammar: NonEmptyText | None = None
+
+    #: the output constraint, and the request field an error about it names
+    _constraint: StructuredOutputs | None = PrivateAttr(default=None)
+    _constraint_field: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -165,7 +197,19 @@ class SamplingRequest(BaseModel):
             raise PydanticCustomError(
                 "best_of", "best_of other than n is not supported"
             )
+        guided = {n: v for n in GUIDED if (v := getattr(self, n)) is not None}
+        try:
+            self._constraint, self._constraint_field = output_constraint(
+                self.response_format, self.structured_outputs, guided
+            )
+        except InvalidRequestError as exc:
+            raise field_error(exc) from None
         return self
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The field that set the output constraint (for the engine's errors)."""
+        return self._constraint_field
 
     @property
     def include_usage(self) -> bool:
@@ -201,6 +245,7 @@ class SamplingRequest(BaseModel):
         kw["stop"] = self.stop
         kw["logit_bias"] = self.logit_bias
         kw["output_kind"] = OutputKind.DELTA if self.stream else OutputKind.FINAL
+        kw["structured_outputs"] = self._constraint
         return kw
 
 
@@ -209,6 +254,18 @@ class CompletionRequest(SamplingRequest):
 
     prompt: Prompts
     logprobs: Logprobs | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_only(cls, data: Any) -> Any:
+        for name in CHAT_ONLY:
+            if isinstance(data, dict) and data.get(name) is not None:
+                raise PydanticCustomError(
+                    "refused",
+                    "tool calling is only for chat completions",
+                    {"name": name},
+                )
+        return data
 
     @model_validator(mode="after")
     def _completion_checks(self) -> CompletionRequest:
@@ -238,21 +295,54 @@ class Message(BaseModel):
     role: NonEmptyText
     content: Content = None
     name: Text | None = None
+    #: an assistant message's calls
+    tool_calls: Annotated[list[ToolCallParam], Field(max_length=MAX_TOOLS)] | None = (
+        None
+    )
+    #: a tool message's answer is to this call
+    tool_call_id: Text | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _refuse(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name in ("tool_calls", "tool_call_id", "function_call"):
-                if data.get(name) not in (None, []):
-                    raise PydanticCustomError(
-                        "refused", "tool calling is not supported", {"name": name}
-                    )
+        if isinstance(data, dict) and data.get("function_call") is not None:
+            raise PydanticCustomError(
+                "refused",
+                "function_call is not supported; use tool_calls",
+                {"name": "function_call"},
+            )
         return data
+
+    @model_validator(mode="after")
+    def _roles(self) -> Message:
+        if self.tool_calls and self.role != "assistant":
+            raise PydanticCustomError(
+                "field",
+                "only assistant messages carry tool_calls",
+                {"name": "tool_calls"},
+            )
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise PydanticCustomError(
+                "field",
+                "a tool message needs tool_call_id, and only a tool message has one",
+                {"name": "tool_call_id"},
+            )
+        return self
 
     @property
     def text(self) -> str:
         return self.content or ""
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates receive it (content always a string)."""
+        d: dict[str, Any] = {"role": self.role, "content": self.text}
+        if self.name is not None:
+            d["name"] = self.name
+        if self.tool_calls:
+            d["tool_calls"] = [c.template_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
 
 
 class ChatRequest(SamplingRequest):
@@ -263,6 +353,11 @@ class ChatRequest(SamplingRequest):
     logprobs: bool | None = None
     top_logprobs: Logprobs | None = None
     add_generation_prompt: bool | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    #: default: "auto" with tools, "none" without
+    tool_choice: ToolChoice | None = None
+    #: default true; false: one call at most
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatRequest:
@@ -270,7 +365,40 @@ class ChatRequest(SamplingRequest):
             raise PydanticCustomError(
                 "top_logprobs", "top_logprobs requires logprobs to be true"
             )
+        try:
+            self._tool_checks()
+        except InvalidRequestError as exc:
+            raise field_error(exc) from None
         return self
+
+    def _tool_checks(self) -> None:
+        tools = self.tools or []
+        check_tools(tools)
+        choice = self.tool_choice
+        if choice is None or choice == "none" or choice == "auto":
+            return
+        if not tools:
+            raise InvalidRequestError(
+                "tool_choice: a call is asked for but no tools are given",
+                field="tool_choice",
+            )
+        if self._constraint is not None:
+            raise InvalidRequestError(
+                f"tool_choice: a forced call cannot be combined with "
+                f"{self._constraint_field}",
+                field="tool_choice",
+            )
+        self._constraint = tool_constraint(
+            tools, choice, parallel=self.parallel_tool_calls is not False
+        )
+        self._constraint_field = "tools"
+
+    @property
+    def tool_mode(self) -> str | NamedToolChoice:
+        """``"none"``, ``"auto"``, ``"required"`` or the named function."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     @property
     def limit_field(self) -> str:
@@ -285,14 +413,12 @@ class ChatRequest(SamplingRequest):
             kw["logprobs"] = self.top_logprobs or 0
         return SamplingParams(**kw)
 
-    def template_messages(self) -> list[dict[str, str]]:
-        out = []
-        for m in self.messages:
-            d = {"role": m.role, "content": m.text}
-            if m.name is not None:
-                d["name"] = m.name
-            out.append(d)
-        return out
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_dict() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """``tools`` as ``apply_chat_template(tools=...)`` takes them."""
+        return [t.template_dict() for t in self.tools] if self.tools else None
 
     @property
     def echo_text(self) -> str:
@@ -316,9 +442,9 @@ def validation_error(exc: ValidationError) -> InvalidRequestError:
 def _param(
     loc: Sequence[int | str], kind: str, ctx: Mapping[str, Any] | None
 ) -> str | None:
-    if kind == "refused" and ctx:
-        prefix = _path(loc)
-        return f"{prefix}.{ctx['name']}" if prefix else str(ctx["name"])
+    if kind in ("refused", "field") and ctx:
+        prefix, name = _path(loc), str(ctx["name"])
+        return f"{prefix}.{name}" if prefix and name else (prefix or name or None)
     if kind in ("stream_options", "best_of", "top_logprobs", "echo") and not loc:
         return kind
     if kind == "prompt" and not loc:

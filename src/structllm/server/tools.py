@@ -1,0 +1,256 @@
+"""Tool calling on the request side: ``tools``, ``tool_choice``, the tool
+messages of a conversation, and the grammar a forced call is held to.
+
+``tool_choice`` decides what the output is:
+
+==============================  ==============================================
+``"none"``                      text; no call is parsed or enforced
+``"auto"`` (the default with    text, in which calls are found
+tools)                          (:class:`~structllm.text.tool_parser.AutoParser`)
+``"required"``                  a JSON list of calls, enforced by a grammar:
+                                ``[{"name": "f", "parameters": {...}}, ...]``
+                                (one item at most when ``parallel_tool_calls``
+                                is false)
+``{"type": "function",          the named function's arguments object,
+"function": {"name": "f"}}``    enforced by a grammar
+==============================  ==============================================
+
+Each tool's ``parameters`` is checked with llguidance when the request is
+validated, so a schema that cannot compile is a 400 naming
+``tools[i].function.parameters`` whatever the ``tool_choice``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, Discriminator, Tag
+from pydantic_core import PydanticCustomError
+
+from structllm.errors import InvalidRequestError
+from structllm.server.constraints import check_constraint, rename_field
+from structllm.server.fields import NonEmptyText, Text
+from structllm.server.formats import OBJECT_CONFIG, Name, SchemaObject
+from structllm.structured import StructuredOutputs
+
+__all__ = [
+    "EMPTY_PARAMETERS",
+    "MAX_TOOLS",
+    "FunctionCallParam",
+    "FunctionDefinition",
+    "NamedToolChoice",
+    "Tool",
+    "ToolCallParam",
+    "ToolChoice",
+    "call_list_schema",
+    "check_tools",
+    "parameters_schema",
+    "tool_constraint",
+]
+
+MAX_TOOLS = 128
+#: the parameters of a function that declares none: an empty object
+EMPTY_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {},
+    "additionalProperties": False,
+}
+
+
+class FunctionDefinition(BaseModel):
+    model_config = OBJECT_CONFIG
+
+    name: Name
+    description: Text | None = None
+    #: a JSON Schema for the arguments object; none: no arguments
+    parameters: SchemaObject | None = None
+    #: accepted, true or false: forced calls are always held to the schema,
+    #: and calls under "auto" never are
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = OBJECT_CONFIG
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def template_dict(self) -> dict[str, Any]:
+        """The tool as chat templates receive it (transformers' shape)."""
+        return {
+            "type": "function",
+            "function": self.function.model_dump(exclude_none=True),
+        }
+
+
+class NamedFunction(BaseModel):
+    model_config = OBJECT_CONFIG
+
+    name: Name
+
+
+class NamedToolChoice(BaseModel):
+    model_config = OBJECT_CONFIG
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def _choice_tag(value: Any) -> str:
+    # tags with brackets are left out of error paths (see protocol._path)
+    return "[function]" if isinstance(value, dict) else "[mode]"
+
+
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("[mode]")]
+    | Annotated[NamedToolChoice, Tag("[function]")],
+    Discriminator(_choice_tag),
+]
+
+
+def _json_object(text: str) -> str:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        value = None
+    if not isinstance(value, dict):
+        raise PydanticCustomError(
+            "arguments", "must be a JSON object encoded as a string"
+        )
+    return text
+
+
+class FunctionCallParam(BaseModel):
+    """A call in an assistant message of the conversation."""
+
+    model_config = OBJECT_CONFIG
+
+    name: NonEmptyText
+    #: JSON text of an object, as the API returned it
+    arguments: Annotated[Text, AfterValidator(_json_object)]
+
+
+class ToolCallParam(BaseModel):
+    model_config = OBJECT_CONFIG
+
+    id: Text
+    type: Literal["function"]
+    function: FunctionCallParam
+
+    def template_dict(self) -> dict[str, Any]:
+        """As templates expect it: ``arguments`` a dict (transformers' rule)."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {
+                "name": self.function.name,
+                "arguments": json.loads(self.function.arguments),
+            },
+        }
+
+
+def parameters_schema(tool: Tool) -> dict[str, Any]:
+    """The schema of ``tool``'s arguments (an empty object when it has none)."""
+    params = tool.function.parameters
+    return copy.deepcopy(EMPTY_PARAMETERS if params is None else params)
+
+
+def call_list_schema(tools: list[Tool], *, parallel: bool) -> dict[str, Any]:
+    """``[{"name": tool, "parameters": its arguments}, ...]``, one item or more.
+
+    Each tool's schema moves under ``$defs`` when it has references, with
+    its local ``$ref`` pointers rewritten to the new place.
+    """
+    defs: dict[str, Any] = {}
+    items = []
+    for i, tool in enumerate(tools):
+        params = parameters_schema(tool)
+        if _has_ref(params):
+            base = f"/$defs/tool_{i}"
+            defs[f"tool_{i}"] = _relocate(params, base)
+            params = {"$ref": f"#{base}"}
+        items.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": tool.function.name},
+                    "parameters": params,
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
+    schema: dict[str, Any] = {
+        "type": "array",
+        "items": items[0] if len(items) == 1 else {"anyOf": items},
+        "minItems": 1,
+    }
+    if not parallel:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _has_ref(value: Any) -> bool:
+    if isinstance(value, dict):
+        return "$ref" in value or any(_has_ref(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_ref(v) for v in value)
+    return False
+
+
+def _relocate(value: Any, base: str) -> Any:
+    """``value`` with each local ``$ref`` ("#/...") pointing under ``base``."""
+    if isinstance(value, dict):
+        out = {k: _relocate(v, base) for k, v in value.items()}
+        ref = value.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            out["$ref"] = "#" + base + ref[1:]
+        return out
+    if isinstance(value, list):
+        return [_relocate(v, base) for v in value]
+    return value
+
+
+def check_tools(tools: list[Tool]) -> None:
+    """Refuse duplicate names and parameters that do not compile."""
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        fn = tool.function
+        if fn.name in seen:
+            raise InvalidRequestError(
+                f"tools[{i}].function.name: {fn.name!r} names two tools",
+                field=f"tools[{i}].function.name",
+            )
+        seen.add(fn.name)
+        if fn.parameters is not None:
+            field = f"tools[{i}].function.parameters"
+            try:
+                constraint = StructuredOutputs(json=fn.parameters)
+            except InvalidRequestError as exc:
+                raise rename_field(exc, field) from None
+            check_constraint(constraint, field)
+
+
+def tool_constraint(
+    tools: list[Tool], choice: str | NamedToolChoice, *, parallel: bool
+) -> StructuredOutputs | None:
+    """The grammar a forced call is held to (None for "none" and "auto")."""
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        tool = next((t for t in tools if t.function.name == name), None)
+        if tool is None:
+            raise InvalidRequestError(
+                f"tool_choice: no tool is named {name!r}", field="tool_choice"
+            )
+        schema = parameters_schema(tool)
+    elif choice == "required":
+        schema = call_list_schema(tools, parallel=parallel)
+    else:
+        return None
+    constraint = StructuredOutputs(json=schema)
+    check_constraint(constraint, "tools")
+    return constraint

@@ -119,10 +119,21 @@ class _Chunks(Chunks[ChatRequest]):
     def opening(
         self, job: Job, usage: api.Usage | None
     ) -> api.ChatCompletionStreamResponse:
-        """The assistant's role (and vLLM's echo) before any generated token."""
+        """The assistant's role (and vLLM's echo) before any generated token.
+
+        When calls are parsed, ``content`` is left out unless echoed: an
+        answer of calls alone has none.
+        """
+        echo = self.req.echo_text
+        parsed = tool_calls.parser_for(self.req) is not None
+        delta = (
+            api.ChatDelta(role="assistant")
+            if parsed and not echo
+            else api.ChatDelta(role="assistant", content=echo)
+        )
         first = api.ChatStreamChoice(
             index=job.index,
-            delta=api.ChatDelta(role="assistant", content=self.req.echo_text),
+            delta=delta,
             logprobs=None,
             finish_reason=None,
         )

@@ -24,8 +24,8 @@ from structllm.server.protocol import ChatRequest
 from structllm.server.tool_calls import StreamedCalls, message, parser_for
 from structllm.server.tools import Tool, call_list_schema
 from structllm.structured import StructuredOutputs
+from structllm.text.auto_tool_parser import HERMES_CLOSE, AutoParser
 from structllm.text.tool_parser import (
-    AutoParser,
     CallListParser,
     NamedCallParser,
     ParsedCall,
@@ -242,9 +242,6 @@ def test_arguments_round_trip_through_every_auto_format(
     ]
     assert whole.content is None
     assert streamed(AutoParser(NAMES), data.draw(cuts(text))) == whole
-
-
-HERMES_CLOSE = "</tool_call>"
 
 
 @settings(max_examples=60, deadline=None)

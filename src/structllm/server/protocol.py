@@ -21,16 +21,13 @@ body to :class:`~structllm.params.SamplingParams`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
 import attrs
 from pydantic import (
     BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
-    ValidationError,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -42,7 +39,7 @@ from structllm.server.fields import (
     MAX_ID_LIST,
     MAX_MESSAGES,
     MAX_N,
-    Content,
+    REQUEST_CONFIG,
     Count,
     LogitBias,
     Logprobs,
@@ -63,15 +60,16 @@ from structllm.server.formats import (
     field_error,
     output_constraint,
 )
+from structllm.server.messages import Message
 from structllm.server.tools import (
     MAX_TOOLS,
     NamedToolChoice,
     Tool,
-    ToolCallParam,
     ToolChoice,
     check_tools,
     tool_constraint,
 )
+from structllm.server.validation import validation_error
 from structllm.structured import StructuredOutputs
 
 __all__ = [
@@ -106,18 +104,9 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
 #: chat's tool fields, refused by completions
 CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
 
-_MODEL_CONFIG = ConfigDict(
-    strict=True,
-    extra="ignore",
-    frozen=True,
-    allow_inf_nan=False,
-    ser_json_inf_nan="null",
-    hide_input_in_errors=True,
-)
-
 
 class StreamOptions(BaseModel):
-    model_config = _MODEL_CONFIG
+    model_config = REQUEST_CONFIG
 
     include_usage: bool | None = None
     #: usage (so far) in every chunk, not only in the last one
@@ -127,7 +116,7 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """Fields shared by completions and chat."""
 
-    model_config = _MODEL_CONFIG
+    model_config = REQUEST_CONFIG
 
     model: Text | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
@@ -289,62 +278,6 @@ class CompletionRequest(SamplingRequest):
         return SamplingParams(**kw)
 
 
-class Message(BaseModel):
-    model_config = _MODEL_CONFIG
-
-    role: NonEmptyText
-    content: Content = None
-    name: Text | None = None
-    #: an assistant message's calls
-    tool_calls: Annotated[list[ToolCallParam], Field(max_length=MAX_TOOLS)] | None = (
-        None
-    )
-    #: a tool message's answer is to this call
-    tool_call_id: Text | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("function_call") is not None:
-            raise PydanticCustomError(
-                "refused",
-                "function_call is not supported; use tool_calls",
-                {"name": "function_call"},
-            )
-        return data
-
-    @model_validator(mode="after")
-    def _roles(self) -> Message:
-        if self.tool_calls and self.role != "assistant":
-            raise PydanticCustomError(
-                "field",
-                "only assistant messages carry tool_calls",
-                {"name": "tool_calls"},
-            )
-        if (self.role == "tool") != (self.tool_call_id is not None):
-            raise PydanticCustomError(
-                "field",
-                "a tool message needs tool_call_id, and only a tool message has one",
-                {"name": "tool_call_id"},
-            )
-        return self
-
-    @property
-    def text(self) -> str:
-        return self.content or ""
-
-    def template_dict(self) -> dict[str, Any]:
-        """The message as chat templates receive it (content always a string)."""
-        d: dict[str, Any] = {"role": self.role, "content": self.text}
-        if self.name is not None:
-            d["name"] = self.name
-        if self.tool_calls:
-            d["tool_calls"] = [c.template_dict() for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            d["tool_call_id"] = self.tool_call_id
-        return d
-
-
 class ChatRequest(SamplingRequest):
     """``POST /v1/chat/completions``."""
 
@@ -425,43 +358,6 @@ class ChatRequest(SamplingRequest):
         """vLLM's chat ``echo``: the last message, when it is the assistant's."""
         last = self.messages[-1]
         return last.text if self.echo and last.role == "assistant" else ""
-
-
-def validation_error(exc: ValidationError) -> InvalidRequestError:
-    """The first error of ``exc`` as an InvalidRequestError naming its path."""
-    err = exc.errors(include_url=False, include_input=False)[0]
-    param = _param(err["loc"], err["type"], err.get("ctx"))
-    message = err["msg"]
-    if message.startswith("Value error, "):
-        message = message[len("Value error, ") :]
-    if param is None:
-        return InvalidRequestError(message, field=None)
-    return InvalidRequestError(f"{param}: {message}", field=param)
-
-
-def _param(
-    loc: Sequence[int | str], kind: str, ctx: Mapping[str, Any] | None
-) -> str | None:
-    if kind in ("refused", "field") and ctx:
-        prefix, name = _path(loc), str(ctx["name"])
-        return f"{prefix}.{name}" if prefix and name else (prefix or name or None)
-    if kind in ("stream_options", "best_of", "top_logprobs", "echo") and not loc:
-        return kind
-    if kind == "prompt" and not loc:
-        return "prompt"
-    return _path(loc) or None
-
-
-def _path(loc: Sequence[int | str]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part == "str" or "[" in part:
-            continue  # a union member's tag (str, list[...]), not a field
-        else:
-            out += f".{part}" if out else part
-    return out
 
 
 def choice_seed(params: SamplingParams, index: int) -> SamplingParams:

@@ -25,9 +25,9 @@ from structllm.outputs import CompletionOutput
 from structllm.server import responses as api
 from structllm.server.protocol import ChatRequest
 from structllm.server.tools import NamedToolChoice
+from structllm.text.auto_tool_parser import AutoParser
 from structllm.text.tool_parser import (
     ArgumentsDelta,
-    AutoParser,
     CallListParser,
     CallStart,
     ContentDelta,

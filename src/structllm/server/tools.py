@@ -23,26 +23,22 @@ validated, so a schema that cannot compile is a 400 naming
 from __future__ import annotations
 
 import copy
-import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, Discriminator, Tag
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, Discriminator, Tag
 
 from structllm.errors import InvalidRequestError
 from structllm.server.constraints import check_constraint, rename_field
-from structllm.server.fields import NonEmptyText, Text
+from structllm.server.fields import Text
 from structllm.server.formats import OBJECT_CONFIG, Name, SchemaObject
 from structllm.structured import StructuredOutputs
 
 __all__ = [
     "EMPTY_PARAMETERS",
     "MAX_TOOLS",
-    "FunctionCallParam",
     "FunctionDefinition",
     "NamedToolChoice",
     "Tool",
-    "ToolCallParam",
     "ToolChoice",
     "call_list_schema",
     "check_tools",
@@ -108,47 +104,6 @@ ToolChoice = Annotated[
     | Annotated[NamedToolChoice, Tag("[function]")],
     Discriminator(_choice_tag),
 ]
-
-
-def _json_object(text: str) -> str:
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):
-        value = None
-    if not isinstance(value, dict):
-        raise PydanticCustomError(
-            "arguments", "must be a JSON object encoded as a string"
-        )
-    return text
-
-
-class FunctionCallParam(BaseModel):
-    """A call in an assistant message of the conversation."""
-
-    model_config = OBJECT_CONFIG
-
-    name: NonEmptyText
-    #: JSON text of an object, as the API returned it
-    arguments: Annotated[Text, AfterValidator(_json_object)]
-
-
-class ToolCallParam(BaseModel):
-    model_config = OBJECT_CONFIG
-
-    id: Text
-    type: Literal["function"]
-    function: FunctionCallParam
-
-    def template_dict(self) -> dict[str, Any]:
-        """As templates expect it: ``arguments`` a dict (transformers' rule)."""
-        return {
-            "id": self.id,
-            "type": "function",
-            "function": {
-                "name": self.function.name,
-                "arguments": json.loads(self.function.arguments),
-            },
-        }
 
 
 def parameters_schema(tool: Tool) -> dict[str, Any]:

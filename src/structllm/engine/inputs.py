@@ -152,6 +152,8 @@ async def check_structured_outputs_off_loop(params: SamplingParams) -> None:
         await anyio.lowlevel.checkpoint()
         return
     await anyio.to_thread.run_sync(check_structured_outputs, params)
+    # a cancellation during the check is delivered now, before admission
+    await anyio.lowlevel.checkpoint_if_cancelled()
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:

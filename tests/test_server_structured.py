@@ -211,6 +211,24 @@ async def test_required_and_named_tool_calls(server: Server) -> None:
         check_call(calls[0]["name"], calls[0]["arguments"])
 
 
+async def test_each_of_n_streamed_choices_has_its_own_calls(server: Server) -> None:
+    chunks = await chat_stream(
+        server, n=3, seed=1, max_tokens=120, tools=TOOLS, tool_choice=WEATHER
+    )
+    ids = set()
+    for index in range(3):
+        mine = [
+            {**chunk, "choices": [c for c in chunk["choices"] if c["index"] == index]}
+            for chunk in chunks
+        ]
+        content, calls, finish = assemble(mine)
+        assert content is None and finish == "tool_calls" and len(calls) == 1
+        assert calls[0]["name"] == "get_weather"
+        check_call("get_weather", calls[0]["arguments"])
+        ids.add(calls[0]["id"])
+    assert len(ids) == 3
+
+
 async def test_tools_and_tool_messages_reach_the_template(server: Server) -> None:
     messages = [
         *CHAT,
@@ -319,6 +337,40 @@ async def test_bad_specs_are_400s_naming_the_field_while_others_run(
     response = done["long"]
     assert response.status_code == 200
     assert response.json()["usage"]["completion_tokens"] == 150
+    await server.wait_idle()
+
+
+async def test_a_refusal_from_the_engine_core_names_the_request_field(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the checks at validation and admission (turned off here), the
+    core's compiler refuses; the 400, or the stream's last event, still
+    names the request's field, not ``structured_outputs.json``."""
+    import structllm.server.constraints
+    import structllm.structured.compiler
+
+    def passes(constraint: object, **kw: object) -> None:
+        return None
+
+    monkeypatch.setattr(structllm.server.constraints, "validate", passes)
+    monkeypatch.setattr(structllm.structured.compiler, "validate", passes)
+    bad = {"type": "object", "properties": {"a": {"type": "wat"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": bad}}
+    body = {"messages": CHAT, "max_tokens": 8, "response_format": fmt}
+    r = await server.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "response_format.json_schema.schema"
+    r = await server.http.post("/v1/chat/completions", json={**body, "stream": True})
+    *_, last, done = events(r.text)
+    assert done == "[DONE]" and last["error"]["param"] == (
+        "response_format.json_schema.schema"
+    )
+    tool = {"type": "function", "function": {"name": "f", "parameters": bad}}
+    r = await server.http.post(
+        "/v1/chat/completions",
+        json={"messages": CHAT, "tools": [tool], "tool_choice": "required"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
     await server.wait_idle()
 
 

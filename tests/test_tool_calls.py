@@ -133,6 +133,39 @@ def test_content_streams_before_the_call_completes() -> None:
     assert collect(events).calls == (call("noop"),)
 
 
+def test_text_that_cannot_be_bare_calls_streams_at_once() -> None:
+    p = AutoParser(NAMES)
+    assert collect(p.feed("[1] first")).content == "[1] first"
+    p = AutoParser(NAMES)
+    assert p.feed('[{"name": "noop"') == []  # might still be a call
+
+
+FRAGMENTS = [
+    "[", "]", "{", "}", '"', ",", ":", " ", "\n", "x", "name", "<", ">", "|",
+    '"name"', '"arguments"', '"parameters"', '"noop"', '"search"', "{}",
+    "<tool_call>", "</tool_call>", "<tool_", "call>", "<|python_tag|>", "[TOOL_CALLS]",
+    '{"name": "noop", "arguments": {}}', '{"name": "search", "parameters": {"q": 1}}',
+    '<tool_call>{"name": "noop", "arguments": {}}</tool_call>',
+    '<tool_call>\n{"name": "search", "arguments": {"q": "<"}}\n</tool_call>',
+]  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.lists(st.sampled_from(FRAGMENTS), max_size=12).map("".join),
+    parallel=st.booleans(),
+    data=st.data(),
+)
+def test_auto_streamed_is_auto_whole_for_any_text(
+    text: str, parallel: bool, data: st.DataObject
+) -> None:
+    whole = auto(text, parallel=parallel)
+    pieces = data.draw(cuts(text))
+    assert streamed(AutoParser(NAMES, parallel=parallel), pieces) == whole
+    if not whole.calls:
+        assert (whole.content or "") == (text if text.strip() else "")
+
+
 # -- the constrained formats ---------------------------------------------------------
 
 
@@ -200,7 +233,7 @@ arguments = st.dictionaries(st.text(max_size=8), json_values, max_size=4)
 
 @st.composite
 def cuts(draw: st.DrawFn, text: str) -> list[str]:
-    points = sorted(draw(st.sets(st.integers(0, len(text)), max_size=8)))
+    points = sorted(draw(st.sets(st.integers(0, len(text)), max_size=16)))
     bounds = [0, *points, len(text)]
     return [text[a:b] for a, b in itertools.pairwise(bounds)]
 

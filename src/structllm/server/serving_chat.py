@@ -63,7 +63,7 @@ class ChatServing(Serving):
         if req.stream:
             chunks = _Chunks(self, req, api.new_id("chatcmpl"), top_logprobs)
             with renamed(req.constraint_field):
-                return self.stream(llm, jobs, chunks)
+                return self.stream(llm, jobs, chunks, req.constraint_field)
         with renamed(req.constraint_field):
             finals = await self.run_to_end(jobs)
         extra: dict[str, Any] = {}

@@ -51,7 +51,8 @@ class CompletionServing(Serving):
         ]
         if req.stream:
             with renamed(req.constraint_field):
-                return self.stream(llm, jobs, _Chunks(self, req, api.new_id("cmpl")))
+                chunks = _Chunks(self, req, api.new_id("cmpl"))
+                return self.stream(llm, jobs, chunks, req.constraint_field)
         with renamed(req.constraint_field):
             finals = await self.run_to_end(jobs)
         by_index = {job.index: job for job in jobs}

@@ -8,12 +8,15 @@ or a whole output that is a JSON call object or a list of them (Llama 3:
 of the tools), ``arguments`` or ``parameters`` (an object, or a string
 holding one) and optionally ``"type": "function"``; anything else stays
 content, as generated. A block is sent once it is closed; a bare JSON
-output once the output ends (until then it might be JSON content).
+output once the output ends (until then it might be JSON content). An
+answer that starts otherwise than ``{"``, ``[{"`` or a prefix is content
+from its first characters on.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Collection, Iterable
 from typing import Any
 
@@ -75,31 +78,25 @@ class AutoParser:
 
     def _advance(self, out: list[ToolEvent], *, final: bool) -> None:
         while True:
-            if self._mode == "start":
+            if self._mode == "start":  # no content yet; maybe bare JSON calls
                 head = self._buffer.lstrip()
                 if not head:
                     if final:
                         self._content(self._buffer, out)
                         self._buffer = ""
                     return
-                if head.startswith(("{", "[", *BARE_PREFIXES)):
-                    self._mode = "bare"
-                elif not final and any(
-                    p.startswith(head) for p in (*BARE_PREFIXES, HERMES_OPEN)
-                ):
-                    return  # it may still become one
-                else:
-                    self._mode = "content"
-            elif self._mode == "bare":
-                if not final:
+                start = _bare_start(head)
+                if start == "calls" and final:
+                    calls = _bare_calls(self._buffer, self.names)
+                    if calls is None:
+                        self._content(self._buffer, out)
+                    for call in calls or ():
+                        self._call(call, out)
+                    self._buffer = ""
                     return
-                calls = _bare_calls(self._buffer, self.names)
-                if calls is None:
-                    self._content(self._buffer, out)
-                for call in calls or ():
-                    self._call(call, out)
-                self._buffer = ""
-                return
+                if not final and (start != "no" or HERMES_OPEN.startswith(head)):
+                    return  # it may still be calls, or a block's tag
+                self._mode = "content"
             elif self._mode == "content":
                 i = self._buffer.find(HERMES_OPEN)
                 if i >= 0:
@@ -175,6 +172,23 @@ def _bare_calls(text: str, names: Collection[str]) -> list[ParsedCall] | None:
     if not calls or any(c is None for c in calls):
         return None
     return [c for c in calls if c is not None]
+
+
+#: how a bare JSON call (or list of them) starts: ``[{"``, ``{"``, or less
+_CALL_START = re.compile(r'(\[\s*)?(\{\s*("|$)|$)')
+
+
+def _bare_start(head: str) -> str:
+    """``"calls"`` if ``head`` can begin bare JSON calls, ``"maybe"`` if it
+    can begin a prefix (``<|python_tag|>``), else ``"no"``."""
+    body = head
+    for prefix in BARE_PREFIXES:
+        if head.startswith(prefix):
+            body = head[len(prefix) :].lstrip()
+            break
+        if prefix.startswith(head):
+            return "maybe"
+    return "calls" if _CALL_START.match(body) else "no"
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -286,7 +286,7 @@ def test_refused_fields_are_400_naming_them(server: str) -> None:
         ),
         ("/v1/completions", {"prompt": "x", "max_tokens": 600}, "max_tokens"),
         ("/v1/chat/completions", {"messages": CHAT, "tools": [{}]}, "tools[0].type"),
-        ("/v1/completions", {"prompt": "x", "tools": []}, "tools"),
+        ("/v1/completions", {"prompt": "x", "tool_choice": "auto"}, "tool_choice"),
         (
             "/v1/chat/completions",
             {"messages": CHAT, "functions": [{"name": "f"}]},

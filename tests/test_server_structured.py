@@ -23,6 +23,10 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from structllm.errors import InvalidRequestError
+from structllm.server.body import validate
+from structllm.server.protocol import ChatRequest, CompletionRequest
+from structllm.structured import StructuredOutputs
 from tests.test_server_app import Server, events, open_server, open_socket_server
 
 pytestmark = pytest.mark.anyio
@@ -122,6 +126,84 @@ def assemble(chunks: list[dict[str, Any]]) -> tuple[str | None, list[Any], Any]:
 
 def check_call(name: str, arguments: str) -> None:
     jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+# -- the request models and the conversion (no engine) ------------------------------
+
+
+def sampling(model: type[Any], **body: Any) -> Any:
+    base = {"messages": CHAT} if model is ChatRequest else {"prompt": "x"}
+    return validate(model, {**base, **body}).to_sampling_params(16)
+
+
+@pytest.mark.parametrize("model", [ChatRequest, CompletionRequest])
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, None),
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, StructuredOutputs(json_object=True)),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
+         StructuredOutputs(json_object=True)),
+        ({"response_format": {"type": "json_schema",
+          "json_schema": {"name": "a", "schema": SCHEMA, "strict": False}}},
+         StructuredOutputs(json=SCHEMA)),
+        ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, StructuredOutputs(json=SCHEMA)),
+        ({"structured_outputs": {"regex": "a+"}}, StructuredOutputs(regex="a+")),
+        ({"structured_outputs": {"choice": ["a", "b", "a"]}},
+         StructuredOutputs(choice=["a", "b"])),
+        ({"structured_outputs": {"grammar": 'start: "a"'}},
+         StructuredOutputs(grammar='start: "a"')),
+        ({"structured_outputs": {"json_object": True}}, StructuredOutputs(json_object=True)),
+        ({"guided_json": SCHEMA}, StructuredOutputs(json=SCHEMA)),
+        ({"guided_regex": "a+"}, StructuredOutputs(regex="a+")),
+        ({"guided_choice": ["x"]}, StructuredOutputs(choice=["x"])),
+        ({"guided_grammar": 'root ::= "a"'}, StructuredOutputs(grammar='root ::= "a"')),
+    ],
+)  # fmt: skip
+def test_each_output_field_becomes_the_constraint(
+    model: type[Any], fields: dict[str, Any], expected: StructuredOutputs | None
+) -> None:
+    assert sampling(model, **fields).structured_outputs == expected
+
+
+def test_forced_calls_become_schemas() -> None:
+    named = sampling(ChatRequest, tools=TOOLS, tool_choice=WEATHER)
+    assert named.structured_outputs == StructuredOutputs(json=WEATHER_PARAMETERS)
+    for parallel in (True, False):
+        p = sampling(
+            ChatRequest,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=parallel,
+        )
+        schema = p.structured_outputs.json_schema()
+        jsonschema.validate([{"name": "noop", "parameters": {}}], schema)
+        two = [{"name": "noop", "parameters": {}}] * 2
+        if parallel:
+            jsonschema.validate(two, schema)
+        else:
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(two, schema)
+    for choice in ("auto", "none", None):
+        body = (
+            {"tools": TOOLS}
+            if choice is None
+            else {"tools": TOOLS, "tool_choice": choice}
+        )
+        assert sampling(ChatRequest, **body).structured_outputs is None
+    # "auto" keeps an output format; the tools are still parsed
+    p = sampling(ChatRequest, tools=TOOLS, response_format={"type": "json_object"})
+    assert p.structured_outputs == StructuredOutputs(json_object=True)
+
+
+def test_completions_take_the_tool_no_ops_only() -> None:
+    validate(CompletionRequest, {"prompt": "x", "tools": [], "tool_choice": "none"})
+    for name, value in (("tools", TOOLS), ("tool_choice", "auto"),
+                        ("parallel_tool_calls", False)):  # fmt: skip
+        with pytest.raises(InvalidRequestError) as e:
+            validate(CompletionRequest, {"prompt": "x", name: value})
+        assert e.value.field == name
 
 
 # -- response_format and structured_outputs -------------------------------------------

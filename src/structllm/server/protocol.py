@@ -101,8 +101,12 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "use_beam_search": ("beam search is not supported", (False,)),
 }
 
-#: chat's tool fields, refused by completions
-CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls")
+#: chat's tool fields, refused by completions unless null or a no-op value
+CHAT_ONLY: dict[str, tuple[Any, ...]] = {
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (),
+}
 
 
 class StreamOptions(BaseModel):
@@ -247,8 +251,9 @@ class CompletionRequest(SamplingRequest):
     @model_validator(mode="before")
     @classmethod
     def _chat_only(cls, data: Any) -> Any:
-        for name in CHAT_ONLY:
-            if isinstance(data, dict) and data.get(name) is not None:
+        for name, no_ops in CHAT_ONLY.items():
+            value = data.get(name) if isinstance(data, dict) else None
+            if value is not None and value not in no_ops:
                 raise PydanticCustomError(
                     "refused",
                     "tool calling is only for chat completions",

@@ -15,6 +15,14 @@ Fields OpenAI defines but structllm does not implement are refused with a
 fields outside OpenAI's and vLLM's sets are ignored, as OpenAI-compatible
 servers do.
 
+The output fields (``response_format``, ``structured_outputs``,
+``guided_*``: :mod:`~structllm.server.formats`) and a forced tool call
+(:mod:`~structllm.server.tools`; messages with tool calls are
+:mod:`~structllm.server.messages`) set at most one
+:class:`~structllm.structured.StructuredOutputs`, compiled while the body is
+validated, so a schema or regex llguidance refuses is a 400 naming the
+request's field (``response_format.json_schema.schema``).
+
 ``to_sampling_params()`` on each model is the one conversion from an OpenAI
 body to :class:`~structllm.params.SamplingParams`.
 """

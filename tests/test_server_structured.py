@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -454,6 +456,26 @@ async def test_a_refusal_from_the_engine_core_names_the_request_field(
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
     await server.wait_idle()
+
+
+async def test_specs_compile_in_a_worker_thread_once(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import structllm.server.constraints
+
+    real = structllm.server.constraints.validate
+    threads: list[int] = []
+
+    def recording(constraint: Any, **kw: Any) -> None:
+        threads.append(threading.get_ident())
+        real(constraint, **kw)
+
+    monkeypatch.setattr(structllm.server.constraints, "validate", recording)
+    pattern = f"[0-9]{{3}}({uuid.uuid4().hex[:6]})?"  # new to the process
+    for _ in range(2):
+        out = await chat(server, max_tokens=16, structured_outputs={"regex": pattern})
+        assert re.fullmatch(pattern, out["choices"][0]["message"]["content"])
+    assert len(threads) == 1 and threads[0] != threading.get_ident()
 
 
 async def test_openapi_describes_the_new_fields(server: Server) -> None:

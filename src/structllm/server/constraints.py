@@ -7,8 +7,10 @@ vocabulary: ~0.1-2 ms for the schemas requests carry; the engine's
 :class:`~structllm.errors.InvalidRequestError` naming the *request's* field
 (``response_format.json_schema.schema``, ``tools[0].function.parameters``,
 ``structured_outputs.regex``), which the engine's own compiler cannot know:
-it only sees ``structured_outputs.<kind>``. The request is refused with a
-400 before anything is promised, streaming or not.
+it only sees ``structured_outputs.<kind>``. :func:`check_constraints` runs
+the checks of one request in a worker thread (a pathological regex must not
+stall the event loop); the request is refused with a 400 before anything is
+promised, streaming or not.
 
 :func:`renamed` maps an error the engine raises anyway (what only the
 vocabulary reveals) back to the request's field.
@@ -17,13 +19,17 @@ vocabulary reveals) back to the request's field.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
 
 from structllm.errors import InvalidRequestError
 from structllm.structured import StructuredOutputs
-from structllm.structured.compiler import validate
+from structllm.structured.compiler import is_validated, validate
 
-__all__ = ["check_constraint", "rename_field", "renamed"]
+__all__ = ["check_constraint", "check_constraints", "rename_field", "renamed"]
 
 
 def check_constraint(c: StructuredOutputs, field: str) -> None:
@@ -36,6 +42,21 @@ def check_constraint(c: StructuredOutputs, field: str) -> None:
         validate(c)
     except InvalidRequestError as exc:
         raise rename_field(exc, field) from None
+
+
+async def check_constraints(checks: Sequence[tuple[StructuredOutputs, str]]) -> None:
+    """:func:`check_constraint` for each, in a worker thread (the event loop
+    serves on while llguidance works); nothing to do for specs it passed."""
+    todo = [(c, field) for c, field in checks if not is_validated(c)]
+    if not todo:
+        return
+    await anyio.to_thread.run_sync(_check_all, todo)
+    await anyio.lowlevel.checkpoint_if_cancelled()
+
+
+def _check_all(checks: list[tuple[StructuredOutputs, str]]) -> None:
+    for c, field in checks:
+        check_constraint(c, field)
 
 
 def rename_field(exc: InvalidRequestError, field: str | None) -> InvalidRequestError:

@@ -2,9 +2,9 @@
 ``structured_outputs`` and vLLM's older ``guided_*`` extras.
 
 Each becomes one :class:`~structllm.structured.StructuredOutputs` (at most
-one of them may be set), checked with llguidance at validation time so that
-a schema or regex that cannot compile is a 400 naming the request's own
-field (:mod:`~structllm.server.constraints`):
+one of them may be set), which the serving compiles before admitting the
+request, so that a schema or regex that cannot compile is a 400 naming the
+request's own field (:mod:`~structllm.server.constraints`):
 
 ========================================  =================================
 ``response_format: {"type": "text"}``     no constraint
@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from structllm.errors import InvalidRequestError
-from structllm.server.constraints import check_constraint, rename_field
+from structllm.server.constraints import rename_field
 from structllm.server.fields import NonEmptyText, Text
 from structllm.structured import StructuredOutputs
 
@@ -151,7 +151,7 @@ def output_constraint(
     structured_outputs: StructuredOutputsRequest | None,
     guided: dict[str, Any],
 ) -> tuple[StructuredOutputs | None, str | None]:
-    """The one constraint these fields set, checked, and the field it came from.
+    """The one constraint these fields set, and the field it came from.
 
     ``guided`` holds the ``guided_*`` extras that are not None. More than
     one source is refused, naming the second.
@@ -184,6 +184,4 @@ def output_constraint(
         except InvalidRequestError as exc:
             raise rename_field(exc, source) from None
         field = source
-    if constraint is not None:
-        check_constraint(constraint, field)
     return constraint, field

@@ -19,8 +19,9 @@ The output fields (``response_format``, ``structured_outputs``,
 ``guided_*``: :mod:`~structllm.server.formats`) and a forced tool call
 (:mod:`~structllm.server.tools`; messages with tool calls are
 :mod:`~structllm.server.messages`) set at most one
-:class:`~structllm.structured.StructuredOutputs`, compiled while the body is
-validated, so a schema or regex llguidance refuses is a 400 naming the
+:class:`~structllm.structured.StructuredOutputs`; ``constraint_checks``
+lists what the serving compiles before admission (that and each tool's
+parameters), so a schema or regex llguidance refuses is a 400 naming the
 request's field (``response_format.json_schema.schema``).
 
 ``to_sampling_params()`` on each model is the one conversion from an OpenAI
@@ -71,6 +72,7 @@ from structllm.server.formats import (
 from structllm.server.messages import Message
 from structllm.server.tools import (
     MAX_TOOLS,
+    Check,
     NamedToolChoice,
     Tool,
     ToolChoice,
@@ -172,6 +174,8 @@ class SamplingRequest(BaseModel):
     #: the output constraint, and the request field an error about it names
     _constraint: StructuredOutputs | None = PrivateAttr(default=None)
     _constraint_field: str | None = PrivateAttr(default=None)
+    #: what the serving compiles before admission, each with its field
+    _checks: list[Check] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod
@@ -205,7 +209,14 @@ class SamplingRequest(BaseModel):
             )
         except InvalidRequestError as exc:
             raise field_error(exc) from None
+        if self._constraint is not None and self._constraint_field is not None:
+            self._checks.append((self._constraint, self._constraint_field))
         return self
+
+    @property
+    def constraint_checks(self) -> list[Check]:
+        """The constraints to compile before admission, each with its field."""
+        return list(self._checks)
 
     @property
     def constraint_field(self) -> str | None:
@@ -319,7 +330,7 @@ class ChatRequest(SamplingRequest):
 
     def _tool_checks(self) -> None:
         tools = self.tools or []
-        check_tools(tools)
+        self._checks += check_tools(tools)
         choice = self.tool_choice
         if choice is None or choice == "none" or choice == "auto":
             return
@@ -338,6 +349,8 @@ class ChatRequest(SamplingRequest):
             tools, choice, parallel=self.parallel_tool_calls is not False
         )
         self._constraint_field = "tools"
+        if self._constraint is not None:
+            self._checks.append((self._constraint, "tools"))
 
     @property
     def tool_mode(self) -> str | NamedToolChoice:

@@ -19,7 +19,7 @@ from structllm.outputs import RequestOutput
 from structllm.server import responses as api
 from structllm.server import tool_calls
 from structllm.server.body import maybe_off_loop, validate
-from structllm.server.constraints import renamed
+from structllm.server.constraints import check_constraints, renamed
 from structllm.server.http_errors import ASCIIJSONResponse
 from structllm.server.protocol import ChatRequest, choice_seed
 from structllm.server.serving import Chunks, Job, Serving
@@ -36,6 +36,7 @@ class ChatServing(Serving):
         llm = self.slot.get()
         req = await maybe_off_loop(big, validate, ChatRequest, body)
         self.check_model(req.model)
+        await check_constraints(req.constraint_checks)
         params = req.to_sampling_params(None)
         messages = req.template_messages()
         size = sum(len(m["content"]) for m in messages)

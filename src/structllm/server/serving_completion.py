@@ -17,7 +17,7 @@ from structllm.engine.inputs import Prompt, parse_prompt_off_loop
 from structllm.outputs import RequestOutput
 from structllm.server import responses as api
 from structllm.server.body import maybe_off_loop, validate
-from structllm.server.constraints import renamed
+from structllm.server.constraints import check_constraints, renamed
 from structllm.server.http_errors import ASCIIJSONResponse
 from structllm.server.protocol import CompletionRequest, choice_seed
 from structllm.server.serving import Chunks, Job, Serving
@@ -33,6 +33,7 @@ class CompletionServing(Serving):
         llm = self.slot.get()  # 503 while loading, before anything streams
         req = await maybe_off_loop(big, validate, CompletionRequest, body)
         self.check_model(req.model)
+        await check_constraints(req.constraint_checks)
         params = req.to_sampling_params(self.config.default_max_tokens)
         prompts = []
         for p in req.prompt:

@@ -15,8 +15,8 @@ tools)                          (:class:`~structllm.text.tool_parser.AutoParser`
 "function": {"name": "f"}}``    enforced by a grammar
 ==============================  ==============================================
 
-Each tool's ``parameters`` is checked with llguidance when the request is
-validated, so a schema that cannot compile is a 400 naming
+Each tool's ``parameters`` is compiled before the request is admitted, so
+a schema that cannot compile is a 400 naming
 ``tools[i].function.parameters`` whatever the ``tool_choice``.
 """
 
@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Discriminator, Tag
 
 from structllm.errors import InvalidRequestError
-from structllm.server.constraints import check_constraint, rename_field
+from structllm.server.constraints import rename_field
 from structllm.server.fields import Text
 from structllm.server.formats import OBJECT_CONFIG, Name, SchemaObject
 from structllm.structured import StructuredOutputs
@@ -36,6 +36,7 @@ from structllm.structured import StructuredOutputs
 __all__ = [
     "EMPTY_PARAMETERS",
     "MAX_TOOLS",
+    "Check",
     "FunctionDefinition",
     "NamedToolChoice",
     "Tool",
@@ -170,9 +171,13 @@ def _relocate(value: Any, base: str) -> Any:
     return value
 
 
-def check_tools(tools: list[Tool]) -> None:
-    """Refuse duplicate names and parameters that do not compile."""
+Check = tuple[StructuredOutputs, str]
+
+
+def check_tools(tools: list[Tool]) -> list[Check]:
+    """Refuse duplicate names; each tool's parameters, with its field, to compile."""
     seen: set[str] = set()
+    checks: list[Check] = []
     for i, tool in enumerate(tools):
         fn = tool.function
         if fn.name in seen:
@@ -184,10 +189,10 @@ def check_tools(tools: list[Tool]) -> None:
         if fn.parameters is not None:
             field = f"tools[{i}].function.parameters"
             try:
-                constraint = StructuredOutputs(json=fn.parameters)
+                checks.append((StructuredOutputs(json=fn.parameters), field))
             except InvalidRequestError as exc:
                 raise rename_field(exc, field) from None
-            check_constraint(constraint, field)
+    return checks
 
 
 def tool_constraint(
@@ -201,11 +206,7 @@ def tool_constraint(
             raise InvalidRequestError(
                 f"tool_choice: no tool is named {name!r}", field="tool_choice"
             )
-        schema = parameters_schema(tool)
-    elif choice == "required":
-        schema = call_list_schema(tools, parallel=parallel)
-    else:
-        return None
-    constraint = StructuredOutputs(json=schema)
-    check_constraint(constraint, "tools")
-    return constraint
+        return StructuredOutputs(json=parameters_schema(tool))
+    if choice == "required":
+        return StructuredOutputs(json=call_list_schema(tools, parallel=parallel))
+    return None

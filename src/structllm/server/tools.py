@@ -1,12 +1,13 @@
-"""Tool calling on the request side: ``tools``, ``tool_choice``, the tool
-messages of a conversation, and the grammar a forced call is held to.
+"""Tool calling on the request side: ``tools``, ``tool_choice`` and the
+grammar a forced call is held to (the messages that carry calls are in
+:mod:`~structllm.server.messages`).
 
 ``tool_choice`` decides what the output is:
 
 ==============================  ==============================================
 ``"none"``                      text; no call is parsed or enforced
 ``"auto"`` (the default with    text, in which calls are found
-tools)                          (:class:`~structllm.text.tool_parser.AutoParser`)
+tools)                          (:mod:`~structllm.text.auto_tool_parser`)
 ``"required"``                  a JSON list of calls, enforced by a grammar:
                                 ``[{"name": "f", "parameters": {...}}, ...]``
                                 (one item at most when ``parallel_tool_calls``

@@ -9,6 +9,7 @@ request; the responses are :mod:`structllm.server.responses` models.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import attrs
@@ -45,8 +46,9 @@ class ChatServing(Serving):
             text = "".join(m["content"] for m in messages)
             check_prompt_bytes(text, cap, field="messages")
         add_generation_prompt = req.add_generation_prompt is not False
-
         tools = req.template_tools()
+        # the template writes the tools out too: count them for the thread
+        rendered = size + (len(json.dumps(tools)) if tools else 0)
 
         def render() -> tuple[str, tuple[int, ...]]:
             text = llm.tokenizer.apply_chat_template(
@@ -55,7 +57,7 @@ class ChatServing(Serving):
             # the template writes BOS itself: tokenise without special tokens
             return text, tuple(llm.tokenizer.encode(text, add_special_tokens=False))
 
-        text, ids = await maybe_off_loop(size > OFF_LOOP_CHARS, render)
+        text, ids = await maybe_off_loop(rendered > OFF_LOOP_CHARS, render)
         prompt = Prompt(text, ids)
         limit = req.max_completion_tokens or req.max_tokens
         self.check_length(llm, ids, limit, req.limit_field)

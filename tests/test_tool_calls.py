@@ -25,6 +25,7 @@ from structllm.server.tool_calls import StreamedCalls, message, parser_for
 from structllm.server.tools import Tool, call_list_schema
 from structllm.structured import StructuredOutputs
 from structllm.text.auto_tool_parser import HERMES_CLOSE, AutoParser
+from structllm.text.chat import render_chat_template
 from structllm.text.tool_parser import (
     CallListParser,
     NamedCallParser,
@@ -424,3 +425,66 @@ def test_call_list_schema_accepts_exactly_the_calls() -> None:
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(ok[:2], single)
     jsonschema.validate(ok[:1], single)
+
+
+#: the tool parts of Qwen2.5's chat template (Hermes format), as transformers
+#: renders them: tools as dicts, each past call's arguments a dict
+QWEN_TOOLS_TEMPLATE = (
+    "{%- if tools %}<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}"
+    "</tools>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    "<|im_start|>assistant\n{{ message.content }}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{% set tool_call = tool_call.function %}"
+    "{% endif %}"
+    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": '
+    "{{ tool_call.arguments | tojson }}}\n</tool_call>"
+    "{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response>"
+    "<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{%- endif %}{%- endfor %}"
+)
+
+
+def test_a_hermes_template_renders_what_the_auto_parser_reads() -> None:
+    arguments = {"q": 'naïve "quotes"', "n": [1, {"deep": None}]}
+    body = {
+        "messages": [
+            *CHAT,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {
+                            "name": "search",
+                            "arguments": json.dumps(arguments),
+                        },
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "found"},
+        ],
+        "tools": TOOLS,
+    }
+    req = validate(ChatRequest, body)
+    prompt = render_chat_template(
+        QWEN_TOOLS_TEMPLATE,
+        req.template_messages(),
+        add_generation_prompt=False,
+        tools=req.template_tools(),
+    )
+    assert json.dumps(TOOLS[0]) in prompt  # the tools as transformers passes them
+    assert "<tool_response>\nfound\n</tool_response>" in prompt
+    # the past call, written as the model writes one, reads back as that call
+    turn = prompt.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    parsed = parse(AutoParser(NAMES), turn)
+    assert parsed.content is None
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
+        ("search", arguments)
+    ]

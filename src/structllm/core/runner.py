@@ -9,6 +9,7 @@ import attrs
 import numpy as np
 
 from structllm.core.scheduler import SchedulerOutput
+from structllm.core.structured import StructuredOutputManager
 from structllm.model._paddle import paddle
 from structllm.model.attention import SequenceSlice
 from structllm.model.llama import LlamaForCausalLM
@@ -36,7 +37,12 @@ class ModelRunner:
         self.kv_caches = model.allocate_kv_cache(num_blocks)
         self.sampler = Sampler()
 
-    def execute(self, step: SchedulerOutput) -> RunnerOutput:
+    def execute(
+        self,
+        step: SchedulerOutput,
+        structured: StructuredOutputManager | None = None,
+    ) -> RunnerOutput:
+        """Run ``step``; ``structured`` masks its constrained requests' logits."""
         # one-token chunks first: the attention backend batches them
         chunks = sorted(step.chunks, key=lambda c: c.num_tokens > 1)
         ids: list[np.ndarray] = []
@@ -69,6 +75,7 @@ class ModelRunner:
         logits = self.model.compute_logits(last).numpy()  # (N, V)
         forward_s = time.perf_counter() - start
         start = time.perf_counter()
+        masks = None if structured is None else structured.fill_bitmask(sampling)
         out = self.sampler.sample(
             logits,
             [
@@ -81,6 +88,8 @@ class ModelRunner:
                 )
                 for r in sampling
             ],
+            bitmask=None if masks is None else masks[0],
+            bitmask_rows=None if masks is None else masks[1],
         )
         sampled = {
             r.request_id: int(tok)

@@ -52,6 +52,7 @@ from structllm.engine.core_connection import encode_request
 from structllm.engine.inputs import (
     PromptInput,
     check_request_args,
+    check_structured_outputs_off_loop,
     check_token_ids,
     parse_prompt_off_loop,
 )
@@ -289,6 +290,7 @@ class AsyncLLM:
         priority: int,
     ) -> RequestState:
         check_request_args(params, request_id, priority)
+        await check_structured_outputs_off_loop(params)
         parsed = await parse_prompt_off_loop(
             prompt, self.tokenizer, max_bytes=self.max_prompt_bytes
         )
@@ -373,6 +375,10 @@ class AsyncLLM:
     # ------------------------------------------------- CoreEvents (client)
 
     def on_step(self, step: StepOutput) -> None:
+        for refused in step.rejected:  # a grammar only the core could refuse
+            self.on_add_failed(
+                AddFailed(refused.request_id, refused.message, refused.field)
+            )
         processed = self._processor.process_outputs(step.outputs)
         if processed.to_abort:
             self._client.send_nowait(AbortRequests(processed.to_abort))

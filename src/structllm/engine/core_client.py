@@ -295,6 +295,7 @@ class CoreClient:
                 config=self.engine_config,
                 heartbeat_interval=self.config.heartbeat_interval,
                 fault=fault,
+                tokenizer=self.config.tokenizer,
             )
         )
         bars: dict[str, Any] = {}

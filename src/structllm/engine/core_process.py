@@ -84,7 +84,10 @@ def serve(sock: socket.socket) -> int:
         core = _load(start, send)
         if core is None:
             return 1
-        return _loop(core, start, first, receive, send)
+        try:
+            return _loop(core, start, first, receive, send)
+        finally:
+            core.close()
     except (_Closed, BrokenPipeError, ConnectionResetError):
         return 0
 
@@ -97,6 +100,7 @@ def _load(start: Start, send: Send) -> EngineCore | None:
         core = EngineCore(
             start.config,
             on_progress=lambda e: send(LoadProgressMsg(e.stage, e.done, e.total)),
+            tokenizer=start.tokenizer,
         )
         _warm_up(core, send)
     except Exception as exc:

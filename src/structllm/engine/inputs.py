@@ -19,6 +19,8 @@ __all__ = [
     "PromptInput",
     "check_prompt_bytes",
     "check_request_args",
+    "check_structured_outputs",
+    "check_structured_outputs_off_loop",
     "check_token_ids",
     "is_batch",
     "parse_prompt",
@@ -122,6 +124,36 @@ def check_request_args(params: object, request_id: object, priority: object) -> 
         raise InvalidRequestError(
             f"priority must be an integer, got {priority!r}", field="priority"
         )
+
+
+def check_structured_outputs(params: SamplingParams) -> None:
+    """Refuse a constraint the grammar compiler would refuse, naming its field.
+
+    llguidance checks the grammar without a vocabulary (~0.1-2 ms; a spec
+    seen before costs nothing), so a bad schema or regex fails at admission,
+    before the engine core sees the request.
+    """
+    if params.structured_outputs is not None:
+        from structllm.structured.compiler import validate
+
+        validate(params.structured_outputs)
+
+
+async def check_structured_outputs_off_loop(params: SamplingParams) -> None:
+    """:func:`check_structured_outputs` in a worker thread (if there is work).
+
+    Cancellation waits for the check (milliseconds) and then raises; nothing
+    is kept from it but the compiler's record of known-good specs.
+    """
+    from structllm.structured.compiler import is_validated
+
+    so = params.structured_outputs
+    if so is None or is_validated(so):
+        await anyio.lowlevel.checkpoint()
+        return
+    await anyio.to_thread.run_sync(check_structured_outputs, params)
+    # a cancellation during the check is delivered now, before admission
+    await anyio.lowlevel.checkpoint_if_cancelled()
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:

@@ -57,6 +57,8 @@ class Start(msgspec.Struct, tag=True):
     heartbeat_interval: float
     #: test hook: "raise_at_step:N", "hang_at_step:N", "exit_at_step:N"
     fault: str | None = None
+    #: the tokenizer structured-output grammars use (None: the model's)
+    tokenizer: str | None = None
 
 
 class AbortRequests(msgspec.Struct, tag=True):

@@ -4,6 +4,8 @@ Works on numpy ``float32`` logits already copied off the device; no Paddle.
 Per step, for every row (vLLM-compatible semantics):
 
 1. logprobs, if asked for, from ``log_softmax`` of the *raw* logits;
+   then the grammar bitmask of constrained rows (structured output): every
+   token the row's grammar forbids to ``-inf``, before anything below;
 2. ``allowed_token_ids`` (every other token to ``-inf``), then ``logit_bias``
    added to the logits;
 3. penalties: repetition (HF-style, over prompt + output tokens), then
@@ -21,6 +23,11 @@ descending, id ascending) that also defines which tokens top-k and top-p
 keep. Every row's result depends only on its own logits, parameters and
 generator, so a seeded request gives the same tokens whatever else is in its
 batch.
+
+A row that every token is masked out of (``allowed_token_ids`` disjoint
+from what its grammar allows, say) takes the argmax of its grammar-masked
+logits, or of the raw ones if it has no grammar: a constrained row never
+samples a token its grammar forbids.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from structllm.params import SamplingParams
+from structllm.structured.bitmask import apply_bitmask
 
 __all__ = [
     "Sampler",
@@ -113,21 +121,38 @@ class Sampler:
     candidates: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
 
     def sample(
-        self, logits: npt.ArrayLike, rows: Sequence[SamplingRow]
+        self,
+        logits: npt.ArrayLike,
+        rows: Sequence[SamplingRow],
+        *,
+        bitmask: npt.NDArray[np.int32] | None = None,
+        bitmask_rows: Sequence[int] | None = None,
     ) -> SamplerOutput:
-        """Choose one token per row of ``logits`` (N, V)."""
+        """Choose one token per row of ``logits`` (N, V).
+
+        ``bitmask`` (K, ceil(V / 32)) int32 constrains rows ``bitmask_rows``
+        (K distinct row indices; all N rows in order when None) to the
+        tokens whose bits are set (:mod:`structllm.structured.bitmask`).
+        """
         raw = _check_logits(logits, len(rows))  # (N, V) float32
         n = raw.shape[0]
+        base = raw  # the raw logits, grammar-masked where a row has a grammar
+        if bitmask is not None:
+            base = raw.copy()
+            apply_bitmask(base, bitmask, bitmask_rows)
         params = [r.params for r in rows]
         # Draw first: exactly one uniform per non-greedy row, whatever happens.
         rand = np.array([not p.greedy for p in params], dtype=np.bool_)
         u = np.array([r.generator.random() for r in rows if not r.params.greedy])
 
-        x = process_logits(raw, rows)  # (N, V)
+        x = process_logits(base, rows)  # (N, V)
         tokens = np.zeros(n, dtype=np.int64)
         dead = ~(x.max(axis=1, initial=-np.inf) > -np.inf)  # all -inf after masking
         if dead.any():
-            tokens[dead] = raw[dead].argmax(axis=1)
+            fallback = base[dead]
+            empty = ~(fallback.max(axis=1) > -np.inf)  # a grammar allowing nothing
+            fallback[empty] = raw[dead][empty]
+            tokens[dead] = fallback.argmax(axis=1)
         greedy = ~rand & ~dead
         if greedy.any():
             tokens[greedy] = x[greedy].argmax(axis=1)

@@ -1,8 +1,8 @@
 """What a request asks its output to match: :class:`StructuredOutputs`.
 
 This module belongs to the types layer (attrs and :mod:`structllm.errors`
-only): it will be a field of :class:`~structllm.params.SamplingParams` and
-travel to the engine core, so it never imports the grammar library. Every
+only): it is a field of :class:`~structllm.params.SamplingParams` and
+travels to the engine core, so it never imports the grammar library. Every
 field is checked when the object is built; a bad value raises
 :class:`~structllm.errors.InvalidRequestError` whose ``field`` is
 ``"structured_outputs.<name>"`` (or ``"structured_outputs"`` when the kinds

@@ -87,6 +87,10 @@ class StepOutput(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     num_waiting: int = 0
     blocks_used: int = 0
     total_preemptions: int = 0
+    #: prompt tokens this core has looked up in the prefix cache, and found
+    #: (cumulative since it started; vLLM's prefix_cache_queries / hits)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 def check_prompt(prompt: Sequence[int], *, vocab_size: int, max_model_len: int) -> None:
@@ -359,6 +363,8 @@ class EngineCore:
             num_waiting=len(s.waiting),
             blocks_used=self.pool.num_used,
             total_preemptions=s.total_preemptions,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
         )
 
     def statistics(self) -> EngineCoreStatistics:

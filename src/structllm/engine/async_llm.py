@@ -243,6 +243,14 @@ class AsyncLLM:
     def statistics(self) -> EngineStatistics:
         return self._client.statistics(live_requests=len(self._processor))
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block; return how many were forgotten.
+
+        Blocks in use stay with their requests (and are not cached again
+        when freed). Raises EngineDeadError if the core dies first.
+        """
+        return await self._client.reset_prefix_cache()
+
     @property
     def health_timeout(self) -> float:
         return self._client.health_timeout

@@ -86,3 +86,15 @@ async def test_prometheus_counters_and_cached_tokens_in_usage() -> None:
         assert queries.type == hits.type == "counter"
         assert queries.samples[0].value == 2 * usage["prompt_tokens"]
         assert hits.samples[0].value == 40
+
+
+async def test_n_choices_compute_the_prompt_once() -> None:
+    async with open_server(engine={"block_size": 4}) as server:
+        body = {"model": "tiny-random", "prompt": PROMPT, "max_tokens": 2, "n": 3}
+        resp = await server.http.post("/v1/completions", json=body)
+        assert resp.status_code == 200
+        assert len(resp.json()["choices"]) == 3
+        stats = server.llm.statistics()
+        # the first choice computes the ten full blocks, the other two read them
+        assert stats.prefix_cache_queries == 3 * 41
+        assert stats.prefix_cache_hits == 2 * 40

@@ -8,7 +8,13 @@ import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from structllm import AsyncLLM, EngineDeadError, SamplingParams
+from structllm import (
+    LLM,
+    AsyncLLM,
+    EngineDeadError,
+    InvalidRequestError,
+    SamplingParams,
+)
 from tests.test_server_app import open_server
 
 pytestmark = pytest.mark.anyio
@@ -98,3 +104,62 @@ async def test_n_choices_compute_the_prompt_once() -> None:
         # the first choice computes the ten full blocks, the other two read them
         assert stats.prefix_cache_queries == 3 * 41
         assert stats.prefix_cache_hits == 2 * 40
+
+
+async def test_cache_salt_separates_and_is_validated() -> None:
+    async with AsyncLLM.open("tiny-random", executor="inline", **ENGINE) as llm:
+
+        def salted(salt: str | None) -> dict[str, Any]:
+            return {"prompt": PROMPT, "cache_salt": salt}
+
+        assert (await llm.complete(salted("alice"), GREEDY)).num_cached_tokens == 0
+        assert (await llm.complete(salted("bob"), GREEDY)).num_cached_tokens == 0
+        assert (await llm.complete(salted(None), GREEDY)).num_cached_tokens == 0
+        again = await llm.complete(salted("alice"), GREEDY)
+        assert again.num_cached_tokens == 40
+        for bad in ("", 7, "x" * 1025, "tab\there"):
+            with pytest.raises(InvalidRequestError) as info:
+                await llm.complete({"prompt": PROMPT, "cache_salt": bad}, GREEDY)
+            assert info.value.field == "cache_salt"
+        with pytest.raises(InvalidRequestError, match="multi_modal_data") as info:
+            await llm.complete({"prompt": PROMPT, "multi_modal_data": {}}, GREEDY)
+        assert info.value.field == "prompt"
+
+
+def test_offline_llm_takes_a_cache_salt() -> None:
+    llm = LLM("tiny-random", **ENGINE)
+    first, salted, plain = llm.generate(
+        [
+            {"prompt": PROMPT},
+            {"prompt": PROMPT, "cache_salt": "s"},
+            {"prompt": PROMPT},
+        ],
+        GREEDY,
+        use_tqdm=False,
+    )
+    assert salted.num_cached_tokens == 0 and plain.num_cached_tokens == 40
+    assert salted.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+async def test_server_cache_salt() -> None:
+    async with open_server(engine={"block_size": 4}) as server:
+        url = "/v1/completions"
+
+        async def cached(**extra: Any) -> int:
+            body = {"model": "tiny-random", "prompt": PROMPT, "max_tokens": 2, **extra}
+            resp = await server.http.post(url, json=body)
+            assert resp.status_code == 200, resp.text
+            return int(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+        assert await cached(cache_salt="tenant-a") == 0
+        assert await cached(cache_salt="tenant-b") == 0
+        assert await cached(cache_salt="tenant-a") == 40
+        chat = {
+            "model": "tiny-random",
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": 1,
+            "cache_salt": "",
+        }
+        resp = await server.http.post("/v1/chat/completions", json=chat)
+        assert resp.status_code == 400
+        assert resp.json()["error"]["param"] == "cache_salt"

@@ -320,6 +320,7 @@ class AsyncLLM:
                 params=params,
                 eos_token_ids=self._eos | frozenset(info.eos_token_ids),
                 priority=priority,
+                cache_salt=parsed.cache_salt,
             )
         )
         self._client.submit_nowait(frame)

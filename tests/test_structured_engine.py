@@ -16,6 +16,8 @@ import anyio
 import anyio.to_thread
 import attrs
 import jsonschema
+import numpy as np
+import numpy.typing as npt
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -27,6 +29,7 @@ from structllm.core.structured import StructuredOutputManager
 from structllm.engine.async_llm import AsyncLLM
 from structllm.engine.protocol import decode, encode
 from structllm.errors import InvalidRequestError
+from structllm.model.sampler import Sampler, SamplingRow
 from structllm.params import SamplingParams
 from structllm.structured import StructuredOutputs
 from structllm.text import ByteTokenizer
@@ -74,6 +77,54 @@ def test_structured_outputs_must_be_the_type(value: Any) -> None:
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(structured_outputs=value)
     assert info.value.field == "structured_outputs"
+
+
+# --- the sampler ---------------------------------------------------------------
+
+
+def _bitmask(allowed: list[set[int]], vocab: int) -> npt.NDArray[np.int32]:
+    bits = np.zeros((len(allowed), (vocab + 31) // 32 * 32), dtype=np.uint8)
+    for i, ids in enumerate(allowed):
+        bits[i, sorted(ids)] = 1
+    return np.packbits(bits, axis=1, bitorder="little").view(np.int32)
+
+
+def test_the_grammar_mask_comes_before_every_other_logit_change() -> None:
+    """top-k keeps the best *allowed* tokens (were it applied first, the raw
+    top tokens, all forbidden here, would leave nothing); logit_bias cannot
+    revive a forbidden token; allowed_token_ids disjoint from the grammar
+    leave the grammar's best; an unmasked row keeps its tokens and draws."""
+    vocab = 40
+    logits = np.random.default_rng(0).standard_normal((4, vocab), dtype=np.float32)
+    worst = [int(t) for t in np.argsort(logits[3])[:6]]  # allowed in row 3
+    top2 = {worst[-1], worst[-2]}
+    seen = set()
+    for seed in range(20):
+        rows = [
+            SamplingRow(SamplingParams(temperature=0, logit_bias={3: 100}), gen(0)),
+            SamplingRow(SamplingParams(seed=1), gen(seed)),
+            SamplingRow(SamplingParams(temperature=0, allowed_token_ids=[30]), gen(2)),
+            SamplingRow(SamplingParams(temperature=100.0, top_k=2), gen(seed)),
+        ]
+        plain = Sampler().sample(
+            logits[[1]], [attrs.evolve(rows[1], generator=gen(seed))]
+        )
+        out = Sampler().sample(
+            logits,
+            rows,
+            bitmask=_bitmask([{5, 6}, {7, 8, 9}, set(worst)], vocab),
+            bitmask_rows=[0, 2, 3],
+        )
+        assert out.token_ids[0] == (5 if logits[0, 5] > logits[0, 6] else 6)
+        assert out.token_ids[1] == plain.token_ids[0]
+        assert out.token_ids[2] == 7 + int(np.argmax(logits[2, 7:10]))
+        assert out.token_ids[3] in top2
+        seen.add(int(out.token_ids[3]))
+    assert seen == top2
+
+
+def gen(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
 
 
 # --- end to end: LLM ------------------------------------------------------------

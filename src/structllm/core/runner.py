@@ -90,6 +90,7 @@ class ModelRunner:
             ],
             bitmask=None if masks is None else masks[0],
             bitmask_rows=None if masks is None else masks[1],
+            overwrite=True,  # the logits are ours, fresh from the model
         )
         sampled = {
             r.request_id: int(tok)

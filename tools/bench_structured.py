@@ -3,12 +3,16 @@
     PYTHONPATH=src python tools/bench_structured.py [--tokenizer DIR] [--rounds 5]
 
 1. Decode step time, 16 constrained requests vs 16 unconstrained, in one
-   process, alternating A/B and B/A rounds (the machine is noisy): the
-   median wall time of the steps that decode all 16 (``StepOutput.total_s``)
-   and of their sampling part (``sample_s``: mask fill + apply + sampling).
-   Each constrained request follows a JSON Schema of 24 required string
-   fields, longer than ``--tokens`` whatever the model writes, so all 16
-   decode to the end.
+   process: two engine cores of the same model, one running the free batch
+   and one the constrained batch, stepped in alternation (A B, B A, ...),
+   so that both see the same machine load (it is shared and noisy; whole
+   A and B runs one after the other differed by up to 1.5x either way).
+   Per pair of decode steps (all 16 decoding): the ratio of wall times
+   (``StepOutput.total_s``), and the engine's own work
+   (``total_s - forward_s``: scheduling, mask fill and apply, sampling,
+   grammar updates) over the free step. Each constrained request follows a
+   JSON Schema of 24 required string fields, longer than ``--tokens``
+   whatever the model writes, so all 16 decode to the end.
 2. Time to first token of one request alone: a schema never seen (compile in
    the core's thread), the same schema again (the cache), no schema; and the
    engine's first constrained request (which also builds the vocabulary).
@@ -78,23 +82,32 @@ def checkpoint(tmp: Path, tokenizer: Path | None) -> tuple[str, str]:
     return str(big), "dummy"
 
 
-def decode_steps(
+def add_batch(
     core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]
-) -> tuple[list[float], list[float]]:
-    """Run the batch; (total_s, total_s - forward_s) of the steps that
-    decode all of it (the second is the engine's own work: scheduling,
-    masks, sampling, grammar updates)."""
+) -> None:
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         core.add_request(
             CoreRequest(request_id=f"r{i}", prompt_token_ids=tuple(p), params=sp)
         )
-    total, sample = [], []
-    while core.has_unfinished_requests():
-        step = core.step()
-        if step.num_seqs == len(prompts) == step.num_batched_tokens:
-            total.append(step.total_s)
-            sample.append(step.total_s - step.forward_s)
-    return total, sample
+
+
+def paired_steps(
+    free: EngineCore, constrained: EngineCore, n: int, first: str
+) -> list[tuple[float, float, float, float]]:
+    """Step both cores in alternation to the end; for each pair of steps
+    that decode all ``n``: (free total, constrained total, free engine
+    work, constrained engine work), seconds."""
+    pairs = []
+    order = [free, constrained] if first == "A" else [constrained, free]
+    while free.has_unfinished_requests() or constrained.has_unfinished_requests():
+        steps = {id(core): core.step() for core in order}
+        order.reverse()
+        a, b = steps[id(free)], steps[id(constrained)]
+        if all(s.num_seqs == n == s.num_batched_tokens for s in (a, b)):
+            pairs.append(
+                (a.total_s, b.total_s, a.total_s - a.forward_s, b.total_s - b.forward_s)
+            )
+    return pairs
 
 
 def first_token_s(core: EngineCore, prompt: list[int], params: SamplingParams) -> float:
@@ -119,15 +132,14 @@ def main() -> None:
     ns = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model, load_format = checkpoint(Path(tmp), ns.tokenizer)
-        core = EngineCore(
-            EngineConfig(
-                model=model,
-                load_format=load_format,
-                max_num_seqs=ns.requests,
-                max_model_len=1024,
-                num_threads=ns.threads,
-            )
+        config = EngineConfig(
+            model=model,
+            load_format=load_format,
+            max_num_seqs=ns.requests,
+            max_model_len=1024,
+            num_threads=ns.threads,
         )
+        core_a, core = EngineCore(config), EngineCore(config)
         vocab = core.vocab_size
         rng = np.random.default_rng(0)
         prompts = [rng.integers(0, vocab, 32).tolist() for _ in range(ns.requests)]
@@ -141,39 +153,31 @@ def main() -> None:
             for i in range(ns.requests)
         ]
         first = first_token_s(core, prompts[0], constrained[0])
-        decode_steps(core, prompts, free)  # warm up both paths
-        decode_steps(core, prompts, constrained)
         rows = []
-        for r in range(ns.rounds):
-            order = ("A", "B") if r % 2 == 0 else ("B", "A")
-            got = {
-                k: decode_steps(core, prompts, free if k == "A" else constrained)
-                for k in order
-            }
-            (a, a_sample), (b, b_sample) = got["A"], got["B"]
-            rows.append(
-                (
-                    statistics.median(a) * 1e3,
-                    statistics.median(b) * 1e3,
-                    statistics.median(a_sample) * 1e3,
-                    statistics.median(b_sample) * 1e3,
-                    len(b),
-                )
-            )
+        for r in range(ns.rounds + 1):  # the first round warms both up
+            add_batch(core_a, prompts, free)
+            add_batch(core, prompts, constrained)
+            pairs = paired_steps(core_a, core, ns.requests, "AB"[r % 2])
+            if r:
+                rows.append(pairs)
         print(f"model {model} (vocab {vocab}), {ns.requests} requests")
         print(
-            "round  free ms  constrained ms  ratio  not-forward free/constr ms  steps"
+            "round  free ms  constrained ms  ratio  engine work free/constr ms  pairs"
         )
-        for r, (a, b, sa, sb, n) in enumerate(rows):
-            print(
-                f"{r:5d} {a:8.2f} {b:15.2f} {b / a:6.3f} {sa:15.2f} / {sb:5.2f} {n:6d}"
+        ratios, extra = [], []
+        for r, pairs in enumerate(rows):
+            a, b, wa, wb = (
+                statistics.median(x) * 1e3 for x in zip(*pairs, strict=True)
             )
-        ratios = [b / a for a, b, *_ in rows]
-        extra = [(sb - sa) / a for a, _, sa, sb, _ in rows]
+            ratios += [pb / pa for pa, pb, _, _ in pairs]
+            extra += [(xb - xa) / pa for pa, _, xa, xb in pairs]
+            print(
+                f"{r:5d} {a:8.2f} {b:15.2f} {b / a:6.3f} {wa:15.2f} / {wb:5.2f} {len(pairs):6d}"
+            )
         print(
-            f"median ratio constrained / free: {statistics.median(ratios):.3f}; "
-            "engine work added by the grammars, over the free step: "
-            f"{statistics.median(extra):.1%}"
+            f"median over {len(ratios)} step pairs: constrained / free "
+            f"{statistics.median(ratios):.3f}; engine work added by the grammars, "
+            f"over the free step: {statistics.median(extra):.1%}"
         )
 
         new, cached, plain = [], [], []
@@ -190,6 +194,7 @@ def main() -> None:
             f"the engine's first constrained request {first * 1e3:.1f}"
         )
         core.close()
+        core_a.close()
 
 
 if __name__ == "__main__":

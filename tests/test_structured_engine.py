@@ -605,6 +605,10 @@ async def test_async_llm_refuses_a_bad_spec_at_entry_while_others_stream(
                         async with engine.stream("x", bad):
                             pytest.fail("a refused spec was admitted")
                     assert info.value.field == "structured_outputs.regex"
+                    # what a server asks before promising a streaming 200
+                    with pytest.raises(InvalidRequestError) as info:
+                        engine.check_admission([1, 2], params=bad)
+                    assert info.value.field == "structured_outputs.regex"
         assert got == free_reference[1]
         await wait_idle(engine)
 

@@ -210,8 +210,8 @@ class EngineCore:
         except ValueError as exc:  # an attrs validator: "'max_num_seqs' must be..."
             raise EngineConfigError(str(exc)) from exc
         self.scheduler = Scheduler(scheduler_config, self.pool)
-        self.runner = ModelRunner(loaded.model, num_blocks)
         self.structured = StructuredOutputManager(self._grammar_vocabulary)
+        self.runner = ModelRunner(loaded.model, num_blocks, self.structured)
         self._sequence = itertools.count()
         self.steps = 0
 
@@ -309,7 +309,7 @@ class EngineCore:
         schedule_s = time.perf_counter() - start
         if sched.is_empty:
             return self._step_output((), sched, start, schedule_s, rejected=rejected)
-        ran = self.runner.execute(sched, self.structured)
+        ran = self.runner.execute(sched)
         finished = {
             r.request_id: r
             for r in self.scheduler.update_from_output(sched, ran.sampled)

@@ -348,6 +348,7 @@ def test_a_spec_refused_in_the_core_drops_that_request_alone(
     assert "bad" not in tokens
     assert core.pool.num_used == 0 and core.structured.num_compiling == 0
     core.close()
+    assert not [t for t in threading.enumerate() if "grammar" in t.name]
 
 
 BOUNDED = StructuredOutputs(

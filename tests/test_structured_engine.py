@@ -687,3 +687,32 @@ async def test_cancel_while_the_front_end_checks_the_spec_registers_nothing(
         out = await engine.complete(FREE_PROMPTS[0], FREE[0])
         assert list(out.token_ids) == free_reference[0]
         await wait_idle(engine)
+
+
+@pytest.mark.anyio
+async def test_async_llm_fails_a_request_the_core_refuses_alone(
+    monkeypatch: pytest.MonkeyPatch, free_reference: list[list[int]]
+) -> None:
+    """A refusal only the core finds (the front end's check skipped here)
+    reaches the caller as InvalidRequestError naming the field, from inside
+    the block; a request streaming meanwhile is unaffected."""
+    import structllm.structured.compiler as compiler
+
+    monkeypatch.setattr(compiler, "validate", lambda constraint, **kw: None)
+    bad = SamplingParams(
+        structured_outputs=StructuredOutputs(regex=f"(?={uuid.uuid4().hex})b")
+    )
+    async with open_async_llm() as engine:
+        async with engine.stream(FREE_PROMPTS[1], FREE[1]) as running:
+            got: list[int] = []
+            async for out in running:
+                got = list(out.token_ids)
+                if len(got) == 2:
+                    with pytest.raises(InvalidRequestError) as info:
+                        async with engine.stream("x", bad) as refused:
+                            async for _ in refused:
+                                pytest.fail("a refused request produced output")
+                    assert info.value.field == "structured_outputs.regex"
+                    assert "look-around" in str(info.value)
+        assert got == free_reference[1]
+        await wait_idle(engine)

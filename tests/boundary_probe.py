@@ -32,8 +32,8 @@ from typing import Any
 import httpx
 
 HERE = Path(__file__).resolve().parent.parent / "src"
-#: the model to serve: "tiny" (byte tokenizer) or a directory (--model)
-MODEL = ["tiny"]
+#: the model to serve: "tiny-random" (byte tokenizer) or a directory (--model)
+MODEL = ["tiny-random"]
 #: more `structllm serve` arguments (--serve-arg)
 EXTRA: list[str] = []
 ENGINE = ["--max-model-len", "2048", "--num-blocks", "1024", "--max-num-seqs", "64"]
@@ -311,7 +311,7 @@ def main() -> None:
     parser.add_argument("--loop", default="asyncio")
     parser.add_argument("--clients", type=int, default=1000)
     parser.add_argument(
-        "--model", default="tiny", help="e.g. a `structllm make-tiny-model` dir"
+        "--model", default="tiny-random", help="e.g. a `structllm make-tiny-model` dir"
     )
     parser.add_argument("--serve-arg", action="append", default=[])
     parser.add_argument("--fail-on-reset", action="store_true")

@@ -285,11 +285,12 @@ def test_refused_fields_are_400_naming_them(server: str) -> None:
             "stream_options",
         ),
         ("/v1/completions", {"prompt": "x", "max_tokens": 600}, "max_tokens"),
-        ("/v1/chat/completions", {"messages": CHAT, "tools": [{}]}, "tools"),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": [{}]}, "tools[0].type"),
+        ("/v1/completions", {"prompt": "x", "tool_choice": "auto"}, "tool_choice"),
         (
             "/v1/chat/completions",
-            {"messages": CHAT, "response_format": {"type": "json_object"}},
-            "response_format",
+            {"messages": CHAT, "functions": [{"name": "f"}]},
+            "functions",
         ),
         (
             "/v1/chat/completions",
@@ -316,11 +317,11 @@ def test_refused_fields_are_400_naming_them(server: str) -> None:
 
 @pytest.fixture(scope="module")
 def reference() -> LLM:
-    return LLM("tiny", show_progress=False, max_model_len=512, num_blocks=64)
+    return LLM("tiny-random", show_progress=False, max_model_len=512, num_blocks=64)
 
 
 def greedy(llm: LLM, prompt: str, n: int, **params: Any) -> list[int]:
-    ids = parse_prompt(prompt, load_tokenizer("tiny")).token_ids
+    ids = parse_prompt(prompt, load_tokenizer("tiny-random")).token_ids
     out = llm.generate(
         {"prompt_token_ids": list(ids)},
         SamplingParams(temperature=0, max_tokens=n, **params),
@@ -353,7 +354,7 @@ def test_logit_bias_and_allowed_token_ids_work(server: str, reference: LLM) -> N
 
 
 def test_token_ids_usage_and_fingerprint(server: str, reference: LLM) -> None:
-    ids = list(parse_prompt("hello", load_tokenizer("tiny")).token_ids)
+    ids = list(parse_prompt("hello", load_tokenizer("tiny-random")).token_ids)
     body = {
         "prompt": "hello",
         "max_tokens": 5,

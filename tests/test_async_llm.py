@@ -22,7 +22,8 @@ from structllm import (
     OutputKind,
     SamplingParams,
 )
-from structllm.core.engine_core import EngineConfig, EngineCore
+from structllm.config import EngineConfig
+from structllm.core.engine_core import EngineCore
 from structllm.core.request import CoreRequest
 from structllm.engine.async_llm import AsyncLLM
 
@@ -41,7 +42,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 def alone(prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
     """Reference tokens: the engine core run synchronously, one request alone."""
-    core = EngineCore(EngineConfig(model="tiny", **ENGINE))
+    core = EngineCore(EngineConfig(model="tiny-random", **ENGINE))
     core.add_request(
         CoreRequest(request_id="x", prompt_token_ids=tuple(prompt), params=params)
     )
@@ -55,7 +56,7 @@ def alone(prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
 @contextlib.asynccontextmanager
 async def open_llm(**kw: object) -> AsyncIterator[AsyncLLM]:
     args = {"executor": "inline", "show_progress": False, **ENGINE, **kw}
-    async with AsyncLLM.open("tiny", **args) as llm:
+    async with AsyncLLM.open("tiny-random", **args) as llm:
         yield llm
 
 

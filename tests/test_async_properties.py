@@ -351,7 +351,7 @@ def check_request(rec: Record) -> None:
 async def scenario(sc: Scenario) -> None:
     tasks_before = all_tasks()
     async with AsyncLLM.open(
-        "tiny",
+        "tiny-random",
         executor="inline",
         show_progress=False,
         max_model_len=256,
@@ -422,7 +422,7 @@ async def test_final_output_keeps_text_and_logprobs() -> None:
     # __attrs_post_init__ made a fresh detokenizer (text "") and no logprobs
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     async with AsyncLLM.open(
-        "tiny", executor="inline", show_progress=False, max_model_len=256
+        "tiny-random", executor="inline", show_progress=False, max_model_len=256
     ) as llm:
         async with llm.stream("Hello there", params) as s:
             outs = [out async for out in s]

@@ -6,10 +6,11 @@ import attrs
 import numpy as np
 import pytest
 
-from structllm.core.engine_core import EngineConfig, EngineCore
+from structllm.config import EngineConfig
+from structllm.core.engine_core import EngineCore
 from structllm.core.request import CoreRequest
 from structllm.errors import ModelLoadError
-from structllm.model.config import tiny_config
+from structllm.model.config import tiny_random_config
 from structllm.model.loader import AUTO_INFERENCE_MIN_PARAMETERS, resolve_backend
 from structllm.params import SamplingParams
 
@@ -19,7 +20,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 def _tokens(backend: str) -> tuple[dict[str, list[int]], type]:
     core = EngineCore(
         EngineConfig(
-            model="tiny",
+            model="tiny-random",
             model_backend=backend,
             num_blocks=12,
             max_model_len=128,
@@ -53,7 +54,7 @@ def test_inference_backend_gives_the_eager_tokens() -> None:
 
 
 def test_auto_picks_by_size_and_bad_names_are_refused() -> None:
-    small = tiny_config()
+    small = tiny_random_config()
     big = attrs.evolve(
         small, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8
     )
@@ -68,7 +69,7 @@ def test_auto_picks_by_size_and_bad_names_are_refused() -> None:
 def test_small_steps_run_eager_and_large_ones_through_the_predictors() -> None:
     from structllm.model.compiled import SMALL_STEP
 
-    core = EngineCore(EngineConfig(model="tiny", model_backend="inference"))
+    core = EngineCore(EngineConfig(model="tiny-random", model_backend="inference"))
     model = core.runner.model
     calls: list[int] = []
     original = model._first

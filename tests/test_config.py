@@ -13,7 +13,7 @@ import pytest
 from structllm.cli import main
 from structllm.errors import ModelLoadError, UnsupportedModelError
 from structllm.model.checkpoint import write_random_checkpoint
-from structllm.model.config import ModelConfig, RopeScaling, tiny_config
+from structllm.model.config import ModelConfig, RopeScaling, tiny_random_config
 from structllm.model.loader import load_model
 
 # config.json files as published (4.x form), abridged of nothing that matters
@@ -304,10 +304,10 @@ def test_window_layouts_structllm_would_have_to_guess_are_refused() -> None:
 @pytest.mark.parametrize(
     "config",
     [
-        attrs.evolve(tiny_config(), rope_theta=5e5),
-        attrs.evolve(tiny_config(), qkv_bias=True, o_bias=True, mlp_bias=True),
+        attrs.evolve(tiny_random_config(), rope_theta=5e5),
+        attrs.evolve(tiny_random_config(), qkv_bias=True, o_bias=True, mlp_bias=True),
         attrs.evolve(
-            tiny_config(),
+            tiny_random_config(),
             architecture="Qwen3ForCausalLM",
             qk_norm=True,
             head_dim=24,
@@ -318,7 +318,7 @@ def test_window_layouts_structllm_would_have_to_guess_are_refused() -> None:
             ),
         ),
         attrs.evolve(
-            tiny_config(),
+            tiny_random_config(),
             architecture="MistralForCausalLM",
             sliding_window=16,
             rope_scaling=RopeScaling(rope_type="dynamic", factor=2.0),
@@ -334,7 +334,7 @@ def test_tensors_the_config_does_not_use_are_refused(tmp_path: Path) -> None:
     # weights with biases under a config that says there are none: running
     # without them would be a different model
     write_random_checkpoint(
-        tmp_path, attrs.evolve(tiny_config(), qkv_bias=True, o_bias=True)
+        tmp_path, attrs.evolve(tiny_random_config(), qkv_bias=True, o_bias=True)
     )
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["attention_bias"] = False

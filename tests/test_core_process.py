@@ -13,7 +13,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from structllm.core.engine_core import EngineConfig, StepOutput
+from structllm.config import EngineConfig
+from structllm.core.engine_core import StepOutput
 from structllm.core.request import CoreRequest
 from structllm.engine.core_process import serve
 from structllm.engine.protocol import (
@@ -31,7 +32,7 @@ from structllm.engine.protocol import (
 )
 from structllm.params import SamplingParams
 
-CONFIG = EngineConfig(model="tiny", max_model_len=128, num_blocks=16)
+CONFIG = EngineConfig(model="tiny-random", max_model_len=128, num_blocks=16)
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
 
@@ -154,7 +155,7 @@ def test_the_loop_ends_on_eof() -> None:
 
 
 def test_a_setting_that_cannot_work_is_a_fatal_config_error() -> None:
-    small = EngineConfig(model="tiny", max_model_len=256, num_blocks=4)
+    small = EngineConfig(model="tiny-random", max_model_len=256, num_blocks=4)
     with core_loop(small) as (peer, codes):
         fatal = peer.until(lambda m: isinstance(m, Fatal))[-1]
     assert isinstance(fatal, Fatal) and fatal.during_load

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from structllm.core.engine_core import EngineConfig, EngineCore
+from structllm.config import EngineConfig
+from structllm.core.engine_core import EngineCore
 from structllm.core.request import CoreRequest
 from structllm.errors import InvalidRequestError
 from structllm.params import SamplingParams
@@ -39,7 +40,9 @@ def _alone(prompt, params=GREEDY) -> list[int]:
     """Tokens for ``prompt`` run by itself (one shared core, one at a time)."""
     if not _SOLO:
         _SOLO.append(
-            EngineCore(EngineConfig(model="tiny", max_model_len=256, num_blocks=32))
+            EngineCore(
+                EngineConfig(model="tiny-random", max_model_len=256, num_blocks=32)
+            )
         )
     return _run(_SOLO[0], [prompt], params)["r0"]
 
@@ -50,7 +53,7 @@ def _top2_gap(prompt: tuple[int, ...], generated: list[int], k: int) -> float:
     from structllm.model.attention import SequenceSlice
     from structllm.model.loader import load_model
 
-    model = load_model("tiny", block_size=16).model
+    model = load_model("tiny-random", block_size=16).model
     ids = list(prompt) + generated[:k]
     caches = model.allocate_kv_cache(len(ids) // 16 + 1)
     meta = model.attention.build_metadata(
@@ -78,7 +81,9 @@ def _assert_same_or_near_tie(prompts, batched, alone) -> None:
 def test_batched_greedy_equals_alone() -> None:
     prompts = _prompts(32)
     core = EngineCore(
-        EngineConfig(model="tiny", max_model_len=256, max_num_seqs=32, num_blocks=256)
+        EngineConfig(
+            model="tiny-random", max_model_len=256, max_num_seqs=32, num_blocks=256
+        )
     )
     batched = _run(core, prompts, GREEDY)
     _assert_same_or_near_tie(prompts, batched, [_alone(p) for p in prompts])
@@ -90,7 +95,7 @@ def test_preemption_keeps_tokens() -> None:
     # 16 blocks of 16 tokens: a fraction of what 32 requests need at once
     core = EngineCore(
         EngineConfig(
-            model="tiny",
+            model="tiny-random",
             max_model_len=256,
             max_num_seqs=32,
             num_blocks=16,
@@ -110,7 +115,9 @@ def test_seeded_sampling_is_batch_independent() -> None:
         )
         for i in range(len(prompts))
     ]
-    core = EngineCore(EngineConfig(model="tiny", max_model_len=128, num_blocks=8))
+    core = EngineCore(
+        EngineConfig(model="tiny-random", max_model_len=128, num_blocks=8)
+    )
     batched = _run(core, prompts, params)
     assert core.statistics().scheduler.total_preemptions > 0
     for i, p in enumerate(prompts):
@@ -118,7 +125,7 @@ def test_seeded_sampling_is_batch_independent() -> None:
 
 
 def test_prompt_length_boundaries() -> None:
-    core = EngineCore(EngineConfig(model="tiny", max_model_len=64, num_blocks=8))
+    core = EngineCore(EngineConfig(model="tiny-random", max_model_len=64, num_blocks=8))
     core.add_request(
         CoreRequest(
             request_id="ok", prompt_token_ids=(1,) * 63, params=SamplingParams()
@@ -159,7 +166,7 @@ def _run_existing(core: EngineCore) -> dict[str, int]:
     ],
 )
 def test_bad_prompts_refused_without_side_effects(prompt, match) -> None:
-    core = EngineCore(EngineConfig(model="tiny", max_model_len=64, num_blocks=8))
+    core = EngineCore(EngineConfig(model="tiny-random", max_model_len=64, num_blocks=8))
     with pytest.raises(InvalidRequestError, match=match):
         core.add_request(
             CoreRequest(request_id="x", prompt_token_ids=prompt, params=GREEDY)
@@ -172,7 +179,7 @@ def test_bad_prompts_refused_without_side_effects(prompt, match) -> None:
 
 
 def test_duplicate_live_id_refused_then_reusable() -> None:
-    core = EngineCore(EngineConfig(model="tiny", max_model_len=64, num_blocks=8))
+    core = EngineCore(EngineConfig(model="tiny-random", max_model_len=64, num_blocks=8))
     req = CoreRequest(request_id="a", prompt_token_ids=(1, 2, 3), params=GREEDY)
     core.add_request(req)
     with pytest.raises(InvalidRequestError, match="already in use") as e:
@@ -186,11 +193,11 @@ def test_duplicate_live_id_refused_then_reusable() -> None:
 
 def test_kv_cache_too_small_for_max_model_len() -> None:
     with pytest.raises(ValueError, match="fewer than one sequence"):
-        EngineCore(EngineConfig(model="tiny", max_model_len=256, num_blocks=4))
+        EngineCore(EngineConfig(model="tiny-random", max_model_len=256, num_blocks=4))
 
 
 def test_step_timing_and_counts() -> None:
-    core = EngineCore(EngineConfig(model="tiny", max_model_len=64, num_blocks=8))
+    core = EngineCore(EngineConfig(model="tiny-random", max_model_len=64, num_blocks=8))
     core.add_request(
         CoreRequest(request_id="a", prompt_token_ids=(1,) * 20, params=GREEDY)
     )

@@ -44,7 +44,7 @@ def test_llm_refuses_a_setting_that_cannot_work(
     settings: dict[str, Any], field: str | None
 ) -> None:
     with pytest.raises(EngineConfigError) as info:
-        LLM("tiny", show_progress=False, **settings)
+        LLM("tiny-random", show_progress=False, **settings)
     assert info.value.field == field
 
 
@@ -55,7 +55,7 @@ async def test_async_llm_refuses_it_with_the_same_error(
 ) -> None:
     with pytest.raises(EngineConfigError) as info:
         async with AsyncLLM.open(
-            "tiny", executor="inline", show_progress=False, **settings
+            "tiny-random", executor="inline", show_progress=False, **settings
         ):
             pytest.fail("open() should have failed")  # pragma: no cover
     assert info.value.field == field
@@ -65,7 +65,7 @@ async def test_async_llm_refuses_it_with_the_same_error(
 async def test_the_process_executor_reports_it_too() -> None:
     with pytest.raises(EngineConfigError, match="fewer than one sequence") as info:
         async with AsyncLLM.open(
-            "tiny", show_progress=False, max_model_len=256, num_blocks=4
+            "tiny-random", show_progress=False, max_model_len=256, num_blocks=4
         ):
             pytest.fail("open() should have failed")  # pragma: no cover
     assert info.value.field == "num_blocks"
@@ -74,6 +74,20 @@ async def test_the_process_executor_reports_it_too() -> None:
 @pytest.mark.anyio
 async def test_an_unknown_executor_is_a_config_error() -> None:
     with pytest.raises(EngineConfigError) as info:
-        async with AsyncLLM.open("tiny", executor="cloud", show_progress=False):
+        async with AsyncLLM.open("tiny-random", executor="cloud", show_progress=False):
             pytest.fail("open() should have failed")  # pragma: no cover
     assert info.value.field == "executor"
+
+
+def test_the_drawing_in_the_docstring_lists_every_error() -> None:
+    import re
+
+    import structllm.errors as errors
+
+    drawn = set(re.findall(r"[├└]── (\w+)", errors.__doc__ or "")) | {"StructLLMError"}
+    defined = {
+        name
+        for name, obj in vars(errors).items()
+        if isinstance(obj, type) and issubclass(obj, StructLLMError)
+    }
+    assert drawn == defined == set(errors.__all__) | {"StructLLMError"}

@@ -13,9 +13,12 @@ import structllm
 PUBLIC = {
     "AsyncLLM",
     "CompletionOutput",
+    "EngineConfig",
+    "EngineConfigError",
     "EngineDeadError",
     "EngineOverloadedError",
     "EngineStatistics",
+    "FrontendConfig",
     "InvalidRequestError",
     "LLM",
     "Logprob",
@@ -26,6 +29,7 @@ PUBLIC = {
     "RequestOutput",
     "RequestStream",
     "SamplingParams",
+    "ServerConfig",
     "StructLLMError",
     "UnsupportedModelError",
 }

@@ -22,13 +22,13 @@ import anyio
 import pytest
 
 from structllm import EngineDeadError, ModelLoadError, SamplingParams
-from structllm.core.engine_core import EngineConfig
+from structllm.config import EngineConfig
 from structllm.engine.async_llm import AsyncLLM
 from structllm.engine.core_connection import core_process_command
 from structllm.engine.protocol import FrameReader, Ready, Start, encode
 from structllm.errors import EngineCoreError
 from structllm.model.checkpoint import write_random_checkpoint
-from structllm.model.config import tiny_config
+from structllm.model.config import tiny_random_config
 
 pytestmark = pytest.mark.anyio
 
@@ -47,7 +47,7 @@ async def consume_until_dead(llm: AsyncLLM) -> tuple[EngineDeadError, float]:
 
 
 async def test_sigkill_mid_stream_then_restart() -> None:
-    async with AsyncLLM.open("tiny", max_restarts=2, **ENGINE) as llm:
+    async with AsyncLLM.open("tiny-random", max_restarts=2, **ENGINE) as llm:
         pid = llm.statistics().worker_pid
         assert pid is not None
         killed_at = 0.0
@@ -72,7 +72,7 @@ async def test_sigkill_mid_stream_then_restart() -> None:
 
 
 async def test_forward_raises_at_step() -> None:
-    async with AsyncLLM.open("tiny", fault="raise_at_step:5", **ENGINE) as llm:
+    async with AsyncLLM.open("tiny-random", fault="raise_at_step:5", **ENGINE) as llm:
         err, _ = await consume_until_dead(llm)
         assert isinstance(err.__cause__, EngineCoreError)
         assert "injected fault at step 5" in str(err.__cause__)
@@ -82,7 +82,7 @@ async def test_forward_raises_at_step() -> None:
 
 async def test_hung_worker_detected_by_heartbeat() -> None:
     async with AsyncLLM.open(
-        "tiny", fault="hang_at_step:3", heartbeat_timeout=1.0, **ENGINE
+        "tiny-random", fault="hang_at_step:3", heartbeat_timeout=1.0, **ENGINE
     ) as llm:
         start = time.monotonic()
         err, failed_at = await consume_until_dead(llm)
@@ -94,7 +94,7 @@ async def test_hung_worker_detected_by_heartbeat() -> None:
 
 async def test_restart_budget_exhausted() -> None:
     async with AsyncLLM.open(
-        "tiny",
+        "tiny-random",
         fault="exit_at_step:0",
         fault_starts=100,
         max_restarts=1,
@@ -117,11 +117,11 @@ async def test_restart_budget_exhausted() -> None:
 
 
 async def test_bad_checkpoint_fails_open(tmp_path: Path) -> None:
-    write_random_checkpoint(tmp_path, tiny_config())
+    write_random_checkpoint(tmp_path, tiny_random_config())
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 16)
     # the byte tokenizer stands in: this checkpoint has no tokenizer files
     with pytest.raises(ModelLoadError, match="safetensors"):
-        async with AsyncLLM.open(str(tmp_path), tokenizer="tiny", **ENGINE):
+        async with AsyncLLM.open(str(tmp_path), tokenizer="tiny-random", **ENGINE):
             pytest.fail("open() should have failed")  # pragma: no cover
 
 
@@ -134,7 +134,7 @@ def test_worker_exits_when_parent_is_killed(tmp_path: Path) -> None:
             from structllm.engine.async_llm import AsyncLLM
 
             async def main():
-                async with AsyncLLM.open("tiny", show_progress=False) as llm:
+                async with AsyncLLM.open("tiny-random", show_progress=False) as llm:
                     print(llm.statistics().worker_pid, flush=True)
                     await anyio.sleep(3600)
 
@@ -191,7 +191,9 @@ def test_worker_outlives_the_thread_that_started_it() -> None:
         ours.sendall(
             encode(
                 Start(
-                    config=EngineConfig(model="tiny", max_model_len=64, num_blocks=8),
+                    config=EngineConfig(
+                        model="tiny-random", max_model_len=64, num_blocks=8
+                    ),
                     heartbeat_interval=1.0,
                 )
             )

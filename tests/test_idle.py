@@ -23,7 +23,7 @@ def _cpu_seconds(pid: int) -> float:
 
 async def test_idle_cpu_is_negligible() -> None:
     async with AsyncLLM.open(
-        "tiny", show_progress=False, heartbeat_interval=0.5
+        "tiny-random", show_progress=False, heartbeat_interval=0.5
     ) as llm:
         await llm.complete("warm", SamplingParams(max_tokens=4))
         pid = llm.statistics().worker_pid

@@ -17,7 +17,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("tiny", show_progress=False, max_model_len=128, num_blocks=64)
+    return LLM("tiny-random", show_progress=False, max_model_len=128, num_blocks=64)
 
 
 def test_outputs_in_input_order(llm: LLM) -> None:
@@ -90,7 +90,7 @@ def test_make_tiny_model_and_generate_cli(tmp_path: Path) -> None:
     gen = cli("generate", str(tmp_path), "Hello", "--max-tokens", "5", "--chat")
     assert gen.returncode == 0, gen.stderr
     assert "finish_reason=" in gen.stderr
-    bad = cli("generate", "tiny", "Hello", "--temperature", "-1")
+    bad = cli("generate", "tiny-random", "Hello", "--temperature", "-1")
     assert bad.returncode == 2 and "temperature" in bad.stderr
 
 

@@ -13,11 +13,11 @@ from structllm.errors import ModelLoadError, UnsupportedModelError
 from structllm.model._paddle import paddle
 from structllm.model.attention import SequenceSlice
 from structllm.model.checkpoint import write_random_checkpoint
-from structllm.model.config import ModelConfig, tiny_config
+from structllm.model.config import ModelConfig, tiny_random_config
 from structllm.model.llama import LlamaForCausalLM
 from structllm.model.loader import LoadProgress, load_model
 
-CONFIG = attrs.evolve(tiny_config(), tie_word_embeddings=False)
+CONFIG = attrs.evolve(tiny_random_config(), tie_word_embeddings=False)
 PROMPT = [3, 141, 59, 26, 53, 58, 97]
 
 
@@ -85,7 +85,7 @@ def test_progress_events(checkpoint: Path) -> None:
 
 
 def test_tiny_needs_no_files() -> None:
-    loaded = load_model("tiny")
+    loaded = load_model("tiny-random")
     assert loaded.path is None
     assert loaded.config.vocab_size == 258
 
@@ -158,6 +158,6 @@ def test_missing_tensor(tmp_path: Path) -> None:
 def test_config_roundtrip() -> None:
     for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"):
         config = attrs.evolve(
-            tiny_config(), architecture=arch, qkv_bias=arch.startswith("Qwen2")
+            tiny_random_config(), architecture=arch, qkv_bias=arch.startswith("Qwen2")
         )
         assert ModelConfig.from_hf(config.to_hf()) == config

@@ -8,7 +8,7 @@ import pytest
 
 from structllm.model._paddle import paddle
 from structllm.model.attention import SequenceSlice
-from structllm.model.config import ModelConfig, RopeScaling, tiny_config
+from structllm.model.config import ModelConfig, RopeScaling, tiny_random_config
 from structllm.model.llama import LlamaForCausalLM
 from structllm.model.loader import build_model, random_hf_tensors
 from tests.reference import reference_logits
@@ -17,41 +17,41 @@ from tests.reference import reference_logits
 ATOL = 1e-3
 
 CONFIGS = {
-    "llama-gqa-tied": tiny_config(),
+    "llama-gqa-tied": tiny_random_config(),
     "llama-mha-untied": attrs.evolve(
-        tiny_config(), num_key_value_heads=4, tie_word_embeddings=False
+        tiny_random_config(), num_key_value_heads=4, tie_word_embeddings=False
     ),
     "qwen2-bias": attrs.evolve(
-        tiny_config(), architecture="Qwen2ForCausalLM", qkv_bias=True
+        tiny_random_config(), architecture="Qwen2ForCausalLM", qkv_bias=True
     ),
     "llama3-rope": attrs.evolve(
-        tiny_config(),
+        tiny_random_config(),
         rope_theta=500000.0,
         rope_scaling=RopeScaling(
             rope_type="llama3", factor=8.0, original_max_position_embeddings=64
         ),
     ),
     "sliding-window": attrs.evolve(
-        tiny_config(), architecture="MistralForCausalLM", sliding_window=5
+        tiny_random_config(), architecture="MistralForCausalLM", sliding_window=5
     ),
     "linear-rope": attrs.evolve(
-        tiny_config(), rope_scaling=RopeScaling(rope_type="linear", factor=2.0)
+        tiny_random_config(), rope_scaling=RopeScaling(rope_type="linear", factor=2.0)
     ),
     "yarn-rope": attrs.evolve(
-        tiny_config(),
+        tiny_random_config(),
         rope_theta=1e6,
         rope_scaling=RopeScaling(
             rope_type="yarn", factor=4.0, original_max_position_embeddings=16
         ),
     ),
     "dynamic-rope": attrs.evolve(
-        tiny_config(), rope_scaling=RopeScaling(rope_type="dynamic", factor=2.0)
+        tiny_random_config(), rope_scaling=RopeScaling(rope_type="dynamic", factor=2.0)
     ),
     "llama-all-biases": attrs.evolve(
-        tiny_config(), qkv_bias=True, o_bias=True, mlp_bias=True
+        tiny_random_config(), qkv_bias=True, o_bias=True, mlp_bias=True
     ),
     "qwen3-qk-norm-head-dim-24": attrs.evolve(
-        tiny_config(),
+        tiny_random_config(),
         architecture="Qwen3ForCausalLM",
         head_dim=24,
         qk_norm=True,
@@ -60,13 +60,13 @@ CONFIGS = {
     # three layers: the oneDNN backend then has two "between" predictors, and
     # a bias in each (one shared predictor kept the first layer's weights)
     "qwen2-three-layers": attrs.evolve(
-        tiny_config(),
+        tiny_random_config(),
         architecture="Qwen2ForCausalLM",
         qkv_bias=True,
         num_hidden_layers=3,
     ),
     "qwen2-sliding-layer-1": attrs.evolve(
-        tiny_config(),
+        tiny_random_config(),
         architecture="Qwen2ForCausalLM",
         qkv_bias=True,
         sliding_window=4,
@@ -156,7 +156,7 @@ def test_decode_after_prefill_matches_reference() -> None:
 
 
 def test_decode_rows_must_come_first() -> None:
-    model = _model(tiny_config())
+    model = _model(tiny_random_config())
     with pytest.raises(ValueError, match="one-token"):
         model.attention.build_metadata(
             [SequenceSlice(0, 3, [0]), SequenceSlice(3, 1, [1])]
@@ -166,7 +166,7 @@ def test_decode_rows_must_come_first() -> None:
 def test_gather_refuses_a_slot_outside_the_cache() -> None:
     # host gathers use np.take(mode="clip") into reused buffers; the range is
     # checked first, so a bad block table raises instead of reading slot 0
-    model = _model(tiny_config(), block_size=4)
+    model = _model(tiny_random_config(), block_size=4)
     caches = model.allocate_kv_cache(2)  # 8 slots
     # the new token goes to block 0 (valid); its past sits in block 5 (not)
     meta = model.attention.build_metadata([SequenceSlice(4, 1, [5, 0])])

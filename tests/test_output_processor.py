@@ -16,7 +16,7 @@ from structllm.outputs import RequestOutput
 from structllm.params import OutputKind, SamplingParams
 from structllm.text.tokenizer import Tokenizer, load_tokenizer
 
-TOKENIZER: Tokenizer = load_tokenizer("tiny")  # byte ids
+TOKENIZER: Tokenizer = load_tokenizer("tiny-random")  # byte ids
 
 
 def ids(text: str) -> tuple[int, ...]:

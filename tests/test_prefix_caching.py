@@ -22,6 +22,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from structllm.config import EngineConfig
 from structllm.core.block_pool import (
     ROOT_HASH,
     BlockPool,
@@ -29,7 +30,7 @@ from structllm.core.block_pool import (
     hash_block_tokens,
     root_hash,
 )
-from structllm.core.engine_core import EngineConfig, EngineCore
+from structllm.core.engine_core import EngineCore
 from structllm.core.request import CoreRequest
 from structllm.errors import InvalidRequestError
 from structllm.params import SamplingParams
@@ -403,7 +404,7 @@ def _conversation_prompts() -> list[tuple[int, ...]]:
 def _core(caching: bool, **kw: int) -> EngineCore:
     config = {"max_model_len": 256, "num_blocks": 64, "block_size": 16, **kw}
     return EngineCore(
-        EngineConfig(model="tiny", enable_prefix_caching=caching, **config)
+        EngineConfig(model="tiny-random", enable_prefix_caching=caching, **config)
     )
 
 
@@ -565,7 +566,7 @@ def test_llm_shares_a_repeated_prompt_and_matches_uncached_outputs() -> None:
     outs = {}
     for caching in (True, False):
         llm = LLM(
-            "tiny",
+            "tiny-random",
             show_progress=False,
             max_model_len=256,
             num_blocks=64,

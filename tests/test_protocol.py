@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from structllm.core.engine_core import EngineConfig, RequestStepOutput, StepOutput
+from structllm.config import EngineConfig
+from structllm.core.engine_core import RequestStepOutput, StepOutput
 from structllm.core.request import CoreRequest
 from structllm.engine.core_connection import encode_request
 from structllm.engine.protocol import (
@@ -45,7 +46,9 @@ PARAMS = SamplingParams(
 )
 
 MESSAGES: list[Message] = [
-    Start(EngineConfig(model="tiny", num_blocks=8, max_model_len=64), 0.5, "x:1"),
+    Start(
+        EngineConfig(model="tiny-random", num_blocks=8, max_model_len=64), 0.5, "x:1"
+    ),
     CoreRequest(
         request_id="r#0",
         prompt_token_ids=(1, 2, 3),

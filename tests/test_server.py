@@ -40,7 +40,7 @@ def run_server(
         "-m",
         "structllm.cli",
         "serve",
-        "tiny",
+        "tiny-random",
         "--port",
         "0",
         "--loop",
@@ -82,11 +82,11 @@ def server(request: pytest.FixtureRequest) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def reference() -> LLM:
-    return LLM("tiny", show_progress=False, max_model_len=256, num_blocks=64)
+    return LLM("tiny-random", show_progress=False, max_model_len=256, num_blocks=64)
 
 
 def expected_text(llm: LLM, prompt: str, max_tokens: int) -> str:
-    tok = load_tokenizer("tiny")
+    tok = load_tokenizer("tiny-random")
     ids = parse_prompt(prompt, tok).token_ids
     out = llm.generate(
         {"prompt_token_ids": list(ids)},
@@ -125,13 +125,13 @@ def test_completions_match_engine(server: str, reference: LLM) -> None:
     c = client(server)
     want = expected_text(reference, "Hello world", 12)
     r = c.completions.create(
-        model="tiny", prompt="Hello world", max_tokens=12, temperature=0
+        model="tiny-random", prompt="Hello world", max_tokens=12, temperature=0
     )
     assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
     assert r.usage is not None and r.usage.completion_tokens == 12
     chunks = list(
         c.completions.create(
-            model="tiny",
+            model="tiny-random",
             prompt="Hello world",
             max_tokens=12,
             temperature=0,
@@ -147,13 +147,17 @@ def test_chat_sync_and_async(server: str) -> None:
     c = client(server)
     messages = [{"role": "user", "content": "Say hi"}]
     r = c.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=8, temperature=0
+        model="tiny-random", messages=messages, max_tokens=8, temperature=0
     )
     text = r.choices[0].message.content
     streamed = "".join(
         ch.choices[0].delta.content or ""
         for ch in c.chat.completions.create(
-            model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True
+            model="tiny-random",
+            messages=messages,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
         )
         if ch.choices
     )
@@ -163,7 +167,7 @@ def test_chat_sync_and_async(server: str) -> None:
         ac = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
         async with ac:
             r = await ac.chat.completions.create(
-                model="tiny", messages=messages, max_tokens=8, temperature=0
+                model="tiny-random", messages=messages, max_tokens=8, temperature=0
             )
         return r.choices[0].message.content or ""
 
@@ -172,7 +176,12 @@ def test_chat_sync_and_async(server: str) -> None:
 
 def test_n_seed_and_logprobs(server: str) -> None:
     c = client(server)
-    request = {"model": "tiny", "prompt": "abc", "max_tokens": 6, "temperature": 1.0}
+    request = {
+        "model": "tiny-random",
+        "prompt": "abc",
+        "max_tokens": 6,
+        "temperature": 1.0,
+    }
     r = c.completions.create(**request, n=3, seed=7, logprobs=2)
     assert sorted(ch.index for ch in r.choices) == [0, 1, 2]
     again = c.completions.create(**request, n=3, seed=7, logprobs=2)
@@ -236,14 +245,14 @@ def test_more_refusals_and_usage(server: str) -> None:
         f"{server}/v1/completions", json={"prompt": ["a", "a"], "n": 2, "max_tokens": 1}
     )
     assert r.status_code == 200
-    per_prompt = len(parse_prompt("a", load_tokenizer("tiny")).token_ids)
+    per_prompt = len(parse_prompt("a", load_tokenizer("tiny-random")).token_ids)
     assert r.json()["usage"]["prompt_tokens"] == 2 * per_prompt
 
 
 def test_models_and_health(server: str) -> None:
     assert httpx.get(f"{server}/health").status_code == 200
     models = client(server).models.list()
-    assert [m.id for m in models.data] == ["tiny"]
+    assert [m.id for m in models.data] == ["tiny-random"]
 
 
 def test_disconnect_mid_stream_aborts(server: str) -> None:
@@ -374,7 +383,7 @@ def test_overload_timeout_and_death() -> None:
 
 
 def test_health_is_503_while_loading_then_200(tmp_path: Path) -> None:
-    from structllm.tiny import make_tiny_model
+    from structllm.models import make_tiny_model
 
     # big enough that loading takes a while (~30M parameters)
     make_tiny_model(
@@ -441,17 +450,17 @@ def _worker_pid(parent: int) -> int:
 def test_repeated_prompt_reports_cached_tokens(server: str) -> None:
     c = client(server)
     prompt = "cached prefix " * 4 + server[-5:]  # ~60 byte tokens, unique per server
-    first = c.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    first = c.completions.create(model="tiny-random", prompt=prompt, max_tokens=2)
     assert first.usage is not None and first.usage.prompt_tokens_details is not None
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    again = c.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    again = c.completions.create(model="tiny-random", prompt=prompt, max_tokens=2)
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     cached = again.usage.prompt_tokens_details.cached_tokens
     # whole 16-token blocks, and at least one prompt token is computed again
     assert cached and cached % 16 == 0 and cached < again.usage.prompt_tokens
     chunks = list(
         c.completions.create(
-            model="tiny",
+            model="tiny-random",
             prompt=prompt,
             max_tokens=2,
             stream=True,

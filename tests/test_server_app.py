@@ -73,7 +73,7 @@ async def open_server(
     *, load: bool = True, engine: dict[str, Any] | None = None, **config: Any
 ) -> AsyncIterator[Server]:
     slot, drain = EngineSlot(), Drain()
-    app = build_app(slot, ServerConfig(model_name="tiny", **config), drain)
+    app = build_app(slot, ServerConfig(model_name="tiny-random", **config), drain)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
         server = Server(app, slot, drain, http)
@@ -81,7 +81,7 @@ async def open_server(
             yield server
             return
         kw = {"executor": "inline", "show_progress": False, **ENGINE, **(engine or {})}
-        async with AsyncLLM.open("tiny", **kw) as llm:
+        async with AsyncLLM.open("tiny-random", **kw) as llm:
             slot.llm = llm
             try:
                 yield server
@@ -187,7 +187,7 @@ async def test_models_health_and_metrics() -> None:
     async with open_server() as s:
         assert (await s.http.get("/health")).status_code == 200
         models = api.ModelList.model_validate((await s.http.get("/v1/models")).json())
-        assert [(m.id, m.max_model_len) for m in models.data] == [("tiny", 256)]
+        assert [(m.id, m.max_model_len) for m in models.data] == [("tiny-random", 256)]
         await s.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
         r = await s.http.get("/metrics")
         assert r.headers["content-type"].startswith("text/plain; version=0.0.4")

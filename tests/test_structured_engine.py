@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from structllm import LLM
-from structllm.core.engine_core import EngineConfig, EngineCore
+from structllm.config import EngineConfig
+from structllm.core.engine_core import EngineCore
 from structllm.core.request import CoreRequest
 from structllm.core.structured import StructuredOutputManager
 from structllm.engine.async_llm import AsyncLLM
@@ -145,7 +146,7 @@ FREE = [
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("tiny", show_progress=False, **ENGINE)
+    return LLM("tiny-random", show_progress=False, **ENGINE)
 
 
 @pytest.fixture(scope="module")
@@ -322,7 +323,7 @@ def test_a_spec_refused_in_the_core_drops_that_request_alone(
     """Past the front end's check (a caller of EngineCore itself), the
     compile thread's refusal drops the request unrun, reported in the step
     output naming the field; the others run as if it never came."""
-    core = EngineCore(EngineConfig(model="tiny", **ENGINE))
+    core = EngineCore(EngineConfig(model="tiny-random", **ENGINE))
     tok = ByteTokenizer()
     for i, (prompt, params) in enumerate(zip(FREE_PROMPTS, FREE, strict=True)):
         core.add_request(
@@ -400,10 +401,14 @@ def test_preemption_keeps_the_grammar_state() -> None:
         for s in range(6)
     ]
     prompts = [f"prompt {s} " * 3 for s in range(6)]
-    roomy = LLM("tiny", show_progress=False, max_model_len=128)
+    roomy = LLM("tiny-random", show_progress=False, max_model_len=128)
     expected = [list(o.token_ids) for o in run(roomy, prompts, params)]
     tight = LLM(
-        "tiny", show_progress=False, max_model_len=128, num_blocks=10, block_size=16
+        "tiny-random",
+        show_progress=False,
+        max_model_len=128,
+        num_blocks=10,
+        block_size=16,
     )
     outs = run(tight, prompts, params)
     assert tight.core.scheduler.total_preemptions > 0
@@ -477,7 +482,7 @@ def test_a_compiling_grammar_delays_nobody_and_abort_leaves_nothing(
     monkeypatch: pytest.MonkeyPatch, free_reference: list[list[int]]
 ) -> None:
     slow = SlowCompiles(monkeypatch)
-    core = EngineCore(EngineConfig(model="tiny", **ENGINE))
+    core = EngineCore(EngineConfig(model="tiny-random", **ENGINE))
     with slow:
         _compile_meanwhile(core, slow, free_reference)
     core.close()
@@ -522,7 +527,7 @@ def _compile_meanwhile(
 
 
 def test_a_cached_grammar_needs_no_compile(monkeypatch: pytest.MonkeyPatch) -> None:
-    core = EngineCore(EngineConfig(model="tiny", **ENGINE))
+    core = EngineCore(EngineConfig(model="tiny-random", **ENGINE))
     params = SamplingParams(max_tokens=8, structured_outputs=CASES["regex"][0])
     core.add_request(CoreRequest(request_id="a", prompt_token_ids=(1,), params=params))
     core_tokens(core)
@@ -542,7 +547,7 @@ def test_a_cached_grammar_needs_no_compile(monkeypatch: pytest.MonkeyPatch) -> N
 @contextlib.asynccontextmanager
 async def open_async_llm(**kw: Any) -> AsyncIterator[AsyncLLM]:
     args = {"executor": "inline", "show_progress": False, **ENGINE, **kw}
-    async with AsyncLLM.open("tiny", **args) as engine:
+    async with AsyncLLM.open("tiny-random", **args) as engine:
         yield engine
 
 

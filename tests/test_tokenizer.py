@@ -48,7 +48,7 @@ def _copy_with(
 
 
 def test_byte_tokenizer_facts() -> None:
-    assert load_tokenizer("tiny") == BYTE
+    assert load_tokenizer("tiny-random") == BYTE
     assert BYTE.vocab_size == 258
     assert BYTE.bos_token_id == 256
     assert BYTE.eos_token_ids == {257}

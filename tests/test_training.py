@@ -15,7 +15,7 @@ import safetensors.numpy
 
 from structllm import LLM, SamplingParams
 from structllm.model._paddle import paddle
-from structllm.model.config import ModelConfig, tiny_config
+from structllm.model.config import ModelConfig, tiny_random_config
 from structllm.model.loader import build_model
 from structllm.model.training import (
     causal_lm_logits,
@@ -24,7 +24,7 @@ from structllm.model.training import (
     initial_hf_tensors,
     trainable_weights,
 )
-from structllm.tiny import make_tiny_model
+from structllm.models import make_tiny_model
 
 #: llama with GQA and a tied head; Qwen2's qkv biases with an untied head;
 #: Qwen3's q/k norms: between them every kind of tensor
@@ -88,7 +88,7 @@ def test_training_logits_equal_the_engines(kind: str, tmp_path: Path) -> None:
 
 
 def test_training_learns_a_repeated_text() -> None:
-    config = tiny_config()
+    config = tiny_random_config()
     model = build_model(config, initial_hf_tensors(config, seed=0), max_model_len=128)
     params = trainable_weights(model)
     opt = paddle.optimizer.AdamW(learning_rate=3e-3, parameters=params)

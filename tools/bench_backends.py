@@ -8,8 +8,10 @@ import time
 
 import numpy as np
 
-from structllm.bench.throughput import make_workload, write_bench_checkpoint
-from structllm.core.engine_core import EngineConfig, EngineCore
+from structllm.bench.model import write_bench_checkpoint
+from structllm.bench.throughput import make_workload
+from structllm.config import EngineConfig
+from structllm.core.engine_core import EngineCore
 from structllm.core.request import CoreRequest
 from structllm.params import SamplingParams
 

@@ -34,6 +34,8 @@ NUMBER: /[0-9]+(\.[0-9]+)?/
 '''
 
 import tokenizers
+
+
 def _bytes_decoder():
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -54,12 +56,26 @@ def load(path):
     raw = [bytes(BD[c] for c in p) if i not in specials else p.encode() for i, p in enumerate(pieces)]
     return tok, V, pieces, raw, eos, specials
 
-import json, os, statistics, sys, time
+import json
+import os
+import statistics
+import sys
+import time
+
 import numpy as np
+
 
 def train(out_dir):
     import pathlib
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, processors, trainers
+
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     roots = ["/usr/lib/python3.11", sys.prefix + "/lib/python3.11/site-packages", "/usr/share/doc", "/usr/share/common-licenses"]
     def files():
@@ -182,7 +198,8 @@ def run(path, libs):
 
     # ---------------- llguidance
     if "llg" in libs:
-        import llguidance as llg, llguidance.numpy as llnp
+        import llguidance as llg
+        import llguidance.numpy as llnp
         t0 = time.perf_counter()
         lt = llg.LLTokenizer(tok.to_str(), n_vocab=V, eos_token=eos)
         r = {"vocab_ms": round((time.perf_counter() - t0) * 1e3, 1)}

@@ -36,8 +36,9 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
-from structllm.bench.throughput import write_bench_checkpoint
-from structllm.core.engine_core import EngineConfig, EngineCore
+from structllm.bench.model import write_bench_checkpoint
+from structllm.config import EngineConfig
+from structllm.core.engine_core import EngineCore
 from structllm.core.request import CoreRequest
 from structllm.params import SamplingParams
 from structllm.structured import StructuredOutputs

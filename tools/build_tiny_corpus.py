@@ -25,15 +25,7 @@ import sysconfig
 from pathlib import Path
 
 COMMON = ("Apache-2.0", "Artistic", "BSD", "CC0-1.0", "MPL-2.0")
-STDLIB = (
-    "abc argparse array asyncio base64 bisect calendar collections contextlib copy csv "
-    "dataclasses datetime decimal difflib email enum fractions functools glob gzip "
-    "hashlib heapq hmac html http.client inspect io ipaddress itertools json logging "
-    "math mimetypes operator os pathlib pickle pprint queue random re sched secrets "
-    "selectors shelve shlex shutil signal socket sqlite3 statistics string struct "
-    "subprocess tarfile tempfile textwrap threading time timeit tokenize traceback "
-    "typing unittest urllib.parse uuid warnings weakref zipfile zlib"
-).split()
+STDLIB = ["abc", "argparse", "array", "asyncio", "base64", "bisect", "calendar", "collections", "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "email", "enum", "fractions", "functools", "glob", "gzip", "hashlib", "heapq", "hmac", "html", "http.client", "inspect", "io", "ipaddress", "itertools", "json", "logging", "math", "mimetypes", "operator", "os", "pathlib", "pickle", "pprint", "queue", "random", "re", "sched", "secrets", "selectors", "shelve", "shlex", "shutil", "signal", "socket", "sqlite3", "statistics", "string", "struct", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "time", "timeit", "tokenize", "traceback", "typing", "unittest", "urllib.parse", "uuid", "warnings", "weakref", "zipfile", "zlib"]
 
 
 def _paragraphs(text: str) -> list[str]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from structllm.bench.throughput import write_bench_checkpoint
+from structllm.bench.model import write_bench_checkpoint
 from structllm.model._paddle import paddle, set_num_threads
 from structllm.model.attention import SequenceSlice
 from structllm.model.loader import load_model

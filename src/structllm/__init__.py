@@ -7,7 +7,9 @@ does not pull in Paddle or AnyIO.
 
 from typing import TYPE_CHECKING, Any
 
+from structllm.config import EngineConfig, FrontendConfig, ServerConfig
 from structllm.errors import (
+    EngineConfigError,
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
@@ -28,9 +30,12 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "CompletionOutput",
+    "EngineConfig",
+    "EngineConfigError",
     "EngineDeadError",
     "EngineOverloadedError",
     "EngineStatistics",
+    "FrontendConfig",
     "InvalidRequestError",
     "Logprob",
     "ModelLoadError",
@@ -40,6 +45,7 @@ __all__ = [
     "RequestOutput",
     "RequestStream",
     "SamplingParams",
+    "ServerConfig",
     "StructLLMError",
     "UnsupportedModelError",
 ]

@@ -7,60 +7,47 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
+
+from structllm.config import EngineConfig, add_arguments, from_arguments
+from structllm.params import SamplingParams
+
 __all__ = ["main"]
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    g.add_argument(
-        "--load-format", default="auto", choices=["auto", "safetensors", "dummy"]
-    )
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-blocks", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    g.add_argument("--num-threads", type=int, default=None)
-    g.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV blocks of repeated prompt prefixes (default: on)",
-    )
-    g.add_argument(
-        "--model-backend",
-        default="auto",
-        choices=["auto", "eager", "inference"],
-        help="auto: oneDNN predictors (Paddle Inference) for float32 CPU models of 10M+ parameters",
-    )
+    add_arguments(p.add_argument_group("engine"), EngineConfig)
 
 
 def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields given on the command line (not ``model``)."""
     return {
-        "dtype": ns.dtype,
-        "load_format": ns.load_format,
-        "max_model_len": ns.max_model_len,
-        "block_size": ns.block_size,
-        "num_blocks": ns.num_blocks,
-        "max_num_seqs": ns.max_num_seqs,
-        "max_num_batched_tokens": ns.max_num_batched_tokens,
-        "num_threads": ns.num_threads,
-        "model_backend": ns.model_backend,
-        "enable_prefix_caching": ns.enable_prefix_caching,
+        f.name: getattr(ns, f.name)
+        for f in attrs.fields(EngineConfig)
+        if f.metadata.get("cli", True)
     }
+
+
+#: generate's sampling flags: SamplingParams fields, greedy and longer by default
+_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument(
-        "--stop", action="append", default=[], help="a stop string (repeatable)"
+    add_arguments(
+        g,
+        SamplingParams,
+        only=_SAMPLING,
+        defaults={"max_tokens": 64, "temperature": 0.0},
+        help={
+            "max_tokens": "tokens to generate at most",
+            "temperature": "0 is greedy",
+            "top_p": "nucleus sampling: keep the smallest set of this probability",
+            "top_k": "keep the k most likely tokens; 0 keeps all",
+            "min_p": "drop tokens below this fraction of the top probability",
+            "seed": "seed of this request's sampling (default: random)",
+            "stop": "a stop string",
+        },
     )
     g.add_argument("--ignore-eos", action="store_true")
 
@@ -75,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="stream a completion to the terminal")
-    gen.add_argument("model", help="model directory, or 'tiny'")
+    gen.add_argument(
+        "model", help="model directory, or a built-in name (tiny, tiny-random)"
+    )
     gen.add_argument("prompt")
     gen.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the chat template"
@@ -86,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     insp = sub.add_parser(
         "inspect", help="print what structllm understands of a model's config.json"
     )
-    insp.add_argument("model", help="model directory, or 'tiny'")
+    insp.add_argument(
+        "model", help="model directory, or a built-in name (tiny, tiny-random)"
+    )
 
     tiny = sub.add_parser("make-tiny-model", help="write a random-weight HF checkpoint")
     tiny.add_argument("directory")
@@ -127,13 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
     from structllm.bench.prefix import add_prefix_args
 
     add_prefix_args(pfx)
+    comp = sub.add_parser("completion", help="print a shell completion script")
+    comp.add_argument("shell", choices=["bash"], help="bash (zsh: via bashcompinit)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.command == "make-tiny-model":
-        from structllm.tiny import make_tiny_model
+        from structllm.models import make_tiny_model
 
         config = make_tiny_model(
             ns.directory,
@@ -155,14 +148,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"to {ns.directory}"
         )
         return 0
+    if ns.command == "completion":
+        from structllm.completion import bash_script
+
+        sys.stdout.write(bash_script(build_parser()))
+        return 0
     if ns.command == "generate":
         return _generate(ns)
     if ns.command == "inspect":
         return _inspect(ns)
     if ns.command == "serve":
-        from structllm.server.run import run_server
+        from structllm.server.run import configs_from_args, run_server
 
-        return run_server(ns, engine_args(ns))
+        engine = EngineConfig(model=ns.model, **engine_args(ns))
+        return run_server(*configs_from_args(ns, engine), engine)
     if ns.command == "bench" and ns.bench == "serve":
         from structllm.bench.serve import run_serve
 
@@ -180,16 +179,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _inspect(ns: argparse.Namespace) -> int:
     """Read config.json only (no weights) and print how it will run."""
-    from pathlib import Path
-
     from structllm.errors import StructLLMError
-    from structllm.model.config import ModelConfig, tiny_config
+    from structllm.model.config import ModelConfig, tiny_random_config
+    from structllm.models import model_directory
 
     try:
+        directory = model_directory(ns.model)
         config = (
-            tiny_config()
-            if ns.model == "tiny"
-            else ModelConfig.from_directory(Path(ns.model))
+            tiny_random_config()
+            if directory is None
+            else ModelConfig.from_directory(directory)
         )
     except StructLLMError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -203,17 +202,13 @@ def _inspect(ns: argparse.Namespace) -> int:
 def _generate(ns: argparse.Namespace) -> int:
     from structllm.errors import StructLLMError
     from structllm.llm import LLM
-    from structllm.params import OutputKind, SamplingParams
+    from structllm.params import OutputKind
 
     try:
-        params = SamplingParams(
-            max_tokens=ns.max_tokens,
-            temperature=ns.temperature,
-            top_p=ns.top_p,
-            top_k=ns.top_k,
-            min_p=ns.min_p,
-            seed=ns.seed,
-            stop=ns.stop,
+        params = from_arguments(
+            SamplingParams,
+            ns,
+            only=_SAMPLING,
             ignore_eos=ns.ignore_eos,
             output_kind=OutputKind.DELTA,
         )

@@ -6,6 +6,8 @@ Two families, because a caller reacts to them differently::
     ├── RequestError                 this request failed; the engine serves on
     │   ├── InvalidRequestError      bad input (also a ValueError); names the field
     │   ├── EngineOverloadedError    admission refused; retry later
+    │   ├── EngineLoadingError       the engine is still loading (the server: 503)
+    │   ├── ShuttingDownError        the server is draining (503)
     │   └── RequestFailedError       an internal error in this request alone
     ├── EngineDeadError              the engine is gone; raised ``from`` the cause
     ├── EngineCoreError              the core process failed (also a RuntimeError);
@@ -33,12 +35,14 @@ __all__ = [
     "EngineConfigError",
     "EngineCoreError",
     "EngineDeadError",
+    "EngineLoadingError",
     "EngineOverloadedError",
     "InvalidRequestError",
     "ModelLoadError",
     "NoFreeBlocksError",
     "RequestError",
     "RequestFailedError",
+    "ShuttingDownError",
     "StructLLMError",
     "UnsupportedModelError",
 ]
@@ -115,17 +119,6 @@ class ModelLoadError(StructLLMError):
 
 class UnsupportedModelError(ModelLoadError):
     """The checkpoint's architecture is not implemented by structllm."""
-
-
-# -- raised by the HTTP server (structllm.server) ------------------------------
-#
-#   RequestError
-#   ├── EngineLoadingError           the server listens, the engine is not up yet
-#   └── ShuttingDownError            the server is draining before it stops
-#
-# Both are answered with 503 and Retry-After.
-
-__all__ += ["EngineLoadingError", "ShuttingDownError"]
 
 
 class EngineLoadingError(RequestError):

@@ -15,7 +15,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from structllm.core.engine_core import EngineConfig, EngineCore
+from structllm.config import EngineConfig
+from structllm.core.engine_core import EngineCore
 from structllm.core.request import CoreRequest
 from structllm.engine.inputs import (
     PromptInput,
@@ -55,7 +56,7 @@ class LLM:
 
     ``engine_args`` are the fields of :class:`EngineConfig` (``max_model_len``,
     ``num_blocks``, ``max_num_seqs``, ...). ``tokenizer`` defaults to the
-    model directory (or the byte tokenizer for ``"tiny"``).
+    model directory (or the built-in model's, see :mod:`structllm.models`).
     """
 
     def __init__(

@@ -1,5 +1,7 @@
 """``structllm bench``: measurements, kept apart from the API they measure.
 
+- :mod:`~structllm.bench.model`: the bench checkpoint and the flags shared by
+  the offline benchmarks.
 - :mod:`~structllm.bench.throughput`: offline throughput (``LLM``,
   ``EngineCore``, ``AsyncLLM``), optionally against transformers.
 - :mod:`~structllm.bench.hf`: the transformers side, run in a child process by

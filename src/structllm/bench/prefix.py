@@ -29,18 +29,15 @@ from typing import Any
 import attrs
 import numpy as np
 
+from structllm.bench.model import add_bench_model_args, bench_engine_args
+
 __all__ = ["Session", "add_prefix_args", "make_sessions", "run_prefix"]
 
 WORKLOADS = ("chat", "fewshot", "none")
 
 
 def add_prefix_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint dir (default: make one)")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--intermediate", type=int, default=1536)
+    add_bench_model_args(p)
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
@@ -66,11 +63,7 @@ def add_prefix_args(p: argparse.ArgumentParser) -> None:
         default=[16, 64],
         metavar=("MIN", "MAX"),
     )
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--repeats", type=int, default=3, help="on/off pairs per workload")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here")
 
 
@@ -208,8 +201,9 @@ def drive(core: Any, sessions: list[Session]) -> dict[str, Any]:
 
 
 def run_prefix(ns: argparse.Namespace) -> int:
-    from structllm.bench.throughput import bench_model
-    from structllm.core.engine_core import EngineConfig, EngineCore
+    from structllm.bench.model import bench_model
+    from structllm.config import EngineConfig
+    from structllm.core.engine_core import EngineCore
     from structllm.model._paddle import default_num_threads
 
     threads = ns.num_threads or default_num_threads()
@@ -222,11 +216,7 @@ def run_prefix(ns: argparse.Namespace) -> int:
                 EngineConfig(
                     model=model,
                     enable_prefix_caching=mode == "on",
-                    max_num_seqs=ns.max_num_seqs,
-                    max_num_batched_tokens=ns.max_num_batched_tokens,
-                    num_threads=threads,
-                    max_model_len=4096,
-                    kv_cache_memory=1 << 30,
+                    **bench_engine_args(ns, threads),
                 )
             )
             for mode in ("on", "off")

@@ -22,16 +22,13 @@ from typing import Any
 import anyio
 import numpy as np
 
+from structllm.bench.model import add_bench_model_args, bench_engine_args, bench_model
+
 __all__ = ["add_throughput_args", "make_workload", "run_throughput"]
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint dir (default: make one)")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--intermediate", type=int, default=1536)
+    add_bench_model_args(p)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument(
         "--input-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX")
@@ -42,10 +39,6 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batch-size", type=int, default=16, help="static batch size for HF"
     )
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--hf",
         default="auto",
@@ -87,48 +80,6 @@ def make_workload(
         olen = int(rng.integers(output_len[0], output_len[1] + 1))
         out.append((rng.integers(3, vocab, size=plen).tolist(), olen))
     return out
-
-
-def bench_model(ns: argparse.Namespace, tmp: Path) -> str:
-    """``--model``, or a random checkpoint of the ``--hidden ...`` shape in ``tmp``."""
-    if ns.model is not None:
-        return str(ns.model)
-    model = str(tmp / "model")
-    write_bench_checkpoint(
-        model,
-        hidden=ns.hidden,
-        layers=ns.layers,
-        heads=ns.heads,
-        kv_heads=ns.kv_heads,
-        intermediate=ns.intermediate,
-        seed=ns.seed,
-    )
-    return model
-
-
-def write_bench_checkpoint(
-    directory: str | Path,
-    *,
-    hidden: int = 512,
-    layers: int = 8,
-    heads: int = 8,
-    kv_heads: int = 8,
-    intermediate: int = 1536,
-    seed: int = 0,
-) -> None:
-    """A random Llama checkpoint; the defaults are the 27.8M bench model."""
-    from structllm.tiny import make_tiny_model
-
-    make_tiny_model(
-        directory,
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        intermediate_size=intermediate,
-        max_position_embeddings=4096,
-        seed=seed,
-    )
 
 
 def run_throughput(ns: argparse.Namespace) -> int:
@@ -242,25 +193,16 @@ def _median_run(runs: list[dict[str, float]]) -> dict[str, float]:
     return ordered[len(ordered) // 2]
 
 
-def _engine_args(ns: argparse.Namespace, threads: int) -> dict[str, Any]:
-    return {
-        "max_num_seqs": ns.max_num_seqs,
-        "max_num_batched_tokens": ns.max_num_batched_tokens,
-        "num_threads": threads,
-        "max_model_len": 4096,
-        "kv_cache_memory": 2 << 30,
-    }
-
-
 def _bench_core(
     model: str, work: list[tuple[list[int], int]], ns: argparse.Namespace, threads: int
 ) -> dict[str, float]:
     """The engine core stepped directly: no tokenizer, no front end."""
-    from structllm.core.engine_core import EngineConfig, EngineCore
+    from structllm.config import EngineConfig
+    from structllm.core.engine_core import EngineCore
     from structllm.core.request import CoreRequest
     from structllm.params import SamplingParams
 
-    core = EngineCore(EngineConfig(model=model, **_engine_args(ns, threads)))
+    core = EngineCore(EngineConfig(model=model, **bench_engine_args(ns, threads)))
     for i, (p, o) in enumerate([(_warmup_prompt(work), 8), *work]):
         core.add_request(
             CoreRequest(
@@ -294,7 +236,7 @@ async def _bench_async(
     produced = 0
 
     async with AsyncLLM.open(
-        model, executor="process", show_progress=False, **_engine_args(ns, threads)
+        model, executor="process", show_progress=False, **bench_engine_args(ns, threads)
     ) as llm:
         await llm.complete(
             {"prompt_token_ids": _warmup_prompt(work)}, SamplingParams(max_tokens=8)
@@ -322,7 +264,8 @@ def _bench_overhead(
     model: str, ns: argparse.Namespace, threads: int, vocab: int
 ) -> dict[str, float]:
     """Decode steps at batch ``max_num_seqs``: step wall time / forward time."""
-    from structllm.core.engine_core import EngineConfig, EngineCore
+    from structllm.config import EngineConfig
+    from structllm.core.engine_core import EngineCore
     from structllm.core.request import CoreRequest
     from structllm.params import SamplingParams
 

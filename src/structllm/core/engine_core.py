@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 import attrs
 import msgspec
 
+from structllm.config import EngineConfig
 from structllm.core.block_pool import BlockPool
 from structllm.core.request import CoreRequest, Request
 from structllm.core.runner import ModelRunner
@@ -41,7 +42,6 @@ from structllm.outputs import FinishReason
 from structllm.text.tokenizer import Tokenizer
 
 __all__ = [
-    "EngineConfig",
     "EngineCore",
     "RejectedRequest",
     "RequestStepOutput",
@@ -49,38 +49,9 @@ __all__ = [
     "check_prompt",
 ]
 
-_GiB = 1 << 30
 #: when only grammar compiles are pending, a step waits this long for one
 #: (bounds how late an abort that arrives meanwhile is read)
 GRAMMAR_WAIT_S = 0.02
-
-
-@attrs.frozen(kw_only=True)
-class EngineConfig:
-    """How to build an engine core. Every field has a working default."""
-
-    #: a model directory, or "tiny" for the built-in random model
-    model: str
-    dtype: str = "auto"
-    load_format: str = "auto"
-    #: seed for dummy weights
-    seed: int = 0
-    block_size: int = attrs.field(default=16, validator=attrs.validators.ge(1))
-    #: KV blocks; when None, as many as fit in ``kv_cache_memory`` bytes
-    num_blocks: int | None = None
-    kv_cache_memory: int = _GiB // 2
-    #: longest prompt + output; None = the model's max_position_embeddings
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
-    enable_chunked_prefill: bool = True
-    #: reuse the KV of cached full blocks for requests with the same prefix
-    enable_prefix_caching: bool = True
-    #: CPU threads for Paddle's math; None = every core this process may use
-    num_threads: int | None = None
-    #: "auto" (oneDNN predictors for float32 CPU models of 10M+ parameters,
-    #: else eager), "eager", "inference"; see structllm.model.compiled
-    model_backend: str = "auto"
 
 
 class RequestStepOutput(msgspec.Struct, frozen=True, array_like=True):
@@ -163,7 +134,7 @@ class EngineCore:
         loaded = load_model(
             config.model,
             dtype=config.dtype,
-            load_format=config.load_format,  # type: ignore[arg-type]
+            load_format=config.load_format,
             block_size=config.block_size,
             max_model_len=config.max_model_len,
             seed=config.seed,

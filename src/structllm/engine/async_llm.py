@@ -41,8 +41,8 @@ import anyio.abc
 import anyio.lowlevel
 import attrs
 
-from structllm.core.engine_core import EngineConfig, StepOutput, check_prompt
-from structllm.engine.config import FrontendConfig
+from structllm.config import EngineConfig, FrontendConfig, split_fields
+from structllm.core.engine_core import StepOutput, check_prompt
 from structllm.engine.core_client import (
     CoreClient,
     EngineStatistics,
@@ -102,7 +102,7 @@ class AsyncLLM:
 
     @classmethod
     def open(cls, model: str, **kwargs: Any) -> AbstractAsyncContextManager[AsyncLLM]:
-        """Start an engine for ``model`` (a directory or ``"tiny"``).
+        """Start an engine for ``model`` (a directory or a built-in name).
 
         Keyword arguments are the fields of :class:`EngineConfig` (engine:
         ``max_model_len``, ``num_blocks``, ...) and of :class:`FrontendConfig`
@@ -111,20 +111,19 @@ class AsyncLLM:
         checkpoint, EngineConfigError for settings that cannot work (as
         ``LLM`` raises them).
         """
-        engine_fields = attrs.fields_dict(EngineConfig)
-        front_fields = attrs.fields_dict(FrontendConfig)
-        engine_kw: dict[str, Any] = {}
-        front_kw: dict[str, Any] = {}
-        for key, value in kwargs.items():
-            if key in engine_fields:
-                engine_kw[key] = value
-            elif key in front_fields:
-                front_kw[key] = value
-            else:
-                raise TypeError(f"AsyncLLM.open() got an unexpected argument {key!r}")
+        engine_kw, front_kw = split_fields(
+            kwargs, EngineConfig, FrontendConfig, caller="AsyncLLM.open()"
+        )
         return cls._open(
             EngineConfig(model=str(model), **engine_kw), FrontendConfig(**front_kw)
         )
+
+    @classmethod
+    def from_config(
+        cls, engine: EngineConfig, front: FrontendConfig | None = None
+    ) -> AbstractAsyncContextManager[AsyncLLM]:
+        """:meth:`open` for settings already built as config objects."""
+        return cls._open(engine, front or FrontendConfig())
 
     @classmethod
     @asynccontextmanager

@@ -29,8 +29,7 @@ import anyio.abc
 import attrs
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from structllm.core.engine_core import EngineConfig
-from structllm.engine.config import FrontendConfig
+from structllm.config import EngineConfig, FrontendConfig
 from structllm.engine.core_connection import CoreConnection, open_core
 from structllm.engine.protocol import (
     AddFailed,

@@ -22,7 +22,8 @@ import struct
 
 import msgspec
 
-from structllm.core.engine_core import EngineConfig, StepOutput
+from structllm.config import EngineConfig
+from structllm.core.engine_core import StepOutput
 from structllm.core.request import CoreRequest
 
 __all__ = [

@@ -29,7 +29,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "ModelConfig",
     "RopeScaling",
-    "tiny_config",
+    "tiny_random_config",
 ]
 
 #: HF ``architectures`` names we implement, and their ``model_type``.
@@ -674,19 +674,8 @@ def _sliding(
     return int(window), sliding
 
 
-def tiny_config(vocab_size: int = 258) -> ModelConfig:
-    """The built-in ``tiny`` model: byte tokenizer, 2 layers, GQA, tied head."""
-    return ModelConfig(
-        architecture="LlamaForCausalLM",
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=256,
-        eos_token_ids=(257,),
-    )
+def tiny_random_config() -> ModelConfig:
+    """The config of the ``"tiny-random"`` built-in model (see structllm.models)."""
+    from structllm.models import TINY_RANDOM_CONFIG
+
+    return ModelConfig.from_hf(TINY_RANDOM_CONFIG)

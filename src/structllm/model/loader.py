@@ -2,8 +2,8 @@
 
 Sources: a directory with ``config.json`` and ``model.safetensors`` (or shards
 listed in ``model.safetensors.index.json``); ``load_format="dummy"`` for
-random weights from the directory's config alone; the name ``"tiny"`` for a
-built-in random model that needs no files at all.
+random weights from the directory's config alone; the built-in names of
+:mod:`structllm.models` (``"tiny-random"`` needs no files at all).
 
 Progress is reported as :class:`LoadProgress` events to a callback, one per
 tensor read, so callers can draw a bar; nothing is printed here.
@@ -21,11 +21,11 @@ import numpy as np
 
 from structllm.errors import ModelLoadError
 from structllm.model._paddle import paddle
-from structllm.model.config import ModelConfig, tiny_config
+from structllm.model.config import ModelConfig, tiny_random_config
 from structllm.model.llama import DecoderLayerWeights, LlamaForCausalLM, ModelWeights
+from structllm.models import model_directory
 
 __all__ = [
-    "TINY",
     "LoadProgress",
     "LoadedModel",
     "build_model",
@@ -38,9 +38,6 @@ __all__ = [
 
 #: ``model_backend="auto"`` uses oneDNN predictors from this size up
 AUTO_INFERENCE_MIN_PARAMETERS = 10_000_000
-
-#: The name of the built-in random model.
-TINY = "tiny"
 
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 
@@ -58,7 +55,7 @@ class LoadProgress:
 class LoadedModel:
     config: ModelConfig
     model: LlamaForCausalLM
-    #: the checkpoint directory; None for the built-in tiny model
+    #: the checkpoint directory; None for the built-in "tiny-random"
     path: Path | None
 
 
@@ -160,13 +157,12 @@ def load_model(
     backend: str = "auto",
     num_threads: int | None = None,
 ) -> LoadedModel:
-    """Load ``model`` (a directory, or ``"tiny"``) ready to run."""
-    path: Path | None
-    if str(model) == TINY:
-        config, path = tiny_config(), None
+    """Load ``model`` (a directory, or a built-in name) ready to run."""
+    path = model_directory(model)
+    if path is None:
+        config = tiny_random_config()
         load_format = "dummy"
     else:
-        path = Path(model)
         if not path.is_dir():
             raise ModelLoadError(f"model directory {str(path)!r} does not exist")
         config = ModelConfig.from_directory(path)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, Field, PlainValidator, WithJsonSchema
+from pydantic import AfterValidator, ConfigDict, Field, PlainValidator, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
 from structllm.params import (
@@ -27,6 +27,7 @@ __all__ = [
     "MAX_ID_LIST",
     "MAX_MESSAGES",
     "MAX_N",
+    "REQUEST_CONFIG",
     "Content",
     "Count",
     "LogitBias",
@@ -49,6 +50,17 @@ MAX_STOP_LEN = 1024
 MAX_MESSAGES = 4096
 MAX_ID_LIST = 8192
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
+
+#: the request models' configuration: strict JSON types, unknown fields
+#: ignored (those OpenAI or vLLM define and structllm does not are refused)
+REQUEST_CONFIG = ConfigDict(
+    strict=True,
+    extra="ignore",
+    frozen=True,
+    allow_inf_nan=False,
+    ser_json_inf_nan="null",
+    hide_input_in_errors=True,
+)
 
 
 def _unicode(s: str) -> str:

@@ -26,15 +26,23 @@ from typing import Any
 
 import anyio
 
+from structllm.config import (
+    EngineConfig,
+    FrontendConfig,
+    ServerConfig,
+    add_arguments,
+    from_arguments,
+)
 from structllm.engine.async_llm import AsyncLLM
 from structllm.errors import StructLLMError
 from structllm.server.app import build_app
 from structllm.server.drain import Drain, drain_then_stop
 from structllm.server.http_errors import error_json
-from structllm.server.serving import EngineSlot, ServerConfig
+from structllm.server.serving import EngineSlot
 
 __all__ = [
     "add_serve_args",
+    "configs_from_args",
     "hypercorn_config",
     "listen",
     "run_server",
@@ -43,45 +51,30 @@ __all__ = [
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="model directory, or 'tiny'")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    p.add_argument("--loop", choices=["asyncio", "trio"], default="asyncio")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--tokenizer", default=None)
-    p.add_argument("--request-timeout", type=float, default=None)
-    p.add_argument("--max-queued-requests", type=int, default=None)
-    p.add_argument("--graceful-timeout", type=float, default=5.0)
-    p.add_argument("--shutdown-grace", type=float, default=5.0)
-    p.add_argument("--executor", choices=["process", "inline"], default="process")
-    p.add_argument("--max-restarts", type=int, default=3)
-    p.add_argument("--default-max-tokens", type=int, default=16)
-    p.add_argument("--backlog", type=int, default=4096, help="listen backlog (>= 1024)")
+    """``serve``'s flags: the model, then ServerConfig's and FrontendConfig's
+    fields (the engine's are added by the caller)."""
     p.add_argument(
-        "--max-body-bytes", type=int, default=32 << 20, help="413 beyond this"
+        "model", help="model directory, or a built-in name (tiny, tiny-random)"
     )
-    p.add_argument(
-        "--body-timeout",
-        type=float,
-        default=30.0,
-        help="seconds to receive a request body (408 after)",
-    )
-    p.add_argument(
-        "--header-timeout",
-        type=float,
-        default=10.0,
-        help="seconds a connection may take to send its request headers",
-    )
-    p.add_argument(
-        "--max-prompt-bytes",
-        type=int,
-        default=None,
-        help="refuse longer prompts before tokenising (default 32 x max-model-len)",
-    )
+    add_arguments(p.add_argument_group("server"), ServerConfig)
+    add_arguments(p.add_argument_group("front end"), FrontendConfig)
 
 
-def run_server(ns: argparse.Namespace, engine_args: dict[str, Any]) -> int:
-    return anyio.run(_serve, ns, engine_args, backend=ns.loop)
+def configs_from_args(
+    ns: argparse.Namespace, engine: EngineConfig
+) -> tuple[ServerConfig, FrontendConfig]:
+    """The server and front-end configs the flags of :func:`add_serve_args` give."""
+    server = from_arguments(
+        ServerConfig, ns, model_name=ns.served_model_name or ns.model
+    )
+    return server, from_arguments(FrontendConfig, ns)
+
+
+def run_server(
+    server: ServerConfig, front: FrontendConfig, engine: EngineConfig
+) -> int:
+    """Serve ``engine.model`` until SIGINT or SIGTERM; the exit status."""
+    return anyio.run(_serve, server, front, engine, backend=server.loop)
 
 
 def listen(host: str, port: int, backlog: int) -> socket.socket:
@@ -113,27 +106,19 @@ def hypercorn_config(
     return config
 
 
-async def _serve(ns: argparse.Namespace, engine_args: dict[str, Any]) -> int:
-    sock = listen(ns.host, ns.port, ns.backlog)
+async def _serve(
+    server: ServerConfig, front: FrontendConfig, engine: EngineConfig
+) -> int:
+    sock = listen(server.host, server.port, server.backlog)
     port = sock.getsockname()[1]
     config = hypercorn_config(
-        sock, backlog=ns.backlog, header_timeout=ns.header_timeout
+        sock, backlog=server.backlog, header_timeout=server.header_timeout
     )
-    name = ns.served_model_name or ns.model
+    name = server.model_name
     shutdown = anyio.Event()
     slot = EngineSlot()
-    drain = Drain()
-    app = build_app(
-        slot,
-        ServerConfig(
-            model_name=name,
-            request_timeout=ns.request_timeout,
-            default_max_tokens=ns.default_max_tokens,
-            max_body_bytes=ns.max_body_bytes,
-            body_timeout=ns.body_timeout,
-        ),
-        drain,
-    )
+    drain = Drain(retry_after=server.retry_after)
+    app = build_app(slot, server, drain)
     status = 0
     try:
         async with anyio.create_task_group() as tg:
@@ -147,23 +132,14 @@ async def _serve(ns: argparse.Namespace, engine_args: dict[str, Any]) -> int:
                     served.set()
 
             tg.start_soon(serve_http)
-            tg.start_soon(_on_signals, drain, ns.graceful_timeout, shutdown)
-            print(f"structllm: listening on http://{ns.host}:{port}", flush=True)
+            tg.start_soon(_on_signals, drain, server.graceful_timeout, shutdown)
+            print(f"structllm: listening on http://{server.host}:{port}", flush=True)
             try:
-                async with AsyncLLM.open(
-                    ns.model,
-                    tokenizer=ns.tokenizer,
-                    executor=ns.executor,
-                    max_queued_requests=ns.max_queued_requests,
-                    shutdown_grace=ns.shutdown_grace,
-                    max_restarts=ns.max_restarts,
-                    max_prompt_bytes=ns.max_prompt_bytes,
-                    **engine_args,
-                ) as llm:
+                async with AsyncLLM.from_config(engine, front) as llm:
                     slot.llm = llm
                     tg.start_soon(_watch_engine, llm, shutdown)
                     print(
-                        f"structllm: serving {name!r} on http://{ns.host}:{port}",
+                        f"structllm: serving {name!r} on http://{server.host}:{port}",
                         flush=True,
                     )
                     # hypercorn returns once shutdown is set and open requests drained

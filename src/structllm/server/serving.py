@@ -31,6 +31,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
+from structllm.config import ServerConfig
 from structllm.engine.async_llm import AsyncLLM
 from structllm.engine.inputs import Prompt
 from structllm.errors import EngineLoadingError, InvalidRequestError
@@ -44,6 +45,7 @@ from structllm.server.body import (
     parse_json,
     read_body,
 )
+from structllm.server.constraints import rename_field
 from structllm.server.http_errors import (
     ModelNotFoundError,
     RequestTimeoutError,
@@ -62,19 +64,6 @@ from structllm.server.streaming import (
 __all__ = ["Chunks", "EngineSlot", "Job", "ServerConfig", "Serving", "StreamFormat"]
 
 _R = TypeVar("_R", bound=SamplingRequest)
-
-
-@attrs.frozen(kw_only=True)
-class ServerConfig:
-    model_name: str
-    #: seconds before a request is ended with a timeout error; None = never
-    request_timeout: float | None = None
-    retry_after: int = 1
-    default_max_tokens: int = 16
-    #: larger request bodies are refused with 413 before being read
-    max_body_bytes: int = 32 << 20
-    #: a body not fully received within this many seconds gets 408
-    body_timeout: float = 30.0
 
 
 @attrs.define(eq=False)
@@ -243,13 +232,18 @@ class Serving:
         return finals
 
     def stream(
-        self, llm: AsyncLLM, jobs: Sequence[Job], fmt: StreamFormat
+        self,
+        llm: AsyncLLM,
+        jobs: Sequence[Job],
+        fmt: StreamFormat,
+        constraint_field: str | None = None,
     ) -> EventStream:
         """The jobs' chunks as server-sent events, then ``[DONE]``.
 
         What can be refused is refused first, before the 200 is promised: a
         bad prompt is a 400 and overload a 503, streaming or not. Errors
-        after that (a timeout, an engine death) are the last event.
+        after that (a timeout, an engine death, a grammar only the engine
+        core could refuse, named as ``constraint_field``) are the last event.
         """
         for prompt in {job.prompt_index: job.prompt for job in jobs}.values():
             llm.check_admission(
@@ -290,7 +284,10 @@ class Serving:
                         async for event in receive:
                             await emit(event)
             except BaseExceptionGroup as group:
-                response = self.error_response(_leaf(group))
+                exc = _leaf(group)
+                if isinstance(exc, InvalidRequestError):
+                    exc = rename_field(exc, constraint_field)
+                response = self.error_response(exc)
                 if response is None:
                     raise
                 await emit(json.loads(bytes(response.body)))

@@ -3,7 +3,7 @@
 :class:`HFTokenizer` reads a Hugging Face model directory (``tokenizer.json``
 plus the optional ``tokenizer_config.json``, ``chat_template.jinja`` and
 ``generation_config.json``); :class:`ByteTokenizer` needs no files and serves
-the built-in ``tiny`` model. :func:`load_tokenizer` picks one.
+the built-in ``tiny-random`` model. :func:`load_tokenizer` picks one.
 """
 
 from __future__ import annotations
@@ -122,8 +122,13 @@ class Tokenizer(abc.ABC):
 
 #: The chat template of :class:`ByteTokenizer`.
 BYTE_CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|tools|>\\n' + tools | tojson + '\\n' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\\n' + message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{{ '<tool_call>' + {'name': call['function']['name'],"
+    " 'arguments': call['function']['arguments']} | tojson + '</tool_call>' }}"
+    "{% endfor %}"
     "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
     "{{ '\\n' }}"
     "{% endfor %}"
@@ -404,8 +409,12 @@ class HFTokenizer(Tokenizer):
 
 
 def load_tokenizer(path_or_name: str | Path) -> Tokenizer:
-    """The tokenizer of a model: ``"tiny"`` is the built-in byte tokenizer,
-    anything else a directory read by :meth:`HFTokenizer.from_directory`."""
-    if path_or_name == "tiny":
+    """The tokenizer of a model: a directory read by
+    :meth:`HFTokenizer.from_directory`, or a built-in name
+    (``"tiny-random"`` has the byte tokenizer; see structllm.models)."""
+    from structllm.models import model_directory
+
+    directory = model_directory(path_or_name)
+    if directory is None:
         return ByteTokenizer()
-    return HFTokenizer.from_directory(path_or_name)
+    return HFTokenizer.from_directory(directory)

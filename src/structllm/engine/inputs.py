@@ -196,14 +196,18 @@ def check_structured_outputs(params: SamplingParams) -> None:
 async def check_structured_outputs_off_loop(params: SamplingParams) -> None:
     """:func:`check_structured_outputs` in a worker thread (if there is work).
 
-    Cancellation waits for the check (milliseconds) and then raises; nothing
-    is kept from it but the compiler's record of known-good specs.
+    No spec, or one already checked: returns at once, without a checkpoint
+    (as :func:`parse_prompt_off_loop` for a short prompt), so admission
+    inside a cancelled scope behaves as without a spec. Cancellation during
+    the check waits for it (milliseconds) and then raises; nothing is kept
+    from it but the compiler's record of known-good specs.
     """
+    so = params.structured_outputs
+    if so is None:
+        return
     from structllm.structured.compiler import is_validated
 
-    so = params.structured_outputs
-    if so is None or is_validated(so):
-        await anyio.lowlevel.checkpoint()
+    if is_validated(so):
         return
     await anyio.to_thread.run_sync(check_structured_outputs, params)
     # a cancellation during the check is delivered now, before admission

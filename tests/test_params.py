@@ -46,6 +46,9 @@ BAD = [
     ("frequency_penalty", -3),
     ("logprobs", 21),
     ("logprobs", -1),
+    ("prompt_logprobs", 21),
+    ("prompt_logprobs", -1),
+    ("prompt_logprobs", True),
     ("output_kind", "stream"),
     ("skip_special_tokens", None),
 ]

@@ -58,6 +58,11 @@ class RequestOutput:
     queue_time: float | None = None
     #: prompt tokens whose KV came from the prefix cache (once scheduled)
     num_cached_tokens: int | None = None
+    #: with ``SamplingParams.prompt_logprobs``, once the prompt is computed:
+    #: per prompt token, token id -> Logprob (that token and the top-n at its
+    #: position); the first is None. In DELTA mode only on the first output
+    #: that has them, as vLLM does.
+    prompt_logprobs: tuple[dict[int, Logprob] | None, ...] | None = None
 
     @property
     def text(self) -> str:

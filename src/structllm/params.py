@@ -247,6 +247,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    #: logprobs of the prompt tokens: each prompt token's own, plus the
+    #: ``prompt_logprobs`` most likely tokens at its position, from the raw
+    #: model distribution (``RequestOutput.prompt_logprobs``); such a request
+    #: is not served from the prefix cache
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = attrs.field(default=True, converter=_to_skip_special)
     output_kind: OutputKind = attrs.field(
         default=OutputKind.CUMULATIVE, converter=_to_output_kind
@@ -351,14 +356,15 @@ class SamplingParams:
                     expected="a number in [-2, 2]",
                 ),
             )
-        if self.logprobs is not None:
-            _int(
-                "logprobs",
-                self.logprobs,
-                lo=0,
-                hi=MAX_LOGPROBS,
-                expected=f"an integer in [0, {MAX_LOGPROBS}]",
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _int(
+                    name,
+                    getattr(self, name),
+                    lo=0,
+                    hi=MAX_LOGPROBS,
+                    expected=f"an integer in [0, {MAX_LOGPROBS}]",
+                )
 
     @property
     def greedy(self) -> bool:

@@ -67,6 +67,9 @@ class RequestStepOutput(msgspec.Struct, frozen=True, array_like=True):
     #: on a request's first output: prompt tokens read from the prefix cache
     #: (OpenAI's usage.prompt_tokens_details.cached_tokens)
     num_cached_tokens: int | None = None
+    #: with the first sampled token of a request with ``prompt_logprobs``:
+    #: one entry per prompt token, the first None (nothing predicts it)
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 class StepOutput(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -289,6 +292,10 @@ class EngineCore:
         }
         self.steps += 1
         by_id = {c.request.request_id: c.request for c in sched.chunks}
+        for rid, (first, entries) in ran.prompt_logprobs.items():
+            req = by_id[rid]
+            if first == len(req.prompt_logprobs) + 1:  # the next ones, in order
+                req.prompt_logprobs += entries
         outputs = []
         for rid, token in ran.sampled.items():
             fin = finished.get(rid)
@@ -308,6 +315,7 @@ class EngineCore:
                     stop_reason=None if fin is None else fin.stop_reason,
                     queue_s=queue_s,
                     num_cached_tokens=cached,
+                    prompt_logprobs=_take_prompt_logprobs(req),
                 )
             )
         return self._step_output(
@@ -369,3 +377,13 @@ class EngineCore:
         return EngineCoreStatistics(
             self.scheduler.statistics(), self.max_model_len, self.steps
         )
+
+
+def _take_prompt_logprobs(req: Request) -> tuple[TokenLogprobs | None, ...] | None:
+    """The prompt logprobs, once: with the request's first sampled token
+    (the end of its prompt, so all are computed), then never again."""
+    if not req.needs_prompt_logits:
+        return None
+    entries, req.prompt_logprobs = req.prompt_logprobs, []
+    req.prompt_logprobs_sent = True
+    return (None, *entries)

@@ -24,6 +24,7 @@ import msgspec
 import numpy as np
 
 from structllm.core.block_pool import BlockHash
+from structllm.model.sampler import TokenLogprobs
 from structllm.outputs import FinishReason
 from structllm.params import SamplingParams
 
@@ -92,6 +93,17 @@ class Request:
     grammar: GrammarMatcher | None = None
     #: its grammar is compiling; the scheduler leaves it waiting meanwhile
     waiting_for_grammar: bool = False
+    #: params.prompt_logprobs: the entries of prompt tokens 1, 2, ... computed
+    #: so far (kept across preemption, so none is computed twice), until
+    #: they are sent with the first sampled token
+    prompt_logprobs: list[TokenLogprobs] = attrs.Factory(list)
+    prompt_logprobs_sent: bool = False
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Its prompt logprobs are still to compute or send: it must compute
+        its whole prompt (no prefix-cache hits)."""
+        return self.params.prompt_logprobs is not None and not self.prompt_logprobs_sent
 
     @property
     def num_tokens(self) -> int:

@@ -8,14 +8,24 @@ from collections.abc import Mapping
 import attrs
 import numpy as np
 
+from structllm.core.request import Request
 from structllm.core.scheduler import SchedulerOutput
 from structllm.core.structured import StructuredOutputManager
 from structllm.model._paddle import paddle
 from structllm.model.attention import SequenceSlice
 from structllm.model.llama import LlamaForCausalLM
-from structllm.model.sampler import Sampler, SamplingRow, TokenLogprobs
+from structllm.model.sampler import (
+    Sampler,
+    SamplingRow,
+    TokenLogprobs,
+    token_logprobs,
+)
 
-__all__ = ["ModelRunner", "RunnerOutput"]
+__all__ = ["PROMPT_LOGITS_ROWS", "ModelRunner", "RunnerOutput"]
+
+#: prompt logprobs take logits this many positions at a time, so a long
+#: chunk never holds more than (PROMPT_LOGITS_ROWS, vocab) floats at once
+PROMPT_LOGITS_ROWS = 256
 
 
 @attrs.frozen
@@ -23,6 +33,9 @@ class RunnerOutput:
     #: request id -> the token sampled for it (only chunks that sample)
     sampled: Mapping[str, int]
     logprobs: Mapping[str, TokenLogprobs]
+    #: request id -> (first prompt token covered, the entries of that token
+    #: and those after it): prompt logprobs from this step's chunk
+    prompt_logprobs: Mapping[str, tuple[int, list[TokenLogprobs]]]
     #: seconds in the model forward and logits (inputs built, outputs on host)
     forward_s: float
     sample_s: float
@@ -52,6 +65,8 @@ class ModelRunner:
         seqs: list[SequenceSlice] = []
         rows: list[int] = []  # flattened row of each sampling chunk's last token
         sampling = []
+        # prompt logprobs: (request, first flattened row, first position, count)
+        prompt_rows: list[tuple[Request, int, int, int]] = []
         t = 0
         for c in chunks:
             req = c.request
@@ -59,6 +74,12 @@ class ModelRunner:
             ids.append(np.asarray(req.token_slice(c.context_len, stop), dtype=np.int64))
             positions.append(np.arange(c.context_len, stop, dtype=np.int64))
             seqs.append(SequenceSlice(c.context_len, c.num_tokens, req.block_ids))
+            if req.needs_prompt_logits:
+                # position i's logits give prompt token i + 1's logprob
+                lo = max(c.context_len, len(req.prompt_logprobs))
+                hi = min(stop, len(req.prompt_token_ids) - 1)
+                if lo < hi:
+                    prompt_rows.append((req, t + lo - c.context_len, lo, hi - lo))
             t += c.num_tokens
             if c.samples:
                 rows.append(t - 1)
@@ -71,8 +92,12 @@ class ModelRunner:
             self.kv_caches,
             meta,
         )  # (T, H)
+        prompt = {
+            req.request_id: (pos + 1, self._prompt_logprobs(hidden, req, row, pos, n))
+            for req, row, pos, n in prompt_rows
+        }
         if not sampling:
-            return RunnerOutput({}, {}, time.perf_counter() - start, 0.0)
+            return RunnerOutput({}, {}, prompt, time.perf_counter() - start, 0.0)
         last = paddle.index_select(hidden, paddle.to_tensor(np.asarray(rows, np.int64)))
         logits = self.model.compute_logits(last).numpy()  # (N, V)
         forward_s = time.perf_counter() - start
@@ -104,4 +129,20 @@ class ModelRunner:
             for r, lp in zip(sampling, out.logprobs, strict=True)
             if lp is not None
         }
-        return RunnerOutput(sampled, logprobs, forward_s, time.perf_counter() - start)
+        return RunnerOutput(
+            sampled, logprobs, prompt, forward_s, time.perf_counter() - start
+        )
+
+    def _prompt_logprobs(
+        self, hidden: paddle.Tensor, req: Request, row: int, pos: int, n: int
+    ) -> list[TokenLogprobs]:
+        """Entries of prompt tokens pos + 1 .. pos + n, from the logits of
+        the ``n`` hidden rows from ``row`` (raw: nothing of sampling applies)."""
+        k = req.params.prompt_logprobs or 0
+        out: list[TokenLogprobs] = []
+        for a in range(0, n, PROMPT_LOGITS_ROWS):
+            b = min(n, a + PROMPT_LOGITS_ROWS)
+            x = self.model.compute_logits(hidden[row + a : row + b]).numpy()  # (b-a, V)
+            targets = req.prompt_token_ids[pos + a + 1 : pos + b + 1]
+            out += token_logprobs(x, targets, [k] * (b - a))
+        return out

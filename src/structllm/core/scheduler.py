@@ -22,9 +22,11 @@ Policy, in order, each step:
 Prefix caching (``enable_prefix_caching``): a request admitted takes the
 longest chain of cached full blocks matching its tokens (prompt, and for a
 preempted request its outputs too) and computes only the rest; at least its
-last token is always computed, so the sample has logits. Every block that a
-step fills is registered in the pool as soon as the step's tokens are
-recorded, so requests running together share blocks too. A waiting request
+last token is always computed, so the sample has logits. A request that
+asks for prompt logprobs looks nothing up until they are sent (each prompt
+position needs its logits), but offers its blocks like any other. Every
+block that a step fills is registered in the pool as soon as the step's
+tokens are recorded, so requests running together share blocks too. A waiting request
 whose next uncached block is being computed by a running request (its
 sibling with the same prompt, say) waits for it rather than compute it a
 second time; that wait is bounded by the running request's prefill, which
@@ -202,7 +204,8 @@ class Scheduler:
                 j += 1
                 continue
             hit: list[int] = []
-            if caching:
+            # prompt logprobs need logits at every prompt position: no hits
+            if caching and not req.needs_prompt_logits:
                 # at most num_tokens - 1 cached: the last token must be computed
                 usable = (req.num_tokens - 1) // self.pool.block_size
                 hit = self.pool.lookup(req.block_hashes[:usable])
@@ -230,11 +233,11 @@ class Scheduler:
             req.block_ids = hit + self.pool.allocate(need)
             req.num_computed_tokens = computed
             req.num_cached_blocks = len(hit)
-            if caching:
+            if caching and not req.needs_prompt_logits:
                 self.prefix_cache_queries += req.num_tokens
                 self.prefix_cache_hits += computed
-                if in_flight is not None:
-                    in_flight.update(req.block_hashes[len(hit) :])
+            if in_flight is not None:
+                in_flight.update(req.block_hashes[len(hit) :])
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = min(computed, len(req.prompt_token_ids))
             req.status = RequestStatus.RUNNING

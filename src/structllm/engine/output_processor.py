@@ -108,9 +108,11 @@ class RequestState:
     stop_reason: int | str | None = None
     queue_time: float | None = None
     num_cached_tokens: int | None = None
+    prompt_logprobs: tuple[dict[int, Logprob] | None, ...] | None = None
     #: how much text / how many tokens earlier delta outputs carried
     _sent_text: int = 0
     _sent_tokens: int = 0
+    _sent_prompt_logprobs: bool = False
 
     def __attrs_post_init__(self) -> None:
         self.detokenizer = IncrementalDetokenizer(
@@ -149,6 +151,13 @@ class RequestState:
             self.queue_time = step.queue_s
         if step.num_cached_tokens is not None:
             self.num_cached_tokens = step.num_cached_tokens
+        if step.prompt_logprobs is not None:
+            self.prompt_logprobs = tuple(
+                None if lp is None else self._logprob_dict(token, lp)
+                for token, lp in zip(
+                    self.prompt_token_ids, step.prompt_logprobs, strict=True
+                )
+            )
         if self.logprobs is not None and step.logprobs is not None:
             for token, lp in zip(step.new_token_ids, step.logprobs, strict=True):
                 self.logprobs.append(self._logprob_dict(token, lp))
@@ -187,6 +196,7 @@ class RequestState:
         text = self.detokenizer.text
         tokens: Sequence[int] = self.token_ids
         logprobs = self.logprobs
+        prompt_logprobs = self.prompt_logprobs
         if kind is OutputKind.DELTA:
             text, tokens = text[self._sent_text :], tokens[self._sent_tokens :]
             if logprobs is not None:
@@ -195,6 +205,10 @@ class RequestState:
                 return None
             self._sent_text += len(text)
             self._sent_tokens += len(tokens)
+            if self._sent_prompt_logprobs:
+                prompt_logprobs = None
+            elif prompt_logprobs is not None:
+                self._sent_prompt_logprobs = True
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -213,6 +227,7 @@ class RequestState:
             num_generated_tokens=len(self.token_ids),
             queue_time=self.queue_time,
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _logprob_dict(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:
@@ -350,4 +365,5 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
         token_ids=a.token_ids + b.token_ids,
         logprobs=logprobs,
     )
-    return attrs.evolve(newer, outputs=(merged,))
+    prompt_logprobs = newer.prompt_logprobs or older.prompt_logprobs
+    return attrs.evolve(newer, outputs=(merged,), prompt_logprobs=prompt_logprobs)

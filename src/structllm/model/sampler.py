@@ -49,6 +49,7 @@ __all__ = [
     "TokenLogprobs",
     "make_generator",
     "process_logits",
+    "token_logprobs",
 ]
 
 F32 = npt.NDArray[np.float32]
@@ -358,19 +359,32 @@ def _logprobs(
     rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return out
-    x = raw[rows]  # (L, V)
+    want = [params[i].logprobs or 0 for i in rows]
+    for i, lp in zip(rows, token_logprobs(raw[rows], tokens[rows], want), strict=True):
+        out[i] = lp
+    return out
+
+
+def token_logprobs(
+    x: F32, tokens: npt.ArrayLike, num_top: Sequence[int]
+) -> list[TokenLogprobs]:
+    """Per row of raw logits ``x`` (L, V): the logprob and rank of
+    ``tokens[row]`` and the ``num_top[row]`` most likely tokens, all from
+    ``log_softmax`` of the row (the prompt logprobs use this too)."""
+    toks = np.asarray(tokens, dtype=np.int64)  # (L,)
+    n_rows = x.shape[0]
     top = x.max(axis=1)  # (L,)
     top[top == -np.inf] = 0.0  # an all -inf row: every logprob is -inf
     mass = np.exp(x - top[:, None]).sum(axis=1)  # (L,) float32
     with np.errstate(divide="ignore"):
         lse = top.astype(np.float64) + np.log(mass.astype(np.float64))
     lse[lse == -np.inf] = 0.0
-    picked = x[np.arange(len(rows)), tokens[rows]]  # (L,)
+    picked = x[np.arange(n_rows), toks]  # (L,)
     chosen = picked - lse
     # logprob = logit - lse is monotone, so ranks can compare raw logits.
     rank = (x > picked[:, None]).sum(axis=1) + 1
-    want = np.array([params[i].logprobs or 0 for i in rows], dtype=np.int64)
-    n_max = int(want.max())
+    want = np.asarray(num_top, dtype=np.int64).reshape(n_rows)
+    n_max = int(want.max(initial=0))
     if n_max:
         ids, exact = _top_sorted(x, n_max + 1, ignore_neg_inf=False)
         redo = exact < want
@@ -378,13 +392,16 @@ def _logprobs(
             full, _ = _top_sorted(x[redo], x.shape[1], ignore_neg_inf=False)
             ids = ids.copy()
             ids[redo] = full[:, : ids.shape[1]]
-    for j, i in enumerate(rows):
+    out = []
+    for j in range(n_rows):
         n = int(want[j])
         top_ids = [int(t) for t in ids[j, :n]] if n else []
-        out[i] = TokenLogprobs(
-            sampled_logprob=float(chosen[j]),
-            sampled_rank=int(rank[j]),
-            top_ids=tuple(top_ids),
-            top_logprobs=tuple(float(x[j, t] - lse[j]) for t in top_ids),
+        out.append(
+            TokenLogprobs(
+                sampled_logprob=float(chosen[j]),
+                sampled_rank=int(rank[j]),
+                top_ids=tuple(top_ids),
+                top_logprobs=tuple(float(x[j, t] - lse[j]) for t in top_ids),
+            )
         )
     return out

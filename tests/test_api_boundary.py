@@ -277,8 +277,12 @@ def test_refused_fields_are_400_naming_them(server: str) -> None:
     cases: list[tuple[str, dict[str, Any], str]] = [
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
         ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
-        ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
-        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "use_beam_search": True},
+            "use_beam_search",
+        ),
         (
             "/v1/completions",
             {"prompt": "x", "stream_options": {"include_usage": True}},

@@ -62,12 +62,14 @@ def refused(model: type[BaseModel], body: Any) -> InvalidRequestError:
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"stream": True, "stream_options": {"include_usage": 1}},
          "stream_options.include_usage"),
-        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"echo": True, "logprobs": 21}, "logprobs"),
         ({"model": "\udfff"}, "model"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"response_format": {"type": "json"}}, "response_format.type"),
         ({"functions": [{"name": "f"}]}, "functions"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"use_beam_search": True}, "use_beam_search"),
     ],
 )  # fmt: skip
 def test_completion_fields_out_of_range_name_the_field(
@@ -192,6 +194,24 @@ def test_completion_to_sampling_params() -> None:
     assert p.top_k == 0 and p.ignore_eos and p.output_kind is OutputKind.FINAL
     assert p.logit_bias == ((7, 1.0),) and p.allowed_token_ids == (2, 9)
     assert req.choices == 2
+
+
+def test_prompt_logprobs_and_echo_to_sampling_params() -> None:
+    def params(body: dict[str, Any]) -> SamplingParams:
+        return validate(CompletionRequest, {"prompt": "x", **body}).to_sampling_params(
+            1
+        )
+
+    assert params({}).prompt_logprobs is None
+    assert params({"prompt_logprobs": 0}).prompt_logprobs == 0
+    # echo with logprobs: the echoed prompt's logprobs, as many as logprobs
+    assert params({"echo": True, "logprobs": 3}).prompt_logprobs == 3
+    assert (
+        params({"echo": True, "logprobs": 3, "prompt_logprobs": 1}).prompt_logprobs == 1
+    )
+    assert params({"echo": True}).prompt_logprobs is None
+    chat = validate(ChatRequest, {"messages": CHAT, "prompt_logprobs": 2})
+    assert chat.to_sampling_params(None).prompt_logprobs == 2
 
 
 def test_defaults_and_stream_output_kind() -> None:

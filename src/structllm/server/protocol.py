@@ -108,7 +108,6 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "prediction": ("predicted outputs are not supported", ()),
     "web_search_options": ("web search is not supported", ()),
     "store": ("stored completions are not supported", (False,)),
-    "prompt_logprobs": ("prompt_logprobs is not supported yet", ()),
     "use_beam_search": ("beam search is not supported", (False,)),
 }
 
@@ -160,6 +159,8 @@ class SamplingRequest(BaseModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     echo: bool | None = None
+    #: vLLM: each prompt token's logprob and the top-N at its position
+    prompt_logprobs: Logprobs | None = None
     #: vLLM: the prompt's and the completion's token ids in the response
     return_token_ids: bool | None = None
     #: vLLM: logprobs name tokens as "token_id:N" instead of their text
@@ -255,6 +256,7 @@ class SamplingRequest(BaseModel):
             "ignore_eos",
             "include_stop_str_in_output",
             "skip_special_tokens",
+            "prompt_logprobs",
         )
         kw = {n: v for n in names if (v := getattr(self, n)) is not None}
         kw["stop"] = self.stop
@@ -290,10 +292,6 @@ class CompletionRequest(SamplingRequest):
                 "prompt",
                 f"prompts times n must not exceed {MAX_CHOICES}",
             )
-        if self.echo and self.logprobs is not None:
-            raise PydanticCustomError(
-                "echo", "echo with logprobs (prompt logprobs) is not supported yet"
-            )
         return self
 
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
@@ -302,6 +300,8 @@ class CompletionRequest(SamplingRequest):
             default_max_tokens if self.max_tokens is None else (self.max_tokens)
         )
         kw["logprobs"] = self.logprobs
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            kw["prompt_logprobs"] = self.logprobs  # the echoed prompt's, as vLLM
         return SamplingParams(**kw)
 
 

@@ -13,11 +13,20 @@ from __future__ import annotations
 import hashlib
 import time
 import uuid
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
-
-from structllm.outputs import CompletionOutput, FinishReason
+from structllm.outputs import FinishReason
+from structllm.server.logprobs import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+)
+from structllm.server.response_base import Body as _Body
+from structllm.server.response_base import dump
 
 __all__ = [
     "ChatChoice",
@@ -39,6 +48,8 @@ __all__ = [
     "FunctionCallDelta",
     "ModelCard",
     "ModelList",
+    "PromptLogprob",
+    "PromptLogprobs",
     "ToolCall",
     "ToolCallDelta",
     "Usage",
@@ -49,31 +60,9 @@ __all__ = [
     "fingerprint",
     "new_id",
     "now",
+    "prompt_logprobs",
     "usage",
 ]
-
-
-def _required_unless_omitted(schema: dict[str, Any], cls: type[Any]) -> None:
-    omit: frozenset[str] = getattr(cls, "_omit_unset", frozenset())
-    schema["required"] = [n for n in schema.get("properties", {}) if n not in omit]
-
-
-class _Body(BaseModel):
-    """A response object: fields in ``_omit_unset`` are sent only when given."""
-
-    model_config = ConfigDict(json_schema_extra=_required_unless_omitted)
-    _omit_unset: ClassVar[frozenset[str]] = frozenset()
-
-    def model_post_init(self, context: Any, /) -> None:
-        # every other field counts as given, so dump(exclude_unset) sends it
-        self.__pydantic_fields_set__.update(
-            n for n in type(self).model_fields if n not in self._omit_unset
-        )
-
-
-def dump(body: BaseModel) -> dict[str, Any]:
-    """The JSON object for ``body`` (Python values: floats stay floats)."""
-    return body.model_dump(exclude_unset=True)
 
 
 class ErrorInfo(_Body):
@@ -121,92 +110,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     )
 
 
-# -- logprobs -----------------------------------------------------------------
-
-
-class CompletionLogprobs(_Body):
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
-
-
-class TopLogprob(_Body):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(_Body):
-    content: list[ChatTokenLogprob]
-
-
-def _token_name(token_id: int, piece: str | None, as_ids: bool) -> str:
-    return f"token_id:{token_id}" if as_ids else (piece or "")
-
-
-def completion_logprobs(
-    out: CompletionOutput, text_offset: int = 0, *, as_ids: bool = False
-) -> CompletionLogprobs | None:
-    """The completions API's logprobs object for the tokens in ``out``."""
-    if out.logprobs is None:
-        return None
-    tokens, token_lps, tops, offsets = [], [], [], []
-    offset = text_offset
-    for token_id, d in zip(out.token_ids, out.logprobs, strict=True):
-        lp = d[token_id]
-        piece = lp.decoded_token or ""
-        tokens.append(_token_name(token_id, piece, as_ids))
-        token_lps.append(lp.logprob)
-        tops.append(
-            {_token_name(t, v.decoded_token, as_ids): v.logprob for t, v in d.items()}
-        )
-        offsets.append(offset)
-        offset += len(piece)
-    return CompletionLogprobs(
-        tokens=tokens, token_logprobs=token_lps, top_logprobs=tops, text_offset=offsets
-    )
-
-
-def chat_logprobs(
-    out: CompletionOutput, top_n: int, *, as_ids: bool = False
-) -> ChatLogprobs | None:
-    """The chat API's logprobs object: each token with its ``top_n`` best."""
-    if out.logprobs is None:
-        return None
-    content = []
-    for token_id, d in zip(out.token_ids, out.logprobs, strict=True):
-        lp = d[token_id]
-        name = _token_name(token_id, lp.decoded_token, as_ids)
-        ranked = sorted(
-            d.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30
-        )
-        tops = []
-        for t, v in ranked[:top_n]:
-            top = _token_name(t, v.decoded_token, as_ids)
-            tops.append(
-                TopLogprob(token=top, logprob=v.logprob, bytes=list(top.encode()))
-            )
-        content.append(
-            ChatTokenLogprob(
-                token=name,
-                logprob=lp.logprob,
-                bytes=list(name.encode()),
-                top_logprobs=tops,
-            )
-        )
-    return ChatLogprobs(content=content)
-
-
 # -- completions --------------------------------------------------------------
 
 
 class CompletionChoice(_Body):
-    _omit_unset = frozenset({"prompt_token_ids", "token_ids"})
+    _omit_unset = frozenset({"prompt_token_ids", "token_ids", "prompt_logprobs"})
 
     index: int
     text: str
@@ -215,6 +123,8 @@ class CompletionChoice(_Body):
     stop_reason: int | str | None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    #: with ``prompt_logprobs`` (vLLM)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(_Body):
@@ -230,7 +140,9 @@ class CompletionResponse(_Body):
 
 
 class CompletionStreamChoice(_Body):
-    _omit_unset = frozenset({"text", "stop_reason", "prompt_token_ids", "token_ids"})
+    _omit_unset = frozenset(
+        {"text", "stop_reason", "prompt_token_ids", "token_ids", "prompt_logprobs"}
+    )
 
     index: int
     #: absent from the first chunk unless ``echo`` put the prompt there
@@ -241,6 +153,8 @@ class CompletionStreamChoice(_Body):
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    #: with ``prompt_logprobs``, in the choice's first chunk that has tokens
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionStreamResponse(_Body):
@@ -299,7 +213,7 @@ class ChatChoice(_Body):
 class ChatCompletionResponse(_Body):
     """``POST /v1/chat/completions`` without ``stream``."""
 
-    _omit_unset = frozenset({"prompt_token_ids"})
+    _omit_unset = frozenset({"prompt_token_ids", "prompt_logprobs"})
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -309,6 +223,8 @@ class ChatCompletionResponse(_Body):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = None
+    #: with ``prompt_logprobs``: the prompt's (shared by the choices), as vLLM
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class FunctionCallDelta(_Body):
@@ -353,7 +269,7 @@ class ChatStreamChoice(_Body):
 class ChatCompletionStreamResponse(_Body):
     """One ``data:`` event of a streaming ``POST /v1/chat/completions``."""
 
-    _omit_unset = frozenset({"usage", "prompt_token_ids"})
+    _omit_unset = frozenset({"usage", "prompt_token_ids", "prompt_logprobs"})
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -363,6 +279,8 @@ class ChatCompletionStreamResponse(_Body):
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None
+    #: with ``prompt_logprobs``, in choice 0's first chunk that has tokens
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 # -- models -------------------------------------------------------------------

@@ -72,6 +72,8 @@ class ChatServing(Serving):
         extra: dict[str, Any] = {}
         if req.return_token_ids:
             extra["prompt_token_ids"] = list(prompt.token_ids)
+        if (pl := api.prompt_logprobs(finals[0])) is not None:
+            extra["prompt_logprobs"] = pl  # the prompt's: every choice's
         response = api.ChatCompletionResponse(
             **self.head(api.new_id("chatcmpl")),
             choices=[_choice(req, i, finals[i], top_logprobs) for i in sorted(finals)],
@@ -169,7 +171,10 @@ class _Chunks(Chunks[ChatRequest]):
             finish_reason=finish,
             **self.finish_fields(c),
         )
-        return self._chunk([choice], usage)
+        extra: dict[str, Any] = {}
+        if (pl := api.prompt_logprobs(out)) is not None:  # the choice's first
+            extra["prompt_logprobs"] = pl
+        return self._chunk([choice], usage, **extra)
 
     def closing(self, usage: api.Usage) -> api.ChatCompletionStreamResponse:
         return self._chunk([], usage)

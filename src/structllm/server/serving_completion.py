@@ -72,16 +72,28 @@ class CompletionServing(Serving):
         if req.return_token_ids:
             extra["prompt_token_ids"] = list(job.prompt.token_ids)
             extra["token_ids"] = list(c.token_ids)
+        if out.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = api.prompt_logprobs(out)
         return api.CompletionChoice(
             index=job.index,
             text=(self.prompt_text(job.prompt) + c.text) if req.echo else c.text,
-            logprobs=api.completion_logprobs(
-                c, as_ids=bool(req.return_tokens_as_token_ids)
-            ),
+            logprobs=_logprobs(self, req, job, out),
             finish_reason=c.finish_reason,
             stop_reason=c.stop_reason,
             **extra,
         )
+
+
+def _logprobs(
+    serving: Serving, req: CompletionRequest, job: Job, out: RequestOutput
+) -> api.CompletionLogprobs | None:
+    """``out``'s logprobs; echoed, the prompt's first when ``out`` has them."""
+    c = out.outputs[0]
+    as_ids = bool(req.return_tokens_as_token_ids)
+    if not req.echo or out.prompt_logprobs is None:
+        return api.completion_logprobs(c, as_ids=as_ids)
+    first = serving.slot.get().tokenizer.id_to_piece(job.prompt.token_ids[0])
+    return api.completion_logprobs(c, as_ids=as_ids, echo=out, first_piece=first)
 
 
 @attrs.frozen
@@ -98,7 +110,8 @@ class _Chunks(Chunks[CompletionRequest]):
     ) -> api.CompletionStreamResponse | None:
         """The echoed prompt and its token ids, before any generated token."""
         extra: dict[str, Any] = {}
-        if self.req.echo:
+        if self.req.echo and self.req.logprobs is None:
+            # with logprobs, the prompt goes with its logprobs (first delta)
             extra["text"] = self.serving.prompt_text(job.prompt)
         if self.req.return_token_ids:
             extra["prompt_token_ids"] = list(job.prompt.token_ids)
@@ -113,14 +126,18 @@ class _Chunks(Chunks[CompletionRequest]):
         self, job: Job, out: RequestOutput, usage: api.Usage | None
     ) -> api.CompletionStreamResponse:
         c = out.outputs[0]
+        text = c.text
+        extra = self.finish_fields(c)
+        if out.prompt_logprobs is not None:  # the first output (DELTA)
+            extra["prompt_logprobs"] = api.prompt_logprobs(out)
+            if self.req.echo and self.req.logprobs is not None:
+                text = self.serving.prompt_text(job.prompt) + text
         choice = api.CompletionStreamChoice(
             index=job.index,
-            text=c.text,
-            logprobs=api.completion_logprobs(
-                c, as_ids=bool(self.req.return_tokens_as_token_ids)
-            ),
+            text=text,
+            logprobs=_logprobs(self.serving, self.req, job, out),
             finish_reason=c.finish_reason,
-            **self.finish_fields(c),
+            **extra,
         )
         return self._chunk([choice], usage)
 

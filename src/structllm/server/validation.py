@@ -37,7 +37,7 @@ def _param(
     if kind in ("refused", "field") and ctx:
         prefix, name = _path(loc), str(ctx["name"])
         return f"{prefix}.{name}" if prefix and name else (prefix or name or None)
-    if kind in ("stream_options", "best_of", "top_logprobs", "echo") and not loc:
+    if kind in ("stream_options", "best_of", "top_logprobs") and not loc:
         return kind
     if kind == "prompt" and not loc:
         return "prompt"

@@ -3,6 +3,8 @@ position, whatever the chunking, batching, prefix cache or preemption."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -16,6 +18,7 @@ from structllm.model._paddle import paddle
 from structllm.model.llama import LlamaForCausalLM
 from structllm.model.training import causal_lm_logits
 from structllm.outputs import Logprob
+from tests.test_server_app import CHAT, Server, events, open_server
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 TOL = 1e-4
@@ -202,3 +205,102 @@ async def test_async_llm_delta_once_over_the_wire(
     assert cumulative.prompt_logprobs == outs[0].prompt_logprobs
     model = LLM("tiny-random", show_progress=False, model_backend="eager")
     _check(outs[0].prompt_logprobs, prompt, _reference(_model(model), prompt), 3)
+
+
+# -- the server ------------------------------------------------------------------
+
+
+async def _engine_entries(server: Server, ids: list[int]) -> list[float]:
+    out = await server.llm.complete(
+        {"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0)
+    )
+    assert out.prompt_logprobs is not None
+    return [d[t].logprob for t, d in zip(ids[1:], out.prompt_logprobs[1:], strict=True)]
+
+
+def _check_body(
+    entries: list[Any], ids: list[int], want: list[float], k: int, tol: float = TOL
+) -> None:
+    """vLLM's JSON prompt_logprobs: null, then {id: {logprob, rank, decoded_token}}."""
+    assert len(entries) == len(ids) and entries[0] is None
+    for tok, entry, lp in zip(ids[1:], entries[1:], want, strict=True):
+        assert entry[str(tok)]["logprob"] == pytest.approx(lp, abs=tol)
+        assert set(entry[str(tok)]) == {"logprob", "rank", "decoded_token"}
+        assert k <= len(entry) <= k + 1
+
+
+@pytest.mark.anyio
+async def test_completions_echo_with_logprobs_whole_and_streamed() -> None:
+    body = {"prompt": "Hello world", "max_tokens": 4, "temperature": 0,
+            "echo": True, "logprobs": 2, "return_token_ids": True}  # fmt: skip
+    async with open_server() as s:
+        r = await s.http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        ids = choice["prompt_token_ids"]
+        want = await _engine_entries(s, ids)
+        lp = choice["logprobs"]
+        n = len(ids) + 4
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == n
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1 : len(ids)] == pytest.approx(want, abs=TOL)
+        assert all(2 <= len(t) <= 3 for t in lp["top_logprobs"][1:])
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(
+            lp["text_offset"]
+        )
+        assert choice["text"].startswith("Hello world")
+        # the tokens spell the text; the first is BOS, which the text has not
+        assert "".join(lp["tokens"][1:]) == choice["text"]
+        # echo with logprobs asks for the prompt's: returned as vLLM does
+        _check_body(choice["prompt_logprobs"], ids, want, 2)
+
+        r = await s.http.post("/v1/completions", json={**body, "stream": True})
+        chunks = [e for e in events(r.text)[:-1] if e["choices"]]
+        firsts = [c for c in chunks if "prompt_logprobs" in c["choices"][0]]
+        assert firsts == [
+            next(c for c in chunks if c["choices"][0]["logprobs"] is not None)
+        ]
+        text = "".join(c["choices"][0].get("text", "") for c in chunks)
+        assert text == choice["text"]
+        streamed = [
+            x
+            for c in chunks
+            if c["choices"][0]["logprobs"] is not None
+            for x in c["choices"][0]["logprobs"]["token_logprobs"]
+        ]
+        assert streamed[0] is None
+        assert streamed[1:] == pytest.approx(lp["token_logprobs"][1:], abs=TOL)
+        _check_body(firsts[0]["choices"][0]["prompt_logprobs"], ids, want, 2)
+        await s.wait_idle()
+
+
+@pytest.mark.anyio
+async def test_completions_and_chat_prompt_logprobs() -> None:
+    async with open_server() as s:
+        body = {"prompt": "abc", "max_tokens": 2, "prompt_logprobs": 0,
+                "return_token_ids": True}  # fmt: skip
+        choice = (await s.http.post("/v1/completions", json=body)).json()["choices"][0]
+        ids = choice["prompt_token_ids"]
+        _check_body(choice["prompt_logprobs"], ids, await _engine_entries(s, ids), 0)
+        assert choice["logprobs"] is None and choice["text"] != ""
+        plain = (await s.http.post("/v1/completions", json={"prompt": "abc"})).json()
+        assert "prompt_logprobs" not in plain["choices"][0]
+
+        body = {"messages": CHAT, "max_tokens": 3, "prompt_logprobs": 1, "n": 2,
+                "return_token_ids": True}  # fmt: skip
+        whole = (await s.http.post("/v1/chat/completions", json=body)).json()
+        ids = whole["prompt_token_ids"]
+        _check_body(whole["prompt_logprobs"], ids, await _engine_entries(s, ids), 1)
+        assert all("prompt_logprobs" not in c for c in whole["choices"])
+        r = await s.http.post("/v1/chat/completions", json={**body, "stream": True})
+        chunks = events(r.text)[:-1]
+        with_pl = [c for c in chunks if "prompt_logprobs" in c]
+        # each choice's first chunk with tokens, none other
+        assert sorted(c["choices"][0]["index"] for c in with_pl) == [0, 1]
+        want = [
+            e[str(t)]["logprob"]
+            for t, e in zip(ids[1:], whole["prompt_logprobs"][1:], strict=True)
+        ]
+        for c in with_pl:  # equal up to the float noise of a different batch
+            _check_body(c["prompt_logprobs"], ids, want, 1, tol=1e-4)
+        await s.wait_idle()

@@ -177,6 +177,26 @@ def _prompts(case_seed: int, vocab: int) -> list[list[int]]:
     return [rng.integers(3, vocab, size=n).tolist() for n in PROMPT_LENGTHS]
 
 
+def _hf_model(
+    seed: int, family: str, kw: dict[str, Any]
+) -> tuple[Any, np.random.Generator]:
+    """transformers' model of a case, with its weights, and the case's generator."""
+    hf_config = transformers.AutoConfig.for_model(family, **kw)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    rng = np.random.default_rng([BASE_SEED, seed, 1])
+    tied = hf_config.tie_word_embeddings
+    weights = {
+        name: torch.from_numpy(_init(name, tuple(t.shape), rng))
+        for name, t in hf.state_dict().items()
+        if not (tied and name == "lm_head.weight")
+    }
+    hf.load_state_dict(weights, strict=not tied)
+    hf.eval()
+    hf.generation_config.eos_token_id = None
+    return hf, rng
+
+
 def _hf_greedy(hf: Any, prompt: list[int]) -> tuple[list[int], np.ndarray]:
     """transformers' greedy tokens and the logits of every step (64, V)."""
     with torch.inference_mode():
@@ -279,19 +299,8 @@ def _report() -> Iterator[None]:
 def test_generated_checkpoint_matches_transformers(
     tmp_path: Path, seed: int, family: str, kw: dict[str, Any]
 ) -> None:
-    hf_config = transformers.AutoConfig.for_model(family, **kw)
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    rng = np.random.default_rng([BASE_SEED, seed, 1])
-    tied = hf_config.tie_word_embeddings
-    weights = {
-        name: torch.from_numpy(_init(name, tuple(t.shape), rng))
-        for name, t in hf.state_dict().items()
-        if not (tied and name == "lm_head.weight")
-    }
-    hf.load_state_dict(weights, strict=not tied)
-    hf.eval()
-    hf.generation_config.eos_token_id = None
+    hf, rng = _hf_model(seed, family, kw)
+    hf_config = hf.config
     current, legacy = tmp_path / "current", tmp_path / "legacy"
     hf.save_pretrained(current)
     saved = json.loads((current / "config.json").read_text())
@@ -346,3 +355,51 @@ def test_generated_checkpoint_matches_transformers(
     FIGURES["prompts"] += len(prompts)
     FIGURES["worst"] = max(FIGURES["worst"], worst)
     print(f"\n{family:<8} seed {seed:>4}: worst logit diff {worst:.2e}")
+
+
+@pytest.mark.parametrize("backend", ["inference", "eager"])
+@pytest.mark.parametrize("index", range(len(FAMILIES)))  # one case per family
+def test_prompt_logprobs_match_transformers(
+    tmp_path: Path, index: int, backend: str
+) -> None:
+    """prompt_logprobs (chunked, batched, prefix caching on) are transformers'
+    log_softmax of one full forward, within the logit tolerance."""
+    family, kw = sample_case(index)
+    hf, _ = _hf_model(index, family, kw)
+    hf.save_pretrained(tmp_path)
+    core = EngineCore(
+        EngineConfig(
+            model=str(tmp_path),
+            model_backend=backend,
+            block_size=BLOCK,
+            num_blocks=NUM_BLOCKS,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_batched_tokens=CHUNK,
+            num_threads=2,
+        )
+    )
+    prompts = _prompts(index, hf.config.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    for i, prompt in enumerate(prompts):
+        core.add_request(
+            CoreRequest(
+                request_id=str(i), prompt_token_ids=tuple(prompt), params=params
+            )
+        )
+    got: dict[int, Any] = {}
+    while core.has_unfinished_requests():
+        for out in core.step().outputs:
+            if out.prompt_logprobs is not None:
+                got[int(out.request_id)] = out.prompt_logprobs
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt])).logits[0].double()
+        ref = torch.log_softmax(logits, dim=-1).numpy()  # (T, V)
+        entries = got[i]
+        assert len(entries) == len(prompt) and entries[0] is None
+        for j in range(1, len(prompt)):
+            lp = entries[j]
+            row = ref[j - 1]
+            assert abs(lp.sampled_logprob - row[prompt[j]]) < LOGIT_TOL, (family, i, j)
+            top = np.sort(row)[::-1][:3]
+            np.testing.assert_allclose(lp.top_logprobs, top, atol=LOGIT_TOL)

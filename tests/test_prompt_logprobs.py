@@ -14,10 +14,17 @@ from structllm.config import EngineConfig
 from structllm.core.engine_core import EngineCore, RequestStepOutput
 from structllm.core.request import CoreRequest
 from structllm.engine.async_llm import AsyncLLM
+from structllm.engine.output_processor import (
+    OutputProcessor,
+    RequestOutputCollector,
+    RequestState,
+)
 from structllm.model._paddle import paddle
 from structllm.model.llama import LlamaForCausalLM
+from structllm.model.sampler import TokenLogprobs
 from structllm.model.training import causal_lm_logits
 from structllm.outputs import Logprob
+from structllm.text.tokenizer import load_tokenizer
 from tests.test_server_app import CHAT, Server, events, open_server
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -269,6 +276,13 @@ async def test_completions_echo_with_logprobs_whole_and_streamed() -> None:
             for x in c["choices"][0]["logprobs"]["token_logprobs"]
         ]
         assert streamed[0] is None
+        offsets = [
+            x
+            for c in chunks
+            if c["choices"][0]["logprobs"] is not None
+            for x in c["choices"][0]["logprobs"]["text_offset"]
+        ]
+        assert offsets == lp["text_offset"]  # they go on from chunk to chunk
         assert streamed[1:] == pytest.approx(lp["token_logprobs"][1:], abs=TOL)
         _check_body(firsts[0]["choices"][0]["prompt_logprobs"], ids, want, 2)
         await s.wait_idle()
@@ -304,3 +318,28 @@ async def test_completions_and_chat_prompt_logprobs() -> None:
         for c in with_pl:  # equal up to the float noise of a different batch
             _check_body(c["prompt_logprobs"], ids, want, 1, tol=1e-4)
         await s.wait_idle()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", list(OutputKind))
+async def test_output_kinds_and_a_lagging_delta_consumer(kind: OutputKind) -> None:
+    tokenizer = load_tokenizer("tiny-random")
+    queue = RequestOutputCollector(kind)
+    proc = OutputProcessor()
+    params = SamplingParams(prompt_logprobs=1, output_kind=kind)
+    proc.add(RequestState("r", None, (5, 6, 7), params, tokenizer, queue=queue))
+    entry = TokenLogprobs(-0.5, 2, (9,), (-0.25,))
+    proc.process_outputs(
+        [RequestStepOutput("r", (8,), prompt_logprobs=(None,) * 2 + (entry,))]
+    )
+    proc.process_outputs([RequestStepOutput("r", (8,))])  # lags: merged with the first
+    out = await queue.next() if kind is not OutputKind.FINAL else None
+    proc.process_outputs([RequestStepOutput("r", (8,), finish_reason="length")])
+    last = await queue.next()
+    assert last is not None and last.finished
+    want = (None, None, {7: Logprob(-0.5, 2, "\x07"), 9: Logprob(-0.25, 1, "\t")})
+    if kind is OutputKind.DELTA:
+        assert out is not None and out.prompt_logprobs == want
+        assert last.prompt_logprobs is None  # once
+    else:
+        assert last.prompt_logprobs == want

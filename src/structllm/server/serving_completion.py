@@ -85,20 +85,29 @@ class CompletionServing(Serving):
 
 
 def _logprobs(
-    serving: Serving, req: CompletionRequest, job: Job, out: RequestOutput
+    serving: Serving,
+    req: CompletionRequest,
+    job: Job,
+    out: RequestOutput,
+    text_offset: int = 0,
 ) -> api.CompletionLogprobs | None:
     """``out``'s logprobs; echoed, the prompt's first when ``out`` has them."""
     c = out.outputs[0]
     as_ids = bool(req.return_tokens_as_token_ids)
     if not req.echo or out.prompt_logprobs is None:
-        return api.completion_logprobs(c, as_ids=as_ids)
+        return api.completion_logprobs(c, text_offset, as_ids=as_ids)
     first = serving.slot.get().tokenizer.id_to_piece(job.prompt.token_ids[0])
-    return api.completion_logprobs(c, as_ids=as_ids, echo=out, first_piece=first)
+    return api.completion_logprobs(
+        c, text_offset, as_ids=as_ids, echo=out, first_piece=first
+    )
 
 
 @attrs.frozen
 class _Chunks(Chunks[CompletionRequest]):
     """The chunks of a streaming completion (a StreamFormat)."""
+
+    #: each choice's next logprobs text_offset, by choice index
+    offsets: dict[int, int] = attrs.field(factory=dict)
 
     def _chunk(
         self, choices: list[api.CompletionStreamChoice], usage: api.Usage | None
@@ -132,10 +141,15 @@ class _Chunks(Chunks[CompletionRequest]):
             extra["prompt_logprobs"] = api.prompt_logprobs(out)
             if self.req.echo and self.req.logprobs is not None:
                 text = self.serving.prompt_text(job.prompt) + text
+        offset = self.offsets.get(job.index, 0)
+        logprobs = _logprobs(self.serving, self.req, job, out, offset)
+        if logprobs is not None and c.logprobs:  # offsets go on from the last
+            last = c.logprobs[-1][c.token_ids[-1]].decoded_token or ""
+            self.offsets[job.index] = logprobs.text_offset[-1] + len(last)
         choice = api.CompletionStreamChoice(
             index=job.index,
             text=text,
-            logprobs=_logprobs(self.serving, self.req, job, out),
+            logprobs=logprobs,
             finish_reason=c.finish_reason,
             **extra,
         )

@@ -51,14 +51,14 @@ from structllm.errors import (
     EngineCoreError,
     EngineDeadError,
     ModelLoadError,
-    UnsupportedModelError,
+    dead_error,
+    load_error,
 )
 
 __all__ = [
     "CoreClient",
     "CoreEvents",
     "EngineStatistics",
-    "dead_error",
 ]
 
 
@@ -83,13 +83,6 @@ class _CoreLost(Exception):
     def __init__(self, cause: BaseException) -> None:
         super().__init__(str(cause))
         self.cause = cause
-
-
-#: errors the core may report while loading, rebuilt by name in the parent
-_LOAD_ERRORS: dict[str, type[ModelLoadError]] = {
-    "ModelLoadError": ModelLoadError,
-    "UnsupportedModelError": UnsupportedModelError,
-}
 
 
 @attrs.define(eq=False)
@@ -322,7 +315,7 @@ class CoreClient:
                         return msg
                     elif isinstance(msg, Fatal):
                         if msg.during_load:
-                            raise _load_error(msg)
+                            raise load_error(msg.kind, msg.message, msg.field)
                         raise _CoreLost(
                             EngineCoreError(msg.kind, msg.message, msg.traceback)
                         )
@@ -415,17 +408,3 @@ async def _receive(conn: CoreConnection) -> Message:
         raise _CoreLost(
             ConnectionError(f"the engine core connection closed ({exc!r})")
         ) from None
-
-
-def _load_error(msg: Fatal) -> ModelLoadError | EngineConfigError:
-    """The parent's copy of the error that stopped the core from loading."""
-    if msg.kind == "EngineConfigError":
-        return EngineConfigError(msg.message, field=msg.field)
-    return _LOAD_ERRORS.get(msg.kind, ModelLoadError)(msg.message)
-
-
-def dead_error(message: str, cause: BaseException) -> EngineDeadError:
-    """EngineDeadError ``from`` ``cause``, with the cause in its message."""
-    err = EngineDeadError(f"{message}: {cause}")
-    err.__cause__ = cause
-    return err

@@ -9,6 +9,10 @@ finish, then those still running are cut (a stream with a final error event
 and ``[DONE]``); then hypercorn stops, and the engine stops its worker.
 Exit status 0, or 1 when the engine had died for good.
 
+The access log (``--access-log``, on by default) goes to stderr, one JSON
+line per request (:mod:`~structllm.server.access`). API keys come from
+``--api-key`` and ``$STRUCTLLM_API_KEY`` together.
+
 The listen backlog is ``--backlog`` (hypercorn would otherwise re-listen
 the socket with its own default of 100). Error responses that hypercorn
 writes itself (malformed HTTP, 431 for oversized headers) carry an OpenAI
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
+import os
 import signal
 import socket
 import sys
@@ -35,9 +41,11 @@ from structllm.config import (
 )
 from structllm.engine.async_llm import AsyncLLM
 from structllm.errors import StructLLMError
+from structllm.server.access import ACCESS_LOGGER
 from structllm.server.app import build_app
 from structllm.server.drain import Drain, drain_then_stop
 from structllm.server.http_errors import error_json
+from structllm.server.security import api_keys
 from structllm.server.serving import EngineSlot
 
 __all__ = [
@@ -65,7 +73,10 @@ def configs_from_args(
 ) -> tuple[ServerConfig, FrontendConfig]:
     """The server and front-end configs the flags of :func:`add_serve_args` give."""
     server = from_arguments(
-        ServerConfig, ns, model_name=ns.served_model_name or ns.model
+        ServerConfig,
+        ns,
+        model_name=ns.served_model_name or ns.model,
+        api_key=api_keys(ns.api_key, os.environ),
     )
     return server, from_arguments(FrontendConfig, ns)
 
@@ -118,6 +129,8 @@ async def _serve(
     shutdown = anyio.Event()
     slot = EngineSlot()
     drain = Drain(retry_after=server.retry_after)
+    if server.access_log:
+        _log_access_to_stderr()
     app = build_app(slot, server, drain)
     status = 0
     try:
@@ -157,6 +170,17 @@ async def _serve(
                 sock.close()
     print("structllm: stopped" + (" (the engine died)" if status else ""), flush=True)
     return status
+
+
+def _log_access_to_stderr() -> None:
+    """The access log's lines on stderr, one each, without a prefix."""
+    log = logging.getLogger(ACCESS_LOGGER)
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 async def serve_hypercorn(app: Any, config: Any, shutdown: anyio.Event) -> None:

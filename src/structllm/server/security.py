@@ -23,11 +23,13 @@ import hmac
 from collections.abc import Iterable, Mapping
 
 from fastapi import FastAPI
+from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from structllm.config import ServerConfig
-from structllm.server.http_errors import send_error
+from structllm.server.http_errors import json_error, send_error
 
 __all__ = ["API_KEY_ENV", "ApiKeyMiddleware", "add_cors", "api_keys"]
 
@@ -96,12 +98,28 @@ class ApiKeyMiddleware:
         )
 
 
+class _CORS(CORSMiddleware):
+    """Starlette's CORS, with an OpenAI error body on a refused preflight."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code == 200:
+            return response
+        keep = {
+            k: v
+            for k, v in response.headers.items()
+            if k not in ("content-length", "content-type")
+        }
+        message = bytes(response.body).decode()
+        return json_error(response.status_code, message, headers=keep)
+
+
 def add_cors(app: FastAPI, config: ServerConfig) -> None:
     """CORS for ``--allowed-origins``; nothing at all without them."""
     if not config.allowed_origins:
         return
     app.add_middleware(
-        CORSMiddleware,
+        _CORS,
         allow_origins=list(config.allowed_origins),
         allow_methods=list(config.allowed_methods),
         allow_headers=list(config.allowed_headers),

@@ -101,7 +101,9 @@ def soak(session: nox.Session) -> None:
     tools/soak.py pass through.
     """
     _install(session)
-    loops = [] if "--loop" in session.posargs else ["--loop", "asyncio", "--loop", "trio"]
+    loops = (
+        [] if "--loop" in session.posargs else ["--loop", "asyncio", "--loop", "trio"]
+    )
     session.run("python", "tools/soak.py", *loops, *session.posargs)
 
 

@@ -34,8 +34,8 @@ _ERRORS = {
     408: "The body or the request took too long.",
     413: "The body is larger than `--max-body-bytes`.",
     500: "An internal error in this request alone.",
-    503: "The engine is loading, overloaded, restarting or dead, or the server "
-    "is shutting down.",
+    503: "The engine is loading, overloaded, restarting or dead, the server is "
+    "shutting down, or it handles `--max-concurrent-requests` already.",
 }
 
 

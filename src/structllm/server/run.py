@@ -48,6 +48,8 @@ from structllm.server.http_errors import error_json
 from structllm.server.security import api_keys
 from structllm.server.serving import EngineSlot
 
+_log = logging.getLogger("structllm.server")
+
 __all__ = [
     "add_serve_args",
     "configs_from_args",
@@ -190,6 +192,7 @@ async def serve_hypercorn(app: Any, config: Any, shutdown: anyio.Event) -> None:
     if sniffio.current_async_library() == "trio":
         from hypercorn.trio import serve as trio_serve
 
+        _trio_connections_fail_alone()
         await trio_serve(app, config, shutdown_trigger=shutdown.wait)
     else:
         from hypercorn.asyncio import serve as asyncio_serve
@@ -242,6 +245,40 @@ def _openai_error_bodies() -> None:
 
     H11Protocol._send_error_response = send_error_response  # type: ignore[method-assign]
     H11Protocol._structllm_bodies = True  # type: ignore[attr-defined]
+
+
+def _trio_connections_fail_alone() -> None:
+    """Under trio, an error in one connection must not stop the server.
+
+    hypercorn's trio worker runs each connection in the listeners' nursery
+    and lets any exception but ``OSError`` out of it, which ends the whole
+    server. One does escape: a client that hangs up in the middle of its
+    body makes hypercorn write an error response while the same connection
+    is being closed (``send_eof`` outside its send lock), and trio raises
+    ``BusyResourceError`` (found by tools/soak.py; asyncio's worker runs
+    connections as separate tasks and is not affected). The connection is
+    gone either way; log it and let the server serve on.
+    """
+    from hypercorn.trio.tcp_server import TCPServer
+
+    if getattr(TCPServer, "_structllm_fail_alone", False):
+        return
+    run = TCPServer.run
+
+    async def run_alone(self: Any) -> None:
+        try:
+            await run(self)
+        except Exception as exc:  # Cancelled is a BaseException: not caught
+            _log.warning("a connection failed (%s); the server serves on", _leaf(exc))
+
+    TCPServer.run = run_alone  # type: ignore[method-assign]
+    TCPServer._structllm_fail_alone = True  # type: ignore[attr-defined]
+
+
+def _leaf(exc: BaseException) -> str:
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"
 
 
 async def _watch_engine(llm: AsyncLLM, shutdown: anyio.Event) -> None:

@@ -457,3 +457,60 @@ async def test_per_client_limit_leaves_other_clients_served() -> None:
                 assert r.status_code == 200
             assert statuses == [200]
             assert app.state.limits.by_client == {}
+
+
+# -- failures: a bug's 500, clients that hang up mid-body --------------------------
+
+
+async def test_a_bugs_500_carries_the_request_id(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from structllm.server.serving_tokenize import TokenizeServing
+
+    async def broken(self: Any, body: Any, big: bool) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(TokenizeServing, "tokenize", broken)
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    slot = EngineSlot()
+    app = build_app(slot, ServerConfig(model_name="tiny-random"))
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        r = await http.post(
+            "/tokenize", json={"prompt": "x"}, headers={"X-Request-Id": "bug-1"}
+        )
+    assert "RuntimeError" in openai_error(r, 500)
+    assert r.headers["x-request-id"] == "bug-1"
+    (line,) = access_lines(caplog)
+    assert (line["request_id"], line["status"]) == ("bug-1", 500)
+
+
+async def test_clients_hanging_up_mid_body_leave_the_server_serving() -> None:
+    """Under trio, hypercorn let such a hang-up's BusyResourceError stop the
+    whole server (tools/soak.py found it); now only that connection ends."""
+    from tests.test_server_app import open_server, open_socket_server
+
+    body = json.dumps({"prompt": "x" * 200, "max_tokens": 2}).encode()
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nConnection: close\r\n"
+        b"Content-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    head = request.index(b"\r\n\r\n") + 4
+    async with open_server() as s, open_socket_server(s) as url:
+        port = int(url.rsplit(":", 1)[1])
+
+        async def hang_up(cut: int) -> None:
+            async with await anyio.connect_tcp("127.0.0.1", port) as conn:
+                await conn.send(request[:cut])
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for i in range(100):
+                    tg.start_soon(hang_up, head + 1 + (i * 7) % (len(body) - 1))
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                assert (await http.get("/health")).status_code == 200
+                r = await http.post("/v1/completions", json={"prompt": "x"})
+                assert r.status_code == 200
+        await s.wait_idle()

@@ -17,7 +17,10 @@ included):
 3. Then: within 30 s, 0 requests running, 0 waiting and every KV block free
    (``/metrics``); a good request still succeeds; the RSS of the server
    plus its engine process within 10% of the start (measured after a
-   warm-up, so the first requests' one-time allocations do not count).
+   warm-up of 64 streams and ``--warmup`` hang-ups, so the allocations the
+   engine makes once for the batch shapes it meets do not count).
+   ``--hangup-rounds N`` repeats step 2 and records the RSS after each
+   round: growth that stops is the allocator, growth per round a leak.
 
 Prints one JSON object per loop; exits 1 if any check failed. ``nox -s
 soak`` runs it on both loops.
@@ -205,8 +208,10 @@ async def hang_up(host: str, port: int, rng: random.Random) -> str:
     return where
 
 
-async def hang_ups(host: str, port: int, count: int, concurrency: int) -> Counter[str]:
-    rng = random.Random(0)
+async def hang_ups(
+    host: str, port: int, count: int, concurrency: int, seed: int = 0
+) -> Counter[str]:
+    rng = random.Random(seed)
     gate = asyncio.Semaphore(concurrency)
 
     async def one(seed: int) -> str:
@@ -236,7 +241,9 @@ def soak(loop: str, ns: argparse.Namespace) -> dict[str, Any]:
     with serve(loop, ns.serve_arg, log) as (url, pid):
         host, port = url.removeprefix("http://").split(":")
         cold = rss_mib(pid)
-        asyncio.run(streams(host, int(port), 64))  # warm-up
+        # warm-up: the engine's allocator grows once for the shapes it meets
+        asyncio.run(streams(host, int(port), 64))
+        asyncio.run(hang_ups(host, int(port), ns.warmup, ns.hangup_concurrency, 1))
         wait_idle(url)
         warm = rss_mib(pid)
         t = time.monotonic()
@@ -244,11 +251,15 @@ def soak(loop: str, ns: argparse.Namespace) -> dict[str, Any]:
         s1 = round(time.monotonic() - t, 1)
         after1 = rss_mib(pid)
         t = time.monotonic()
-        phase2 = asyncio.run(
-            hang_ups(host, int(port), ns.hangups, ns.hangup_concurrency)
-        )
+        phase2: Counter[str] = Counter()
+        rounds = []
+        for r in range(ns.hangup_rounds):
+            phase2 += asyncio.run(
+                hang_ups(host, int(port), ns.hangups, ns.hangup_concurrency, 100 + r)
+            )
+            g, waited = wait_idle(url)
+            rounds.append(rss_mib(pid)["total"])
         s2 = round(time.monotonic() - t, 1)
-        g, waited = wait_idle(url)
         good = httpx.post(
             f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60
         )
@@ -274,6 +285,7 @@ def soak(loop: str, ns: argparse.Namespace) -> dict[str, Any]:
                 "cold": cold,
                 "warm": warm,
                 "after_streams": after1,
+                "after_each_hangup_round": rounds,
                 "end": end,
             },
             "rss_change_pct": round(100 * (end["total"] / warm["total"] - 1), 1),
@@ -288,6 +300,10 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=1000)
     parser.add_argument("--hangups", type=int, default=2000)
     parser.add_argument("--hangup-concurrency", type=int, default=250)
+    parser.add_argument("--hangup-rounds", type=int, default=1)
+    parser.add_argument(
+        "--warmup", type=int, default=500, help="hang-ups before the RSS baseline"
+    )
     parser.add_argument("--serve-arg", action="append", default=[])
     parser.add_argument(
         "--server-log", help="write the server's stderr to PATH.LOOP (the access log)"

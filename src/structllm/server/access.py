@@ -167,9 +167,11 @@ class RequestContextMiddleware:
             # Starlette's outer error middleware would answer with the send
             # it was given, without the id: answer here, it sees it started
             if record.status is None:
-                await send_error(
-                    send_with_id, 500, f"internal error: {type(exc).__name__}"
-                )
+                leaf: BaseException = exc
+                while isinstance(leaf, BaseExceptionGroup) and leaf.exceptions:
+                    leaf = leaf.exceptions[0]
+                name = type(leaf).__name__
+                await send_error(send_with_id, 500, f"internal error: {name}")
             raise
         finally:
             _current.reset(token)

@@ -1,4 +1,4 @@
-"""Hypothesis strategies for the engine core's pure parts.
+"""Hypothesis strategies for the engine core's pure parts, and JSON Schemas.
 
 Each strategy draws a small frozen attrs value describing *what* to build;
 the tests turn it into the real objects, so a failing example prints as a
@@ -6,6 +6,8 @@ readable value rather than as a pile of mutable state.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import attrs
 from hypothesis import strategies as st
@@ -15,6 +17,7 @@ __all__ = [
     "VOCAB_SIZE",
     "RequestSpec",
     "SchedulerSetup",
+    "json_schemas",
     "request_specs",
     "scheduler_setups",
 ]
@@ -108,3 +111,60 @@ def request_specs(
         prompt_variant=draw(st.integers(0, 2)),
         cache_salt=draw(st.sampled_from([None, None, "tenant-a", "tenant-b"])),
     )
+
+
+# --- JSON Schemas (structured output) -----------------------------------------
+
+# Bounded so that a random model finishes: short strings, few items, closed
+# objects (additionalProperties false), shallow nesting.
+_leaves: st.SearchStrategy[dict[str, Any]] = st.one_of(
+    st.builds(
+        lambda lo, extra: {"type": "string", "minLength": lo, "maxLength": lo + extra},
+        st.integers(0, 2),
+        st.integers(0, 5),
+    ),
+    st.builds(
+        lambda lo: {"type": "integer", **lo},
+        st.sampled_from([{}, {"minimum": 0}, {"minimum": -5, "maximum": 5}]),
+    ),
+    st.just({"type": "number"}),
+    st.just({"type": "boolean"}),
+    st.just({"type": "null"}),
+    st.lists(
+        st.one_of(st.text('abcé"\\ ', max_size=4), st.integers(-3, 3)),
+        min_size=1,
+        max_size=4,
+        unique=True,
+    ).map(lambda values: {"enum": values}),
+    st.text("xyz", max_size=3).map(lambda v: {"const": v}),
+)
+
+
+def _object(props: dict[str, dict[str, Any]], required: list[bool]) -> dict[str, Any]:
+    names = list(props)
+    return {
+        "type": "object",
+        "properties": props,
+        "required": [n for n, r in zip(names, required, strict=False) if r],
+        "additionalProperties": False,
+    }
+
+
+def _extend(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[Any]:
+    names = st.text("abcdefgh_", min_size=1, max_size=5)
+    return st.one_of(
+        st.builds(
+            lambda items, n: {"type": "array", "items": items, "maxItems": n},
+            children,
+            st.integers(0, 3),
+        ),
+        st.builds(
+            _object,
+            st.dictionaries(names, children, max_size=4),
+            st.lists(st.booleans(), min_size=4, max_size=4),
+        ),
+        st.lists(children, min_size=2, max_size=3).map(lambda s: {"anyOf": s}),
+    )
+
+
+json_schemas = st.recursive(_leaves, _extend, max_leaves=8)

@@ -285,11 +285,12 @@ def test_refused_fields_are_400_naming_them(server: str) -> None:
             "stream_options",
         ),
         ("/v1/completions", {"prompt": "x", "max_tokens": 600}, "max_tokens"),
-        ("/v1/chat/completions", {"messages": CHAT, "tools": [{}]}, "tools"),
+        ("/v1/chat/completions", {"messages": CHAT, "tools": [{}]}, "tools[0].type"),
+        ("/v1/completions", {"prompt": "x", "tool_choice": "auto"}, "tool_choice"),
         (
             "/v1/chat/completions",
-            {"messages": CHAT, "response_format": {"type": "json_object"}},
-            "response_format",
+            {"messages": CHAT, "functions": [{"name": "f"}]},
+            "functions",
         ),
         (
             "/v1/chat/completions",

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
+import tokenizers
 
 from structllm import LLM, SamplingParams
 from structllm.model._paddle import paddle
@@ -62,3 +66,58 @@ def test_trained_weights_beat_random_ones(text: str) -> None:
     trained = _perplexity(TINY, "auto", text)
     random = _perplexity(TINY, "dummy", text)  # same config, random weights
     assert trained < random / 10, (trained, random)
+
+
+#: a few prompts a newcomer might try
+PROMPTS = [MIT, "Return the", "THE SOFTWARE IS PROVIDED", "Hello, world"]
+
+
+def test_greedy_text_is_stable_and_valid_utf8() -> None:
+    llm = LLM(TINY, show_progress=False, max_model_len=256, num_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=24)
+    batched = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    for prompt, out in zip(PROMPTS, batched, strict=True):
+        alone = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert alone.token_ids == out.token_ids, prompt  # batching changes nothing
+        assert "\ufffd" not in out.text, (prompt, out.text)  # whole characters
+        assert out.text.strip(), prompt
+
+
+def _train_tiny_module() -> object:
+    path = Path(__file__).parent.parent / "tools" / "train_tiny.py"
+    spec = importlib.util.spec_from_file_location("train_tiny", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_held_out_perplexity_matches_training_json() -> None:
+    """The shipped weights score the held-out documents as training recorded."""
+    train_tiny = _train_tiny_module()
+    _, held_out, digest = train_tiny.documents()  # type: ignore[attr-defined]
+    directory = model_directory(TINY)
+    assert directory is not None
+    record = json.loads((directory / "training.json").read_text())
+    assert digest == record["corpus_sha256"]
+    # encoded exactly as tools/train_tiny.py encodes it
+    tok = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    eot = tok.token_to_id("<|endoftext|>")
+    ids: list[int] = []
+    for e in tok.encode_batch(held_out):
+        ids += [*e.ids, eot]
+    context = record["settings"]["context"]
+    n = (len(ids) - 1) // context
+    rows = np.stack(
+        [np.asarray(ids[i * context : i * context + context + 1]) for i in range(n)]
+    )
+
+    def ppl(load_format: str) -> float:
+        model = load_model(TINY, load_format=load_format).model  # type: ignore[arg-type]
+        with paddle.no_grad():
+            return math.exp(float(causal_lm_loss(model, paddle.to_tensor(rows))))
+
+    trained, random = ppl("auto"), ppl("dummy")
+    # float16 weights in the checkpoint, float32 in training: close, not equal
+    assert trained == pytest.approx(record["held_out_perplexity"], rel=0.05)
+    assert trained < 10 < 500 < random, (trained, random)

@@ -109,6 +109,19 @@ async def test_tokenize_matches_what_generation_sees_and_round_trips(
             json={"messages": CHAT, "max_tokens": 1, "return_token_ids": True},
         )
         assert r.json()["tokens"] == chat.json()["prompt_token_ids"]
+        tools = [{"type": "function", "function": {"name": "get_time"}}]
+        r_tools = await http.post("/tokenize", json={"messages": CHAT, "tools": tools})
+        chat_tools = await http.post(
+            "/v1/chat/completions",
+            json={
+                "messages": CHAT,
+                "tools": tools,
+                "max_tokens": 1,
+                "return_token_ids": True,
+            },
+        )
+        assert chat_tools.status_code == 200, chat_tools.text
+        assert r_tools.json()["tokens"] == chat_tools.json()["prompt_token_ids"]
         without = await http.post(
             "/tokenize", json={"messages": CHAT, "add_generation_prompt": False}
         )

@@ -38,6 +38,7 @@ from structllm.structured import (
     fill_bitmasks,
 )
 from structllm.text import ByteTokenizer, HFTokenizer, Tokenizer
+from tests.strategies import json_schemas
 
 #: the fake model's logits are this much wider than the tokenizer (padding)
 PADDING = 7
@@ -111,14 +112,36 @@ def generate(
 # --- StructuredOutputs ---------------------------------------------------------
 
 
-def test_spec_json_is_canonical_and_hashable() -> None:
+def test_spec_json_is_compact_hashable_and_keeps_key_order() -> None:
     a = StructuredOutputs(json={"type": "object", "properties": {"a": {}}})
-    b = StructuredOutputs(json='{"properties": {"a": {}}, "type": "object"}')
+    b = StructuredOutputs(json='{"type": "object",  "properties": {"a": {}}}')
     assert a == b
     assert hash(a) == hash(b)
-    assert a.key == ("json", '{"properties":{"a":{}},"type":"object"}')
+    assert a.key == ("json", '{"type":"object","properties":{"a":{}}}')
     assert a.json_schema() == {"type": "object", "properties": {"a": {}}}
     assert a.field == "structured_outputs.json"
+    # key order is the order the output's keys are generated in
+    reordered = StructuredOutputs(json='{"properties": {"a": {}}, "type": "object"}')
+    assert reordered != a and reordered.key != a.key
+
+
+def test_output_keys_come_in_schema_order() -> None:
+    from structllm import LLM, SamplingParams
+
+    llm = LLM("tiny-random", show_progress=False, max_model_len=256, num_blocks=64)
+    names = ["zeta", "alpha", "mid"]
+    schema = {
+        "type": "object",
+        "properties": {n: {"type": "boolean"} for n in names},
+        "required": names,
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        max_tokens=120, seed=1, structured_outputs=StructuredOutputs(json=schema)
+    )
+    out = llm.generate(["{"], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop", out.text
+    assert list(json.loads(out.text)) == names
 
 
 def test_spec_kinds() -> None:
@@ -228,7 +251,9 @@ def test_cache_hits_and_lru_eviction() -> None:
         GrammarVocabulary.from_tokenizer(ByteTokenizer()), cache_size=2
     )
     a = compiler.compile(StructuredOutputs(json={"type": "integer", "minimum": 1}))
-    again = compiler.compile(StructuredOutputs(json='{"minimum":1,"type":"integer"}'))
+    again = compiler.compile(
+        StructuredOutputs(json='{"type": "integer", "minimum": 1}')
+    )
     assert again is a
     assert compiler.statistics().hits == 1
     assert compiler.statistics().misses == 1
@@ -277,60 +302,6 @@ def test_vocabulary_from_tokenizer_json(bpe_dir: Path, bpe: HFTokenizer) -> None
 
 
 # --- JSON schemas (Hypothesis) -------------------------------------------------
-
-# Bounded so that a random model finishes: short strings, few items, closed
-# objects (additionalProperties false), shallow nesting.
-_leaves: st.SearchStrategy[dict[str, Any]] = st.one_of(
-    st.builds(
-        lambda lo, extra: {"type": "string", "minLength": lo, "maxLength": lo + extra},
-        st.integers(0, 2),
-        st.integers(0, 5),
-    ),
-    st.builds(
-        lambda lo: {"type": "integer", **lo},
-        st.sampled_from([{}, {"minimum": 0}, {"minimum": -5, "maximum": 5}]),
-    ),
-    st.just({"type": "number"}),
-    st.just({"type": "boolean"}),
-    st.just({"type": "null"}),
-    st.lists(
-        st.one_of(st.text('abcé"\\ ', max_size=4), st.integers(-3, 3)),
-        min_size=1,
-        max_size=4,
-        unique=True,
-    ).map(lambda values: {"enum": values}),
-    st.text("xyz", max_size=3).map(lambda v: {"const": v}),
-)
-
-
-def _object(props: dict[str, dict[str, Any]], required: list[bool]) -> dict[str, Any]:
-    names = list(props)
-    return {
-        "type": "object",
-        "properties": props,
-        "required": [n for n, r in zip(names, required, strict=False) if r],
-        "additionalProperties": False,
-    }
-
-
-def _extend(children: st.SearchStrategy[dict[str, Any]]) -> st.SearchStrategy[Any]:
-    names = st.text("abcdefgh_", min_size=1, max_size=5)
-    return st.one_of(
-        st.builds(
-            lambda items, n: {"type": "array", "items": items, "maxItems": n},
-            children,
-            st.integers(0, 3),
-        ),
-        st.builds(
-            _object,
-            st.dictionaries(names, children, max_size=4),
-            st.lists(st.booleans(), min_size=4, max_size=4),
-        ),
-        st.lists(children, min_size=2, max_size=3).map(lambda s: {"anyOf": s}),
-    )
-
-
-json_schemas = st.recursive(_leaves, _extend, max_leaves=8)
 
 
 def _check_schema_output(

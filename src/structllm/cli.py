@@ -118,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     from structllm.bench.prefix import add_prefix_args
 
     add_prefix_args(pfx)
+    comp = sub.add_parser("completion", help="print a shell completion script")
+    comp.add_argument("shell", choices=["bash"], help="bash (zsh: via bashcompinit)")
     return parser
 
 
@@ -145,6 +147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"wrote {config.architecture} ({config.num_parameters / 1e6:.2f}M parameters) "
             f"to {ns.directory}"
         )
+        return 0
+    if ns.command == "completion":
+        from structllm.completion import bash_script
+
+        sys.stdout.write(bash_script(build_parser()))
         return 0
     if ns.command == "generate":
         return _generate(ns)

@@ -18,7 +18,12 @@ from tqdm import tqdm
 from structllm.config import EngineConfig
 from structllm.core.engine_core import EngineCore
 from structllm.core.request import CoreRequest
-from structllm.engine.inputs import PromptInput, is_batch, parse_prompt
+from structllm.engine.inputs import (
+    PromptInput,
+    check_structured_outputs,
+    is_batch,
+    parse_prompt,
+)
 from structllm.engine.output_processor import OutputProcessor, RequestState
 from structllm.errors import InvalidRequestError
 from structllm.model.loader import LoadProgress
@@ -65,7 +70,9 @@ class LLM:
         self.config = EngineConfig(model=str(model), **engine_args)
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer or self.config.model)
         self.core = EngineCore(
-            self.config, on_progress=progress_bar("loading", disable=not show_progress)
+            self.config,
+            on_progress=progress_bar("loading", disable=not show_progress),
+            tokenizer=self.tokenizer,
         )
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.core.model_config.eos_token_ids
@@ -162,6 +169,7 @@ class LLM:
         self, prompt: PromptInput, params: SamplingParams, priority: int
     ) -> tuple[RequestState, CoreRequest]:
         parsed = parse_prompt(prompt, self.tokenizer)
+        check_structured_outputs(params)
         rid = str(next(self._counter))
         state = RequestState(rid, parsed.text, parsed.token_ids, params, self.tokenizer)
         request = CoreRequest(
@@ -170,6 +178,7 @@ class LLM:
             params=params,
             eos_token_ids=self.eos_token_ids,
             priority=priority,
+            cache_salt=parsed.cache_salt,
         )
         return state, request
 
@@ -178,7 +187,11 @@ class LLM:
     ) -> Iterator[tuple[str, RequestOutput]]:
         """Step the core while ``more()``; yield each output of ``wanted``."""
         while more():
-            processed = self._processor.process_outputs(self.core.step().outputs)
+            step = self.core.step()
+            if step.rejected:  # a grammar only the core could refuse
+                refused = step.rejected[0]
+                raise InvalidRequestError(refused.message, field=refused.field)
+            processed = self._processor.process_outputs(step.outputs)
             if processed.to_abort:
                 self.core.abort_requests(processed.to_abort)
             if processed.failed:

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from structllm.errors import InvalidRequestError
+from structllm.structured.spec import StructuredOutputs
 
 __all__ = [
     "MAX_COUNT",
@@ -204,6 +205,13 @@ def _to_skip_special(value: object) -> bool:
     return _bool("skip_special_tokens", value)
 
 
+def _check_structured(_: object, __: object, value: StructuredOutputs | None) -> None:
+    # typed as the field is (attrs infers the field's type from it); callers
+    # may pass anything, hence the isinstance check
+    if value is not None and not isinstance(value, StructuredOutputs):
+        raise _fail("structured_outputs", value, "a StructuredOutputs or None")
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     """How to sample one request's tokens, when to stop and what to return.
@@ -242,6 +250,12 @@ class SamplingParams:
     skip_special_tokens: bool = attrs.field(default=True, converter=_to_skip_special)
     output_kind: OutputKind = attrs.field(
         default=OutputKind.CUMULATIVE, converter=_to_output_kind
+    )
+    #: constrain the output to a JSON Schema, a regex, choices or a grammar;
+    #: the request finishes with "stop" when the grammar is complete (see
+    #: docs/architecture.md, "Structured output")
+    structured_outputs: StructuredOutputs | None = attrs.field(
+        default=None, validator=_check_structured
     )
 
     def __attrs_post_init__(self) -> None:

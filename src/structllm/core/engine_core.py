@@ -9,6 +9,7 @@ directly. Both pass it the same :class:`CoreRequest` and read the same
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -27,19 +28,30 @@ from structllm.core.scheduler import (
     SchedulerOutput,
     SchedulerStatistics,
 )
+from structllm.core.structured import (
+    RejectedRequest,
+    StructuredOutputManager,
+    grammar_vocabulary,
+)
 from structllm.errors import EngineConfigError, InvalidRequestError
 from structllm.model._paddle import default_num_threads, set_num_threads
 from structllm.model.config import ModelConfig
 from structllm.model.loader import LoadProgress, load_model
 from structllm.model.sampler import TokenLogprobs, make_generator
 from structllm.outputs import FinishReason
+from structllm.text.tokenizer import Tokenizer
 
 __all__ = [
     "EngineCore",
+    "RejectedRequest",
     "RequestStepOutput",
     "StepOutput",
     "check_prompt",
 ]
+
+#: when only grammar compiles are pending, a step waits this long for one
+#: (bounds how late an abort that arrives meanwhile is read)
+GRAMMAR_WAIT_S = 0.02
 
 
 class RequestStepOutput(msgspec.Struct, frozen=True, array_like=True):
@@ -67,6 +79,8 @@ class StepOutput(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     num_batched_tokens: int
     num_seqs: int
     preempted: tuple[str, ...] = ()
+    #: requests dropped unrun because their grammar was refused
+    rejected: tuple[RejectedRequest, ...] = ()
     #: seconds: scheduling, model forward (incl. logits), sampling, whole step
     schedule_s: float = 0.0
     forward_s: float = 0.0
@@ -77,6 +91,10 @@ class StepOutput(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     num_waiting: int = 0
     blocks_used: int = 0
     total_preemptions: int = 0
+    #: prompt tokens this core has looked up in the prefix cache, and found
+    #: (cumulative since it started; vLLM's prefix_cache_queries / hits)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 def check_prompt(prompt: Sequence[int], *, vocab_size: int, max_model_len: int) -> None:
@@ -105,11 +123,15 @@ class EngineCoreStatistics:
 
 
 class EngineCore:
+    """``tokenizer`` (an object, or a path loaded on first use; default: the
+    model's) is what structured-output grammars are compiled against."""
+
     def __init__(
         self,
         config: EngineConfig,
         *,
         on_progress: Callable[[LoadProgress], None] | None = None,
+        tokenizer: Tokenizer | str | None = None,
     ) -> None:
         self.config = config
         set_num_threads(config.num_threads)
@@ -166,7 +188,10 @@ class EngineCore:
         except ValueError as exc:  # an attrs validator: "'max_num_seqs' must be..."
             raise EngineConfigError(str(exc)) from exc
         self.scheduler = Scheduler(scheduler_config, self.pool)
-        self.runner = ModelRunner(loaded.model, num_blocks)
+        self.structured = StructuredOutputManager(
+            functools.partial(grammar_vocabulary, tokenizer, config.model)
+        )
+        self.runner = ModelRunner(loaded.model, num_blocks, self.structured)
         self._sequence = itertools.count()
         self.steps = 0
 
@@ -175,8 +200,16 @@ class EngineCore:
         return self.model_config.vocab_size
 
     def add_request(self, request: CoreRequest) -> None:
-        """Queue ``request`` or raise InvalidRequestError; nothing else changes."""
-        self.scheduler.add_request(self._admit(request))
+        """Queue ``request`` or raise InvalidRequestError; nothing else changes.
+
+        A request with ``structured_outputs`` waits while its grammar
+        compiles (in a thread); a grammar the compiler refuses drops it in
+        a later step, reported in :attr:`StepOutput.rejected`.
+        """
+        req = self._admit(request)
+        if req.params.structured_outputs is not None:
+            self.structured.start(req)
+        self.scheduler.add_request(req)
 
     def _admit(self, r: CoreRequest) -> Request:
         if not isinstance(r.request_id, str) or not r.request_id:
@@ -218,7 +251,13 @@ class EngineCore:
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Abort in any state, freeing blocks now; unknown ids are ignored."""
-        return [r.request_id for r in self.scheduler.abort_requests(request_ids)]
+        ids = list(request_ids)
+        self.structured.forget(ids)
+        return [r.request_id for r in self.scheduler.abort_requests(ids)]
+
+    def close(self) -> None:
+        """Stop the grammar compile threads; the core takes no more steps."""
+        self.structured.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -234,6 +273,7 @@ class EngineCore:
     def step(self) -> StepOutput:
         """Schedule and run one batch; return each scheduled request's news."""
         start = time.perf_counter()
+        rejected = self._collect_grammars()
         sched = self.scheduler.schedule()
         now = time.monotonic()
         for chunk in sched.chunks:
@@ -241,7 +281,7 @@ class EngineCore:
                 chunk.request.first_scheduled_time = now
         schedule_s = time.perf_counter() - start
         if sched.is_empty:
-            return self._step_output((), sched, start, schedule_s)
+            return self._step_output((), sched, start, schedule_s, rejected=rejected)
         ran = self.runner.execute(sched)
         finished = {
             r.request_id: r
@@ -271,8 +311,29 @@ class EngineCore:
                 )
             )
         return self._step_output(
-            tuple(outputs), sched, start, schedule_s, ran.forward_s, ran.sample_s
+            tuple(outputs),
+            sched,
+            start,
+            schedule_s,
+            ran.forward_s,
+            ran.sample_s,
+            rejected=rejected,
         )
+
+    def _collect_grammars(self) -> tuple[RejectedRequest, ...]:
+        """Ready grammars to their requests; drop the refused ones.
+
+        When nothing but compiles is pending, wait for one (briefly) rather
+        than spin: the callers step back to back while work is unfinished.
+        """
+        if not self.structured.num_compiling:
+            return ()
+        s = self.scheduler
+        if not s.running and all(r.waiting_for_grammar for r in s.waiting):
+            self.structured.wait(GRAMMAR_WAIT_S)
+        refused = self.structured.collect()
+        s.abort_requests(r.request_id for r in refused)
+        return tuple(refused)
 
     def _step_output(
         self,
@@ -282,6 +343,8 @@ class EngineCore:
         schedule_s: float,
         forward_s: float = 0.0,
         sample_s: float = 0.0,
+        *,
+        rejected: tuple[RejectedRequest, ...] = (),
     ) -> StepOutput:
         s = self.scheduler
         return StepOutput(
@@ -289,6 +352,7 @@ class EngineCore:
             num_batched_tokens=sched.num_batched_tokens,
             num_seqs=len(sched.chunks),
             preempted=sched.preempted,
+            rejected=rejected,
             schedule_s=schedule_s,
             forward_s=forward_s,
             sample_s=sample_s,
@@ -297,6 +361,8 @@ class EngineCore:
             num_waiting=len(s.waiting),
             blocks_used=self.pool.num_used,
             total_preemptions=s.total_preemptions,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
         )
 
     def statistics(self) -> EngineCoreStatistics:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import msgspec
@@ -25,6 +26,9 @@ import numpy as np
 from structllm.core.block_pool import BlockHash
 from structllm.outputs import FinishReason
 from structllm.params import SamplingParams
+
+if TYPE_CHECKING:
+    from structllm.structured.matcher import GrammarMatcher
 
 __all__ = ["CoreRequest", "Request", "RequestStatus"]
 
@@ -83,6 +87,11 @@ class Request:
     num_cached_blocks: int = 0
     #: prompt tokens taken from the prefix cache when first scheduled
     num_cached_tokens: int | None = None
+    #: structured output: the grammar state, which has accepted exactly
+    #: ``output_token_ids`` (None when unconstrained or still compiling)
+    grammar: GrammarMatcher | None = None
+    #: its grammar is compiling; the scheduler leaves it waiting meanwhile
+    waiting_for_grammar: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ import attrs
 import numpy as np
 
 from structllm.core.scheduler import SchedulerOutput
+from structllm.core.structured import StructuredOutputManager
 from structllm.model._paddle import paddle
 from structllm.model.attention import SequenceSlice
 from structllm.model.llama import LlamaForCausalLM
@@ -28,10 +29,17 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    """Owns the model's KV cache; runs whole steps."""
+    """Owns the model's KV cache; runs whole steps. ``structured`` (the
+    core's grammar state) masks the constrained requests' logits."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        structured: StructuredOutputManager | None = None,
+    ) -> None:
         self.model = model
+        self.structured = structured
         self.num_blocks = num_blocks
         self.kv_caches = model.allocate_kv_cache(num_blocks)
         self.sampler = Sampler()
@@ -69,6 +77,8 @@ class ModelRunner:
         logits = self.model.compute_logits(last).numpy()  # (N, V)
         forward_s = time.perf_counter() - start
         start = time.perf_counter()
+        grammars = self.structured
+        masks = None if grammars is None else grammars.fill_bitmask(sampling)
         out = self.sampler.sample(
             logits,
             [
@@ -81,6 +91,9 @@ class ModelRunner:
                 )
                 for r in sampling
             ],
+            bitmask=None if masks is None else masks[0],
+            bitmask_rows=None if masks is None else masks[1],
+            overwrite=True,  # the logits are ours, fresh from the model
         )
         sampled = {
             r.request_id: int(tok)

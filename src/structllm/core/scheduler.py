@@ -15,7 +15,9 @@ Policy, in order, each step:
 2. If nothing was preempted, waiting requests are admitted in priority order
    while there is token budget, a free sequence slot and blocks for their
    first chunk. The queue is strict: a request that does not fit blocks those
-   behind it, so large prompts cannot starve.
+   behind it, so large prompts cannot starve. A request whose grammar is
+   still compiling (``waiting_for_grammar``, structured output) is passed
+   over, keeping its place, until its grammar is ready.
 
 Prefix caching (``enable_prefix_caching``): a request admitted takes the
 longest chain of cached full blocks matching its tokens (prompt, and for a
@@ -188,13 +190,17 @@ class Scheduler:
         caching = self.config.enable_prefix_caching
         # hashes of blocks that running requests have yet to compute
         in_flight: set[BlockHash] | None = None
+        j = 0  # the queue position looked at: requests compiling a grammar wait
         while (
             not preempted
-            and self.waiting
+            and j < len(self.waiting)
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            req = self.waiting[0]
+            req = self.waiting[j]
+            if req.waiting_for_grammar:
+                j += 1
+                continue
             hit: list[int] = []
             if caching:
                 # at most num_tokens - 1 cached: the last token must be computed
@@ -219,7 +225,7 @@ class Scheduler:
             revived = sum(self.pool.ref_count(b) == 0 for b in hit)
             if need + revived > self.pool.num_free:
                 break
-            del self.waiting[0]
+            del self.waiting[j]
             self.pool.incref(hit)  # before allocate, which could evict them
             req.block_ids = hit + self.pool.allocate(need)
             req.num_computed_tokens = computed
@@ -253,6 +259,11 @@ class Scheduler:
             if self.config.enable_prefix_caching:
                 self._cache_computed_blocks(req)
             if token is None:
+                continue
+            if req.grammar is not None and not req.grammar.accept_token(token):
+                # only a sampler fallback can get here (a broken matcher)
+                self._finish(req, "error", None)
+                finished.append(req)
                 continue
             stop = _check_stop(req, token)
             if stop is not None:
@@ -341,6 +352,10 @@ def _check_stop(req: Request, token: int) -> tuple[FinishReason, int | None] | N
             return "stop", token
         if token in req.eos_token_ids and not params.ignore_eos:
             return "stop", None
+    if req.grammar is not None and req.grammar.is_terminated():
+        # EOS accepted, or nothing but EOS may follow: neither min_tokens nor
+        # ignore_eos extends a complete structured output
+        return "stop", None
     if n >= req.max_new_tokens:
         return "length", None
     return None

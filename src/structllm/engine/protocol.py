@@ -37,7 +37,9 @@ __all__ = [
     "Heartbeat",
     "LoadProgressMsg",
     "Message",
+    "PrefixCacheReset",
     "Ready",
+    "ResetPrefixCache",
     "Shutdown",
     "Start",
     "StepOutput",
@@ -57,10 +59,22 @@ class Start(msgspec.Struct, tag=True):
     heartbeat_interval: float
     #: test hook: "raise_at_step:N", "hang_at_step:N", "exit_at_step:N"
     fault: str | None = None
+    #: the tokenizer structured-output grammars use (None: the model's)
+    tokenizer: str | None = None
 
 
 class AbortRequests(msgspec.Struct, tag=True):
     request_ids: list[str]
+
+
+class ResetPrefixCache(msgspec.Struct, tag=True):
+    """Forget every cached prefix block; answered by PrefixCacheReset."""
+
+
+class PrefixCacheReset(msgspec.Struct, tag=True):
+    """The answer to ResetPrefixCache: how many cached blocks were dropped."""
+
+    num_blocks: int
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -112,6 +126,8 @@ Message = (
     Start
     | CoreRequest
     | AbortRequests
+    | ResetPrefixCache
+    | PrefixCacheReset
     | Shutdown
     | LoadProgressMsg
     | Ready

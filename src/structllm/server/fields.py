@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, Field, PlainValidator, WithJsonSchema
+from pydantic import AfterValidator, ConfigDict, Field, PlainValidator, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
+from structllm.engine.inputs import check_cache_salt
+from structllm.errors import InvalidRequestError
 from structllm.params import (
     MAX_COUNT,
     MAX_LOGIT_BIAS,
@@ -27,6 +29,7 @@ __all__ = [
     "MAX_ID_LIST",
     "MAX_MESSAGES",
     "MAX_N",
+    "REQUEST_CONFIG",
     "Content",
     "Count",
     "LogitBias",
@@ -50,6 +53,17 @@ MAX_MESSAGES = 4096
 MAX_ID_LIST = 8192
 INT64_MIN, UINT64_MAX = -(2**63), 2**64 - 1
 
+#: the request models' configuration: strict JSON types, unknown fields
+#: ignored (those OpenAI or vLLM define and structllm does not are refused)
+REQUEST_CONFIG = ConfigDict(
+    strict=True,
+    extra="ignore",
+    frozen=True,
+    allow_inf_nan=False,
+    ser_json_inf_nan="null",
+    hide_input_in_errors=True,
+)
+
 
 def _unicode(s: str) -> str:
     if not is_valid_unicode(s):
@@ -59,7 +73,16 @@ def _unicode(s: str) -> str:
     return s
 
 
+def _cache_salt(s: str) -> str:
+    try:
+        check_cache_salt(s)
+    except InvalidRequestError as exc:
+        raise PydanticCustomError("cache_salt", str(exc)) from None
+    return s
+
+
 Text = Annotated[str, AfterValidator(_unicode)]
+CacheSalt = Annotated[str, AfterValidator(_cache_salt)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_unicode)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 Count = Annotated[int, Field(ge=1, le=MAX_COUNT)]

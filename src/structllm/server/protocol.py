@@ -15,17 +15,30 @@ Fields OpenAI defines but structllm does not implement are refused with a
 fields outside OpenAI's and vLLM's sets are ignored, as OpenAI-compatible
 servers do.
 
+The output fields (``response_format``, ``structured_outputs``,
+``guided_*``: :mod:`~structllm.server.formats`) and a forced tool call
+(:mod:`~structllm.server.tools`; messages with tool calls are
+:mod:`~structllm.server.messages`) set at most one
+:class:`~structllm.structured.StructuredOutputs`; ``constraint_checks``
+lists what the serving compiles before admission (that and each tool's
+parameters), so a schema or regex llguidance refuses is a 400 naming the
+request's field (``response_format.json_schema.schema``).
+
 ``to_sampling_params()`` on each model is the one conversion from an OpenAI
 body to :class:`~structllm.params.SamplingParams`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
 import attrs
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    PrivateAttr,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from structllm.errors import InvalidRequestError
@@ -35,7 +48,8 @@ from structllm.server.fields import (
     MAX_ID_LIST,
     MAX_MESSAGES,
     MAX_N,
-    Content,
+    REQUEST_CONFIG,
+    CacheSalt,
     Count,
     LogitBias,
     Logprobs,
@@ -48,6 +62,26 @@ from structllm.server.fields import (
     TokenId,
     TopK,
 )
+from structllm.server.formats import (
+    GUIDED,
+    ResponseFormat,
+    SchemaObject,
+    StructuredOutputsRequest,
+    field_error,
+    output_constraint,
+)
+from structllm.server.messages import Message
+from structllm.server.tools import (
+    MAX_TOOLS,
+    Check,
+    NamedToolChoice,
+    Tool,
+    ToolChoice,
+    check_tools,
+    tool_constraint,
+)
+from structllm.server.validation import validation_error
+from structllm.structured import StructuredOutputs
 
 __all__ = [
     "REFUSED",
@@ -63,17 +97,11 @@ __all__ = [
 #: OpenAI (and vLLM) fields structllm refuses, with the reason. A field is
 #: refused when present with a value other than null or a listed no-op value.
 REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "tools": ("tool calling is not supported", ([],)),
-    "tool_choice": ("tool calling is not supported", ("none",)),
-    "functions": ("function calling is not supported", ([],)),
-    "function_call": ("function calling is not supported", ("none",)),
-    "parallel_tool_calls": ("tool calling is not supported", ()),
-    "response_format": ("structured output is not supported", ({"type": "text"},)),
-    "guided_json": ("structured output is not supported", ()),
-    "guided_regex": ("structured output is not supported", ()),
-    "guided_choice": ("structured output is not supported", ()),
-    "guided_grammar": ("structured output is not supported", ()),
-    "structured_outputs": ("structured output is not supported", ()),
+    "functions": ("function calling is not supported; use tools", ([],)),
+    "function_call": ("function calling is not supported; use tool_choice", ("none",)),
+    "guided_decoding_backend": ("there is one backend (llguidance)", ()),
+    "guided_whitespace_pattern": ("JSON whitespace is not configurable", ()),
+    "structural_tag": ("structural tags are not supported", ()),
     "suffix": ("suffix (insertion) is not supported", ("",)),
     "audio": ("audio output is not supported", ()),
     "modalities": ("only text output is supported", (["text"],)),
@@ -84,18 +112,16 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "use_beam_search": ("beam search is not supported", (False,)),
 }
 
-_MODEL_CONFIG = ConfigDict(
-    strict=True,
-    extra="ignore",
-    frozen=True,
-    allow_inf_nan=False,
-    ser_json_inf_nan="null",
-    hide_input_in_errors=True,
-)
+#: chat's tool fields, refused by completions unless null or a no-op value
+CHAT_ONLY: dict[str, tuple[Any, ...]] = {
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (),
+}
 
 
 class StreamOptions(BaseModel):
-    model_config = _MODEL_CONFIG
+    model_config = REQUEST_CONFIG
 
     include_usage: bool | None = None
     #: usage (so far) in every chunk, not only in the last one
@@ -105,7 +131,7 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """Fields shared by completions and chat."""
 
-    model_config = _MODEL_CONFIG
+    model_config = REQUEST_CONFIG
 
     model: Text | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
@@ -139,6 +165,20 @@ class SamplingRequest(BaseModel):
     #: vLLM: logprobs name tokens as "token_id:N" instead of their text
     return_tokens_as_token_ids: bool | None = None
     user: Text | None = None
+    #: vLLM: requests with different salts never share prefix-cache blocks
+    cache_salt: CacheSalt | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: SchemaObject | str | None = None
+    guided_regex: NonEmptyText | None = None
+    guided_choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    guided_grammar: NonEmptyText | None = None
+
+    #: the output constraint, and the request field an error about it names
+    _constraint: StructuredOutputs | None = PrivateAttr(default=None)
+    _constraint_field: str | None = PrivateAttr(default=None)
+    #: what the serving compiles before admission, each with its field
+    _checks: list[Check] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod
@@ -165,7 +205,26 @@ class SamplingRequest(BaseModel):
             raise PydanticCustomError(
                 "best_of", "best_of other than n is not supported"
             )
+        guided = {n: v for n in GUIDED if (v := getattr(self, n)) is not None}
+        try:
+            self._constraint, self._constraint_field = output_constraint(
+                self.response_format, self.structured_outputs, guided
+            )
+        except InvalidRequestError as exc:
+            raise field_error(exc) from None
+        if self._constraint is not None and self._constraint_field is not None:
+            self._checks.append((self._constraint, self._constraint_field))
         return self
+
+    @property
+    def constraint_checks(self) -> list[Check]:
+        """The constraints to compile before admission, each with its field."""
+        return list(self._checks)
+
+    @property
+    def constraint_field(self) -> str | None:
+        """The field that set the output constraint (for the engine's errors)."""
+        return self._constraint_field
 
     @property
     def include_usage(self) -> bool:
@@ -201,6 +260,7 @@ class SamplingRequest(BaseModel):
         kw["stop"] = self.stop
         kw["logit_bias"] = self.logit_bias
         kw["output_kind"] = OutputKind.DELTA if self.stream else OutputKind.FINAL
+        kw["structured_outputs"] = self._constraint
         return kw
 
 
@@ -209,6 +269,19 @@ class CompletionRequest(SamplingRequest):
 
     prompt: Prompts
     logprobs: Logprobs | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_only(cls, data: Any) -> Any:
+        for name, no_ops in CHAT_ONLY.items():
+            value = data.get(name) if isinstance(data, dict) else None
+            if value is not None and value not in no_ops:
+                raise PydanticCustomError(
+                    "refused",
+                    "tool calling is only for chat completions",
+                    {"name": name},
+                )
+        return data
 
     @model_validator(mode="after")
     def _completion_checks(self) -> CompletionRequest:
@@ -232,29 +305,6 @@ class CompletionRequest(SamplingRequest):
         return SamplingParams(**kw)
 
 
-class Message(BaseModel):
-    model_config = _MODEL_CONFIG
-
-    role: NonEmptyText
-    content: Content = None
-    name: Text | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name in ("tool_calls", "tool_call_id", "function_call"):
-                if data.get(name) not in (None, []):
-                    raise PydanticCustomError(
-                        "refused", "tool calling is not supported", {"name": name}
-                    )
-        return data
-
-    @property
-    def text(self) -> str:
-        return self.content or ""
-
-
 class ChatRequest(SamplingRequest):
     """``POST /v1/chat/completions``."""
 
@@ -263,6 +313,11 @@ class ChatRequest(SamplingRequest):
     logprobs: bool | None = None
     top_logprobs: Logprobs | None = None
     add_generation_prompt: bool | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    #: default: "auto" with tools, "none" without
+    tool_choice: ToolChoice | None = None
+    #: default true; false: one call at most
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatRequest:
@@ -270,7 +325,42 @@ class ChatRequest(SamplingRequest):
             raise PydanticCustomError(
                 "top_logprobs", "top_logprobs requires logprobs to be true"
             )
+        try:
+            self._tool_checks()
+        except InvalidRequestError as exc:
+            raise field_error(exc) from None
         return self
+
+    def _tool_checks(self) -> None:
+        tools = self.tools or []
+        self._checks += check_tools(tools)
+        choice = self.tool_choice
+        if choice is None or choice == "none" or choice == "auto":
+            return
+        if not tools:
+            raise InvalidRequestError(
+                "tool_choice: a call is asked for but no tools are given",
+                field="tool_choice",
+            )
+        if self._constraint is not None:
+            raise InvalidRequestError(
+                f"tool_choice: a forced call cannot be combined with "
+                f"{self._constraint_field}",
+                field="tool_choice",
+            )
+        self._constraint = tool_constraint(
+            tools, choice, parallel=self.parallel_tool_calls is not False
+        )
+        self._constraint_field = "tools"
+        if self._constraint is not None:
+            self._checks.append((self._constraint, "tools"))
+
+    @property
+    def tool_mode(self) -> str | NamedToolChoice:
+        """``"none"``, ``"auto"``, ``"required"`` or the named function."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     @property
     def limit_field(self) -> str:
@@ -285,57 +375,18 @@ class ChatRequest(SamplingRequest):
             kw["logprobs"] = self.top_logprobs or 0
         return SamplingParams(**kw)
 
-    def template_messages(self) -> list[dict[str, str]]:
-        out = []
-        for m in self.messages:
-            d = {"role": m.role, "content": m.text}
-            if m.name is not None:
-                d["name"] = m.name
-            out.append(d)
-        return out
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_dict() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """``tools`` as ``apply_chat_template(tools=...)`` takes them."""
+        return [t.template_dict() for t in self.tools] if self.tools else None
 
     @property
     def echo_text(self) -> str:
         """vLLM's chat ``echo``: the last message, when it is the assistant's."""
         last = self.messages[-1]
         return last.text if self.echo and last.role == "assistant" else ""
-
-
-def validation_error(exc: ValidationError) -> InvalidRequestError:
-    """The first error of ``exc`` as an InvalidRequestError naming its path."""
-    err = exc.errors(include_url=False, include_input=False)[0]
-    param = _param(err["loc"], err["type"], err.get("ctx"))
-    message = err["msg"]
-    if message.startswith("Value error, "):
-        message = message[len("Value error, ") :]
-    if param is None:
-        return InvalidRequestError(message, field=None)
-    return InvalidRequestError(f"{param}: {message}", field=param)
-
-
-def _param(
-    loc: Sequence[int | str], kind: str, ctx: Mapping[str, Any] | None
-) -> str | None:
-    if kind == "refused" and ctx:
-        prefix = _path(loc)
-        return f"{prefix}.{ctx['name']}" if prefix else str(ctx["name"])
-    if kind in ("stream_options", "best_of", "top_logprobs", "echo") and not loc:
-        return kind
-    if kind == "prompt" and not loc:
-        return "prompt"
-    return _path(loc) or None
-
-
-def _path(loc: Sequence[int | str]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part == "str" or "[" in part:
-            continue  # a union member's tag (str, list[...]), not a field
-        else:
-            out += f".{part}" if out else part
-    return out
 
 
 def choice_seed(params: SamplingParams, index: int) -> SamplingParams:

@@ -24,6 +24,7 @@ __all__ = [
     "ChatCompletionResponse",
     "ChatCompletionStreamResponse",
     "ChatDelta",
+    "ChatFinishReason",
     "ChatLogprobs",
     "ChatMessage",
     "ChatStreamChoice",
@@ -34,8 +35,12 @@ __all__ = [
     "CompletionStreamResponse",
     "ErrorInfo",
     "ErrorResponse",
+    "FunctionCall",
+    "FunctionCallDelta",
     "ModelCard",
     "ModelList",
+    "ToolCall",
+    "ToolCallDelta",
     "Usage",
     "chat_logprobs",
     "completion_logprobs",
@@ -254,10 +259,30 @@ class CompletionStreamResponse(_Body):
 
 # -- chat ---------------------------------------------------------------------
 
+#: chat adds "tool_calls": the choice ended with calls
+ChatFinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
+
+
+class FunctionCall(_Body):
+    name: str
+    #: JSON text of an object
+    arguments: str
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
 
 class ChatMessage(_Body):
+    """The answer: ``content`` is null when the answer is only tool calls."""
+
+    _omit_unset = frozenset({"tool_calls"})
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Body):
@@ -266,7 +291,7 @@ class ChatChoice(_Body):
     index: int
     message: ChatMessage
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
     stop_reason: int | str | None
     token_ids: list[int] | None = None
 
@@ -286,11 +311,32 @@ class ChatCompletionResponse(_Body):
     prompt_token_ids: list[int] | None = None
 
 
+class FunctionCallDelta(_Body):
+    _omit_unset = frozenset({"name", "arguments"})
+
+    #: in the first delta of a call
+    name: str | None = None
+    #: a fragment of the arguments' JSON text
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Body):
+    """Part of a streamed call: ``id``, ``type`` and ``name`` come first."""
+
+    _omit_unset = frozenset({"id", "type"})
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(_Body):
-    _omit_unset = frozenset({"role", "content"})
+    _omit_unset = frozenset({"role", "content", "tool_calls"})
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatStreamChoice(_Body):
@@ -299,7 +345,7 @@ class ChatStreamChoice(_Body):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
 

@@ -46,6 +46,7 @@ from structllm.server.body import (
     parse_json,
     read_body,
 )
+from structllm.server.constraints import rename_field
 from structllm.server.http_errors import (
     ModelNotFoundError,
     RequestTimeoutError,
@@ -232,13 +233,18 @@ class Serving:
         return finals
 
     def stream(
-        self, llm: AsyncLLM, jobs: Sequence[Job], fmt: StreamFormat
+        self,
+        llm: AsyncLLM,
+        jobs: Sequence[Job],
+        fmt: StreamFormat,
+        constraint_field: str | None = None,
     ) -> EventStream:
         """The jobs' chunks as server-sent events, then ``[DONE]``.
 
         What can be refused is refused first, before the 200 is promised: a
         bad prompt is a 400 and overload a 503, streaming or not. Errors
-        after that (a timeout, an engine death) are the last event.
+        after that (a timeout, an engine death, a grammar only the engine
+        core could refuse, named as ``constraint_field``) are the last event.
         """
         for prompt in {job.prompt_index: job.prompt for job in jobs}.values():
             llm.check_admission(
@@ -279,7 +285,10 @@ class Serving:
                         async for event in receive:
                             await emit(event)
             except BaseExceptionGroup as group:
-                response = self.error_response(_leaf(group))
+                exc = _leaf(group)
+                if isinstance(exc, InvalidRequestError):
+                    exc = rename_field(exc, constraint_field)
+                response = self.error_response(exc)
                 if response is None:
                     raise
                 await emit(json.loads(bytes(response.body)))
@@ -317,6 +326,8 @@ class Serving:
         given: dict[str, Any] = {"prompt_token_ids": list(prompt.token_ids)}
         if prompt.text is not None:
             given["prompt"] = prompt.text
+        if prompt.cache_salt is not None:
+            given["cache_salt"] = prompt.cache_salt
         rid = None
         if record is not None:
             rid = record.engine_request_id(job.index)

@@ -9,6 +9,7 @@ request; the responses are :mod:`structllm.server.responses` models.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import attrs
@@ -17,10 +18,13 @@ from fastapi.responses import Response
 from structllm.engine.inputs import OFF_LOOP_CHARS, Prompt, check_prompt_bytes
 from structllm.outputs import RequestOutput
 from structllm.server import responses as api
+from structllm.server import tool_calls
 from structllm.server.body import maybe_off_loop, validate
+from structllm.server.constraints import check_constraints, renamed
 from structllm.server.http_errors import ASCIIJSONResponse
 from structllm.server.protocol import ChatRequest, choice_seed
 from structllm.server.serving import Chunks, Job, Serving
+from structllm.server.tool_calls import StreamedCalls
 
 __all__ = ["ChatServing"]
 
@@ -33,6 +37,7 @@ class ChatServing(Serving):
         llm = self.slot.get()
         req = await maybe_off_loop(big, validate, ChatRequest, body)
         self.check_model(req.model)
+        await check_constraints(req.constraint_checks)
         params = req.to_sampling_params(None)
         messages = req.template_messages()
         size = sum(len(m["content"]) for m in messages)
@@ -41,24 +46,29 @@ class ChatServing(Serving):
             text = "".join(m["content"] for m in messages)
             check_prompt_bytes(text, cap, field="messages")
         add_generation_prompt = req.add_generation_prompt is not False
+        tools = req.template_tools()
+        # the template writes the tools out too: count them for the thread
+        rendered = size + (len(json.dumps(tools)) if tools else 0)
 
         def render() -> tuple[str, tuple[int, ...]]:
             text = llm.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt
+                messages, add_generation_prompt=add_generation_prompt, tools=tools
             )
             # the template writes BOS itself: tokenise without special tokens
             return text, tuple(llm.tokenizer.encode(text, add_special_tokens=False))
 
-        text, ids = await maybe_off_loop(size > OFF_LOOP_CHARS, render)
-        prompt = Prompt(text, ids)
+        text, ids = await maybe_off_loop(rendered > OFF_LOOP_CHARS, render)
+        prompt = Prompt(text, ids, req.cache_salt)
         limit = req.max_completion_tokens or req.max_tokens
         self.check_length(llm, ids, limit, req.limit_field)
         jobs = [Job(j, 0, prompt, choice_seed(params, j)) for j in range(req.choices)]
         top_logprobs = params.logprobs or 0
         if req.stream:
             chunks = _Chunks(self, req, api.new_id("chatcmpl"), top_logprobs)
-            return self.stream(llm, jobs, chunks)
-        finals = await self.run_to_end(jobs)
+            with renamed(req.constraint_field):
+                return self.stream(llm, jobs, chunks, req.constraint_field)
+        with renamed(req.constraint_field):
+            finals = await self.run_to_end(jobs)
         extra: dict[str, Any] = {}
         if req.return_token_ids:
             extra["prompt_token_ids"] = list(prompt.token_ids)
@@ -78,13 +88,14 @@ def _choice(
     extra: dict[str, Any] = {}
     if req.return_token_ids:
         extra["token_ids"] = list(c.token_ids)
+    message, finish_reason = tool_calls.message(req, c)
     return api.ChatChoice(
         index=index,
-        message=api.ChatMessage(content=req.echo_text + c.text),
+        message=message,
         logprobs=api.chat_logprobs(
             c, top_logprobs, as_ids=bool(req.return_tokens_as_token_ids)
         ),
-        finish_reason=c.finish_reason,
+        finish_reason=finish_reason,
         stop_reason=c.stop_reason,
         **extra,
     )
@@ -95,6 +106,8 @@ class _Chunks(Chunks[ChatRequest]):
     """The chunks of a streaming chat completion (a StreamFormat)."""
 
     top_logprobs: int
+    #: each choice's tool-call parser, by choice index (when tools are parsed)
+    calls: dict[int, StreamedCalls] = attrs.field(factory=dict)
 
     def _chunk(
         self,
@@ -109,10 +122,21 @@ class _Chunks(Chunks[ChatRequest]):
     def opening(
         self, job: Job, usage: api.Usage | None
     ) -> api.ChatCompletionStreamResponse:
-        """The assistant's role (and vLLM's echo) before any generated token."""
+        """The assistant's role (and vLLM's echo) before any generated token.
+
+        When calls are parsed, ``content`` is left out unless echoed: an
+        answer of calls alone has none.
+        """
+        echo = self.req.echo_text
+        parsed = tool_calls.parser_for(self.req) is not None
+        delta = (
+            api.ChatDelta(role="assistant")
+            if parsed and not echo
+            else api.ChatDelta(role="assistant", content=echo)
+        )
         first = api.ChatStreamChoice(
             index=job.index,
-            delta=api.ChatDelta(role="assistant", content=self.req.echo_text),
+            delta=delta,
             logprobs=None,
             finish_reason=None,
         )
@@ -125,18 +149,24 @@ class _Chunks(Chunks[ChatRequest]):
         self, job: Job, out: RequestOutput, usage: api.Usage | None
     ) -> api.ChatCompletionStreamResponse:
         c = out.outputs[0]
-        delta = (
-            api.ChatDelta(content=c.text)
-            if c.text or not c.finish_reason
-            else api.ChatDelta()
-        )
+        finish: api.ChatFinishReason | None = c.finish_reason
+        calls = self.calls.get(job.index)
+        if calls is None and (parser := tool_calls.parser_for(self.req)) is not None:
+            calls = self.calls[job.index] = StreamedCalls(parser)
+        if calls is not None:
+            delta = calls.delta(c.text, finish is not None)
+            finish = tool_calls.finish_reason(finish, calls.called)
+        elif c.text or not finish:
+            delta = api.ChatDelta(content=c.text)
+        else:
+            delta = api.ChatDelta()
         choice = api.ChatStreamChoice(
             index=job.index,
             delta=delta,
             logprobs=api.chat_logprobs(
                 c, self.top_logprobs, as_ids=bool(self.req.return_tokens_as_token_ids)
             ),
-            finish_reason=c.finish_reason,
+            finish_reason=finish,
             **self.finish_fields(c),
         )
         return self._chunk([choice], usage)

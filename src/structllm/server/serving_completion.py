@@ -17,6 +17,7 @@ from structllm.engine.inputs import Prompt, parse_prompt_off_loop
 from structllm.outputs import RequestOutput
 from structllm.server import responses as api
 from structllm.server.body import maybe_off_loop, validate
+from structllm.server.constraints import check_constraints, renamed
 from structllm.server.http_errors import ASCIIJSONResponse
 from structllm.server.protocol import CompletionRequest, choice_seed
 from structllm.server.serving import Chunks, Job, Serving
@@ -32,6 +33,7 @@ class CompletionServing(Serving):
         llm = self.slot.get()  # 503 while loading, before anything streams
         req = await maybe_off_loop(big, validate, CompletionRequest, body)
         self.check_model(req.model)
+        await check_constraints(req.constraint_checks)
         params = req.to_sampling_params(self.config.default_max_tokens)
         prompts = []
         for p in req.prompt:
@@ -42,15 +44,18 @@ class CompletionServing(Serving):
             else:
                 prompt = Prompt(None, p)
             self.check_length(llm, prompt.token_ids, req.max_tokens, "max_tokens")
-            prompts.append(prompt)
+            prompts.append(attrs.evolve(prompt, cache_salt=req.cache_salt))
         jobs = [
             Job(i * req.choices + j, i, p, choice_seed(params, j))
             for i, p in enumerate(prompts)
             for j in range(req.choices)
         ]
         if req.stream:
-            return self.stream(llm, jobs, _Chunks(self, req, api.new_id("cmpl")))
-        finals = await self.run_to_end(jobs)
+            with renamed(req.constraint_field):
+                chunks = _Chunks(self, req, api.new_id("cmpl"))
+                return self.stream(llm, jobs, chunks, req.constraint_field)
+        with renamed(req.constraint_field):
+            finals = await self.run_to_end(jobs)
         by_index = {job.index: job for job in jobs}
         response = api.CompletionResponse(
             **self.head(api.new_id("cmpl")),

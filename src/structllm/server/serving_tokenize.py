@@ -48,12 +48,15 @@ class TokenizeServing(Serving):
                 big, validate, TokenizeChatRequest, body
             )
             messages = chat.template_messages()
+            tools = chat.template_tools()
             text = "".join(m["content"] for m in messages)
             field, req = "messages", chat
 
             def render() -> str:
                 return tok.apply_chat_template(
-                    messages, add_generation_prompt=chat.add_generation_prompt
+                    messages,
+                    add_generation_prompt=chat.add_generation_prompt,
+                    tools=tools,
                 )
         else:
             plain: TokenizeCompletionRequest = await maybe_off_loop(

@@ -9,7 +9,9 @@ Modules, bottom-up:
 - :mod:`~structllm.structured.compiler`: :class:`GrammarCompiler` (LRU cache
   by ``(kind, canonical spec)``) and :class:`CompiledGrammar`;
 - :mod:`~structllm.structured.matcher`: :class:`GrammarMatcher`, one per
-  request, and the batched bitmask functions.
+  request, and the batched bitmask functions;
+- :mod:`~structllm.structured.bitmask`: :func:`apply_bitmask` (numpy only,
+  for the sampler).
 
 Only :class:`StructuredOutputs` is imported eagerly; the rest (which load
 llguidance) on first use, so the types layer stays light.
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from structllm.structured.spec import StructuredOutputs
 
 if TYPE_CHECKING:
+    from structllm.structured.bitmask import apply_bitmask
     from structllm.structured.compiler import (
         CompiledGrammar,
         CompilerStatistics,
@@ -28,7 +31,6 @@ if TYPE_CHECKING:
     from structllm.structured.matcher import (
         GrammarMatcher,
         allocate_bitmask,
-        apply_bitmask,
         fill_bitmasks,
     )
     from structllm.structured.vocabulary import GrammarVocabulary
@@ -51,7 +53,7 @@ _LAZY = {
     "GrammarCompiler": "structllm.structured.compiler",
     "GrammarMatcher": "structllm.structured.matcher",
     "allocate_bitmask": "structllm.structured.matcher",
-    "apply_bitmask": "structllm.structured.matcher",
+    "apply_bitmask": "structllm.structured.bitmask",
     "fill_bitmasks": "structllm.structured.matcher",
     "GrammarVocabulary": "structllm.structured.vocabulary",
 }

@@ -41,7 +41,14 @@ from structllm.structured.vocabulary import GrammarVocabulary
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-__all__ = ["CompiledGrammar", "CompilerStatistics", "GrammarCompiler"]
+__all__ = [
+    "CompiledGrammar",
+    "CompilerStatistics",
+    "GrammarCompiler",
+    "grammar_text",
+    "is_validated",
+    "validate",
+]
 
 #: How JSON output may be spaced. ``"compact"``: exactly ``", "`` between
 #: items and ``": "`` after keys, nothing else (what most models write, and a
@@ -127,6 +134,19 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return kept
 
+    def cached(self, constraint: StructuredOutputs) -> CompiledGrammar | None:
+        """The grammar of *constraint* if it is in the cache (never compiles).
+
+        The engine core calls this on its step loop: a hit is ready at once,
+        a miss goes to a compile thread.
+        """
+        with self._lock:
+            found = self._cache.get(constraint.key)
+            if found is not None:
+                self._cache.move_to_end(constraint.key)
+                self._hits += 1
+            return found
+
     def statistics(self) -> CompilerStatistics:
         with self._lock:
             return CompilerStatistics(
@@ -142,41 +162,9 @@ class GrammarCompiler:
 
     # --- compiling ----------------------------------------------------------
 
-    def _json_options(self) -> JsonCompileOptions:
-        if self.json_whitespace == "flexible":
-            return {}
-        return {
-            "whitespace_flexible": False,
-            "item_separator": ", ",
-            "key_separator": ": ",
-        }
-
-    def _grammar_text(self, c: StructuredOutputs) -> str:
-        """llguidance's grammar text for *c* (may raise for bad input)."""
-        matcher = llguidance.LLMatcher
-        if c.json is not None:
-            return matcher.grammar_from_json_schema(
-                c.json, defaults=self._json_options()
-            )
-        if c.json_object:
-            return matcher.grammar_from_json_schema(
-                {"type": "object"}, defaults=self._json_options()
-            )
-        if c.regex is not None:
-            return matcher.grammar_from_regex(c.regex)
-        if c.choice is not None:
-            # A Lark alternation of string literals, JSON-quoted: Lark string
-            # literals take JSON escapes, so any text is spelled safely.
-            alternatives = " | ".join(json.dumps(s) for s in c.choice)
-            return matcher.grammar_from_lark(f"start: {alternatives}")
-        assert c.grammar is not None
-        # Lark is the dialect; GBNF (llama.cpp, "root ::= ...") is converted,
-        # as vLLM's guidance backend does
-        return matcher.grammar_from_lark(any_to_lark(c.grammar))
-
     def _compile(self, c: StructuredOutputs) -> CompiledGrammar:
         try:
-            text = self._grammar_text(c)
+            text = grammar_text(c, self.json_whitespace)
         except Exception as exc:  # llguidance raises ValueError; its GBNF
             # converter (pure Python) anything
             raise _refused(c, str(exc)) from None
@@ -186,6 +174,81 @@ class GrammarCompiler:
             raise _refused(c, matcher.get_error())
         return CompiledGrammar(c.kind, c.spec, text, self.vocabulary, prototype=matcher)
 
+
+def _json_options(whitespace: JsonWhitespace) -> JsonCompileOptions:
+    if whitespace == "flexible":
+        return {}
+    return {
+        "whitespace_flexible": False,
+        "item_separator": ", ",
+        "key_separator": ": ",
+    }
+
+
+def grammar_text(c: StructuredOutputs, json_whitespace: JsonWhitespace) -> str:
+    """llguidance's grammar text for *c* (may raise for bad input)."""
+    matcher = llguidance.LLMatcher
+    if c.json is not None:
+        return matcher.grammar_from_json_schema(
+            c.json, defaults=_json_options(json_whitespace)
+        )
+    if c.json_object:
+        return matcher.grammar_from_json_schema(
+            {"type": "object"}, defaults=_json_options(json_whitespace)
+        )
+    if c.regex is not None:
+        return matcher.grammar_from_regex(c.regex)
+    if c.choice is not None:
+        # A Lark alternation of string literals, JSON-quoted: Lark string
+        # literals take JSON escapes, so any text is spelled safely.
+        alternatives = " | ".join(json.dumps(s) for s in c.choice)
+        return matcher.grammar_from_lark(f"start: {alternatives}")
+    assert c.grammar is not None
+    # Lark is the dialect; GBNF (llama.cpp, "root ::= ...") is converted,
+    # as vLLM's guidance backend does
+    return matcher.grammar_from_lark(any_to_lark(c.grammar))
+
+
+def is_validated(
+    constraint: StructuredOutputs, *, json_whitespace: JsonWhitespace = "compact"
+) -> bool:
+    """True when :func:`validate` has passed *constraint* (and remembers it)."""
+    return (*constraint.key, json_whitespace) in _VALID
+
+
+def validate(
+    constraint: StructuredOutputs, *, json_whitespace: JsonWhitespace = "compact"
+) -> None:
+    """Raise what :meth:`GrammarCompiler.compile` would for *constraint*,
+    without a vocabulary.
+
+    What the front ends call at admission, so that a spec llguidance refuses
+    fails its request before the engine core sees it (vLLM's guidance
+    backend validates the same way). Grammars are checked without a
+    tokenizer (llguidance's ``validate_grammar``), so this needs no model;
+    what only the vocabulary could reveal still fails in the core. ~0.1-2
+    ms; known-good keys are remembered, so a repeated spec costs nothing.
+    Thread-safe.
+    """
+    key = (*constraint.key, json_whitespace)
+    if key in _VALID:
+        return
+    try:
+        text = grammar_text(constraint, json_whitespace)
+    except Exception as exc:  # as in GrammarCompiler._compile
+        raise _refused(constraint, str(exc)) from None
+    error = llguidance.LLMatcher.validate_grammar(text)
+    if error:
+        raise _refused(constraint, error)
+    with _VALID_LOCK:
+        _VALID[key] = None
+        while len(_VALID) > 1024:
+            _VALID.pop(next(iter(_VALID)))
+
+
+#: keys that validate() has passed, oldest first
+_VALID: dict[tuple[str, str, str], None] = {}
+_VALID_LOCK = threading.Lock()
 
 _NAMES = {
     "json": "JSON schema",

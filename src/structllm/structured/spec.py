@@ -1,8 +1,8 @@
 """What a request asks its output to match: :class:`StructuredOutputs`.
 
 This module belongs to the types layer (attrs and :mod:`structllm.errors`
-only): it will be a field of :class:`~structllm.params.SamplingParams` and
-travel to the engine core, so it never imports the grammar library. Every
+only): it is a field of :class:`~structllm.params.SamplingParams` and
+travels to the engine core, so it never imports the grammar library. Every
 field is checked when the object is built; a bad value raises
 :class:`~structllm.errors.InvalidRequestError` whose ``field`` is
 ``"structured_outputs.<name>"`` (or ``"structured_outputs"`` when the kinds
@@ -61,11 +61,13 @@ def _encodable(s: str) -> bool:
 
 
 def _canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """Compact JSON that keeps key order: a schema's ``properties`` order is
+    the order the output's keys are generated in (as OpenAI does)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def _to_json(value: object) -> str | None:
-    """A JSON Schema as a dict or a JSON string, kept as canonical JSON text."""
+    """A JSON Schema as a dict or a JSON string, kept as compact JSON text."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -130,10 +132,12 @@ def _to_json_object(value: object) -> bool:
 class StructuredOutputs:
     """Constrain a request's output; set exactly one field.
 
-    ``json`` accepts a dict or a JSON string and is stored as canonical JSON
-    (sorted keys, no spaces), so equal schemas compare and hash equal and
-    :attr:`key` can index a compiled-grammar cache. Choices keep their order
-    and lose duplicates.
+    ``json`` accepts a dict or a JSON string and is stored as compact JSON
+    (no spaces, key order kept: the output's keys come in the schema's
+    order), so equal schemas compare and hash equal and :attr:`key` can
+    index a compiled-grammar cache; the same schema with its keys in another
+    order is another constraint. Choices keep their order and lose
+    duplicates.
     """
 
     json: str | None = attrs.field(default=None, converter=_to_json)

@@ -122,8 +122,13 @@ class Tokenizer(abc.ABC):
 
 #: The chat template of :class:`ByteTokenizer`.
 BYTE_CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|tools|>\\n' + tools | tojson + '\\n' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\\n' + message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{{ '<tool_call>' + {'name': call['function']['name'],"
+    " 'arguments': call['function']['arguments']} | tojson + '</tool_call>' }}"
+    "{% endfor %}"
     "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
     "{{ '\\n' }}"
     "{% endfor %}"

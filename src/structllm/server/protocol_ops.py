@@ -2,7 +2,7 @@
 
 ``POST /tokenize`` takes a :class:`TokenizeCompletionRequest` (``prompt``)
 or a :class:`TokenizeChatRequest` (``messages``, rendered with the chat
-template) and answers a :class:`TokenizeResponse`; ``POST /detokenize``
+template, with ``tools`` if given) and answers a :class:`TokenizeResponse`; ``POST /detokenize``
 takes a :class:`DetokenizeRequest` and answers a :class:`DetokenizeResponse`;
 ``GET /version`` answers a :class:`VersionResponse`. The request models
 validate as strictly as :mod:`structllm.server.protocol`'s (strict types,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import attrs
 
+from structllm.core.scheduler import hit_rate
+
 __all__ = ["EngineStatistics"]
 
 
@@ -34,6 +36,4 @@ class EngineStatistics:
     @property
     def prefix_cache_hit_rate(self) -> float:
         """Found / looked-up prompt tokens; 0.0 before any lookup."""
-        if not self.prefix_cache_queries:
-            return 0.0
-        return self.prefix_cache_hits / self.prefix_cache_queries
+        return hit_rate(self.prefix_cache_hits, self.prefix_cache_queries)

@@ -76,6 +76,38 @@ def load(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def fuzz(session: nox.Session) -> None:
+    """Schemathesis over the OpenAPI document, 500 examples per operation, both loops.
+
+    The suite runs the same test with 50 on asyncio; ``STRUCTLLM_FUZZ_EXAMPLES``
+    overrides the count here too.
+    """
+    _install(session)
+    env = {
+        "STRUCTLLM_FUZZ_EXAMPLES": session.env.get("STRUCTLLM_FUZZ_EXAMPLES", "500"),
+        "STRUCTLLM_FUZZ_LOOPS": "asyncio,trio",
+    }
+    session.run("pytest", "tests/test_server_fuzz.py", *session.posargs, env=env)
+
+
+@nox.session(python=PYTHON)
+def soak(session: nox.Session) -> None:
+    """1,000 concurrent streams, then 2,000 clients that hang up at random.
+
+    Against `structllm serve tiny-random` on each loop: every request
+    completes or gets a clean 503; afterwards nothing runs or waits, every
+    KV block is free, and server + engine RSS are within 10% of the start.
+    ``nox -s soak -- --loop trio --streams 500`` and the other flags of
+    tools/soak.py pass through.
+    """
+    _install(session)
+    loops = (
+        [] if "--loop" in session.posargs else ["--loop", "asyncio", "--loop", "trio"]
+    )
+    session.run("python", "tools/soak.py", *loops, *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def docs(session: nox.Session) -> None:
     """Build the documentation site (mkdocs-material) with warnings as errors.
 

@@ -86,7 +86,9 @@ class StructllmServer:
             except httpx.TransportError:
                 pass
             if self.proc.poll() is not None:
-                raise RuntimeError(f"structllm serve exited with {self.proc.returncode}")
+                raise RuntimeError(
+                    f"structllm serve exited with {self.proc.returncode}"
+                )
             time.sleep(0.2)
         raise TimeoutError("structllm serve did not become healthy")
 

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from peer.conftest import StructllmServer
+from peer.vllm.conftest import MODEL_NAME
 
 
 # structllm: upstream calls ChatCompletionRequest.model_validate(payload);
@@ -52,7 +53,7 @@ def test_chat_completion_request_cache_salt_still_validated_on_dict(
     res = httpx.post(
         server.url_for("v1/chat/completions"),
         json={
-            "model": "qwen",
+            "model": MODEL_NAME,  # structllm: upstream "qwen" (any name there)
             "messages": [{"role": "user", "content": "hello"}],
             "cache_salt": "",
         },

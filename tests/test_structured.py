@@ -112,14 +112,36 @@ def generate(
 # --- StructuredOutputs ---------------------------------------------------------
 
 
-def test_spec_json_is_canonical_and_hashable() -> None:
+def test_spec_json_is_compact_hashable_and_keeps_key_order() -> None:
     a = StructuredOutputs(json={"type": "object", "properties": {"a": {}}})
-    b = StructuredOutputs(json='{"properties": {"a": {}}, "type": "object"}')
+    b = StructuredOutputs(json='{"type": "object",  "properties": {"a": {}}}')
     assert a == b
     assert hash(a) == hash(b)
-    assert a.key == ("json", '{"properties":{"a":{}},"type":"object"}')
+    assert a.key == ("json", '{"type":"object","properties":{"a":{}}}')
     assert a.json_schema() == {"type": "object", "properties": {"a": {}}}
     assert a.field == "structured_outputs.json"
+    # key order is the order the output's keys are generated in
+    reordered = StructuredOutputs(json='{"properties": {"a": {}}, "type": "object"}')
+    assert reordered != a and reordered.key != a.key
+
+
+def test_output_keys_come_in_schema_order() -> None:
+    from structllm import LLM, SamplingParams
+
+    llm = LLM("tiny-random", show_progress=False, max_model_len=256, num_blocks=64)
+    names = ["zeta", "alpha", "mid"]
+    schema = {
+        "type": "object",
+        "properties": {n: {"type": "boolean"} for n in names},
+        "required": names,
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        max_tokens=120, seed=1, structured_outputs=StructuredOutputs(json=schema)
+    )
+    out = llm.generate(["{"], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop", out.text
+    assert list(json.loads(out.text)) == names
 
 
 def test_spec_kinds() -> None:
@@ -229,7 +251,9 @@ def test_cache_hits_and_lru_eviction() -> None:
         GrammarVocabulary.from_tokenizer(ByteTokenizer()), cache_size=2
     )
     a = compiler.compile(StructuredOutputs(json={"type": "integer", "minimum": 1}))
-    again = compiler.compile(StructuredOutputs(json='{"minimum":1,"type":"integer"}'))
+    again = compiler.compile(
+        StructuredOutputs(json='{"type": "integer", "minimum": 1}')
+    )
     assert again is a
     assert compiler.statistics().hits == 1
     assert compiler.statistics().misses == 1

@@ -16,6 +16,8 @@ import anyio
 import anyio.to_thread
 import attrs
 import jsonschema
+import numpy as np
+import numpy.typing as npt
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -28,6 +30,7 @@ from structllm.core.structured import StructuredOutputManager
 from structllm.engine.async_llm import AsyncLLM
 from structllm.engine.protocol import decode, encode
 from structllm.errors import InvalidRequestError
+from structllm.model.sampler import Sampler, SamplingRow
 from structllm.params import SamplingParams
 from structllm.structured import StructuredOutputs
 from structllm.text import ByteTokenizer
@@ -75,6 +78,54 @@ def test_structured_outputs_must_be_the_type(value: Any) -> None:
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(structured_outputs=value)
     assert info.value.field == "structured_outputs"
+
+
+# --- the sampler ---------------------------------------------------------------
+
+
+def _bitmask(allowed: list[set[int]], vocab: int) -> npt.NDArray[np.int32]:
+    bits = np.zeros((len(allowed), (vocab + 31) // 32 * 32), dtype=np.uint8)
+    for i, ids in enumerate(allowed):
+        bits[i, sorted(ids)] = 1
+    return np.packbits(bits, axis=1, bitorder="little").view(np.int32)
+
+
+def test_the_grammar_mask_comes_before_every_other_logit_change() -> None:
+    """top-k keeps the best *allowed* tokens (were it applied first, the raw
+    top tokens, all forbidden here, would leave nothing); logit_bias cannot
+    revive a forbidden token; allowed_token_ids disjoint from the grammar
+    leave the grammar's best; an unmasked row keeps its tokens and draws."""
+    vocab = 40
+    logits = np.random.default_rng(0).standard_normal((4, vocab), dtype=np.float32)
+    worst = [int(t) for t in np.argsort(logits[3])[:6]]  # allowed in row 3
+    top2 = {worst[-1], worst[-2]}
+    seen = set()
+    for seed in range(20):
+        rows = [
+            SamplingRow(SamplingParams(temperature=0, logit_bias={3: 100}), gen(0)),
+            SamplingRow(SamplingParams(seed=1), gen(seed)),
+            SamplingRow(SamplingParams(temperature=0, allowed_token_ids=[30]), gen(2)),
+            SamplingRow(SamplingParams(temperature=100.0, top_k=2), gen(seed)),
+        ]
+        plain = Sampler().sample(
+            logits[[1]], [attrs.evolve(rows[1], generator=gen(seed))]
+        )
+        out = Sampler().sample(
+            logits,
+            rows,
+            bitmask=_bitmask([{5, 6}, {7, 8, 9}, set(worst)], vocab),
+            bitmask_rows=[0, 2, 3],
+        )
+        assert out.token_ids[0] == (5 if logits[0, 5] > logits[0, 6] else 6)
+        assert out.token_ids[1] == plain.token_ids[0]
+        assert out.token_ids[2] == 7 + int(np.argmax(logits[2, 7:10]))
+        assert out.token_ids[3] in top2
+        seen.add(int(out.token_ids[3]))
+    assert seen == top2
+
+
+def gen(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
 
 
 # --- end to end: LLM ------------------------------------------------------------
@@ -298,6 +349,7 @@ def test_a_spec_refused_in_the_core_drops_that_request_alone(
     assert "bad" not in tokens
     assert core.pool.num_used == 0 and core.structured.num_compiling == 0
     core.close()
+    assert not [t for t in threading.enumerate() if "grammar" in t.name]
 
 
 BOUNDED = StructuredOutputs(
@@ -559,6 +611,10 @@ async def test_async_llm_refuses_a_bad_spec_at_entry_while_others_stream(
                         async with engine.stream("x", bad):
                             pytest.fail("a refused spec was admitted")
                     assert info.value.field == "structured_outputs.regex"
+                    # what a server asks before promising a streaming 200
+                    with pytest.raises(InvalidRequestError) as info:
+                        engine.check_admission([1, 2], params=bad)
+                    assert info.value.field == "structured_outputs.regex"
         assert got == free_reference[1]
         await wait_idle(engine)
 
@@ -635,4 +691,33 @@ async def test_cancel_while_the_front_end_checks_the_spec_registers_nothing(
         assert engine.statistics().live_requests == 0
         out = await engine.complete(FREE_PROMPTS[0], FREE[0])
         assert list(out.token_ids) == free_reference[0]
+        await wait_idle(engine)
+
+
+@pytest.mark.anyio
+async def test_async_llm_fails_a_request_the_core_refuses_alone(
+    monkeypatch: pytest.MonkeyPatch, free_reference: list[list[int]]
+) -> None:
+    """A refusal only the core finds (the front end's check skipped here)
+    reaches the caller as InvalidRequestError naming the field, from inside
+    the block; a request streaming meanwhile is unaffected."""
+    import structllm.structured.compiler as compiler
+
+    monkeypatch.setattr(compiler, "validate", lambda constraint, **kw: None)
+    bad = SamplingParams(
+        structured_outputs=StructuredOutputs(regex=f"(?={uuid.uuid4().hex})b")
+    )
+    async with open_async_llm() as engine:
+        async with engine.stream(FREE_PROMPTS[1], FREE[1]) as running:
+            got: list[int] = []
+            async for out in running:
+                got = list(out.token_ids)
+                if len(got) == 2:
+                    with pytest.raises(InvalidRequestError) as info:
+                        async with engine.stream("x", bad) as refused:
+                            async for _ in refused:
+                                pytest.fail("a refused request produced output")
+                    assert info.value.field == "structured_outputs.regex"
+                    assert "look-around" in str(info.value)
+        assert got == free_reference[1]
         await wait_idle(engine)

@@ -178,6 +178,7 @@ class LLM:
             params=params,
             eos_token_ids=self.eos_token_ids,
             priority=priority,
+            cache_salt=parsed.cache_salt,
         )
         return state, request
 

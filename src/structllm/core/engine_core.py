@@ -9,6 +9,7 @@ directly. Both pass it the same :class:`CoreRequest` and read the same
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -27,15 +28,18 @@ from structllm.core.scheduler import (
     SchedulerOutput,
     SchedulerStatistics,
 )
-from structllm.core.structured import RejectedRequest, StructuredOutputManager
+from structllm.core.structured import (
+    RejectedRequest,
+    StructuredOutputManager,
+    grammar_vocabulary,
+)
 from structllm.errors import EngineConfigError, InvalidRequestError
 from structllm.model._paddle import default_num_threads, set_num_threads
 from structllm.model.config import ModelConfig
 from structllm.model.loader import LoadProgress, load_model
 from structllm.model.sampler import TokenLogprobs, make_generator
 from structllm.outputs import FinishReason
-from structllm.structured.vocabulary import GrammarVocabulary
-from structllm.text.tokenizer import Tokenizer, load_tokenizer
+from structllm.text.tokenizer import Tokenizer
 
 __all__ = [
     "EngineCore",
@@ -87,6 +91,10 @@ class StepOutput(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     num_waiting: int = 0
     blocks_used: int = 0
     total_preemptions: int = 0
+    #: prompt tokens this core has looked up in the prefix cache, and found
+    #: (cumulative since it started; vLLM's prefix_cache_queries / hits)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 def check_prompt(prompt: Sequence[int], *, vocab_size: int, max_model_len: int) -> None:
@@ -126,7 +134,6 @@ class EngineCore:
         tokenizer: Tokenizer | str | None = None,
     ) -> None:
         self.config = config
-        self._tokenizer = tokenizer
         set_num_threads(config.num_threads)
         loaded = load_model(
             config.model,
@@ -181,8 +188,10 @@ class EngineCore:
         except ValueError as exc:  # an attrs validator: "'max_num_seqs' must be..."
             raise EngineConfigError(str(exc)) from exc
         self.scheduler = Scheduler(scheduler_config, self.pool)
-        self.runner = ModelRunner(loaded.model, num_blocks)
-        self.structured = StructuredOutputManager(self._grammar_vocabulary)
+        self.structured = StructuredOutputManager(
+            functools.partial(grammar_vocabulary, tokenizer, config.model)
+        )
+        self.runner = ModelRunner(loaded.model, num_blocks, self.structured)
         self._sequence = itertools.count()
         self.steps = 0
 
@@ -201,13 +210,6 @@ class EngineCore:
         if req.params.structured_outputs is not None:
             self.structured.start(req)
         self.scheduler.add_request(req)
-
-    def _grammar_vocabulary(self) -> GrammarVocabulary:
-        """In a compile thread, once: the tokenizer's grammar vocabulary."""
-        tokenizer = self._tokenizer
-        if not isinstance(tokenizer, Tokenizer):
-            tokenizer = load_tokenizer(tokenizer or self.config.model)
-        return GrammarVocabulary.from_tokenizer(tokenizer)
 
     def _admit(self, r: CoreRequest) -> Request:
         if not isinstance(r.request_id, str) or not r.request_id:
@@ -280,7 +282,7 @@ class EngineCore:
         schedule_s = time.perf_counter() - start
         if sched.is_empty:
             return self._step_output((), sched, start, schedule_s, rejected=rejected)
-        ran = self.runner.execute(sched, self.structured)
+        ran = self.runner.execute(sched)
         finished = {
             r.request_id: r
             for r in self.scheduler.update_from_output(sched, ran.sampled)
@@ -359,6 +361,8 @@ class EngineCore:
             num_waiting=len(s.waiting),
             blocks_used=self.pool.num_used,
             total_preemptions=s.total_preemptions,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
         )
 
     def statistics(self) -> EngineCoreStatistics:

@@ -29,20 +29,22 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    """Owns the model's KV cache; runs whole steps."""
+    """Owns the model's KV cache; runs whole steps. ``structured`` (the
+    core's grammar state) masks the constrained requests' logits."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        structured: StructuredOutputManager | None = None,
+    ) -> None:
         self.model = model
+        self.structured = structured
         self.num_blocks = num_blocks
         self.kv_caches = model.allocate_kv_cache(num_blocks)
         self.sampler = Sampler()
 
-    def execute(
-        self,
-        step: SchedulerOutput,
-        structured: StructuredOutputManager | None = None,
-    ) -> RunnerOutput:
-        """Run ``step``; ``structured`` masks its constrained requests' logits."""
+    def execute(self, step: SchedulerOutput) -> RunnerOutput:
         # one-token chunks first: the attention backend batches them
         chunks = sorted(step.chunks, key=lambda c: c.num_tokens > 1)
         ids: list[np.ndarray] = []
@@ -75,7 +77,8 @@ class ModelRunner:
         logits = self.model.compute_logits(last).numpy()  # (N, V)
         forward_s = time.perf_counter() - start
         start = time.perf_counter()
-        masks = None if structured is None else structured.fill_bitmask(sampling)
+        grammars = self.structured
+        masks = None if grammars is None else grammars.fill_bitmask(sampling)
         out = self.sampler.sample(
             logits,
             [
@@ -90,6 +93,7 @@ class ModelRunner:
             ],
             bitmask=None if masks is None else masks[0],
             bitmask_rows=None if masks is None else masks[1],
+            overwrite=True,  # the logits are ours, fresh from the model
         )
         sampled = {
             r.request_id: int(tok)

@@ -52,6 +52,7 @@ from structllm.engine.core_connection import encode_request
 from structllm.engine.inputs import (
     PromptInput,
     check_request_args,
+    check_structured_outputs,
     check_structured_outputs_off_loop,
     check_token_ids,
     parse_prompt_off_loop,
@@ -243,6 +244,14 @@ class AsyncLLM:
     def statistics(self) -> EngineStatistics:
         return self._client.statistics(live_requests=len(self._processor))
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block; return how many were forgotten.
+
+        Blocks in use stay with their requests (and are not cached again
+        when freed). Raises EngineDeadError if the core dies first.
+        """
+        return await self._client.reset_prefix_cache()
+
     @property
     def health_timeout(self) -> float:
         return self._client.health_timeout
@@ -312,6 +321,7 @@ class AsyncLLM:
                 params=params,
                 eos_token_ids=self._eos | frozenset(info.eos_token_ids),
                 priority=priority,
+                cache_salt=parsed.cache_salt,
             )
         )
         self._client.submit_nowait(frame)
@@ -337,7 +347,9 @@ class AsyncLLM:
         """Raise now what submitting ``count`` requests for this prompt would.
 
         EngineDeadError when dead, shutting down or restarting;
-        InvalidRequestError for a prompt the model cannot take;
+        InvalidRequestError for a prompt the model cannot take or a refused
+        structured-output spec (a new one is checked on the loop, 0.1-2 ms;
+        ``inputs.check_structured_outputs_off_loop`` checks it in a thread);
         EngineOverloadedError when admission control would refuse. Servers
         call it before promising a streaming response.
         """
@@ -352,6 +364,7 @@ class AsyncLLM:
         )
         if params is not None:
             check_token_ids(params, info.vocab_size)
+            check_structured_outputs(params)
         limit = self.config.max_queued_requests
         if (
             limit is not None
@@ -375,10 +388,8 @@ class AsyncLLM:
     # ------------------------------------------------- CoreEvents (client)
 
     def on_step(self, step: StepOutput) -> None:
-        for refused in step.rejected:  # a grammar only the core could refuse
-            self.on_add_failed(
-                AddFailed(refused.request_id, refused.message, refused.field)
-            )
+        for no in step.rejected:  # a grammar only the core could refuse
+            self.on_add_failed(AddFailed(no.request_id, no.message, no.field))
         processed = self._processor.process_outputs(step.outputs)
         if processed.to_abort:
             self._client.send_nowait(AbortRequests(processed.to_abort))

@@ -37,12 +37,15 @@ from structllm.engine.protocol import (
     Heartbeat,
     LoadProgressMsg,
     Message,
+    PrefixCacheReset,
     Ready,
+    ResetPrefixCache,
     Shutdown,
     Start,
     StepOutput,
     encode,
 )
+from structllm.engine.statistics import EngineStatistics
 from structllm.errors import (
     EngineConfigError,
     EngineCoreError,
@@ -82,27 +85,6 @@ class _CoreLost(Exception):
         self.cause = cause
 
 
-@attrs.frozen(kw_only=True)
-class EngineStatistics:
-    """A snapshot; the counts come from the core's latest report."""
-
-    live_requests: int
-    running: int
-    waiting: int
-    blocks_used: int
-    num_blocks: int
-    total_preemptions: int
-    restarts: int
-    ready: bool
-    dead: bool
-    #: the pid of the core process (this process's, for the inline executor)
-    worker_pid: int | None
-    #: seconds since the core was last heard from (None: no core)
-    silent_for: float | None = None
-    #: ready, not dead, and heard from within the health timeout
-    healthy: bool = False
-
-
 #: errors the core may report while loading, rebuilt by name in the parent
 _LOAD_ERRORS: dict[str, type[ModelLoadError]] = {
     "ModelLoadError": ModelLoadError,
@@ -127,6 +109,11 @@ class CoreClient:
     restarts: int = 0
     counts: Heartbeat = attrs.Factory(Heartbeat)
     total_preemptions: int = 0
+    #: prefix-cache (queries, hits) over every core, and the running core's
+    prefix_cache: tuple[int, int] = (0, 0)
+    _core_prefix_cache: tuple[int, int] = (0, 0)
+    #: reset_prefix_cache() calls waiting for their answer, oldest first
+    _resets: list[tuple[anyio.Event, list[int | BaseException]]] = attrs.Factory(list)
     #: when the core was last heard from (anyio.current_time())
     last_heard: float | None = None
     _outgoing: MemoryObjectSendStream[bytes] | None = None
@@ -204,7 +191,21 @@ class CoreClient:
             worker_pid=None if info is None else info.pid,
             silent_for=silent,
             healthy=healthy,
+            prefix_cache_queries=client.prefix_cache[0],
+            prefix_cache_hits=client.prefix_cache[1],
         )
+
+    async def reset_prefix_cache(self) -> int:
+        """Ask the core to forget its cached prefix blocks; how many it dropped."""
+        await self.wait_ready()
+        done, answer = anyio.Event(), list[int | BaseException]()
+        self._resets.append((done, answer))
+        self.send_nowait(ResetPrefixCache())
+        await done.wait()
+        result = answer[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     @property
     def health_timeout(self) -> float:
@@ -281,8 +282,20 @@ class CoreClient:
             self.restarts += 1
             await anyio.sleep(self.config.restart_backoff * 2 ** (len(failures) - 1))
 
+    def _count_prefix_cache(self, step: StepOutput) -> None:
+        queries, hits = step.prefix_cache_queries, step.prefix_cache_hits
+        old_q, old_h = self._core_prefix_cache
+        total_q, total_h = self.prefix_cache
+        self.prefix_cache = (total_q + queries - old_q, total_h + hits - old_h)
+        self._core_prefix_cache = (queries, hits)
+
     def _on_core_gone(self) -> None:
         self.events.on_statistics()
+        self._core_prefix_cache = (0, 0)  # the next core counts from zero
+        for done, answer in self._resets:
+            answer.append(EngineDeadError("the engine core stopped before answering"))
+            done.set()
+        self._resets.clear()
         self.ready = False
         self._ready_event = anyio.Event()
         if self._outgoing is not None:
@@ -373,6 +386,7 @@ class CoreClient:
                     msg.num_running, msg.num_waiting, msg.blocks_used
                 )
                 self.total_preemptions = msg.total_preemptions
+                self._count_prefix_cache(msg)
                 self.events.on_step(msg)
                 self.events.on_statistics()
             elif isinstance(msg, Heartbeat):
@@ -380,6 +394,10 @@ class CoreClient:
                 self.events.on_statistics()
             elif isinstance(msg, AddFailed):
                 self.events.on_add_failed(msg)
+            elif isinstance(msg, PrefixCacheReset) and self._resets:
+                done, answer = self._resets.pop(0)
+                answer.append(msg.num_blocks)
+                done.set()
             elif isinstance(msg, Fatal):
                 raise _CoreLost(EngineCoreError(msg.kind, msg.message, msg.traceback))
 

@@ -38,7 +38,9 @@ from structllm.engine.protocol import (
     Heartbeat,
     LoadProgressMsg,
     Message,
+    PrefixCacheReset,
     Ready,
+    ResetPrefixCache,
     Shutdown,
     Start,
     encode,
@@ -142,6 +144,9 @@ def _warm_up(core: EngineCore, send: Send) -> None:
     )
     while core.has_unfinished_requests():
         core.step()
+    # neither its blocks nor its counts are the user's
+    core.reset_prefix_cache()
+    core.scheduler.prefix_cache_queries = core.scheduler.prefix_cache_hits = 0
     send(LoadProgressMsg("warmup", 1, 1))
 
 
@@ -176,6 +181,8 @@ def _loop(
                 _add(core, msg, send)
             elif isinstance(msg, AbortRequests):
                 core.abort_requests(msg.request_ids)
+            elif isinstance(msg, ResetPrefixCache):
+                send(PrefixCacheReset(core.reset_prefix_cache()))
             elif isinstance(msg, Shutdown):
                 return 0
         pending = []

@@ -14,9 +14,12 @@ from structllm.params import SamplingParams
 from structllm.text.tokenizer import Tokenizer
 
 __all__ = [
+    "MAX_CACHE_SALT_CHARS",
     "OFF_LOOP_CHARS",
+    "PROMPT_KEYS",
     "Prompt",
     "PromptInput",
+    "check_cache_salt",
     "check_prompt_bytes",
     "check_request_args",
     "check_structured_outputs",
@@ -31,14 +34,46 @@ __all__ = [
 OFF_LOOP_CHARS = 8192
 
 #: A string, a list of token ids, or ``{"prompt": str}`` /
-#: ``{"prompt_token_ids": [int, ...]}`` (vLLM's TextPrompt / TokensPrompt).
+#: ``{"prompt_token_ids": [int, ...]}`` (vLLM's TextPrompt / TokensPrompt),
+#: either with an optional ``"cache_salt"``: requests with different salts
+#: never share prefix-cache blocks (vLLM's cache_salt).
 PromptInput: TypeAlias = str | Sequence[int] | Mapping[str, Any]
+
+#: the keys a prompt dict may have
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+#: the longest cache_salt
+MAX_CACHE_SALT_CHARS = 1024
 
 
 @attrs.frozen
 class Prompt:
     text: str | None
     token_ids: tuple[int, ...]
+    cache_salt: str | None = None
+
+
+def check_cache_salt(value: object, field: str = "cache_salt") -> str | None:
+    """None, or a non-empty string of valid Unicode, at most 1024 characters."""
+    if value is None:
+        return None
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > MAX_CACHE_SALT_CHARS
+        or not value.isprintable()
+    ):
+        raise InvalidRequestError(
+            f"{field} must be a non-empty printable string of at most "
+            f"{MAX_CACHE_SALT_CHARS} characters, or null",
+            field=field,
+        )
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequestError(
+            f"{field} must be valid Unicode", field=field
+        ) from None
+    return value
 
 
 def parse_prompt(prompt: PromptInput, tokenizer: Tokenizer) -> Prompt:
@@ -48,14 +83,29 @@ def parse_prompt(prompt: PromptInput, tokenizer: Tokenizer) -> Prompt:
             raise InvalidRequestError("prompt must not be empty", field="prompt")
         return Prompt(prompt, tuple(tokenizer.encode(prompt)))
     if isinstance(prompt, Mapping):
+        salt = _dict_salt(prompt)
         if "prompt_token_ids" in prompt:
-            return Prompt(prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"]))
+            ids = _token_ids(prompt["prompt_token_ids"])
+            return Prompt(prompt.get("prompt"), ids, salt)
         if "prompt" in prompt:
-            return parse_prompt(_text(prompt["prompt"]), tokenizer)
+            parsed = parse_prompt(_text(prompt["prompt"]), tokenizer)
+            return attrs.evolve(parsed, cache_salt=salt)
         raise InvalidRequestError(
             "a prompt dict needs 'prompt' or 'prompt_token_ids'", field="prompt"
         )
     return Prompt(None, _token_ids(prompt))
+
+
+def _dict_salt(prompt: Mapping[str, Any]) -> str | None:
+    """Refuse a prompt dict's unknown keys; its cache_salt, checked."""
+    unknown = sorted(str(k) for k in prompt if k not in PROMPT_KEYS)
+    if unknown:
+        raise InvalidRequestError(
+            f"a prompt dict takes only {', '.join(sorted(PROMPT_KEYS))}; "
+            f"got {', '.join(map(repr, unknown))}",
+            field="prompt",
+        )
+    return check_cache_salt(prompt.get("cache_salt"))
 
 
 def check_prompt_bytes(text: str, max_bytes: int | None, field: str = "prompt") -> None:
@@ -96,16 +146,20 @@ async def parse_prompt_off_loop(
     """
     text = prompt if isinstance(prompt, str) else None
     if isinstance(prompt, Mapping) and "prompt_token_ids" not in prompt:
+        salt = _dict_salt(prompt)  # checked before tokenising
         text = _text(prompt.get("prompt"))
     if text is None:
         return parse_prompt(prompt, tokenizer)
     check_prompt_bytes(text, max_bytes)
     if len(text) <= OFF_LOOP_CHARS:
-        return parse_prompt(text, tokenizer)
-    parsed = await anyio.to_thread.run_sync(parse_prompt, text, tokenizer)
-    # the thread ran to the end under a cancelled scope: raise now, so a
-    # caller cancelled while tokenising never gets to register the request
-    await anyio.lowlevel.checkpoint_if_cancelled()
+        parsed = parse_prompt(text, tokenizer)
+    else:
+        parsed = await anyio.to_thread.run_sync(parse_prompt, text, tokenizer)
+        # the thread ran to the end under a cancelled scope: raise now, so a
+        # caller cancelled while tokenising never gets to register the request
+        await anyio.lowlevel.checkpoint_if_cancelled()
+    if isinstance(prompt, Mapping):
+        parsed = attrs.evolve(parsed, cache_salt=salt)
     return parsed
 
 
@@ -142,14 +196,18 @@ def check_structured_outputs(params: SamplingParams) -> None:
 async def check_structured_outputs_off_loop(params: SamplingParams) -> None:
     """:func:`check_structured_outputs` in a worker thread (if there is work).
 
-    Cancellation waits for the check (milliseconds) and then raises; nothing
-    is kept from it but the compiler's record of known-good specs.
+    No spec, or one already checked: returns at once, without a checkpoint
+    (as :func:`parse_prompt_off_loop` for a short prompt), so admission
+    inside a cancelled scope behaves as without a spec. Cancellation during
+    the check waits for it (milliseconds) and then raises; nothing is kept
+    from it but the compiler's record of known-good specs.
     """
+    so = params.structured_outputs
+    if so is None:
+        return
     from structllm.structured.compiler import is_validated
 
-    so = params.structured_outputs
-    if so is None or is_validated(so):
-        await anyio.lowlevel.checkpoint()
+    if is_validated(so):
         return
     await anyio.to_thread.run_sync(check_structured_outputs, params)
     # a cancellation during the check is delivered now, before admission

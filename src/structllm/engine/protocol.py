@@ -37,7 +37,9 @@ __all__ = [
     "Heartbeat",
     "LoadProgressMsg",
     "Message",
+    "PrefixCacheReset",
     "Ready",
+    "ResetPrefixCache",
     "Shutdown",
     "Start",
     "StepOutput",
@@ -63,6 +65,16 @@ class Start(msgspec.Struct, tag=True):
 
 class AbortRequests(msgspec.Struct, tag=True):
     request_ids: list[str]
+
+
+class ResetPrefixCache(msgspec.Struct, tag=True):
+    """Forget every cached prefix block; answered by PrefixCacheReset."""
+
+
+class PrefixCacheReset(msgspec.Struct, tag=True):
+    """The answer to ResetPrefixCache: how many cached blocks were dropped."""
+
+    num_blocks: int
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -114,6 +126,8 @@ Message = (
     Start
     | CoreRequest
     | AbortRequests
+    | ResetPrefixCache
+    | PrefixCacheReset
     | Shutdown
     | LoadProgressMsg
     | Ready

@@ -38,6 +38,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from structllm.model.logits import process_logits
 from structllm.params import SamplingParams
 from structllm.structured.bitmask import apply_bitmask
 
@@ -127,19 +128,33 @@ class Sampler:
         *,
         bitmask: npt.NDArray[np.int32] | None = None,
         bitmask_rows: Sequence[int] | None = None,
+        overwrite: bool = False,
     ) -> SamplerOutput:
         """Choose one token per row of ``logits`` (N, V).
 
         ``bitmask`` (K, ceil(V / 32)) int32 constrains rows ``bitmask_rows``
         (K distinct row indices; all N rows in order when None) to the
-        tokens whose bits are set (:mod:`structllm.structured.bitmask`).
+        tokens whose bits are set (:mod:`structllm.structured.bitmask`); a
+        row of the bitmask with no bit set (a broken matcher) is ignored.
+        With ``overwrite`` the caller gives up ``logits`` (its own float32
+        copy), and the mask goes into it unless a row asks for logprobs
+        (which come from the raw logits): a fresh (N, V) array costs more
+        in page faults than the copy itself (5 ms at 16 x 152k).
         """
         raw = _check_logits(logits, len(rows))  # (N, V) float32
         n = raw.shape[0]
         base = raw  # the raw logits, grammar-masked where a row has a grammar
         if bitmask is not None:
-            base = raw.copy()
-            apply_bitmask(base, bitmask, bitmask_rows)
+            masked = list(range(len(rows)) if bitmask_rows is None else bitmask_rows)
+            live: Bool = np.count_nonzero(bitmask[: len(masked)], axis=1) > 0
+            if not live.all():
+                bitmask = bitmask[: len(masked)][live]
+                masked = [
+                    r for r, keep in zip(masked, live.tolist(), strict=True) if keep
+                ]
+            keep_raw = not overwrite or any(r.params.logprobs is not None for r in rows)
+            base = raw.copy() if keep_raw else raw
+            apply_bitmask(base, bitmask, masked)
         params = [r.params for r in rows]
         # Draw first: exactly one uniform per non-greedy row, whatever happens.
         rand = np.array([not p.greedy for p in params], dtype=np.bool_)
@@ -148,11 +163,8 @@ class Sampler:
         x = process_logits(base, rows)  # (N, V)
         tokens = np.zeros(n, dtype=np.int64)
         dead = ~(x.max(axis=1, initial=-np.inf) > -np.inf)  # all -inf after masking
-        if dead.any():
-            fallback = base[dead]
-            empty = ~(fallback.max(axis=1) > -np.inf)  # a grammar allowing nothing
-            fallback[empty] = raw[dead][empty]
-            tokens[dead] = fallback.argmax(axis=1)
+        if dead.any():  # the grammar's best, if the row has one
+            tokens[dead] = base[dead].argmax(axis=1)
         greedy = ~rand & ~dead
         if greedy.any():
             tokens[greedy] = x[greedy].argmax(axis=1)
@@ -162,6 +174,7 @@ class Sampler:
             x_live = x if live.all() else x[live]
             params_live = [p for p, m in zip(params, live, strict=True) if m]
             tokens[live] = self._sample_random(x_live, params_live, u_live)
+        # raw is intact whenever a row asks for logprobs (see overwrite)
         logprobs = _logprobs(raw, params, tokens)
         return SamplerOutput(token_ids=tokens, logprobs=logprobs)
 
@@ -196,96 +209,6 @@ class Sampler:
                 scaled[rows], top_k[rows], top_p[rows], min_p[rows], u[rows], c
             )
         return tokens
-
-
-def process_logits(logits: F32, rows: Sequence[SamplingRow]) -> F32:
-    """Allowed ids, logit bias, penalties and the ``min_tokens`` mask.
-
-    Returns ``logits`` itself when no row needs any of them, else a copy.
-
-    ``logits`` (N, V) is never modified. Penalties touch only the (row,
-    token) pairs that occur, found with ``np.unique`` over flat indices.
-    """
-    vocab = logits.shape[1]
-    pen = [i for i, r in enumerate(rows) if r.params.has_penalties]
-    masked = [
-        i
-        for i, r in enumerate(rows)
-        if len(r.output_token_ids) < r.params.min_tokens
-        and (r.eos_token_ids or r.params.stop_token_ids)
-    ]
-    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
-    allowed = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
-    if not pen and not masked and not biased and not allowed:
-        return logits
-    x = logits.copy()
-    flat = x.reshape(-1)  # (N * V,) view
-    for i in allowed:
-        ids = np.asarray(rows[i].params.allowed_token_ids, dtype=np.int64)
-        keep = x[i, ids[ids < vocab]]
-        x[i] = -np.inf
-        x[i, ids[ids < vocab]] = keep
-    for i in biased:
-        pairs = [(t, b) for t, b in rows[i].params.logit_bias if t < vocab]
-        if pairs:
-            ids = np.array([t for t, _ in pairs], dtype=np.int64)
-            x[i, ids] += np.array([b for _, b in pairs], dtype=np.float32)
-    if pen:
-        _penalise(flat, vocab, [rows[i] for i in pen], pen)
-    if masked:
-        drop = [
-            i * vocab + t
-            for i in masked
-            for t in {*rows[i].eos_token_ids, *rows[i].params.stop_token_ids}
-            if 0 <= t < vocab
-        ]
-        flat[drop] = -np.inf
-    return x
-
-
-def _penalise(
-    flat: F32, vocab: int, rows: Sequence[SamplingRow], names: Sequence[int]
-) -> None:
-    """Apply repetition, frequency and presence penalties in place.
-
-    ``flat`` is the (N * V,) batch; ``names`` are the rows' batch indices.
-    """
-    rep = np.array([r.params.repetition_penalty for r in rows], dtype=np.float32)
-    freq = np.array([r.params.frequency_penalty for r in rows], dtype=np.float32)
-    pres = np.array([r.params.presence_penalty for r in rows], dtype=np.float32)
-    base = np.asarray(names, dtype=np.int64) * vocab  # (P,) row offsets in flat
-    out_at, out_row = _flat_ids([r.output_token_ids for r in rows], vocab, names)
-    if (rep != 1.0).any():
-        prompt_at, prompt_row = _flat_ids(
-            [r.prompt_token_ids for r in rows], vocab, names
-        )
-        seen, first = np.unique(
-            np.concatenate([base[prompt_row] + prompt_at, base[out_row] + out_at]),
-            return_index=True,
-        )
-        row = np.concatenate([prompt_row, out_row])[first]  # (S,) index into rows
-        v = flat[seen]
-        r = rep[row]
-        flat[seen] = np.where(v > 0, v / r, v * r)
-    if (freq != 0.0).any() or (pres != 0.0).any():
-        out, first, count = np.unique(
-            base[out_row] + out_at, return_index=True, return_counts=True
-        )
-        row = out_row[first]
-        flat[out] -= freq[row] * count.astype(np.float32) + pres[row]
-
-
-def _flat_ids(
-    seqs: Sequence[Sequence[int]], vocab: int, names: Sequence[int]
-) -> tuple[I64, I64]:
-    """All token ids of ``seqs``, concatenated, with the sequence each came from."""
-    arrays = [np.asarray(s, dtype=np.int64).reshape(-1) for s in seqs]
-    for name, a in zip(names, arrays, strict=True):
-        if a.size and (a.min() < 0 or a.max() >= vocab):
-            raise ValueError(f"row {name} has a token id outside [0, {vocab})")
-    ids = np.concatenate([np.zeros(0, np.int64), *arrays])
-    which = np.repeat(np.arange(len(arrays)), [a.size for a in arrays])
-    return ids, which
 
 
 def _check_logits(logits: npt.ArrayLike, n: int) -> F32:

@@ -75,6 +75,14 @@ def _gauges(slot: EngineSlot) -> Gauges:
             "num_preemptions_total": ("Preemptions since start.", s.total_preemptions),
             "engine_restarts_total": ("Worker restarts since start.", s.restarts),
             "engine_healthy": ("1 when the engine serves, else 0.", float(s.healthy)),
+            "prefix_cache_queries_total": (
+                "Prompt tokens looked up in the prefix cache.",
+                s.prefix_cache_queries,
+            ),
+            "prefix_cache_hits_total": (
+                "Prompt tokens found in the prefix cache.",
+                s.prefix_cache_hits,
+            ),
         }
 
     return gauges

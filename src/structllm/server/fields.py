@@ -14,6 +14,8 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, ConfigDict, Field, PlainValidator, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
+from structllm.engine.inputs import check_cache_salt
+from structllm.errors import InvalidRequestError
 from structllm.params import (
     MAX_COUNT,
     MAX_LOGIT_BIAS,
@@ -71,7 +73,16 @@ def _unicode(s: str) -> str:
     return s
 
 
+def _cache_salt(s: str) -> str:
+    try:
+        check_cache_salt(s)
+    except InvalidRequestError as exc:
+        raise PydanticCustomError("cache_salt", str(exc)) from None
+    return s
+
+
 Text = Annotated[str, AfterValidator(_unicode)]
+CacheSalt = Annotated[str, AfterValidator(_cache_salt)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_unicode)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 Count = Annotated[int, Field(ge=1, le=MAX_COUNT)]

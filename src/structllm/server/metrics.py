@@ -20,7 +20,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from structllm.outputs import RequestOutput
@@ -30,7 +30,8 @@ __all__ = ["CONTENT_TYPE", "Gauges", "Metrics"]
 #: the exposition format ``render()`` writes
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
-#: gauge name (without the prefix) -> (help, value), sampled at scrape time
+#: metric name (without the prefix) -> (help, value), sampled at scrape time;
+#: a name ending in ``_total`` is a counter, any other a gauge
 Gauges = Callable[[], dict[str, tuple[str, float]]]
 
 _LATENCY_BUCKETS = (
@@ -48,7 +49,11 @@ class _GaugeCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         for name, (help_, value) in self.gauges().items():
-            yield GaugeMetricFamily(f"{self.prefix}_{name}", help_, value=value)
+            if name.endswith("_total"):  # a count that only grows: a counter
+                family = f"{self.prefix}_{name.removesuffix('_total')}"
+                yield CounterMetricFamily(family, help_, value=value)
+            else:
+                yield GaugeMetricFamily(f"{self.prefix}_{name}", help_, value=value)
 
 
 @attrs.frozen

@@ -49,6 +49,7 @@ from structllm.server.fields import (
     MAX_MESSAGES,
     MAX_N,
     REQUEST_CONFIG,
+    CacheSalt,
     Count,
     LogitBias,
     Logprobs,
@@ -164,6 +165,8 @@ class SamplingRequest(BaseModel):
     #: vLLM: logprobs name tokens as "token_id:N" instead of their text
     return_tokens_as_token_ids: bool | None = None
     user: Text | None = None
+    #: vLLM: requests with different salts never share prefix-cache blocks
+    cache_salt: CacheSalt | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: SchemaObject | str | None = None

@@ -322,6 +322,8 @@ class Serving:
         given: dict[str, Any] = {"prompt_token_ids": list(prompt.token_ids)}
         if prompt.text is not None:
             given["prompt"] = prompt.text
+        if prompt.cache_salt is not None:
+            given["cache_salt"] = prompt.cache_salt
         s = self.slot.get().stream(given, params)
         try:
             async with s:

@@ -58,7 +58,7 @@ class ChatServing(Serving):
             return text, tuple(llm.tokenizer.encode(text, add_special_tokens=False))
 
         text, ids = await maybe_off_loop(rendered > OFF_LOOP_CHARS, render)
-        prompt = Prompt(text, ids)
+        prompt = Prompt(text, ids, req.cache_salt)
         limit = req.max_completion_tokens or req.max_tokens
         self.check_length(llm, ids, limit, req.limit_field)
         jobs = [Job(j, 0, prompt, choice_seed(params, j)) for j in range(req.choices)]

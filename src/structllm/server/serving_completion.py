@@ -44,7 +44,7 @@ class CompletionServing(Serving):
             else:
                 prompt = Prompt(None, p)
             self.check_length(llm, prompt.token_ids, req.max_tokens, "max_tokens")
-            prompts.append(prompt)
+            prompts.append(attrs.evolve(prompt, cache_salt=req.cache_salt))
         jobs = [
             Job(i * req.choices + j, i, p, choice_seed(params, j))
             for i, p in enumerate(prompts)

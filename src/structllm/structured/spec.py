@@ -61,11 +61,13 @@ def _encodable(s: str) -> bool:
 
 
 def _canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """Compact JSON that keeps key order: a schema's ``properties`` order is
+    the order the output's keys are generated in (as OpenAI does)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
 def _to_json(value: object) -> str | None:
-    """A JSON Schema as a dict or a JSON string, kept as canonical JSON text."""
+    """A JSON Schema as a dict or a JSON string, kept as compact JSON text."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -130,10 +132,12 @@ def _to_json_object(value: object) -> bool:
 class StructuredOutputs:
     """Constrain a request's output; set exactly one field.
 
-    ``json`` accepts a dict or a JSON string and is stored as canonical JSON
-    (sorted keys, no spaces), so equal schemas compare and hash equal and
-    :attr:`key` can index a compiled-grammar cache. Choices keep their order
-    and lose duplicates.
+    ``json`` accepts a dict or a JSON string and is stored as compact JSON
+    (no spaces, key order kept: the output's keys come in the schema's
+    order), so equal schemas compare and hash equal and :attr:`key` can
+    index a compiled-grammar cache; the same schema with its keys in another
+    order is another constraint. Choices keep their order and lose
+    duplicates.
     """
 
     json: str | None = attrs.field(default=None, converter=_to_json)

@@ -36,6 +36,11 @@ def test_completion_with_openai_library():
             model=server.model_alias,
             prompt="I believe the meaning of life is",
             max_tokens=8,
+            # structllm: llama.cpp's server-wide --seed 42 --temp 0.8 (the
+            # harness adds them to its own requests; this one is the
+            # client's): unseeded, tiny may end before 8 tokens
+            seed=server.seed,
+            temperature=server.temperature,
         )
     # structllm: "fp_" + a hash of the model (llama.cpp: "b" + its build)
     assert res.system_fingerprint is not None and res.system_fingerprint.startswith(
@@ -59,6 +64,9 @@ def test_completion_stream_with_openai_library():
             prompt="I believe the meaning of life is",
             max_tokens=8,
             stream=True,
+            # structllm: as above
+            seed=server.seed,
+            temperature=server.temperature,
         )
         output_text = ""
         for data in res:

@@ -24,8 +24,9 @@ def tests(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     session.install("ruff")
-    session.run("ruff", "check", "src", "tests", "parity", "noxfile.py")
-    session.run("ruff", "format", "--check", "src", "tests", "parity", "noxfile.py")
+    paths = ("src", "tests", "parity", "peer", "noxfile.py")
+    session.run("ruff", "check", *paths)
+    session.run("ruff", "format", "--check", *paths)
 
 
 @nox.session(python=PYTHON)
@@ -53,6 +54,18 @@ def parity(session: nox.Session) -> None:
         "-s",
         *session.posargs,
     )
+
+
+@nox.session(python=PYTHON, name="peer-suites")
+def peer_suites(session: nox.Session) -> None:
+    """vLLM's and llama.cpp's OpenAI-API tests against `structllm serve`.
+
+    The adapted tests live in peer/ (their licences and what was changed:
+    peer/README.md); they serve the built-in ``tiny`` model and fetch
+    nothing. Counts, deliberate differences and xfails: docs/peer-suites.md.
+    """
+    _install(session)
+    session.run("pytest", "peer", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -23,7 +23,6 @@ from peer.vllm.conftest import MODEL_NAME
 pytestmark = pytest.mark.anyio
 
 
-@pytest.mark.xfail(reason="issue 13: GET /version is not served yet", strict=True)
 async def test_show_version(server: StructllmServer):
     response = requests.get(server.url_for("version"))
     response.raise_for_status()

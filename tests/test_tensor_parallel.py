@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 from pathlib import Path
 
 import attrs
@@ -181,6 +182,70 @@ def test_inference_backend_refuses_tensor_parallel(tmp_path: Path) -> None:
     with pytest.raises(EngineConfigError, match="eager") as info:
         load_shard(tmp_path, plan_shards(_BASE, 2, 0), backend="inference")
     assert info.value.field == "model_backend"
+
+
+class _ThreadGroup:
+    """An all-reduce over threads, one a rank: ranks of one process, no gloo."""
+
+    def __init__(self, size: int) -> None:
+        self.barrier = threading.Barrier(size, timeout=60)
+        self.parts: list[np.ndarray] = [np.zeros(0)] * size
+
+    def reduce(self, rank: int, x: paddle.Tensor) -> paddle.Tensor:
+        self.parts[rank] = x.numpy()
+        self.barrier.wait()
+        total = np.sum(self.parts, axis=0)
+        self.barrier.wait()  # everyone has summed before the next overwrite
+        return paddle.to_tensor(total)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        # kv heads 2 < 4 ranks: each kv head on two ranks; every bias
+        attrs.evolve(
+            CONFIGS["llama-kv1-bias"], num_attention_heads=8, num_key_value_heads=2
+        ),
+        attrs.evolve(  # per-head q/k norm and attention bias, replicated kv
+            CONFIGS["qwen3"], num_attention_heads=8, qkv_bias=True, o_bias=True
+        ),
+    ],
+    ids=["llama-bias", "qwen3"],
+)
+def test_four_ranks_with_replicated_kv_heads_compute_the_whole_model(
+    tmp_path: Path, config: ModelConfig
+) -> None:
+    config = attrs.evolve(config, head_dim=8)
+    write_random_checkpoint(tmp_path, config, seed=2)
+    group = _ThreadGroup(4)
+    ranks = [
+        load_shard(
+            tmp_path,
+            plan_shards(config, 4, r),
+            block_size=4,
+            all_reduce=lambda x, r=r: group.reduce(r, x),
+        )
+        for r in range(4)
+    ]
+    got: list[np.ndarray | BaseException] = [np.zeros(0)] * 4
+
+    def run(rank: int) -> None:
+        try:
+            got[rank] = _steps(ranks[rank])
+        except BaseException as exc:
+            got[rank] = exc
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    whole = _steps(load_model(tmp_path, backend="eager", block_size=4).model)
+    for out in got:
+        if isinstance(out, BaseException):
+            raise out
+        np.testing.assert_allclose(out, whole, atol=1e-4, rtol=0)
 
 
 def _steps(model: LlamaForCausalLM) -> np.ndarray:

@@ -159,9 +159,12 @@ def test_group_of_one_is_the_whole_model(tmp_path: Path) -> None:
     np.testing.assert_array_equal(_steps(alone), _steps(whole))
 
 
-def test_shard_loads_its_slices_into_a_narrow_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("dtype", "shards"), [("float32", 1), ("bfloat16", 2)])
+def test_shard_loads_its_slices_into_a_narrow_model(
+    tmp_path: Path, dtype: str, shards: int
+) -> None:
     c = CONFIGS["llama-kv1-bias"]
-    write_random_checkpoint(tmp_path, c, seed=1)
+    write_random_checkpoint(tmp_path, c, seed=1, dtype=dtype, shards=shards)
     plan = plan_shards(c, 2, 1)
     model = load_shard(tmp_path, plan, block_size=4, all_reduce=lambda x: x)
     layer = model.weights.layers[0]
@@ -175,6 +178,12 @@ def test_shard_loads_its_slices_into_a_narrow_model(tmp_path: Path) -> None:
         layer.qkv[:, :32].numpy(), whole.qkv[:, 32:64].numpy()
     )
     np.testing.assert_array_equal(layer.o.numpy(), whole.o[32:].numpy())
+    np.testing.assert_array_equal(  # gate columns 64-127 of 128, then up's
+        layer.gate_up.numpy(),
+        np.concatenate([whole.gate_up[:, 64:128], whole.gate_up[:, 192:]], axis=1),
+    )
+    np.testing.assert_array_equal(layer.down.numpy(), whole.down[64:].numpy())
+    assert layer.qkv.dtype == paddle.float32  # half checkpoints: float32 on CPU
 
 
 def test_inference_backend_refuses_tensor_parallel(tmp_path: Path) -> None:

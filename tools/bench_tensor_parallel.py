@@ -1,5 +1,5 @@
 # Usage: PYTHONPATH=src python tools/bench_tensor_parallel.py [BATCH] [CONTEXT] [REPS]
-#   e.g. 16 200 30
+#   e.g. 16 200 30; PIN=1 pins rank r to CPU r
 """What tensor parallelism costs on CPU: the all-reduces of a decode step.
 
 The 27.8M bench model (hidden 512, 8 layers, so 16 all-reduces of a
@@ -65,6 +65,8 @@ def rank_main(directory: Path) -> None:
     paddle.distributed.init_parallel_env()
     set_num_threads(1)
     rank = paddle.distributed.get_rank()
+    if os.environ.get("PIN") == "1":
+        os.sched_setaffinity(0, {rank % os.cpu_count()})
     reduce_s: list[float] = []
 
     def timed_reduce(x: paddle.Tensor) -> paddle.Tensor:

@@ -47,7 +47,7 @@ from structllm.model.loader import (
     resolve_dtype,
 )
 
-__all__ = ["ShardPlan", "all_reduce_sum", "load_shard", "plan_shards"]
+__all__ = ["ShardPlan", "all_reduce_sum", "build_shard", "load_shard", "plan_shards"]
 
 #: an HF tensor's rows (and columns) a rank keeps, in ``(out, in)`` layout
 Index = tuple[slice, ...]
@@ -178,12 +178,12 @@ def load_shard(
 ) -> LlamaForCausalLM:
     """The rank's shard of the checkpoint in ``path``, ready to run.
 
-    Reads only the rank's slices. A group of one is :func:`build_model`'s
-    model (any backend); a rank of a larger group runs eager (``"auto"``
-    means eager there; the oneDNN ``"inference"`` backend is refused).
-    ``all_reduce`` defaults to
-    :func:`all_reduce_sum` when ``tp_size > 1`` (the process group must be
-    initialised). ``model.config`` is :attr:`ShardPlan.local`.
+    Reads only the rank's slices. A group of one gets :func:`build_model`'s
+    whole model (any backend; ``all_reduce`` unused). A rank of a larger
+    group runs eager (``"auto"`` means eager there; the oneDNN
+    ``"inference"`` backend is refused), with ``model.config`` the rank's
+    :attr:`ShardPlan.local` and ``all_reduce`` defaulting to
+    :func:`all_reduce_sum` (the process group must be initialised).
     """
     resolve_backend(backend, "float32", plan.config)  # refuses unknown names
     if plan.tp_size > 1 and backend == "inference":
@@ -223,7 +223,8 @@ def build_shard(
     max_model_len: int | None = None,
     all_reduce: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
 ) -> LlamaForCausalLM:
-    """A rank's model from its HF-named slices (consumed)."""
+    """A rank's model from its HF-named slices (as :meth:`ShardPlan.slices`
+    cuts them; consumed), checked against :meth:`ShardPlan.shard_shapes`."""
     expected = plan.shard_shapes()
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != expected.get(name):

@@ -24,8 +24,9 @@ def tests(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     session.install("ruff")
-    session.run("ruff", "check", "src", "tests", "parity", "noxfile.py")
-    session.run("ruff", "format", "--check", "src", "tests", "parity", "noxfile.py")
+    paths = ("src", "tests", "parity", "peer", "noxfile.py")
+    session.run("ruff", "check", *paths)
+    session.run("ruff", "format", "--check", *paths)
 
 
 @nox.session(python=PYTHON)
@@ -55,6 +56,18 @@ def parity(session: nox.Session) -> None:
     )
 
 
+@nox.session(python=PYTHON, name="peer-suites")
+def peer_suites(session: nox.Session) -> None:
+    """vLLM's and llama.cpp's OpenAI-API tests against `structllm serve`.
+
+    The adapted tests live in peer/ (their licences and what was changed:
+    peer/README.md); they serve the built-in ``tiny`` model and fetch
+    nothing. Counts, deliberate differences and xfails: docs/peer-suites.md.
+    """
+    _install(session)
+    session.run("pytest", "peer", *session.posargs)
+
+
 @nox.session(python=PYTHON)
 def load(session: nox.Session) -> None:
     """1,000 concurrent streaming clients against `structllm serve` on both loops.
@@ -73,6 +86,38 @@ def load(session: nox.Session) -> None:
             "--fail-on-reset",
             *session.posargs,
         )
+
+
+@nox.session(python=PYTHON)
+def fuzz(session: nox.Session) -> None:
+    """Schemathesis over the OpenAPI document, 500 examples per operation, both loops.
+
+    The suite runs the same test with 50 on asyncio; ``STRUCTLLM_FUZZ_EXAMPLES``
+    overrides the count here too.
+    """
+    _install(session)
+    env = {
+        "STRUCTLLM_FUZZ_EXAMPLES": session.env.get("STRUCTLLM_FUZZ_EXAMPLES", "500"),
+        "STRUCTLLM_FUZZ_LOOPS": "asyncio,trio",
+    }
+    session.run("pytest", "tests/test_server_fuzz.py", *session.posargs, env=env)
+
+
+@nox.session(python=PYTHON)
+def soak(session: nox.Session) -> None:
+    """1,000 concurrent streams, then 2,000 clients that hang up at random.
+
+    Against `structllm serve tiny-random` on each loop: every request
+    completes or gets a clean 503; afterwards nothing runs or waits, every
+    KV block is free, and server + engine RSS are within 10% of the start.
+    ``nox -s soak -- --loop trio --streams 500`` and the other flags of
+    tools/soak.py pass through.
+    """
+    _install(session)
+    loops = (
+        [] if "--loop" in session.posargs else ["--loop", "asyncio", "--loop", "trio"]
+    )
+    session.run("python", "tools/soak.py", *loops, *session.posargs)
 
 
 @nox.session(python=PYTHON)

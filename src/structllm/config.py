@@ -46,13 +46,32 @@ def setting(
     flag: str | None = None,
     cli: bool = True,
     validator: Any = None,
+    secret: bool = False,
 ) -> Any:
-    """An attrs field with its command-line help (``cli=False``: no flag)."""
+    """An attrs field with its command-line help (``cli=False``: no flag).
+
+    ``secret``: left out of the class's ``repr`` (API keys never reach a log).
+    """
     return attrs.field(
         default=default,
         validator=validator,
+        repr=not secret,
         metadata={"help": help, "flag": flag, "cli": cli},
     )
+
+
+def _api_key(_: Any, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
+    for key in value:  # the message never shows the key itself
+        if not key or not key.isascii() or not key.isprintable() or " " in key:
+            raise ValueError(
+                f"--{attribute.name.replace('_', '-')}: every key must be "
+                "non-empty printable ASCII without spaces"
+            )
+
+
+def _positive_or_none(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{attribute.name} must be at least 1 (or unset), not {value}")
 
 
 @attrs.frozen(kw_only=True)
@@ -178,6 +197,50 @@ class ServerConfig:
     body_timeout: float = setting(
         30.0, help="seconds to receive a request body (408 after)"
     )
+    api_key: tuple[str, ...] = setting(
+        (),
+        help="require 'Authorization: Bearer KEY' on /v1, /tokenize and "
+        "/detokenize (also STRUCTLLM_API_KEY, comma-separated; default: no key, "
+        "an open server)",
+        validator=_api_key,
+        secret=True,
+    )
+    metrics_require_auth: bool = setting(
+        False, help="/metrics needs the API key too (/health and /version never do)"
+    )
+    max_concurrent_requests: int | None = setting(
+        None,
+        help="requests handled at once (all routes but /health, /metrics); more "
+        "get 503 with Retry-After (default: no limit)",
+        validator=_positive_or_none,
+    )
+    max_concurrent_requests_per_client: int | None = setting(
+        None,
+        help="the same, per client address, so one client cannot hold the "
+        "server (default: no limit)",
+        validator=_positive_or_none,
+    )
+    access_log: bool = setting(
+        True, help="one structured line per request on the structllm.access logger"
+    )
+    max_log_len: int = setting(
+        0,
+        help="log at most this many characters of the prompt in the access "
+        "log (0: no prompt text)",
+        validator=attrs.validators.ge(0),
+    )
+    allowed_origins: tuple[str, ...] = setting(
+        (), help="CORS: origins allowed to call the API ('*' for any; default: no CORS)"
+    )
+    allowed_methods: tuple[str, ...] = setting(
+        ("*",), help="CORS: allowed methods (with --allowed-origins)"
+    )
+    allowed_headers: tuple[str, ...] = setting(
+        ("*",), help="CORS: allowed request headers (with --allowed-origins)"
+    )
+    allow_credentials: bool = setting(
+        False, help="CORS: allow credentials (with --allowed-origins)"
+    )
 
 
 def split_fields(
@@ -264,15 +327,32 @@ def add_arguments(
             kw["action"] = argparse.BooleanOptionalAction
             text += " (default: on)" if default else " (default: off)"
         elif repeat:
-            kw.update(action="append", type=kind, default=list(default))
+            kw.update(action=_Append, type=kind, default=tuple(default))
             text += " (repeatable)"
         else:
             kw.update(type=kind, choices=choices)
             if choices is None:
                 kw["metavar"] = kind.__name__.upper()
-        if default not in (None, (), []) and kind is not bool:
+        if repeat and default:
+            text += f" (default: {' '.join(default)})"
+        elif default not in (None, (), []) and kind is not bool:
             text += " (default: %(default)s)"
         parser.add_argument(_flag(field), help=text.strip() or None, **kw)
+
+
+class _Append(argparse.Action):
+    """``append`` whose first use replaces the default instead of extending it."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        items = getattr(namespace, self.dest)
+        items = [] if items is self.default else list(items)
+        setattr(namespace, self.dest, [*items, values])
 
 
 def from_arguments(
@@ -292,6 +372,6 @@ def from_arguments(
         value = getattr(ns, _dest(field))
         if value is None and field.default is attrs.NOTHING:
             continue
-        kw[field.name] = tuple(value) if isinstance(value, list) else value
+        kw[field.name] = tuple(value) if isinstance(value, list | tuple) else value
     kw.update(given)
     return cls(**kw)

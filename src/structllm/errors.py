@@ -45,6 +45,8 @@ __all__ = [
     "ShuttingDownError",
     "StructLLMError",
     "UnsupportedModelError",
+    "dead_error",
+    "load_error",
 ]
 
 
@@ -127,3 +129,25 @@ class EngineLoadingError(RequestError):
 
 class ShuttingDownError(RequestError):
     """The server is draining before it stops; retry on another replica."""
+
+
+# -- rebuilding errors the core process reported --------------------------------
+
+
+def load_error(
+    kind: str, message: str, field: str | None = None
+) -> ModelLoadError | EngineConfigError:
+    """The front end's copy of the error (by type name) that stopped the core
+    from loading; an unknown name becomes a ModelLoadError."""
+    if kind == "EngineConfigError":
+        return EngineConfigError(message, field=field)
+    if kind == "UnsupportedModelError":
+        return UnsupportedModelError(message)
+    return ModelLoadError(message)
+
+
+def dead_error(message: str, cause: BaseException) -> EngineDeadError:
+    """EngineDeadError ``from`` ``cause``, with the cause in its message."""
+    err = EngineDeadError(f"{message}: {cause}")
+    err.__cause__ = cause
+    return err

@@ -57,6 +57,7 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStatistics",
+    "hit_rate",
 ]
 
 
@@ -125,9 +126,12 @@ class SchedulerStatistics:
     @property
     def prefix_cache_hit_rate(self) -> float:
         """Hits over queries, in tokens; 0.0 before any query."""
-        if not self.prefix_cache_queries:
-            return 0.0
-        return self.prefix_cache_hits / self.prefix_cache_queries
+        return hit_rate(self.prefix_cache_hits, self.prefix_cache_queries)
+
+
+def hit_rate(hits: int, queries: int) -> float:
+    """``hits / queries``, 0.0 before any query."""
+    return hits / queries if queries else 0.0
 
 
 @attrs.define(eq=False)

@@ -43,11 +43,7 @@ import attrs
 
 from structllm.config import EngineConfig, FrontendConfig, split_fields
 from structllm.core.engine_core import StepOutput, check_prompt
-from structllm.engine.core_client import (
-    CoreClient,
-    EngineStatistics,
-    dead_error,
-)
+from structllm.engine.core_client import CoreClient
 from structllm.engine.core_connection import encode_request
 from structllm.engine.inputs import (
     PromptInput,
@@ -64,10 +60,12 @@ from structllm.engine.output_processor import (
 )
 from structllm.engine.protocol import AbortRequests, AddFailed, CoreRequest, Ready
 from structllm.engine.request_stream import RequestStream
+from structllm.engine.statistics import EngineStatistics
 from structllm.errors import (
     EngineDeadError,
     EngineOverloadedError,
     InvalidRequestError,
+    dead_error,
 )
 from structllm.outputs import RequestOutput
 from structllm.params import OutputKind, SamplingParams

@@ -45,19 +45,20 @@ from structllm.engine.protocol import (
     StepOutput,
     encode,
 )
+from structllm.engine.statistics import EngineStatistics
 from structllm.errors import (
     EngineConfigError,
     EngineCoreError,
     EngineDeadError,
     ModelLoadError,
-    UnsupportedModelError,
+    dead_error,
+    load_error,
 )
 
 __all__ = [
     "CoreClient",
     "CoreEvents",
     "EngineStatistics",
-    "dead_error",
 ]
 
 
@@ -82,45 +83,6 @@ class _CoreLost(Exception):
     def __init__(self, cause: BaseException) -> None:
         super().__init__(str(cause))
         self.cause = cause
-
-
-@attrs.frozen(kw_only=True)
-class EngineStatistics:
-    """A snapshot; the counts come from the core's latest report."""
-
-    live_requests: int
-    running: int
-    waiting: int
-    blocks_used: int
-    num_blocks: int
-    total_preemptions: int
-    restarts: int
-    ready: bool
-    dead: bool
-    #: the pid of the core process (this process's, for the inline executor)
-    worker_pid: int | None
-    #: seconds since the core was last heard from (None: no core)
-    silent_for: float | None = None
-    #: ready, not dead, and heard from within the health timeout
-    healthy: bool = False
-    #: prompt tokens looked up in the prefix cache, and found there (since
-    #: open(), over every core start)
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """Found / looked-up prompt tokens; 0.0 before any lookup."""
-        if not self.prefix_cache_queries:
-            return 0.0
-        return self.prefix_cache_hits / self.prefix_cache_queries
-
-
-#: errors the core may report while loading, rebuilt by name in the parent
-_LOAD_ERRORS: dict[str, type[ModelLoadError]] = {
-    "ModelLoadError": ModelLoadError,
-    "UnsupportedModelError": UnsupportedModelError,
-}
 
 
 @attrs.define(eq=False)
@@ -353,7 +315,7 @@ class CoreClient:
                         return msg
                     elif isinstance(msg, Fatal):
                         if msg.during_load:
-                            raise _load_error(msg)
+                            raise load_error(msg.kind, msg.message, msg.field)
                         raise _CoreLost(
                             EngineCoreError(msg.kind, msg.message, msg.traceback)
                         )
@@ -446,17 +408,3 @@ async def _receive(conn: CoreConnection) -> Message:
         raise _CoreLost(
             ConnectionError(f"the engine core connection closed ({exc!r})")
         ) from None
-
-
-def _load_error(msg: Fatal) -> ModelLoadError | EngineConfigError:
-    """The parent's copy of the error that stopped the core from loading."""
-    if msg.kind == "EngineConfigError":
-        return EngineConfigError(msg.message, field=msg.field)
-    return _LOAD_ERRORS.get(msg.kind, ModelLoadError)(msg.message)
-
-
-def dead_error(message: str, cause: BaseException) -> EngineDeadError:
-    """EngineDeadError ``from`` ``cause``, with the cause in its message."""
-    err = EngineDeadError(f"{message}: {cause}")
-    err.__cause__ = cause
-    return err

@@ -11,7 +11,7 @@ control flow per token.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
@@ -126,9 +126,13 @@ class LlamaForCausalLM:
         *,
         block_size: int,
         max_model_len: int,
+        all_reduce: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
     ) -> None:
         self.config = config
         self.weights = weights
+        #: a tensor-parallel rank's sum of the o and down projections' partial
+        #: outputs over its group (``model/parallel.py``); None: whole model
+        self.all_reduce = all_reduce
         self.dtype = weights.embed.dtype
         self.attention = PortableAttention(
             config.num_attention_heads,
@@ -198,7 +202,7 @@ class LlamaForCausalLM:
             attn = self.attention.forward(
                 q, k, v, k_cache, v_cache, meta, self._windows[i]
             )  # (T, nh * d)
-            x = layer_output(c, layer, x, attn)
+            x = layer_output(c, layer, x, attn, self.all_reduce)
         return x
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:  # (N, V) float32
@@ -244,9 +248,16 @@ def layer_output(
     layer: DecoderLayerWeights,
     x: paddle.Tensor,  # (T, H) the residual stream
     attn: paddle.Tensor,  # (T, nh * d) attention output
+    all_reduce: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
 ) -> paddle.Tensor:  # (T, H)
-    """o projection and the MLP block, each added to the residual stream."""
+    """o projection and the MLP block, each added to the residual stream.
+
+    On a tensor-parallel rank ``all_reduce`` sums the row-parallel o and down
+    projections' partial outputs; their biases are added after it, once.
+    """
     out = paddle.matmul(attn, layer.o)
+    if all_reduce is not None:
+        out = all_reduce(out)
     if layer.o_bias is not None:
         out = out + layer.o_bias
     x = x + out
@@ -255,6 +266,8 @@ def layer_output(
     if layer.gate_up_bias is not None:
         gate_up = gate_up + layer.gate_up_bias
     out = paddle.matmul(_swiglu(gate_up), layer.down)
+    if all_reduce is not None:
+        out = all_reduce(out)
     if layer.down_bias is not None:
         out = out + layer.down_bias
     return x + out

@@ -297,8 +297,12 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
 
 
 def _read_safetensors(
-    path: Path, shapes: Mapping[str, tuple[int, ...]]
+    path: Path,
+    shapes: Mapping[str, tuple[int, ...]],
+    slices: Mapping[str, tuple[slice, ...]] | None = None,
 ) -> Iterator[tuple[str, paddle.Tensor]]:
+    """The tensors of ``shapes``, checked; of each, only ``slices[name]`` if given
+    (a tensor-parallel rank's shard, read without the rest of the tensor)."""
     from safetensors import safe_open
 
     files = _checkpoint_files(path)
@@ -322,13 +326,17 @@ def _read_safetensors(
         try:
             with safe_open(str(file), framework="paddle") as st:
                 for name in names:
-                    tensor = st.get_tensor(name)
-                    if tuple(tensor.shape) != shapes[name]:
+                    part = st.get_slice(name)
+                    if tuple(part.get_shape()) != shapes[name]:
                         raise ModelLoadError(
                             f"tensor {name} in {file.name} has shape "
-                            f"{tuple(tensor.shape)}, config.json implies {shapes[name]}"
+                            f"{tuple(part.get_shape())}, config.json implies "
+                            f"{shapes[name]}"
                         )
-                    yield name, tensor
+                    if slices is None:
+                        yield name, st.get_tensor(name)
+                    else:
+                        yield name, part[slices[name]]
         except ModelLoadError:
             raise
         except Exception as exc:  # truncated or corrupt file, bad dtype

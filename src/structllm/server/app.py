@@ -20,6 +20,15 @@
   when the grace period ends are cut, a streaming one with a final error
   event and ``[DONE]``.
 - :mod:`~structllm.server.metrics` -- Prometheus, one registry per app.
+- :mod:`~structllm.server.access` -- the request id (``X-Request-Id``) and
+  the access log; :mod:`~structllm.server.security` -- API keys and CORS;
+  :mod:`~structllm.server.limits` -- the bound on concurrent requests.
+
+Middleware, outermost first: request context, CORS (only with
+``--allowed-origins``), API keys (only with ``--api-key``), the concurrency
+limit, drain, then Starlette's own. CORS sits outside the key check so a
+browser's preflight is answered without a key; the key check sits outside
+the limit so requests without a key never take a slot.
 
 The app needs no socket: tests drive it in process through
 ``httpx.ASGITransport``, and ``structllm serve`` (:mod:`~structllm.server.run`)
@@ -30,13 +39,18 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
+import structllm
 from structllm.server import openapi, responses, routes
+from structllm.server.access import RequestContextMiddleware
 from structllm.server.drain import Drain, DrainMiddleware
 from structllm.server.http_errors import error_json, install_handlers
+from structllm.server.limits import ConcurrencyLimit, LimitState
 from structllm.server.metrics import Gauges, Metrics
+from structllm.server.security import ApiKeyMiddleware, add_cors
 from structllm.server.serving import EngineSlot, ServerConfig, Serving
 from structllm.server.serving_chat import ChatServing
 from structllm.server.serving_completion import CompletionServing
+from structllm.server.serving_tokenize import TokenizeServing
 
 __all__ = ["Drain", "EngineSlot", "ServerConfig", "build_app", "error_json"]
 
@@ -46,9 +60,32 @@ def build_app(
 ) -> FastAPI:
     """The server for the engine in ``slot`` (empty while it loads)."""
     drain = drain or Drain(retry_after=config.retry_after)
-    app = FastAPI(title="structllm", docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="structllm",
+        version=structllm.__version__,
+        docs_url=None,
+        redoc_url=None,
+    )
+    # add_middleware wraps what is there: innermost first
     app.add_middleware(DrainMiddleware, drain=drain)
+    limits = LimitState(
+        config.max_concurrent_requests, config.max_concurrent_requests_per_client
+    )
+    app.add_middleware(ConcurrencyLimit, state=limits, retry_after=config.retry_after)
+    if config.api_key:
+        app.add_middleware(
+            ApiKeyMiddleware,
+            keys=config.api_key,
+            metrics_require_auth=config.metrics_require_auth,
+        )
+    add_cors(app, config)
+    app.add_middleware(
+        RequestContextMiddleware,
+        access_log=config.access_log,
+        max_log_len=config.max_log_len,
+    )
     install_handlers(app)
+    app.state.limits = limits
     metrics = Metrics(_gauges(slot))
     app.state.metrics = metrics
     app.state.drain = drain
@@ -56,7 +93,14 @@ def build_app(
     app.state.serving = Serving(slot, config, metrics)
     app.state.completions = CompletionServing(slot, config, metrics)
     app.state.chat = ChatServing(slot, config, metrics)
-    for api in (routes.completions, routes.chat, routes.models, routes.operations):
+    app.state.tokenize = TokenizeServing(slot, config, metrics)
+    for api in (
+        routes.completions,
+        routes.chat,
+        routes.models,
+        routes.operations,
+        routes.tokenize,
+    ):
         app.include_router(api.router)
     openapi.install(app)
     return app

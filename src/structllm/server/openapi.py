@@ -21,19 +21,21 @@ from pydantic.json_schema import JsonSchemaMode
 
 from structllm.server.responses import ErrorResponse
 
-__all__ = ["install", "request_body", "responses"]
+__all__ = ["error_responses", "install", "request_body", "responses"]
 
 _REF = "#/components/schemas/{model}"
 _SCHEMAS: dict[str, Any] = {}
 
 _ERRORS = {
     400: "Invalid JSON or a field out of range; `param` names the field.",
+    401: "The server has API keys and the request has no `Authorization: "
+    "Bearer` header with one of them.",
     404: "The `model` is not the one this server serves.",
     408: "The body or the request took too long.",
     413: "The body is larger than `--max-body-bytes`.",
     500: "An internal error in this request alone.",
-    503: "The engine is loading, overloaded, restarting or dead, or the server "
-    "is shutting down.",
+    503: "The engine is loading, overloaded, restarting or dead, the server is "
+    "shutting down, or it handles `--max-concurrent-requests` already.",
 }
 
 
@@ -45,12 +47,14 @@ def _schema(model: type[BaseModel], mode: JsonSchemaMode) -> dict[str, str]:
     return {"$ref": _REF.format(model=model.__name__)}
 
 
-def request_body(model: type[BaseModel]) -> dict[str, Any]:
-    """``openapi_extra`` for a route whose JSON body ``model`` validates."""
+def request_body(*models: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` for a route whose JSON body one of ``models`` validates."""
+    refs = [_schema(model, "validation") for model in models]
+    schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
     return {
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": _schema(model, "validation")}},
+            "content": {"application/json": {"schema": schema}},
         }
     }
 
@@ -58,7 +62,7 @@ def request_body(model: type[BaseModel]) -> dict[str, Any]:
 def responses(
     model: type[BaseModel],
     chunk: type[BaseModel] | None = None,
-    errors: Iterable[int] = (400, 404, 408, 413, 500, 503),
+    errors: Iterable[int] = (400, 401, 404, 408, 413, 500, 503),
 ) -> dict[int | str, dict[str, Any]]:
     """``responses`` for a route answering ``model`` (or ``chunk`` events)."""
     ok: dict[str, Any] = {"model": model, "description": "The response."}
@@ -70,10 +74,12 @@ def responses(
         ok["content"] = {
             "text/event-stream": {"schema": _schema(chunk, "serialization")}
         }
-    out: dict[int | str, dict[str, Any]] = {200: ok}
-    for status in errors:
-        out[status] = {"model": ErrorResponse, "description": _ERRORS[status]}
-    return out
+    return {200: ok, **error_responses(*errors)}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """``responses`` entries for error ``statuses`` (OpenAI error bodies)."""
+    return {s: {"model": ErrorResponse, "description": _ERRORS[s]} for s in statuses}
 
 
 def install(app: FastAPI) -> None:

@@ -9,6 +9,10 @@ finish, then those still running are cut (a stream with a final error event
 and ``[DONE]``); then hypercorn stops, and the engine stops its worker.
 Exit status 0, or 1 when the engine had died for good.
 
+The access log (``--access-log``, on by default) goes to stderr, one JSON
+line per request (:mod:`~structllm.server.access`). API keys come from
+``--api-key`` and ``$STRUCTLLM_API_KEY`` together.
+
 The listen backlog is ``--backlog`` (hypercorn would otherwise re-listen
 the socket with its own default of 100). Error responses that hypercorn
 writes itself (malformed HTTP, 431 for oversized headers) carry an OpenAI
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
+import os
 import signal
 import socket
 import sys
@@ -35,10 +41,14 @@ from structllm.config import (
 )
 from structllm.engine.async_llm import AsyncLLM
 from structllm.errors import StructLLMError
+from structllm.server.access import ACCESS_LOGGER
 from structllm.server.app import build_app
 from structllm.server.drain import Drain, drain_then_stop
 from structllm.server.http_errors import error_json
+from structllm.server.security import api_keys
 from structllm.server.serving import EngineSlot
+
+_log = logging.getLogger("structllm.server")
 
 __all__ = [
     "add_serve_args",
@@ -65,7 +75,10 @@ def configs_from_args(
 ) -> tuple[ServerConfig, FrontendConfig]:
     """The server and front-end configs the flags of :func:`add_serve_args` give."""
     server = from_arguments(
-        ServerConfig, ns, model_name=ns.served_model_name or ns.model
+        ServerConfig,
+        ns,
+        model_name=ns.served_model_name or ns.model,
+        api_key=api_keys(ns.api_key, os.environ),
     )
     return server, from_arguments(FrontendConfig, ns)
 
@@ -118,6 +131,8 @@ async def _serve(
     shutdown = anyio.Event()
     slot = EngineSlot()
     drain = Drain(retry_after=server.retry_after)
+    if server.access_log:
+        _log_access_to_stderr()
     app = build_app(slot, server, drain)
     status = 0
     try:
@@ -159,6 +174,17 @@ async def _serve(
     return status
 
 
+def _log_access_to_stderr() -> None:
+    """The access log's lines on stderr, one each, without a prefix."""
+    log = logging.getLogger(ACCESS_LOGGER)
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
 async def serve_hypercorn(app: Any, config: Any, shutdown: anyio.Event) -> None:
     """Serve ``app`` on hypercorn under the running loop until ``shutdown``."""
     import sniffio
@@ -166,6 +192,7 @@ async def serve_hypercorn(app: Any, config: Any, shutdown: anyio.Event) -> None:
     if sniffio.current_async_library() == "trio":
         from hypercorn.trio import serve as trio_serve
 
+        _trio_connections_fail_alone()
         await trio_serve(app, config, shutdown_trigger=shutdown.wait)
     else:
         from hypercorn.asyncio import serve as asyncio_serve
@@ -218,6 +245,40 @@ def _openai_error_bodies() -> None:
 
     H11Protocol._send_error_response = send_error_response  # type: ignore[method-assign]
     H11Protocol._structllm_bodies = True  # type: ignore[attr-defined]
+
+
+def _trio_connections_fail_alone() -> None:
+    """Under trio, an error in one connection must not stop the server.
+
+    hypercorn's trio worker runs each connection in the listeners' nursery
+    and lets any exception but ``OSError`` out of it, which ends the whole
+    server. One does escape: a client that hangs up in the middle of its
+    body makes hypercorn write an error response while the same connection
+    is being closed (``send_eof`` outside its send lock), and trio raises
+    ``BusyResourceError`` (found by tools/soak.py; asyncio's worker runs
+    connections as separate tasks and is not affected). The connection is
+    gone either way; log it and let the server serve on.
+    """
+    from hypercorn.trio.tcp_server import TCPServer
+
+    if getattr(TCPServer, "_structllm_fail_alone", False):
+        return
+    run = TCPServer.run
+
+    async def run_alone(self: Any) -> None:
+        try:
+            await run(self)
+        except Exception as exc:  # Cancelled is a BaseException: not caught
+            _log.warning("a connection failed (%s); the server serves on", _leaf(exc))
+
+    TCPServer.run = run_alone  # type: ignore[method-assign]
+    TCPServer._structllm_fail_alone = True  # type: ignore[attr-defined]
+
+
+def _leaf(exc: BaseException) -> str:
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"
 
 
 async def _watch_engine(llm: AsyncLLM, shutdown: anyio.Event) -> None:

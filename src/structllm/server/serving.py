@@ -38,6 +38,7 @@ from structllm.errors import EngineLoadingError, InvalidRequestError
 from structllm.outputs import CompletionOutput, RequestOutput
 from structllm.params import SamplingParams
 from structllm.server import responses as api
+from structllm.server.access import current_record
 from structllm.server.body import (
     BIG_BODY,
     BodyTooLargeError,
@@ -224,7 +225,7 @@ class Serving:
         finals: dict[int, RequestOutput] = {}
 
         async def one(job: Job) -> None:
-            finals[job.index] = await self.observe(job.prompt, job.params, None)
+            finals[job.index] = await self.observe(job, None)
 
         async with anyio.create_task_group() as tg:
             for job in jobs:
@@ -271,7 +272,7 @@ class Serving:
                     cached[job.index] = o.num_cached_tokens or 0
                     out.send_nowait(api.dump(fmt.delta(job, o, running_usage())))
 
-                await self.observe(job.prompt, job.params, on_output)
+                await self.observe(job, on_output)
 
         async def produce(emit: Emit) -> None:
             send, receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
@@ -309,22 +310,30 @@ class Serving:
         return EventStream(produce_with_deadline)
 
     async def observe(
-        self,
-        prompt: Prompt,
-        params: SamplingParams,
-        on_output: Callable[[RequestOutput], None] | None,
+        self, job: Job, on_output: Callable[[RequestOutput], None] | None
     ) -> RequestOutput:
-        """Run one request, recording latency metrics; return its final output."""
+        """Run one job, recording latency metrics and, inside an HTTP request,
+        its record (:mod:`~structllm.server.access`); its final output.
+
+        The engine request is named after the HTTP request's id.
+        """
         metrics = self.metrics
+        record = current_record()
         start = time.monotonic()
         last = start
         first = True
+        prompt = job.prompt
         given: dict[str, Any] = {"prompt_token_ids": list(prompt.token_ids)}
         if prompt.text is not None:
             given["prompt"] = prompt.text
         if prompt.cache_salt is not None:
             given["cache_salt"] = prompt.cache_salt
-        s = self.slot.get().stream(given, params)
+        rid = None
+        if record is not None:
+            rid = record.engine_request_id(job.index)
+            if record.prompt_chars and record.prompt is None:
+                record.prompt = self.prompt_text(prompt)[: record.prompt_chars]
+        s = self.slot.get().stream(given, job.params, request_id=rid)
         try:
             async with s:
                 async for out in s:
@@ -332,6 +341,8 @@ class Serving:
                     if first:
                         metrics.ttft.observe(now - start)
                         first = False
+                        if record is not None:
+                            record.token()
                     else:
                         metrics.itl.observe(now - last)
                     last = now
@@ -342,6 +353,14 @@ class Serving:
             result = s.final_output
             if result is not None:
                 metrics.record_finished(result, time.monotonic() - start)
+                if record is not None:
+                    record.finished(
+                        job.index,
+                        job.prompt_index,
+                        len(result.prompt_token_ids),
+                        len(result.token_ids),
+                        result.finish_reason,
+                    )
         assert result is not None
         return result
 

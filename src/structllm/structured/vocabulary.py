@@ -19,7 +19,8 @@ import attrs
 import llguidance
 import tokenizers
 
-from structllm.text.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from structllm.text.byte_tokenizer import ByteTokenizer
+from structllm.text.tokenizer import HFTokenizer, Tokenizer
 
 __all__ = ["GrammarVocabulary"]
 

@@ -3,15 +3,10 @@
 Knows about ``tokenizers`` and ``jinja2``; never imports paddle or anyio.
 """
 
+from structllm.text.byte_tokenizer import BYTE_CHAT_TEMPLATE, ByteTokenizer
 from structllm.text.chat import CHATML_TEMPLATE, render_chat_template, validate_messages
 from structllm.text.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
-from structllm.text.tokenizer import (
-    BYTE_CHAT_TEMPLATE,
-    ByteTokenizer,
-    HFTokenizer,
-    Tokenizer,
-    load_tokenizer,
-)
+from structllm.text.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from structllm.text.training import write_byte_level_bpe_tokenizer
 
 __all__ = [

@@ -1,16 +1,16 @@
-"""Tokenizers: the :class:`Tokenizer` interface and its two implementations.
+"""Tokenizers: the :class:`Tokenizer` interface and :class:`HFTokenizer`.
 
 :class:`HFTokenizer` reads a Hugging Face model directory (``tokenizer.json``
 plus the optional ``tokenizer_config.json``, ``chat_template.jinja`` and
-``generation_config.json``); :class:`ByteTokenizer` needs no files and serves
-the built-in ``tiny-random`` model. :func:`load_tokenizer` picks one.
+``generation_config.json``); :class:`~structllm.text.byte_tokenizer.ByteTokenizer`
+needs no files and serves the built-in ``tiny-random`` model.
+:func:`load_tokenizer` picks one.
 """
 
 from __future__ import annotations
 
 import abc
 import json
-import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,8 +22,6 @@ from structllm.errors import InvalidRequestError, ModelLoadError
 from structllm.text.chat import render_chat_template
 
 __all__ = [
-    "BYTE_CHAT_TEMPLATE",
-    "ByteTokenizer",
     "HFTokenizer",
     "Tokenizer",
     "load_tokenizer",
@@ -116,87 +114,6 @@ class Tokenizer(abc.ABC):
             eos_token=self.eos_token or "",
             **extra,
         )
-
-
-# --- the built-in byte tokenizer ---------------------------------------------
-
-#: The chat template of :class:`ByteTokenizer`.
-BYTE_CHAT_TEMPLATE = (
-    "{% if tools %}{{ '<|tools|>\\n' + tools | tojson + '\\n' }}{% endif %}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] }}"
-    "{% for call in message['tool_calls'] or [] %}"
-    "{{ '<tool_call>' + {'name': call['function']['name'],"
-    " 'arguments': call['function']['arguments']} | tojson + '</tool_call>' }}"
-    "{% endfor %}"
-    "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
-    "{{ '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
-)
-
-_BYTE_BOS = 256
-_BYTE_EOS = 257
-_BYTE_SPECIALS = {"<|bos|>": _BYTE_BOS, "<|eos|>": _BYTE_EOS}
-_BYTE_SPECIALS_RE = re.compile("(" + "|".join(map(re.escape, _BYTE_SPECIALS)) + ")")
-
-
-@attrs.frozen
-class ByteTokenizer(Tokenizer):
-    """One token per UTF-8 byte (ids 0-255), then ``<|bos|>`` and ``<|eos|>``."""
-
-    @property
-    def vocab_size(self) -> int:
-        return 258
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return frozenset({_BYTE_EOS})
-
-    @property
-    def bos_token_id(self) -> int:
-        return _BYTE_BOS
-
-    @property
-    def bos_token(self) -> str:
-        return "<|bos|>"
-
-    @property
-    def eos_token(self) -> str:
-        return "<|eos|>"
-
-    @property
-    def all_special_ids(self) -> frozenset[int]:
-        return frozenset({_BYTE_BOS, _BYTE_EOS})
-
-    @property
-    def chat_template(self) -> str:
-        return BYTE_CHAT_TEMPLATE
-
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        ids = [_BYTE_BOS] if add_special_tokens else []
-        for i, part in enumerate(_BYTE_SPECIALS_RE.split(text)):
-            if i % 2:
-                ids.append(_BYTE_SPECIALS[part])
-            else:
-                ids.extend(part.encode())
-        return ids
-
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        parts: list[str] = []
-        buf = bytearray()
-        for i in ids:
-            if 0 <= i < 256:
-                buf.append(i)
-            elif i in (_BYTE_BOS, _BYTE_EOS) and not skip_special_tokens:
-                parts.append(buf.decode(errors="replace"))
-                buf.clear()
-                parts.append("<|bos|>" if i == _BYTE_BOS else "<|eos|>")
-        parts.append(buf.decode(errors="replace"))
-        return "".join(parts)
-
-    def id_to_piece(self, token_id: int) -> str:
-        return self.decode([token_id], skip_special_tokens=False)
 
 
 # --- Hugging Face tokenizer.json ---------------------------------------------
@@ -413,6 +330,7 @@ def load_tokenizer(path_or_name: str | Path) -> Tokenizer:
     :meth:`HFTokenizer.from_directory`, or a built-in name
     (``"tiny-random"`` has the byte tokenizer; see structllm.models)."""
     from structllm.models import model_directory
+    from structllm.text.byte_tokenizer import ByteTokenizer
 
     directory = model_directory(path_or_name)
     if directory is None:

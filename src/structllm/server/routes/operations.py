@@ -1,12 +1,18 @@
-"""``GET /health`` and ``GET /metrics``: for load balancers and Prometheus."""
+"""``GET /health``, ``GET /metrics``, ``GET /version``: for load balancers,
+Prometheus and operators."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 
+import structllm
+from structllm.server import openapi
 from structllm.server.drain import Drain
+from structllm.server.http_errors import ASCIIJSONResponse
 from structllm.server.metrics import CONTENT_TYPE
+from structllm.server.protocol_ops import VersionResponse
+from structllm.server.responses import dump
 from structllm.server.serving import Serving
 
 __all__ = ["router"]
@@ -42,10 +48,21 @@ async def health(request: Request) -> Response:
         200: {
             "description": "Prometheus text exposition.",
             "content": {CONTENT_TYPE: {"schema": {"type": "string"}}},
-        }
+        },
+        **openapi.error_responses(401),
     },
     summary="Prometheus metrics",
 )
 async def metrics(request: Request) -> Response:
     serving: Serving = request.app.state.serving
     return PlainTextResponse(serving.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get(
+    "/version",
+    response_model=None,
+    responses=openapi.responses(VersionResponse, errors=()),
+    summary="The structllm version",
+)
+async def version(request: Request) -> Response:
+    return ASCIIJSONResponse(dump(VersionResponse(version=structllm.__version__)))

@@ -1,0 +1,39 @@
+"""What :meth:`AsyncLLM.statistics` returns: one snapshot of the engine."""
+
+from __future__ import annotations
+
+import attrs
+
+from structllm.core.scheduler import hit_rate
+
+__all__ = ["EngineStatistics"]
+
+
+@attrs.frozen(kw_only=True)
+class EngineStatistics:
+    """A snapshot; the counts come from the core's latest report."""
+
+    live_requests: int
+    running: int
+    waiting: int
+    blocks_used: int
+    num_blocks: int
+    total_preemptions: int
+    restarts: int
+    ready: bool
+    dead: bool
+    #: the pid of the core process (this process's, for the inline executor)
+    worker_pid: int | None
+    #: seconds since the core was last heard from (None: no core)
+    silent_for: float | None = None
+    #: ready, not dead, and heard from within the health timeout
+    healthy: bool = False
+    #: prompt tokens looked up in the prefix cache, and found there (since
+    #: open(), over every core start)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Found / looked-up prompt tokens; 0.0 before any lookup."""
+        return hit_rate(self.prefix_cache_hits, self.prefix_cache_queries)

@@ -1,0 +1,245 @@
+"""Tensor parallelism for the Llama-family decoder (Megatron-style).
+
+A rank of a ``tp_size`` group holds a slice of every layer:
+
+- q/k/v projections are column-parallel, split by head: rank ``r`` keeps q
+  heads ``[r * nh/tp, (r+1) * nh/tp)``. KV heads are split the same way when
+  ``kv_heads % tp == 0``; when ``kv_heads < tp`` (and ``tp % kv_heads == 0``)
+  each rank keeps the one kv head its q heads use, so kv heads are
+  replicated ``tp / kv_heads`` times. q/k/v biases follow their rows.
+- gate/up are column-parallel (intermediate columns), o_proj and down_proj
+  row-parallel (their input rows): each rank's matmul gives a partial sum of
+  the full output, summed by one all-reduce after o_proj and one after
+  down_proj. Their biases are kept whole and added once, after the reduction.
+- norms (also Qwen3's per-head q/k norm), the embedding and the LM head are
+  replicated; every rank computes the full logits. A vocab-parallel
+  embedding and head (a split of ``V`` with an all-gather of the logits) is
+  a later option.
+
+So a rank's shard is exactly the checkpoint of a narrower model
+(:attr:`ShardPlan.local`: ``nh/tp`` heads, its kv heads, ``I/tp``
+intermediate), which :class:`~structllm.model.llama.LlamaForCausalLM` runs
+unchanged, with an ``all_reduce`` hook, over a KV cache of its own kv heads.
+Each rank reads only its slices from safetensors (``get_slice``).
+
+Collectives are ``paddle.distributed.all_reduce`` on the default group: the
+caller starts the ranks and calls ``paddle.distributed.init_parallel_env()``
+(gloo on CPU) before :func:`load_shard`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import attrs
+
+from structllm.errors import EngineConfigError, ModelLoadError
+from structllm.model._paddle import paddle
+from structllm.model.config import ModelConfig
+from structllm.model.llama import LlamaForCausalLM
+from structllm.model.loader import (
+    _fuse,
+    _read_safetensors,
+    build_model,
+    hf_tensor_shapes,
+    resolve_backend,
+    resolve_dtype,
+)
+
+__all__ = ["ShardPlan", "all_reduce_sum", "build_shard", "load_shard", "plan_shards"]
+
+#: an HF tensor's rows (and columns) a rank keeps, in ``(out, in)`` layout
+Index = tuple[slice, ...]
+
+
+@attrs.frozen
+class ShardPlan:
+    """What rank ``rank`` of ``tp_size`` holds of ``config``'s checkpoint."""
+
+    config: ModelConfig  # the whole model
+    tp_size: int
+    rank: int
+    #: the rank's shard as a model of its own (heads, kv heads, intermediate)
+    local: ModelConfig
+    q_heads: range  # global indices of the rank's q heads
+    kv_heads: range  # global indices of the kv heads it keeps
+    intermediate: range  # its gate/up columns, down rows
+
+    @property
+    def kv_replicated(self) -> bool:
+        """Whether other ranks hold the same kv heads (``kv_heads < tp``)."""
+        return self.config.num_key_value_heads < self.tp_size
+
+    def slices(self) -> dict[str, Index]:
+        """HF tensor name -> the rank's slice of it (replicated ones: whole)."""
+        c, d = self.config, self.config.head_dim
+        q = slice(self.q_heads.start * d, self.q_heads.stop * d)
+        kv = slice(self.kv_heads.start * d, self.kv_heads.stop * d)
+        i = slice(self.intermediate.start, self.intermediate.stop)
+        every = slice(None)
+        out: dict[str, Index] = {}
+        for name, shape in hf_tensor_shapes(c).items():
+            part = name.rsplit(".", 2)
+            module, kind = part[-2], part[-1]
+            rows = {"q_proj": q, "k_proj": kv, "v_proj": kv}.get(module)
+            if module in ("gate_proj", "up_proj"):
+                rows = i
+            if rows is not None:
+                out[name] = (rows, every) if kind == "weight" else (rows,)
+            elif module == "o_proj" and kind == "weight":
+                out[name] = (every, q)
+            elif module == "down_proj" and kind == "weight":
+                out[name] = (every, i)
+            else:  # norms, embedding, head, o/down biases: whole
+                out[name] = tuple(every for _ in shape)
+        return out
+
+    def shard_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF tensor name -> the shape of the rank's slice."""
+        full = hf_tensor_shapes(self.config)
+        return {
+            name: tuple(len(range(n)[s]) for n, s in zip(full[name], idx, strict=True))
+            for name, idx in self.slices().items()
+        }
+
+
+def plan_shards(config: ModelConfig, tp_size: int, rank: int) -> ShardPlan:
+    """The shard of ``rank``; refuses, naming the field, what does not divide."""
+    if tp_size < 1:
+        raise EngineConfigError(
+            f"tensor_parallel_size must be >= 1, got {tp_size}",
+            field="tensor_parallel_size",
+        )
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"rank {rank} is outside a group of {tp_size}")
+    nh, kvh = config.num_attention_heads, config.num_key_value_heads
+    for field, value in (
+        ("num_attention_heads", nh),
+        ("intermediate_size", config.intermediate_size),
+    ):
+        if value % tp_size:
+            raise _indivisible(field, value, tp_size)
+    if kvh >= tp_size and kvh % tp_size:
+        raise _indivisible("num_key_value_heads", kvh, tp_size)
+    if kvh < tp_size and tp_size % kvh:
+        raise EngineConfigError(
+            f"tensor_parallel_size {tp_size} does not fit num_key_value_heads "
+            f"({kvh}): with fewer kv heads than ranks, the ranks must be a "
+            "multiple of the kv heads (each rank keeps one)",
+            field="tensor_parallel_size",
+        )
+    q_per, i_per = nh // tp_size, config.intermediate_size // tp_size
+    if kvh >= tp_size:
+        kv_per = kvh // tp_size
+        kv_heads = range(rank * kv_per, (rank + 1) * kv_per)
+    else:  # replicated: the kv head of the rank's q heads
+        kv = rank * kvh // tp_size
+        kv_heads = range(kv, kv + 1)
+    local = attrs.evolve(
+        config,
+        num_attention_heads=q_per,
+        num_key_value_heads=len(kv_heads),
+        intermediate_size=i_per,
+    )
+    return ShardPlan(
+        config=config,
+        tp_size=tp_size,
+        rank=rank,
+        local=local,
+        q_heads=range(rank * q_per, (rank + 1) * q_per),
+        kv_heads=kv_heads,
+        intermediate=range(rank * i_per, (rank + 1) * i_per),
+    )
+
+
+def _indivisible(field: str, value: int, tp_size: int) -> EngineConfigError:
+    return EngineConfigError(
+        f"tensor_parallel_size {tp_size} does not divide the model's {field} ({value})",
+        field="tensor_parallel_size",
+    )
+
+
+def all_reduce_sum(x: paddle.Tensor) -> paddle.Tensor:
+    """Sum ``x`` over the default group, in place; returns ``x``."""
+    paddle.distributed.all_reduce(x, op=paddle.distributed.ReduceOp.SUM)
+    return x
+
+
+def load_shard(
+    path: Path,
+    plan: ShardPlan,
+    *,
+    dtype: str = "auto",
+    block_size: int = 16,
+    max_model_len: int | None = None,
+    backend: str = "eager",
+    all_reduce: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
+) -> LlamaForCausalLM:
+    """The rank's shard of the checkpoint in ``path``, ready to run.
+
+    Reads only the rank's slices. A group of one gets :func:`build_model`'s
+    whole model (any backend; ``all_reduce`` unused). A rank of a larger
+    group runs eager (``"auto"`` means eager there; the oneDNN
+    ``"inference"`` backend is refused), with ``model.config`` the rank's
+    :attr:`ShardPlan.local` and ``all_reduce`` defaulting to
+    :func:`all_reduce_sum` (the process group must be initialised).
+    """
+    resolve_backend(backend, "float32", plan.config)  # refuses unknown names
+    if plan.tp_size > 1 and backend == "inference":
+        raise EngineConfigError(
+            "model_backend='inference' (oneDNN) does not run tensor parallel "
+            f"yet (tensor_parallel_size={plan.tp_size}); use 'eager' or 'auto'",
+            field="model_backend",
+        )
+    compute_dtype = resolve_dtype(dtype, plan.config)
+    slices = plan.slices()
+    tensors = dict(_read_safetensors(path, hf_tensor_shapes(plan.config), slices))
+    if plan.tp_size == 1:  # the whole model: every backend
+        return build_model(
+            plan.config,
+            tensors,
+            dtype=compute_dtype,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            backend=backend,
+        )
+    return build_shard(
+        plan,
+        tensors,
+        dtype=compute_dtype,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        all_reduce=all_reduce,
+    )
+
+
+def build_shard(
+    plan: ShardPlan,
+    tensors: Mapping[str, paddle.Tensor],
+    *,
+    dtype: str = "float32",
+    block_size: int = 16,
+    max_model_len: int | None = None,
+    all_reduce: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
+) -> LlamaForCausalLM:
+    """A rank's model from its HF-named slices (as :meth:`ShardPlan.slices`
+    cuts them; consumed), checked against :meth:`ShardPlan.shard_shapes`."""
+    expected = plan.shard_shapes()
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != expected.get(name):
+            raise ModelLoadError(
+                f"shard tensor {name} has shape {tuple(tensor.shape)}, rank "
+                f"{plan.rank} of {plan.tp_size} expects {expected.get(name)}"
+            )
+    weights = _fuse(plan.local, dict(tensors), dtype)
+    if all_reduce is None and plan.tp_size > 1:
+        all_reduce = all_reduce_sum
+    limit = plan.config.max_context_len
+    return LlamaForCausalLM(
+        plan.local,
+        weights,
+        block_size=block_size,
+        max_model_len=min(max_model_len or limit, limit),
+        all_reduce=all_reduce,
+    )

@@ -1,0 +1,132 @@
+"""Request and response models of the operational routes, vLLM's shapes.
+
+``POST /tokenize`` takes a :class:`TokenizeCompletionRequest` (``prompt``)
+or a :class:`TokenizeChatRequest` (``messages``, rendered with the chat
+template, with ``tools`` if given) and answers a :class:`TokenizeResponse`; ``POST /detokenize``
+takes a :class:`DetokenizeRequest` and answers a :class:`DetokenizeResponse`;
+``GET /version`` answers a :class:`VersionResponse`. The request models
+validate as strictly as :mod:`structllm.server.protocol`'s (strict types,
+valid Unicode, bounded lists); the vLLM fields structllm does not
+implement are refused naming them (:data:`TOKENIZE_REFUSED`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from structllm.server.fields import MAX_MESSAGES, Text, TokenId
+from structllm.server.messages import Message
+from structllm.server.tools import MAX_TOOLS, Tool
+
+__all__ = [
+    "MAX_DETOKENIZE",
+    "TOKENIZE_REFUSED",
+    "DetokenizeRequest",
+    "DetokenizeResponse",
+    "TokenizeChatRequest",
+    "TokenizeCompletionRequest",
+    "TokenizeResponse",
+    "VersionResponse",
+]
+
+#: the most token ids one ``/detokenize`` takes
+MAX_DETOKENIZE = 1 << 20
+
+#: vLLM's tokenize fields that structllm refuses (present and not null)
+TOKENIZE_REFUSED = {
+    "chat_template": "custom chat templates are not supported",
+    "chat_template_kwargs": "chat template arguments are not supported",
+    "continue_final_message": "continue_final_message is not supported",
+    "mm_processor_kwargs": "multimodal input is not supported",
+}
+
+_CONFIG = ConfigDict(
+    strict=True,
+    extra="ignore",
+    frozen=True,
+    allow_inf_nan=False,
+    hide_input_in_errors=True,
+)
+
+
+class _Request(BaseModel):
+    model_config = _CONFIG
+
+    model: Text | None = None
+    #: the text of each token as well (``token_strs``)
+    return_token_strs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise PydanticCustomError("body", "the request body must be a JSON object")
+        for name, reason in TOKENIZE_REFUSED.items():
+            if data.get(name) is not None:
+                raise PydanticCustomError(
+                    "refused", "{reason}", {"name": name, "reason": reason}
+                )
+        return data
+
+
+class TokenizeCompletionRequest(_Request):
+    """``POST /tokenize`` with a ``prompt``."""
+
+    prompt: Text
+    #: BOS and the like, as a completion request adds them
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Request):
+    """``POST /tokenize`` with ``messages``, rendered as chat completions does."""
+
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
+    #: written out by the template, as chat completions renders them
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    add_generation_prompt: bool = True
+    #: chat templates write BOS themselves
+    add_special_tokens: bool = False
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_dict() for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [t.template_dict() for t in self.tools] if self.tools else None
+
+
+class DetokenizeRequest(_Request):
+    """``POST /detokenize``."""
+
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_DETOKENIZE)]
+
+
+def _required_unless_omitted(schema: dict[str, Any], cls: type[Any]) -> None:
+    omit: frozenset[str] = getattr(cls, "_omit_unset", frozenset())
+    schema["required"] = [n for n in schema.get("properties", {}) if n not in omit]
+
+
+class _Body(BaseModel):
+    """A response: fields in ``_omit_unset`` are sent only when given."""
+
+    model_config = ConfigDict(json_schema_extra=_required_unless_omitted)
+    _omit_unset: ClassVar[frozenset[str]] = frozenset()
+
+
+class TokenizeResponse(_Body):
+    _omit_unset = frozenset({"token_strs"})
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(_Body):
+    prompt: str
+
+
+class VersionResponse(_Body):
+    version: str

@@ -1,0 +1,321 @@
+"""Soak `structllm serve`: many streams at once, then clients that hang up.
+
+    python tools/soak.py [--loop asyncio] [--loop trio] [--streams 1000]
+        [--hangups 2000] [--hangup-concurrency 250] [--serve-arg=--flag ...]
+
+For each loop, against ``structllm serve tiny-random`` (worker process
+included):
+
+1. ``--streams`` streaming completions opened at once over raw sockets;
+   each must end with ``data: [DONE]`` or be a 503 with an OpenAI error
+   body (a clean refusal). Anything else (reset, truncated stream, other
+   status) is a failure.
+2. ``--hangups`` requests (streaming and not, ``--hangup-concurrency`` at
+   a time), each cut by its client at a random point: in the headers, in
+   the body, before the first byte of the answer, or after a random number
+   of bytes of it; half close the socket, half abort it (RST).
+3. Then: within 30 s, 0 requests running, 0 waiting and every KV block free
+   (``/metrics``); a good request still succeeds; the RSS of the server
+   plus its engine process within 10% of the start (measured after a
+   warm-up of 64 streams and ``--warmup`` hang-ups, so the allocations the
+   engine makes once for the batch shapes it meets do not count).
+   ``--hangup-rounds N`` repeats step 2 and records the RSS after each
+   round: growth that stops is the allocator, growth per round a leak.
+
+Prints one JSON object per loop; exits 1 if any check failed. ``nox -s
+soak`` runs it on both loops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ENGINE = ["--max-model-len", "2048", "--num-blocks", "1024", "--max-num-seqs", "64"]
+
+
+@contextmanager
+def serve(loop: str, extra: list[str], log: Path | None) -> Iterator[tuple[str, int]]:
+    cmd = [sys.executable, "-m", "structllm.cli", "serve", "tiny-random"]
+    cmd += ["--port", "0", "--loop", loop, "--no-show-progress", *ENGINE, *extra]
+    err = subprocess.DEVNULL if log is None else log.open("w")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+    assert proc.stdout is not None
+    url = None
+    while url is None:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"server exited with {proc.wait()}")
+        m = re.search(r"serving .* on (http://\S+)", line)
+        url = m.group(1) if m else None
+    try:
+        yield url, proc.pid
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+def rss_mib(pid: int) -> dict[str, float]:
+    """Resident memory of the server ``pid`` and of its engine process, MiB."""
+    kids: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        path = Path(f"/proc/{pid}/task/{task}/children")
+        if path.exists():
+            kids += [int(p) for p in path.read_text().split()]
+
+    def rss(p: int) -> float:
+        for line in Path(f"/proc/{p}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return 0.0
+
+    server, engine = rss(pid), sum(rss(k) for k in kids)
+    return {
+        "server": round(server, 1),
+        "engine": round(engine, 1),
+        "total": round(server + engine, 1),
+    }
+
+
+def gauges(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("structllm_") and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def request_bytes(body: dict[str, Any]) -> bytes:
+    raw = json.dumps(body).encode()
+    return (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nConnection: close\r\n"
+        + f"Content-Length: {len(raw)}\r\n\r\n".encode()
+        + raw
+    )
+
+
+async def stream_once(host: str, port: int, request: bytes) -> str:
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(request)
+        await writer.drain()
+        data = b""
+        async with asyncio.timeout(600):
+            while chunk := await reader.read(65536):
+                data += chunk
+                if b"data: [DONE]" in data:
+                    break
+        writer.close()
+    except (ConnectionError, OSError) as exc:
+        return f"error:{type(exc).__name__}"
+    except TimeoutError:
+        return "timeout"
+    if not data:
+        return "closed-without-response"
+    status = data.split(b" ", 2)[1].decode()
+    if status == "200":
+        return "200-done" if b"data: [DONE]" in data else "200-truncated"
+    if status == "503":
+        head, _, body = data.partition(b"\r\n\r\n")
+        try:
+            clean = "error" in json.loads(body) and b"retry-after" in head.lower()
+        except ValueError:
+            clean = False
+        return "503-clean" if clean else "503-unclean"
+    return status
+
+
+async def streams(host: str, port: int, count: int) -> Counter[str]:
+    request = request_bytes(
+        {"prompt": "hi", "max_tokens": 16, "ignore_eos": True, "stream": True}
+    )
+    go = asyncio.Event()
+
+    async def one() -> str:
+        await go.wait()
+        return await stream_once(host, port, request)
+
+    tasks = [asyncio.ensure_future(one()) for _ in range(count)]
+    await asyncio.sleep(0.2)
+    go.set()
+    return Counter(await asyncio.gather(*tasks))
+
+
+def complete(data: bytes) -> bool:
+    """``data`` holds a whole answer (its Content-Length, or ``[DONE]``)."""
+    head, sep, body = data.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    m = re.search(rb"(?i)content-length: *(\d+)", head)
+    return b"data: [DONE]" in body or (m is not None and len(body) >= int(m[1]))
+
+
+async def hang_up(host: str, port: int, rng: random.Random) -> str:
+    stream = rng.random() < 0.5
+    body = {"prompt": "x" * rng.randint(1, 200), "max_tokens": rng.randint(1, 200)}
+    request = request_bytes({**body, "ignore_eos": True, "stream": stream})
+    head = request.index(b"\r\n\r\n") + 4
+    where = rng.choice(["headers", "body", "before-answer", "in-answer"])
+    cut = {
+        "headers": rng.randint(1, head - 1),
+        "body": rng.randint(head, len(request) - 1),
+    }.get(where, len(request))
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(request[:cut])
+        await writer.drain()
+        if where == "before-answer":
+            await asyncio.sleep(rng.random() * 0.05)
+        elif where == "in-answer":
+            want = rng.randint(1, 4000)
+            data = b""
+            async with asyncio.timeout(600):
+                # to `want` bytes or the end of the answer (under trio,
+                # hypercorn keeps the connection open after it)
+                while len(data) < want and not complete(data):
+                    if not (chunk := await reader.read(want - len(data))):
+                        break
+                    data += chunk
+        if rng.random() < 0.5:
+            writer.transport.abort()  # RST
+        else:
+            writer.close()
+    except (ConnectionError, OSError) as exc:
+        return f"{where}:error:{type(exc).__name__}"
+    return where
+
+
+async def hang_ups(
+    host: str, port: int, count: int, concurrency: int, seed: int = 0
+) -> Counter[str]:
+    rng = random.Random(seed)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(seed: int) -> str:
+        async with gate:
+            return await hang_up(host, port, random.Random(seed))
+
+    seeds = [rng.randrange(2**32) for _ in range(count)]
+    return Counter(await asyncio.gather(*(one(s) for s in seeds)))
+
+
+def wait_idle(url: str, seconds: float = 30) -> tuple[dict[str, float], float]:
+    start = time.monotonic()
+    while True:
+        g = gauges(url)
+        idle = (
+            g["structllm_num_requests_running"] == 0
+            and g["structllm_num_requests_waiting"] == 0
+            and g["structllm_kv_cache_usage_perc"] == 0
+        )
+        if idle or time.monotonic() - start > seconds:
+            return g, round(time.monotonic() - start, 2)
+        time.sleep(0.2)
+
+
+def soak(loop: str, ns: argparse.Namespace) -> dict[str, Any]:
+    log = None if ns.server_log is None else Path(f"{ns.server_log}.{loop}")
+    with serve(loop, ns.serve_arg, log) as (url, pid):
+        host, port = url.removeprefix("http://").split(":")
+        cold = rss_mib(pid)
+        # warm-up: the engine's allocator grows once for the shapes it meets
+        asyncio.run(streams(host, int(port), 64))
+        asyncio.run(hang_ups(host, int(port), ns.warmup, ns.hangup_concurrency, 1))
+        wait_idle(url)
+        warm = rss_mib(pid)
+        t = time.monotonic()
+        phase1 = asyncio.run(streams(host, int(port), ns.streams))
+        s1 = round(time.monotonic() - t, 1)
+        after1 = rss_mib(pid)
+        t = time.monotonic()
+        phase2: Counter[str] = Counter()
+        rounds = []
+        for r in range(ns.hangup_rounds):
+            phase2 += asyncio.run(
+                hang_ups(host, int(port), ns.hangups, ns.hangup_concurrency, 100 + r)
+            )
+            g, waited = wait_idle(url)
+            rounds.append(rss_mib(pid)["total"])
+        s2 = round(time.monotonic() - t, 1)
+        good = httpx.post(
+            f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60
+        )
+        end = rss_mib(pid)
+        bad1 = {k: v for k, v in phase1.items() if k not in ("200-done", "503-clean")}
+        checks = {
+            "streams_complete_or_clean_503": not bad1,
+            "idle_after": g["structllm_num_requests_running"] == 0
+            and g["structllm_num_requests_waiting"] == 0,
+            "kv_blocks_all_free": g["structllm_kv_cache_usage_perc"] == 0,
+            "still_serves": good.status_code == 200,
+            "rss_within_10pct": end["total"] <= warm["total"] * 1.10,
+        }
+        return {
+            "loop": loop,
+            "streams": {"outcomes": dict(phase1), "seconds": s1},
+            "hangups": {"outcomes": dict(phase2), "seconds": s2},
+            "aborted_in_engine": g.get(
+                'structllm_requests_total{finished_reason="abort"}', 0
+            ),
+            "idle_after_s": waited,
+            "rss_mib": {
+                "cold": cold,
+                "warm": warm,
+                "after_streams": after1,
+                "after_each_hangup_round": rounds,
+                "end": end,
+            },
+            "rss_change_pct": round(100 * (end["total"] / warm["total"] - 1), 1),
+            "checks": checks,
+            "ok": all(checks.values()),
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--loop", action="append", choices=["asyncio", "trio"])
+    parser.add_argument("--streams", type=int, default=1000)
+    parser.add_argument("--hangups", type=int, default=2000)
+    parser.add_argument("--hangup-concurrency", type=int, default=250)
+    parser.add_argument("--hangup-rounds", type=int, default=1)
+    parser.add_argument(
+        "--warmup", type=int, default=500, help="hang-ups before the RSS baseline"
+    )
+    parser.add_argument("--serve-arg", action="append", default=[])
+    parser.add_argument(
+        "--server-log", help="write the server's stderr to PATH.LOOP (the access log)"
+    )
+    ns = parser.parse_args()
+    failed = False
+    for loop in ns.loop or ["asyncio"]:
+        result = soak(loop, ns)
+        print(json.dumps(result, indent=1), flush=True)
+        failed |= not result["ok"]
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -274,7 +274,9 @@ def layer_output(
 
 
 def _rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
-    if x.dtype == paddle.float32 and _FUSED_RMS_NORM:
+    # the fused CPU kernel has no gradient: training takes the composite ops
+    fused = _FUSED_RMS_NORM and x.stop_gradient and weight.stop_gradient
+    if x.dtype == paddle.float32 and fused:
         # begin_norm_axis=1 for (T, H): normalise over H
         return _fused_rms_norm(x, weight, None, eps, 1)[0]
     xf = x.astype(paddle.float32)

@@ -79,11 +79,6 @@ async def test_request_cancellation(server: StructllmServer):
     assert len(response.choices) == 1
 
 
-@pytest.mark.xfail(
-    reason="fails, issue 18 leftover: structllm reads the body as JSON whatever "
-    "its Content-Type (vLLM refuses a form-encoded one); server/body.py",
-    strict=True,
-)
 async def test_request_wrong_content_type(server: StructllmServer):
     chat_input = [{"role": "user", "content": "Write a long story"}]
     # structllm: the client is closed (async with); max_tokens 10000 ->

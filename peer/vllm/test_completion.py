@@ -19,8 +19,6 @@ from peer.vllm.conftest import MODEL_NAME
 # from peer/vllm/conftest.py. pytest.mark.asyncio -> pytest.mark.anyio.
 pytestmark = pytest.mark.anyio
 
-PROMPT_LOGPROBS = "issue 18 leftover: prompt logprobs are not computed yet (400)"
-
 
 @pytest.mark.parametrize(
     "model_name",
@@ -164,12 +162,8 @@ async def test_too_many_completion_logprobs(
     "model_name, prompt_logprobs",
     [
         (MODEL_NAME, -1),
-        pytest.param(
-            MODEL_NAME, 0, marks=pytest.mark.xfail(reason=PROMPT_LOGPROBS, strict=True)
-        ),
-        pytest.param(
-            MODEL_NAME, 1, marks=pytest.mark.xfail(reason=PROMPT_LOGPROBS, strict=True)
-        ),
+        (MODEL_NAME, 0),
+        (MODEL_NAME, 1),
         (MODEL_NAME, None),
     ],
 )
@@ -552,10 +546,6 @@ async def test_batch_completions_beam_search(
         )
 
 
-@pytest.mark.xfail(
-    reason="issue 18 leftover: echo with logprobs needs prompt logprobs (400)",
-    strict=True,
-)
 @pytest.mark.parametrize(
     "model_name",
     [MODEL_NAME],

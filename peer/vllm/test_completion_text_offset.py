@@ -10,7 +10,6 @@
 # tiny, greedy, streamed and not, and compares the text offsets.
 
 import httpx
-import pytest
 
 from peer.conftest import StructllmServer
 from peer.vllm.conftest import MODEL_NAME
@@ -28,12 +27,6 @@ def _request(stream: bool) -> dict:
     }
 
 
-@pytest.mark.xfail(
-    reason="fails, issue 18 leftover: a streamed chunk's logprobs.text_offset "
-    "counts from the chunk's own text (0 each time), not from the start of "
-    "the completion as the non-streamed answer does",
-    strict=True,
-)
 def test_stream_text_offset_matches_non_stream_with_stop_holdback(
     server: StructllmServer,
 ):

@@ -190,11 +190,6 @@ async def test_chat_completion_with_tool_use(server):
         assert getattr(response_without, "prompt_token_ids", None) is None
 
 
-@pytest.mark.xfail(
-    reason="issue 18 leftover: echo with logprobs and prompt_logprobs are "
-    "not computed yet (400)",
-    strict=True,
-)
 async def test_comparison_with_prompt_logprobs_and_logprobs(server):
     """
     Test that token_ids align with prompt_logprobs and
@@ -293,12 +288,6 @@ async def test_comparison_with_prompt_logprobs_and_logprobs(server):
 # structllm: the streaming half of upstream's
 # test_comparison_with_prompt_logprobs_and_logprobs needs no prompt
 # logprobs; it runs here on its own, unchanged.
-@pytest.mark.xfail(
-    reason="fails, issue 18 leftover: with return_token_ids a streamed "
-    "completion starts with a chunk of prompt_token_ids alone (no text, "
-    "logprobs null); vLLM sends them with the first token",
-    strict=True,
-)
 async def test_streamed_token_ids_match_logprob_tokens(server):
     async with server.get_async_client() as client:
         stream = await client.completions.create(

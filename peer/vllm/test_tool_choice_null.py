@@ -82,15 +82,7 @@ def test_null_tool_choice_does_not_conflict_with_structured_outputs(server):
     "tool_choice,tools",
     [
         ("bogus", TOOLS),
-        pytest.param(
-            "auto",
-            None,
-            marks=pytest.mark.xfail(
-                reason='fails, issue 12: tool_choice "auto" without tools is '
-                "accepted (200); vLLM and OpenAI refuse it",
-                strict=True,
-            ),
-        ),
+        ("auto", None),
     ],
 )
 def test_invalid_tool_choice_is_still_rejected(server, tool_choice, tools):

@@ -47,6 +47,7 @@ _STATUS_TYPES = {
     405: "MethodNotAllowedError",
     408: "TimeoutError",
     413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
     422: "BadRequestError",
     429: "RateLimitError",
     431: "RequestHeaderFieldsTooLargeError",

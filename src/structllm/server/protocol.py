@@ -335,13 +335,15 @@ class ChatRequest(SamplingRequest):
         tools = self.tools or []
         self._checks += check_tools(tools)
         choice = self.tool_choice
-        if choice is None or choice == "none" or choice == "auto":
+        if choice is None or choice == "none":
             return
-        if not tools:
+        if not tools:  # as OpenAI and vLLM: "auto" needs tools to choose from
             raise InvalidRequestError(
-                "tool_choice: a call is asked for but no tools are given",
+                f"tool_choice: {_choice_name(choice)} needs tools, and none are given",
                 field="tool_choice",
             )
+        if choice == "auto":
+            return
         if self._constraint is not None:
             raise InvalidRequestError(
                 f"tool_choice: a forced call cannot be combined with "
@@ -394,3 +396,9 @@ def choice_seed(params: SamplingParams, index: int) -> SamplingParams:
     if params.seed is None or index == 0:
         return params
     return attrs.evolve(params, seed=(params.seed + index) % 2**63)
+
+
+def _choice_name(choice: str | NamedToolChoice) -> str:
+    if isinstance(choice, NamedToolChoice):
+        return f"the function {choice.function.name!r}"
+    return repr(choice)

@@ -1,7 +1,8 @@
 """The serving base: what every OpenAI endpoint does around its own logic.
 
 :class:`Serving` holds the engine slot, the configuration and the metrics.
-``guarded()`` reads the body under a size cap and a deadline, parses it as
+``guarded()`` refuses a body declared as anything but JSON (415), reads
+the body under a size cap and a deadline, parses it as
 strict JSON (:mod:`~structllm.server.body`: no NaN, bounded depth; big
 bodies in a worker thread), runs the
 endpoint's handler in a task group that also watches the connection (a
@@ -126,6 +127,15 @@ class Serving:
         is the disconnect, which a watcher task waits for.
         """
         config = self.config
+        media_type = request.headers.get("content-type", "").split(";")[0].strip()
+        if media_type and not _is_json(media_type.lower()):
+            return json_error(
+                415,
+                f"the body must be JSON (Content-Type: application/json), "
+                f"not {media_type[:100]!r}",
+                param="Content-Type",
+                headers={"connection": "close"},
+            )
         try:
             with anyio.fail_after(config.body_timeout):
                 raw = await read_body(request, config.max_body_bytes)
@@ -192,7 +202,10 @@ class Serving:
     def prompt_text(self, prompt: Prompt) -> str:
         if prompt.text is not None:
             return prompt.text
-        return self.slot.get().tokenizer.decode(list(prompt.token_ids))
+        # Special tokens spelled out, as in the echoed logprobs' pieces (the
+        # text offsets index into this text) and as vLLM echoes them.
+        tokenizer = self.slot.get().tokenizer
+        return tokenizer.decode(list(prompt.token_ids), skip_special_tokens=False)
 
     @staticmethod
     def prompt_tokens(jobs: Sequence[Job]) -> int:
@@ -404,3 +417,8 @@ def _leaf(group: BaseExceptionGroup[Any]) -> BaseException:
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
     return exc
+
+
+def _is_json(media_type: str) -> bool:
+    """application/json or a ``+json`` type; a body without one is read as JSON."""
+    return media_type == "application/json" or media_type.endswith("+json")

@@ -108,6 +108,8 @@ class _Chunks(Chunks[CompletionRequest]):
 
     #: each choice's next logprobs text_offset, by choice index
     offsets: dict[int, int] = attrs.field(factory=dict)
+    #: the choices whose prompt_token_ids have been sent
+    sent_prompt_ids: set[int] = attrs.field(factory=set)
 
     def _chunk(
         self, choices: list[api.CompletionStreamChoice], usage: api.Usage | None
@@ -117,15 +119,18 @@ class _Chunks(Chunks[CompletionRequest]):
     def opening(
         self, job: Job, usage: api.Usage | None
     ) -> api.CompletionStreamResponse | None:
-        """The echoed prompt and its token ids, before any generated token."""
-        extra: dict[str, Any] = {}
-        if self.req.echo and self.req.logprobs is None:
+        """The echoed prompt and its token ids, before any generated token.
+
+        Without an echo there is no opening chunk: as in vLLM, the prompt's
+        token ids go with the first generated token.
+        """
+        if not self.req.echo or self.req.logprobs is not None:
             # with logprobs, the prompt goes with its logprobs (first delta)
-            extra["text"] = self.serving.prompt_text(job.prompt)
+            return None
+        extra: dict[str, Any] = {"text": self.serving.prompt_text(job.prompt)}
         if self.req.return_token_ids:
             extra["prompt_token_ids"] = list(job.prompt.token_ids)
-        if not extra:
-            return None
+            self.sent_prompt_ids.add(job.index)
         first = api.CompletionStreamChoice(
             index=job.index, logprobs=None, finish_reason=None, **extra
         )
@@ -137,6 +142,9 @@ class _Chunks(Chunks[CompletionRequest]):
         c = out.outputs[0]
         text = c.text
         extra = self.finish_fields(c)
+        if self.req.return_token_ids and job.index not in self.sent_prompt_ids:
+            extra["prompt_token_ids"] = list(job.prompt.token_ids)
+            self.sent_prompt_ids.add(job.index)
         if out.prompt_logprobs is not None:  # the first output (DELTA)
             extra["prompt_logprobs"] = api.prompt_logprobs(out)
             if self.req.echo and self.req.logprobs is not None:

@@ -1,5 +1,7 @@
-# Usage: python tools/profile_step.py [BATCH] [CONTEXT] [REPS]
-#   e.g. 16 200 20 and 1 200 50
+# Usage: python tools/profile_step.py [BATCH] [CONTEXT] [REPS] [BACKENDS]
+#   e.g. 16 200 20 and 1 200 50; BACKENDS: comma-separated, in order
+#   (default eager,inference). Give one backend a process to time it alone:
+#   a process that has built oneDNN predictors runs eager Paddle slower.
 """Where one decode step of the bench model spends its time, both backends.
 
 Times ``build_metadata``, ``forward`` + ``compute_logits``, and inside them
@@ -23,6 +25,7 @@ from structllm.model.loader import load_model
 B = int(sys.argv[1]) if len(sys.argv) > 1 else 16
 CTX = int(sys.argv[2]) if len(sys.argv) > 2 else 200
 REPS = int(sys.argv[3]) if len(sys.argv) > 3 else 20
+BACKENDS = sys.argv[4].split(",") if len(sys.argv) > 4 else ["eager", "inference"]
 BS = 16
 timers: dict[str, list[float]] = {}
 
@@ -53,7 +56,7 @@ def main() -> None:
     ]
     ids = paddle.to_tensor(rng.integers(0, 512, B).astype(np.int64))
     pos = paddle.to_tensor(np.full(B, CTX, np.int64))
-    for backend in ("eager", "inference"):
+    for backend in BACKENDS:
         m = load_model(d, backend=backend, num_threads=2).model
         kv = m.allocate_kv_cache(B * per_seq + 1)
         for k, v in kv:

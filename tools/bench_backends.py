@@ -91,7 +91,7 @@ if MODE == "procs":
         tok_s, n = out.stdout.split()[-2:]
         return float(tok_s), int(n)
 
-    runs = {b: run_in_child for b in BACKENDS}
+    runs = dict.fromkeys(BACKENDS, run_in_child)
 else:
     cores = {b: make_core(d, b) for b in BACKENDS}
     for core in cores.values():

@@ -63,7 +63,7 @@ class _Prefill:
     start: int  # first row of this sequence in the flattened batch
     stop: int
     kv_slots: np.ndarray  # (L,) int64, L = context_len + query_len
-    masks: Mapping[int | None, paddle.Tensor]  # window -> (q, group, L) additive
+    masks: Mapping[int | None, paddle.Tensor]  # window -> (q * group, L) additive
 
 
 @attrs.frozen
@@ -153,7 +153,7 @@ class PortableAttention:
             masks = {}
             for window in self.windows:
                 seen = visible if window is None else visible & (q_pos - keys < window)
-                masks[window] = self._mask(seen)
+                masks[window] = self._mask(seen).reshape([-1, total])  # (q g, L)
             prefills.append(
                 _Prefill(start=row, stop=row + s.query_len, kv_slots=kv, masks=masks)
             )
@@ -171,10 +171,12 @@ class PortableAttention:
     def _mask(self, seen: np.ndarray) -> paddle.Tensor:
         """``(rows, keys)`` booleans -> an additive ``(rows, group, keys)`` mask.
 
-        Scores are ``(kv_heads, rows, group, keys)``. A mask that differs from
-        them only in its leading dimension adds 6-19x faster in Paddle on CPU
-        than a ``(1, rows, 1, keys)`` one (docs/benchmarks.md), so the group
-        axis is spelled out here, once a step, rather than broadcast per layer.
+        Decode scores are ``(kv_heads, rows, group, keys)``, prefill scores
+        ``(kv_heads, rows * group, keys)`` (the caller reshapes). A mask that
+        differs from them only in its leading dimension adds 6-19x faster in
+        Paddle on CPU than a ``(1, rows, 1, keys)`` one (docs/benchmarks.md),
+        so the group axis is spelled out here, once a step, rather than
+        broadcast per layer.
         """
         mask = np.where(seen, 0.0, _NEG_INF).astype(np.float32)[:, None, :]
         if self.group > 1:
@@ -216,10 +218,12 @@ class PortableAttention:
         for p in meta.prefills:
             n = p.stop - p.start
             kp, vp = cache.gather(p.kv_slots)  # (kvh, L, d)
-            qp = q[p.start : p.stop].reshape([n, kvh, g, d]).transpose([1, 0, 2, 3])
-            # (kvh, q, g, d) @ (kvh, 1, L, d)^T -> (kvh, q, g, L)
-            out = self._attend(qp, kp.unsqueeze(1), vp.unsqueeze(1), p.masks[window])
-            outs.append(out.transpose([1, 0, 2, 3]).reshape([n, kvh * g * d]))
+            qp = q[p.start : p.stop].reshape([n, kvh, g * d]).transpose([1, 0, 2])
+            # (kvh, q g, d) @ (kvh, L, d)^T -> (kvh, q g, L): one matmul a kv
+            # head (a (kvh, q, g, d) @ (kvh, 1, L, d) broadcast is 6x slower)
+            out = self._attend(qp.reshape([kvh, n * g, d]), kp, vp, p.masks[window])
+            out = out.reshape([kvh, n, g * d]).transpose([1, 0, 2])
+            outs.append(out.reshape([n, kvh * g * d]))
         return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
 
     def _attend(

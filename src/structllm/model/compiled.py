@@ -238,7 +238,8 @@ class CompiledLlamaForCausalLM(LlamaForCausalLM):
         attn = paddle.to_tensor(rng.standard_normal((SMALL_STEP, c.q_size)), "float32")
         cos, sin = self.rope_tables(paddle.arange(SMALL_STEP))
         acts = {"x": x, "attn": attn, "cos": cos.contiguous(), "sin": sin.contiguous()}
-        h, d = [None, c.hidden_size], [None, 1, c.head_dim]
+        h = [None, c.hidden_size]
+        d = [None, c.num_attention_heads + c.num_key_value_heads, c.head_dim]
         shapes = {"x": h, "attn": [None, c.q_size], "cos": d, "sin": d}
         build = self._build
         with _LOCK:

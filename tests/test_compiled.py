@@ -53,17 +53,34 @@ def test_inference_backend_gives_the_eager_tokens() -> None:
     assert compiled == eager
 
 
-def test_auto_picks_by_size_and_bad_names_are_refused() -> None:
+@pytest.mark.parametrize(
+    ("vendor", "big_model"),
+    [("AuthenticAMD", "inference"), ("", "inference"), ("GenuineIntel", "eager")],
+)
+def test_auto_picks_by_size_and_cpu_and_bad_names_are_refused(
+    monkeypatch: pytest.MonkeyPatch, vendor: str, big_model: str
+) -> None:
+    # Intel MKL, Paddle's eager matmul, is fast on Intel CPUs only
+    monkeypatch.setattr("structllm.model.loader.cpu_vendor", lambda: vendor)
     small = tiny_random_config()
     big = attrs.evolve(
         small, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8
     )
     assert small.num_parameters < AUTO_INFERENCE_MIN_PARAMETERS <= big.num_parameters
     assert resolve_backend("auto", "float32", small) == "eager"
-    assert resolve_backend("auto", "float32", big) == "inference"
+    assert resolve_backend("auto", "float32", big) == big_model
     assert resolve_backend("eager", "float32", big) == "eager"
+    assert resolve_backend("inference", "float32", small) == "inference"
     with pytest.raises(ModelLoadError, match="model_backend"):
         resolve_backend("onnx", "float32", small)
+
+
+def test_cpu_vendor_reads_this_machine() -> None:
+    from structllm.model._paddle import cpu_vendor
+
+    with open("/proc/cpuinfo") as f:
+        ids = {ln.split(":")[1].strip() for ln in f if ln.startswith("vendor_id")}
+    assert cpu_vendor() in (ids or {""})  # no vendor_id line on ARM
 
 
 def test_small_steps_run_eager_and_large_ones_through_the_predictors() -> None:

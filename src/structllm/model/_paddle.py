@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -14,7 +15,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import paddle
 
-__all__ = ["default_num_threads", "paddle", "set_num_threads"]
+__all__ = ["cpu_vendor", "default_num_threads", "paddle", "set_num_threads"]
 
 
 def default_num_threads() -> int:
@@ -28,3 +29,20 @@ def default_num_threads() -> int:
 def set_num_threads(n: int | None = None) -> None:
     """Paddle runs CPU math on one thread unless told otherwise."""
     paddle.base.core.set_num_threads(n or default_num_threads())
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor id (``GenuineIntel``, ``AuthenticAMD``; "" if unknown).
+
+    It decides the CPU model backend: Paddle's eager matmul is Intel MKL,
+    whose fast kernels run on Intel CPUs only (docs/benchmarks.md).
+    """
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return ""

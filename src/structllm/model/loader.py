@@ -238,10 +238,10 @@ def resolve_backend(backend: str, dtype: str, config: ModelConfig) -> str:
     """``auto``: oneDNN predictors for float32 CPU models of 10M+, if not on Intel.
 
     Paddle's eager matmul is Intel MKL. On Intel (a Sapphire Rapids Xeon) it
-    reaches 100-160 GFLOP/s a core and eager steps are 2.3x faster than the
-    predictors' at 16 decodes; on AMD EPYC it reaches ~20 and the predictors
-    make 16 concurrent requests ~1.5x and a single stream ~1.2x faster
-    (docs/benchmarks.md). Below 10M parameters a step is mostly fixed
+    reaches 100-160 GFLOP/s a core and the eager engine serves 16 concurrent
+    requests 1.4x faster than the predictors; on AMD EPYC it reaches ~20 and
+    the predictors make 16 concurrent requests ~1.5x and a single stream
+    ~1.2x faster (docs/benchmarks.md). Below 10M parameters a step is mostly fixed
     per-call cost and the build (1-2 s) is not worth it. Elsewhere (GPU,
     half precision) eager Paddle.
     """

@@ -338,8 +338,11 @@ class ChatRequest(SamplingRequest):
         if choice is None or choice == "none":
             return
         if not tools:  # as OpenAI and vLLM: "auto" needs tools to choose from
+            what = repr(choice)
+            if isinstance(choice, NamedToolChoice):
+                what = f"the function {choice.function.name!r}"
             raise InvalidRequestError(
-                f"tool_choice: {_choice_name(choice)} needs tools, and none are given",
+                f"tool_choice: {what} needs tools, and none are given",
                 field="tool_choice",
             )
         if choice == "auto":
@@ -396,9 +399,3 @@ def choice_seed(params: SamplingParams, index: int) -> SamplingParams:
     if params.seed is None or index == 0:
         return params
     return attrs.evolve(params, seed=(params.seed + index) % 2**63)
-
-
-def _choice_name(choice: str | NamedToolChoice) -> str:
-    if isinstance(choice, NamedToolChoice):
-        return f"the function {choice.function.name!r}"
-    return repr(choice)

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from structllm import LLM, AsyncLLM, StructLLMError
+from structllm import LLM, AsyncLLM, FrontendConfig, ServerConfig, StructLLMError
 from structllm.core.block_pool import NoFreeBlocksError as PoolNoFreeBlocksError
 from structllm.errors import (
     EngineConfigError,
@@ -19,12 +19,15 @@ from structllm.errors import (
 BAD_SETTINGS = [
     pytest.param({"max_model_len": 256, "num_blocks": 4}, "num_blocks", id="kv"),
     pytest.param({"max_model_len": 10**7}, "max_model_len", id="context"),
-    pytest.param(
-        {"max_num_seqs": 0, "num_blocks": 64, "max_model_len": 256},
-        None,
-        id="max_num_seqs",
-    ),
+    pytest.param({"max_num_seqs": 0}, "max_num_seqs", id="max_num_seqs"),
+    pytest.param({"block_size": 0}, "block_size", id="block_size"),
+    pytest.param({"kv_cache_memory": 0}, "kv_cache_memory", id="kv_cache_memory"),
+    pytest.param({"max_model_len": 1}, "max_model_len", id="max_model_len"),
+    pytest.param({"dtype": "fp8"}, "dtype", id="dtype"),
+    pytest.param({"max_num_batched_tokens": "8"}, "max_num_batched_tokens", id="type"),
 ]
+#: refused when the config is built, before any model is loaded
+BUILD_TIME = [p for p in BAD_SETTINGS if p.id not in {"kv", "context"}]
 
 
 def test_the_tree() -> None:
@@ -59,6 +62,49 @@ async def test_async_llm_refuses_it_with_the_same_error(
         ):
             pytest.fail("open() should have failed")  # pragma: no cover
     assert info.value.field == field
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("settings", "field"), BUILD_TIME)
+async def test_the_process_executor_refuses_it_before_starting_a_core(
+    settings: dict[str, Any], field: str | None
+) -> None:
+    with pytest.raises(EngineConfigError) as info:
+        async with AsyncLLM.open("tiny-random", show_progress=False, **settings):
+            pytest.fail("open() should have failed")  # pragma: no cover
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("cls", "settings", "field"),
+    [
+        (FrontendConfig, {"heartbeat_interval": 0}, "heartbeat_interval"),
+        (FrontendConfig, {"max_restarts": -1}, "max_restarts"),
+        (FrontendConfig, {"executor": "cloud"}, "executor"),
+        (ServerConfig, {"port": 70000}, "port"),
+        (ServerConfig, {"backlog": 0}, "backlog"),
+        (ServerConfig, {"max_concurrent_requests": 0}, "max_concurrent_requests"),
+        (ServerConfig, {"max_log_len": -1}, "max_log_len"),
+        (ServerConfig, {"body_timeout": 0}, "body_timeout"),
+        (ServerConfig, {"allowed_origins": ["*"]}, "allowed_origins"),
+        (ServerConfig, {"api_key": ("a key",)}, "api_key"),
+    ],
+)
+def test_every_config_refuses_a_bad_value_naming_the_field(
+    cls: type, settings: dict[str, Any], field: str
+) -> None:
+    extra = {"model_name": "m"} if cls is ServerConfig else {}
+    with pytest.raises(EngineConfigError) as info:
+        cls(**extra, **settings)
+    assert info.value.field == field
+    assert field in str(info.value)
+
+
+def test_a_small_backlog_is_allowed_and_the_help_promises_no_minimum() -> None:
+    import attrs
+
+    assert ServerConfig(model_name="m", backlog=5).backlog == 5
+    assert ">=" not in attrs.fields(ServerConfig).backlog.metadata["help"]
 
 
 @pytest.mark.anyio

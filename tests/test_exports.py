@@ -64,7 +64,7 @@ def test_lazy_names_load_on_first_use_and_unknown_ones_raise() -> None:
     assert structllm.structured.GrammarCompiler.__name__ == "GrammarCompiler"
     with pytest.raises(AttributeError, match="'structllm' has no attribute 'nope'"):
         structllm.nope  # noqa: B018
-    with pytest.raises(AttributeError, match="'structllm.structured' has no"):
+    with pytest.raises(AttributeError, match=r"'structllm\.structured' has no"):
         structllm.structured.nope  # noqa: B018
 
 

@@ -29,7 +29,9 @@ from structllm.params import OutputKind, SamplingParams
 from structllm.structured.spec import StructuredOutputs
 
 if TYPE_CHECKING:
-    from structllm.engine.async_llm import AsyncLLM, EngineStatistics, RequestStream
+    from structllm.engine.async_llm import AsyncLLM
+    from structllm.engine.request_stream import RequestStream
+    from structllm.engine.statistics import EngineStatistics
     from structllm.llm import LLM
 
 __all__ = [

@@ -141,8 +141,9 @@ def _api_key(_: Any, attribute: attrs.Attribute[Any], value: tuple[str, ...]) ->
 def check_config(config: Any) -> None:
     """Refuse, naming the field, a value of the wrong type or not among the
     ``Literal`` choices (attrs checks neither; the bounds are validators)."""
-    for field in attrs.fields(type(config)):
-        hint = _hints(type(config))[field.name]
+    cls: type = type(config)
+    for field in attrs.fields(cls):
+        hint = _hints(cls)[field.name]
         value = getattr(config, field.name)
         if value is None and type(None) in typing.get_args(hint):
             continue

@@ -82,9 +82,13 @@ class SchedulerConfig:
         default=_ENGINE.max_num_batched_tokens.default, validator=at_least(1)
     )
     #: split prompts longer than the token budget over several steps
-    enable_chunked_prefill: bool = _ENGINE.enable_chunked_prefill.default
+    enable_chunked_prefill: bool = attrs.field(
+        default=_ENGINE.enable_chunked_prefill.default
+    )
     #: reuse cached full blocks of earlier requests with the same prefix
-    enable_prefix_caching: bool = _ENGINE.enable_prefix_caching.default
+    enable_prefix_caching: bool = attrs.field(
+        default=_ENGINE.enable_prefix_caching.default
+    )
 
     def __attrs_post_init__(self) -> None:
         if (

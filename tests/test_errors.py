@@ -138,3 +138,14 @@ def test_the_drawing_in_the_docstring_lists_every_error() -> None:
     }
     exported = {n for n in errors.__all__ if isinstance(getattr(errors, n), type)}
     assert drawn == defined == exported | {"StructLLMError"}
+
+
+def test_the_engine_guide_draws_the_same_tree() -> None:
+    import re
+    from pathlib import Path
+
+    import structllm.errors as errors
+
+    guide = (Path(__file__).parent.parent / "docs" / "engine.md").read_text()
+    drawn = set(re.findall(r"[├└]── (\w+)", guide))
+    assert drawn == set(re.findall(r"[├└]── (\w+)", errors.__doc__ or ""))

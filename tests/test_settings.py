@@ -176,3 +176,22 @@ def test_derived_defaults_have_one_home() -> None:
     assert scheduler.enable_prefix_caching == engine.enable_prefix_caching.default
     server = ServerConfig(model_name="m")
     assert server.default_max_tokens == SamplingParams().max_tokens
+
+
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        (["serve", "m", "--max-num-seqs", "0"], "max_num_seqs"),
+        (["serve", "m", "--port", "70000"], "port"),
+        (["serve", "m", "--heartbeat-timeout", "0"], "heartbeat_timeout"),
+        (["generate", "m", "p", "--block-size", "0"], "block_size"),
+    ],
+)
+def test_a_value_that_cannot_work_stops_the_command_naming_it(
+    argv: list[str], field: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from structllm.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and field in err and "Traceback" not in err

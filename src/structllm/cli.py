@@ -174,10 +174,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.command == "inspect":
         return _inspect(ns)
     if ns.command == "serve":
+        from structllm.errors import EngineConfigError
         from structllm.server.run import configs_from_args, run_server
 
-        engine = EngineConfig(model=ns.model, **engine_args(ns))
-        return run_server(*configs_from_args(ns, engine), engine)
+        try:
+            engine = EngineConfig(model=ns.model, **engine_args(ns))
+            server, front = configs_from_args(ns, engine)
+        except EngineConfigError as exc:  # names the setting: no traceback
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return run_server(server, front, engine)
     if ns.command == "bench" and ns.bench == "serve":
         from structllm.bench.serve import run_serve
 

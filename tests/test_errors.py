@@ -26,8 +26,6 @@ BAD_SETTINGS = [
     pytest.param({"dtype": "fp8"}, "dtype", id="dtype"),
     pytest.param({"max_num_batched_tokens": "8"}, "max_num_batched_tokens", id="type"),
 ]
-#: refused when the config is built, before any model is loaded
-BUILD_TIME = [p for p in BAD_SETTINGS if p.id not in {"kv", "context"}]
 
 
 def test_the_tree() -> None:
@@ -52,25 +50,16 @@ def test_llm_refuses_a_setting_that_cannot_work(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("executor", ["inline", "process"])
 @pytest.mark.parametrize(("settings", "field"), BAD_SETTINGS)
 async def test_async_llm_refuses_it_with_the_same_error(
-    settings: dict[str, Any], field: str | None
+    executor: str, settings: dict[str, Any], field: str | None
 ) -> None:
+    """Build-time refusals start no core; the rest come back from the core."""
     with pytest.raises(EngineConfigError) as info:
         async with AsyncLLM.open(
-            "tiny-random", executor="inline", show_progress=False, **settings
+            "tiny-random", executor=executor, show_progress=False, **settings
         ):
-            pytest.fail("open() should have failed")  # pragma: no cover
-    assert info.value.field == field
-
-
-@pytest.mark.anyio
-@pytest.mark.parametrize(("settings", "field"), BUILD_TIME)
-async def test_the_process_executor_refuses_it_before_starting_a_core(
-    settings: dict[str, Any], field: str | None
-) -> None:
-    with pytest.raises(EngineConfigError) as info:
-        async with AsyncLLM.open("tiny-random", show_progress=False, **settings):
             pytest.fail("open() should have failed")  # pragma: no cover
     assert info.value.field == field
 
@@ -105,16 +94,6 @@ def test_a_small_backlog_is_allowed_and_the_help_promises_no_minimum() -> None:
 
     assert ServerConfig(model_name="m", backlog=5).backlog == 5
     assert ">=" not in attrs.fields(ServerConfig).backlog.metadata["help"]
-
-
-@pytest.mark.anyio
-async def test_the_process_executor_reports_it_too() -> None:
-    with pytest.raises(EngineConfigError, match="fewer than one sequence") as info:
-        async with AsyncLLM.open(
-            "tiny-random", show_progress=False, max_model_len=256, num_blocks=4
-        ):
-            pytest.fail("open() should have failed")  # pragma: no cover
-    assert info.value.field == "num_blocks"
 
 
 @pytest.mark.anyio

@@ -147,8 +147,15 @@ def test_serve_help_is_grouped_by_topic() -> None:
     assert help_text.index("\n  --api-key") > help_text.index("\nsecurity (API")
 
 
-def test_top_level_help_shows_no_markup() -> None:
-    assert "``" not in build_parser().format_help()
+def test_no_help_shows_rst_markup() -> None:
+    def walk(parser: argparse.ArgumentParser) -> None:
+        assert "``" not in parser.format_help(), parser.prog
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    walk(sub)
+
+    walk(build_parser())
 
 
 def test_make_tiny_model_flags_take_the_functions_defaults() -> None:

@@ -40,7 +40,7 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
-from structllm.config import EngineConfig, at_least
+from structllm.config import EngineConfig
 from structllm.core.block_pool import (
     BlockHash,
     BlockPool,
@@ -51,6 +51,7 @@ from structllm.core.block_pool import (
 from structllm.core.request import Request, RequestStatus
 from structllm.errors import EngineConfigError
 from structllm.outputs import FinishReason
+from structllm.settings import at_least
 
 __all__ = [
     "ScheduledChunk",

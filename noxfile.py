@@ -139,7 +139,7 @@ def train_tiny(session: nox.Session) -> None:
 
     Seeded; minutes on 2 cores. ``-- --steps N`` and the other flags of
     tools/train_tiny.py pass through. Then update the expected texts in
-    tests/test_tiny_model.py and the figures in docs/models.md.
+    tests/test_builtin_models.py and the figures in docs/models.md.
     """
     _install(session)
     session.run("python", "tools/train_tiny.py", *session.posargs)

@@ -281,7 +281,7 @@ async def test_nothing_left_behind(executor: str) -> None:
     async with open_llm(executor=executor) as llm:
         await llm.complete("x", GREEDY)
         if executor == "process":
-            assert llm.statistics().worker_pid in child_pids()
+            assert llm.statistics().core_pid in child_pids()
         else:
             assert engine_threads() == ["structllm-inline-core"]
     assert engine_threads() == []

@@ -22,6 +22,7 @@ from structllm.engine.inputs import (
     PromptInput,
     check_structured_outputs,
     is_batch,
+    new_request,
     parse_prompt,
 )
 from structllm.engine.output_processor import OutputProcessor, RequestState
@@ -170,17 +171,14 @@ class LLM:
     ) -> tuple[RequestState, CoreRequest]:
         parsed = parse_prompt(prompt, self.tokenizer)
         check_structured_outputs(params)
-        rid = str(next(self._counter))
-        state = RequestState(rid, parsed.text, parsed.token_ids, params, self.tokenizer)
-        request = CoreRequest(
-            request_id=rid,
-            prompt_token_ids=parsed.token_ids,
-            params=params,
+        return new_request(
+            parsed,
+            params,
+            self.tokenizer,
+            request_id=str(next(self._counter)),
             eos_token_ids=self.eos_token_ids,
             priority=priority,
-            cache_salt=parsed.cache_salt,
         )
-        return state, request
 
     def _outputs(
         self, wanted: set[str], more: Callable[[], bool]

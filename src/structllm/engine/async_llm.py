@@ -60,7 +60,7 @@ from structllm.engine.output_processor import (
     RequestState,
 )
 from structllm.engine.protocol import AbortRequests, AddFailed, Ready
-from structllm.engine.request_stream import RequestStream
+from structllm.engine.request_stream import RequestStream, complete
 from structllm.engine.statistics import EngineStatistics
 from structllm.errors import EngineDeadError, InvalidRequestError, dead_error
 from structllm.outputs import RequestOutput
@@ -86,6 +86,8 @@ class AsyncLLM:
         self._idle_event = anyio.Event()
         self._eos: frozenset[int] = frozenset(tokenizer.eos_token_ids)
         self._stats_event = anyio.Event()
+        #: complete()'s requests with n > 1: id -> its samples' ids
+        self._samples: dict[str, list[str]] = {}
 
     # ------------------------------------------------------------------ open
 
@@ -198,22 +200,22 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
     ) -> RequestOutput:
-        """Run a request to the end and return only its final output."""
+        """Run a request to the end and return only its final output.
+
+        With ``params.n`` > 1 the samples run as n requests (ids
+        ``{request_id}-{i}``) sharing the prompt's KV blocks, and come back
+        as one output; ``abort(request_id)`` ends them all.
+        """
         params = attrs.evolve(
             SamplingParams() if params is None else params, output_kind=OutputKind.FINAL
         )
-        last = None
-        s = self.stream(prompt, params, request_id=request_id, priority=priority)
-        async with s:
-            async for out in s:
-                last = out
-        if last is None:  # aborted before it produced anything
-            last = s.final_output
-        assert last is not None
-        return last
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        return await complete(self, prompt, params, rid, priority)
 
     async def abort(self, request_id: str) -> None:
         """End ``request_id`` now: cancels its stream block; idempotent."""
+        for sample in self._samples.get(request_id, ()):
+            await self.abort(sample)
         state = self._processor.get(request_id)
         if state is not None:
             # cancel first: a consumer woken by the release alone would see

@@ -318,6 +318,13 @@ def new_request(
     ``core_id``: the id the core sees (default ``request_id``); ``queue``:
     where outputs go (None: the caller collects them, as ``LLM`` does).
     """
+    if params.n != 1:
+        raise InvalidRequestError(
+            f"n: a stream carries one sample, not {params.n}; take n > 1 from "
+            "LLM.generate or AsyncLLM.complete, or open one stream per sample "
+            "(SamplingParams.for_choice)",
+            field="n",
+        )
     core_id = request_id if core_id is None else core_id
     state = RequestState(
         request_id,

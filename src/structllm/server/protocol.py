@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-import attrs
 from pydantic import (
     BaseModel,
     Field,
@@ -90,7 +89,6 @@ __all__ = [
     "Message",
     "SamplingRequest",
     "StreamOptions",
-    "choice_seed",
     "validation_error",
 ]
 
@@ -392,10 +390,3 @@ class ChatRequest(SamplingRequest):
         """vLLM's chat ``echo``: the last message, when it is the assistant's."""
         last = self.messages[-1]
         return last.text if self.echo and last.role == "assistant" else ""
-
-
-def choice_seed(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice ``index`` of ``n``: a distinct seed when the request gave one."""
-    if params.seed is None or index == 0:
-        return params
-    return attrs.evolve(params, seed=(params.seed + index) % 2**63)

@@ -22,7 +22,7 @@ from structllm.server import tool_calls
 from structllm.server.body import maybe_off_loop, validate
 from structllm.server.constraints import check_constraints, renamed
 from structllm.server.http_errors import ASCIIJSONResponse
-from structllm.server.protocol import ChatRequest, choice_seed
+from structllm.server.protocol import ChatRequest
 from structllm.server.serving import Chunks, Job, Serving
 from structllm.server.tool_calls import StreamedCalls
 
@@ -61,7 +61,7 @@ class ChatServing(Serving):
         prompt = Prompt(text, ids, req.cache_salt)
         limit = req.max_completion_tokens or req.max_tokens
         self.check_length(llm, ids, limit, req.limit_field)
-        jobs = [Job(j, 0, prompt, choice_seed(params, j)) for j in range(req.choices)]
+        jobs = [Job(j, 0, prompt, params.for_choice(j)) for j in range(req.choices)]
         top_logprobs = params.logprobs or 0
         if req.stream:
             chunks = _Chunks(self, req, api.new_id("chatcmpl"), top_logprobs)

@@ -10,10 +10,10 @@ failure becomes an OpenAI-style 400 whose ``param`` is the path of the field
 (``max_tokens``, ``messages[0].content``). The models also give the request
 bodies of the OpenAPI schema.
 
-Fields OpenAI defines but structllm does not implement are refused with a
-400 naming them (:data:`REFUSED`), never accepted and ignored; unknown
-fields outside OpenAI's and vLLM's sets are ignored, as OpenAI-compatible
-servers do.
+Fields OpenAI or vLLM define but structllm does not implement are refused
+with a 400 naming them (:mod:`~structllm.server.refusals`), never accepted
+and ignored; unknown fields outside OpenAI's and vLLM's sets are ignored,
+as OpenAI-compatible servers do.
 
 The output fields (``response_format``, ``structured_outputs``,
 ``guided_*``: :mod:`~structllm.server.formats`) and a forced tool call
@@ -30,7 +30,8 @@ body to :class:`~structllm.params.SamplingParams`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (
     BaseModel,
@@ -70,6 +71,13 @@ from structllm.server.formats import (
     output_constraint,
 )
 from structllm.server.messages import Message
+from structllm.server.refusals import (
+    CHAT_ONLY,
+    CHAT_REFUSED,
+    COMPLETION_REFUSED,
+    REFUSED,
+    refuse,
+)
 from structllm.server.tools import (
     MAX_TOOLS,
     Check,
@@ -83,7 +91,6 @@ from structllm.server.validation import validation_error
 from structllm.structured import StructuredOutputs
 
 __all__ = [
-    "REFUSED",
     "ChatRequest",
     "CompletionRequest",
     "Message",
@@ -91,30 +98,6 @@ __all__ = [
     "StreamOptions",
     "validation_error",
 ]
-
-#: OpenAI (and vLLM) fields structllm refuses, with the reason. A field is
-#: refused when present with a value other than null or a listed no-op value.
-REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "functions": ("function calling is not supported; use tools", ([],)),
-    "function_call": ("function calling is not supported; use tool_choice", ("none",)),
-    "guided_decoding_backend": ("there is one backend (llguidance)", ()),
-    "guided_whitespace_pattern": ("JSON whitespace is not configurable", ()),
-    "structural_tag": ("structural tags are not supported", ()),
-    "suffix": ("suffix (insertion) is not supported", ("",)),
-    "audio": ("audio output is not supported", ()),
-    "modalities": ("only text output is supported", (["text"],)),
-    "prediction": ("predicted outputs are not supported", ()),
-    "web_search_options": ("web search is not supported", ()),
-    "store": ("stored completions are not supported", (False,)),
-    "use_beam_search": ("beam search is not supported", (False,)),
-}
-
-#: chat's tool fields, refused by completions unless null or a no-op value
-CHAT_ONLY: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (),
-}
 
 
 class StreamOptions(BaseModel):
@@ -129,6 +112,8 @@ class SamplingRequest(BaseModel):
     """Fields shared by completions and chat."""
 
     model_config = REQUEST_CONFIG
+    #: the endpoint's own refused fields (besides :data:`REFUSED`)
+    refused_fields: ClassVar[Mapping[str, tuple[str, tuple[Any, ...]]]] = {}
 
     model: Text | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
@@ -184,14 +169,8 @@ class SamplingRequest(BaseModel):
     def _refuse(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             raise PydanticCustomError("body", "the request body must be a JSON object")
-        for name, (reason, no_ops) in REFUSED.items():
-            value = data.get(name)
-            if value is not None and not any(
-                type(value) is type(ok) and value == ok for ok in no_ops
-            ):
-                raise PydanticCustomError(
-                    "refused", "{reason}", {"name": name, "reason": reason}
-                )
+        refuse(data, REFUSED)
+        refuse(data, cls.refused_fields)
         return data
 
     @model_validator(mode="after")
@@ -267,6 +246,7 @@ class SamplingRequest(BaseModel):
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``."""
 
+    refused_fields = COMPLETION_REFUSED
     prompt: Prompts
     logprobs: Logprobs | None = None
 
@@ -306,6 +286,7 @@ class CompletionRequest(SamplingRequest):
 class ChatRequest(SamplingRequest):
     """``POST /v1/chat/completions``."""
 
+    refused_fields = CHAT_REFUSED
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Count | None = None
     logprobs: bool | None = None

@@ -127,7 +127,9 @@ def serve(sock: socket.socket, *, tensor_parallel: bool = False) -> int:
 
 def _start_group(start: Start, on_lost: Callable[[str], None]) -> RankGroup:
     from structllm.engine.rank_group import RankGroup
+    from structllm.model.parallel import check_tensor_parallel
 
+    check_tensor_parallel(start.config.model, start.config.tensor_parallel_size)
     rank1, _, fault = (start.fault or "").partition(":")
     return RankGroup.start(
         start.config, on_lost=on_lost, fault=fault if rank1 == "rank1" else None

@@ -56,6 +56,7 @@ __all__ = [
     "ShardPlan",
     "all_reduce_sum",
     "build_shard",
+    "check_tensor_parallel",
     "load_model_shard",
     "load_shard",
     "plan_shards",
@@ -261,6 +262,21 @@ def build_shard(
     )
 
 
+def _model_config(model: str | Path) -> tuple[ModelConfig, Path | None]:
+    path = model_directory(model)
+    if path is None:
+        return tiny_random_config(), None
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {str(path)!r} does not exist")
+    return ModelConfig.from_directory(path), path
+
+
+def check_tensor_parallel(model: str | Path, tp_size: int) -> None:
+    """Refuse (EngineConfigError on ``tensor_parallel_size``) a model that
+    ``tp_size`` ranks cannot split, before any rank is started."""
+    plan_shards(_model_config(model)[0], tp_size, 0)
+
+
 def load_model_shard(
     model: str | Path,
     tp_size: int,
@@ -284,13 +300,9 @@ def load_model_shard(
     :func:`load_shard` (only the rank's slices). ``LoadedModel.config`` is
     the whole model's; ``LoadedModel.model.config`` the shard's.
     """
-    path = model_directory(model)
+    config, path = _model_config(model)
     if path is None:
-        config, load_format = tiny_random_config(), "dummy"
-    else:
-        if not path.is_dir():
-            raise ModelLoadError(f"model directory {str(path)!r} does not exist")
-        config = ModelConfig.from_directory(path)
+        load_format = "dummy"
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ModelLoadError(
             f"load_format must be auto, safetensors or dummy, got {load_format!r}"

@@ -154,10 +154,11 @@ async def test_sigkill_of_rank_1_mid_stream_restarts_the_group() -> None:
             tg.start_soon(killer)
             err = await consume()
         assert time.monotonic() - killed_at < 5.0  # within the heartbeat timeout
-        # the step's collective, or the watch on rank 1's socket: either way
-        # rank 0 reported it and exited
+        # the step's collective broke, or the watch on rank 1's socket saw
+        # it first: either way rank 0 says whose death it was, and exits
         cause = err.__cause__
         assert isinstance(cause, EngineCoreError), cause
+        assert f"rank 1 (pid {rank1}) was killed by signal 9" in str(cause)
         with anyio.fail_after(60):
             out = await llm.complete("Hello", GREEDY)
         assert len(out.token_ids) == GREEDY.max_tokens
@@ -166,8 +167,7 @@ async def test_sigkill_of_rank_1_mid_stream_restarts_the_group() -> None:
         new0 = stats.worker_pid
         assert new0 is not None and new0 != rank0
         [new1] = _children(new0)
-    for pid in (rank0, rank1, new0, new1):
-        assert not _alive(pid), pid
+    _wait_gone(rank0, rank1, new0, new1)
 
 
 async def test_a_follower_that_raises_fails_the_group_loudly() -> None:
@@ -184,6 +184,34 @@ async def test_a_follower_that_raises_fails_the_group_loudly() -> None:
         with anyio.fail_after(60):
             out = await llm.complete("Hello", GREEDY)
         assert len(out.token_ids) == GREEDY.max_tokens
+
+
+async def test_a_hung_follower_is_caught_by_the_heartbeat() -> None:
+    """Rank 0 waits in the step's collective, silent; the supervisor's
+    heartbeat timeout kills it, and rank 1 dies with it."""
+    async with AsyncLLM.open(
+        "tiny-random",
+        tensor_parallel_size=2,
+        fault="rank1:hang_at_step:4",
+        heartbeat_timeout=2.0,
+        **ENGINE,
+        **FRONT,
+    ) as llm:
+        rank0 = llm.statistics().worker_pid
+        assert rank0 is not None
+        [rank1] = _children(rank0)
+        start = time.monotonic()
+        with pytest.raises(EngineDeadError) as info:
+            await llm.complete("Hello", LONG)
+        assert isinstance(info.value.__cause__, TimeoutError)
+        assert time.monotonic() - start < 2.0 + 2.0  # the timeout, a few steps
+        with anyio.fail_after(60):
+            out = await llm.complete("Hello", GREEDY)
+        assert len(out.token_ids) == GREEDY.max_tokens
+        new0 = llm.statistics().worker_pid
+        assert new0 is not None
+        [new1] = _children(new0)
+    _wait_gone(rank0, rank1, new0, new1)
 
 
 def test_offline_llm_refuses_tensor_parallel_naming_the_field() -> None:
@@ -211,6 +239,15 @@ def _children(pid: int) -> list[int]:
     return [
         int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     ]
+
+
+def _wait_gone(*pids: int) -> None:
+    """Every pid exits within 5 s (a follower notices rank 0's death through
+    its pidfd watch, asynchronously)."""
+    deadline = time.monotonic() + 5.0
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in pids if _alive(pid)]
 
 
 def _alive(pid: int) -> bool:

@@ -64,6 +64,10 @@ Send = Callable[[Message], None]
 Receive = Callable[[float | None], list[Message] | None]
 
 
+#: Fatal.kind when a follower rank of a tensor-parallel group died or raised
+_RANK_LOST = "TensorParallelRankLost"
+
+
 class _Closed(Exception):
     pass
 
@@ -115,7 +119,7 @@ def serve(sock: socket.socket, *, tensor_parallel: bool = False) -> int:
                 return 1
             ready.set()
             try:
-                return _loop(core, start, first, receive, send)
+                return _loop(core, start, first, receive, send, group)
             finally:
                 core.close()
         finally:
@@ -149,7 +153,7 @@ def _exit_group_lost(
     may be blocked in a collective that will never complete).
     """
     fatal = Fatal(
-        "TensorParallelRankLost",
+        _RANK_LOST,
         reason,
         "",
         during_load=not ready.is_set(),
@@ -228,6 +232,7 @@ def _loop(
     backlog: list[Message],
     receive: Receive,
     send: Send,
+    group: RankGroup | None = None,
 ) -> int:
     fault = start.fault if not (start.fault or "").startswith("rank1:") else None
     fault_kind, _, fault_step = (fault or "").partition(":")
@@ -268,7 +273,11 @@ def _loop(
                 _inject(fault_kind, steps)
             out = core.step()
         except Exception as exc:
-            send(Fatal(type(exc).__name__, str(exc), traceback.format_exc()))
+            # A follower's death breaks the step's collective ("connection
+            # reset by peer"): wait briefly for the watch to say whose.
+            lost = None if group is None else group.wait_lost(1.0)
+            kind = type(exc).__name__ if lost is None else _RANK_LOST
+            send(Fatal(kind, lost or str(exc), traceback.format_exc()))
             return 1
         steps += 1
         last_sent = time.monotonic()

@@ -150,6 +150,8 @@ class RankGroup:
     _wake_w: int
     _closing: bool = False
     _watch: threading.Thread | None = None
+    _lost: str | None = None
+    _lost_event: threading.Event = attrs.Factory(threading.Event)
 
     @classmethod
     def start(
@@ -217,10 +219,11 @@ class RankGroup:
                     f"{exc}"
                 ) from exc
 
-    @property
-    def pids(self) -> list[int]:
-        """The followers' process ids, rank 1 first."""
-        return [f.process.pid for f in self._followers]
+    def wait_lost(self, timeout: float) -> str | None:
+        """Why a follower was lost, once the watch has seen it (None: not
+        within ``timeout`` seconds)."""
+        self._lost_event.wait(timeout)
+        return self._lost
 
     def close(self) -> None:
         """Stop the followers (EOF, then SIGKILL after a while) and reap them."""
@@ -277,6 +280,8 @@ class RankGroup:
             )
             reason = f"tensor-parallel rank {f.rank} (pid {f.process.pid}) {how}"
         if not self._closing:
+            self._lost = reason
+            self._lost_event.set()
             self._on_lost(reason)
 
 

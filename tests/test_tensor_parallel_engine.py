@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import attrs
@@ -21,6 +22,7 @@ import pytest
 from structllm import EngineDeadError, SamplingParams
 from structllm.config import EngineConfig
 from structllm.engine.async_llm import AsyncLLM
+from structllm.engine.statistics import EngineStatistics
 from structllm.errors import EngineConfigError, EngineCoreError
 from structllm.llm import LLM
 from structllm.model._paddle import paddle
@@ -85,23 +87,46 @@ def anyio_backend() -> str:
 async def test_two_ranks_give_the_greedy_tokens_of_one(
     tmp_path: Path, name: str
 ) -> None:
-    write_random_checkpoint(tmp_path, CONFIGS[name], seed=3)
-    one = LLM(str(tmp_path), tokenizer="tiny-random", show_progress=False, **ENGINE)
-    outputs = one.generate(PROMPTS, GREEDY, use_tqdm=False)
+    await _same_tokens(tmp_path, CONFIGS[name], ENGINE, GREEDY)
+
+
+async def test_preemption_across_ranks_keeps_the_tokens(tmp_path: Path) -> None:
+    """32 blocks of 8 tokens cannot hold three sequences growing by 60
+    tokens: rank 0 preempts and recomputes; the followers' caches follow
+    its block tables."""
+    engine = {**ENGINE, "num_blocks": 32}
+    params = attrs.evolve(GREEDY, max_tokens=60)
+    stats = await _same_tokens(tmp_path, CONFIGS["llama"], engine, params)
+    assert stats.total_preemptions > 0
+
+
+async def _same_tokens(
+    tmp_path: Path,
+    config: ModelConfig,
+    engine: dict[str, Any],
+    params: SamplingParams,
+) -> EngineStatistics:
+    """TP=2 (AsyncLLM, PROMPTS as one batch) gives TP=1's (LLM) greedy tokens;
+    returns the TP=2 engine's last statistics."""
+    write_random_checkpoint(tmp_path, config, seed=3)
+    one = LLM(str(tmp_path), tokenizer="tiny-random", show_progress=False, **engine)
+    outputs = one.generate(PROMPTS, params, use_tqdm=False)
     expected = [o.outputs[0].token_ids for o in outputs]
     assert len({t for ids in expected for t in ids}) > 3  # not a degenerate model
     got: dict[int, tuple[int, ...]] = {}
     async with AsyncLLM.open(
-        str(tmp_path), tensor_parallel_size=2, **ENGINE, **FRONT
+        str(tmp_path), tensor_parallel_size=2, **engine, **FRONT
     ) as llm:
 
         async def run(i: int) -> None:
-            got[i] = (await llm.complete(PROMPTS[i], GREEDY)).token_ids
+            got[i] = (await llm.complete(PROMPTS[i], params)).token_ids
 
         async with anyio.create_task_group() as tg:  # one batch
             for i in range(len(PROMPTS)):
                 tg.start_soon(run, i)
+        stats = llm.statistics()
     assert [got[i] for i in range(len(PROMPTS))] == expected
+    return stats
 
 
 async def test_abort_mid_stream_frees_blocks_and_the_group_serves_on() -> None:

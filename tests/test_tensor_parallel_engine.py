@@ -195,20 +195,35 @@ async def test_sigkill_of_rank_1_mid_stream_restarts_the_group() -> None:
     _wait_gone(rank0, rank1, new0, new1)
 
 
-async def test_a_follower_that_raises_fails_the_group_loudly() -> None:
+@pytest.mark.parametrize(
+    ("fault", "message"),
+    [
+        # rank 1 counts warm-up's 2 forwards; rank 0 counts from the loop
+        ("rank1:raise_at_step:4", "tensor-parallel rank 1 raised RuntimeError"),
+        ("raise_at_step:2", "RuntimeError"),
+    ],
+    ids=["rank1", "rank0"],
+)
+async def test_a_rank_that_raises_fails_the_group_loudly(
+    fault: str, message: str
+) -> None:
     async with AsyncLLM.open(
-        "tiny-random",
-        tensor_parallel_size=2,
-        fault="rank1:raise_at_step:4",  # warm-up takes 2 steps
-        **ENGINE,
-        **FRONT,
+        "tiny-random", tensor_parallel_size=2, fault=fault, **ENGINE, **FRONT
     ) as llm:
+        rank0 = llm.statistics().worker_pid
+        assert rank0 is not None
+        [rank1] = _children(rank0)
         with pytest.raises(EngineDeadError) as info:
             await llm.complete("Hello", LONG)
-        assert "injected fault at step 4" in str(info.value.__cause__)
+        cause = str(info.value.__cause__)
+        assert message in cause and "injected fault at step" in cause
         with anyio.fail_after(60):
             out = await llm.complete("Hello", GREEDY)
         assert len(out.token_ids) == GREEDY.max_tokens
+        new0 = llm.statistics().worker_pid
+        assert new0 is not None
+        [new1] = _children(new0)
+    _wait_gone(rank0, rank1, new0, new1)
 
 
 async def test_a_hung_follower_is_caught_by_the_heartbeat() -> None:

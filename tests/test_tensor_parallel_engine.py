@@ -260,6 +260,15 @@ def test_offline_llm_refuses_tensor_parallel_naming_the_field() -> None:
     assert info.value.field == "tensor_parallel_size"
 
 
+async def test_the_inline_executor_refuses_tensor_parallel() -> None:
+    with pytest.raises(EngineConfigError, match="executor='process'") as info:
+        async with AsyncLLM.open(
+            "tiny-random", tensor_parallel_size=2, executor="inline", **ENGINE, **FRONT
+        ):
+            pytest.fail("open() should have failed")  # pragma: no cover
+    assert info.value.field == "tensor_parallel_size"
+
+
 def test_tensor_parallel_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(model="tiny-random", tensor_parallel_size=0)

@@ -157,7 +157,7 @@ async def test_sigkill_of_rank_1_mid_stream_restarts_the_group() -> None:
         **ENGINE,
         **FRONT,
     ) as llm:
-        rank0 = llm.statistics().worker_pid
+        rank0 = llm.statistics().core_pid
         assert rank0 is not None
         [rank1] = _children(rank0)
         killed_at = 0.0
@@ -189,7 +189,7 @@ async def test_sigkill_of_rank_1_mid_stream_restarts_the_group() -> None:
         assert len(out.token_ids) == GREEDY.max_tokens
         stats = llm.statistics()
         assert stats.restarts == 1 and not stats.dead
-        new0 = stats.worker_pid
+        new0 = stats.core_pid
         assert new0 is not None and new0 != rank0
         [new1] = _children(new0)
     _wait_gone(rank0, rank1, new0, new1)
@@ -210,7 +210,7 @@ async def test_a_rank_that_raises_fails_the_group_loudly(
     async with AsyncLLM.open(
         "tiny-random", tensor_parallel_size=2, fault=fault, **ENGINE, **FRONT
     ) as llm:
-        rank0 = llm.statistics().worker_pid
+        rank0 = llm.statistics().core_pid
         assert rank0 is not None
         [rank1] = _children(rank0)
         with pytest.raises(EngineDeadError) as info:
@@ -220,7 +220,7 @@ async def test_a_rank_that_raises_fails_the_group_loudly(
         with anyio.fail_after(60):
             out = await llm.complete("Hello", GREEDY)
         assert len(out.token_ids) == GREEDY.max_tokens
-        new0 = llm.statistics().worker_pid
+        new0 = llm.statistics().core_pid
         assert new0 is not None
         [new1] = _children(new0)
     _wait_gone(rank0, rank1, new0, new1)
@@ -237,7 +237,7 @@ async def test_a_hung_follower_is_caught_by_the_heartbeat() -> None:
         **ENGINE,
         **FRONT,
     ) as llm:
-        rank0 = llm.statistics().worker_pid
+        rank0 = llm.statistics().core_pid
         assert rank0 is not None
         [rank1] = _children(rank0)
         start = time.monotonic()
@@ -248,7 +248,7 @@ async def test_a_hung_follower_is_caught_by_the_heartbeat() -> None:
         with anyio.fail_after(60):
             out = await llm.complete("Hello", GREEDY)
         assert len(out.token_ids) == GREEDY.max_tokens
-        new0 = llm.statistics().worker_pid
+        new0 = llm.statistics().core_pid
         assert new0 is not None
         [new1] = _children(new0)
     _wait_gone(rank0, rank1, new0, new1)

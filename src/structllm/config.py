@@ -136,7 +136,8 @@ class EngineConfig:
         1,
         help="processes the model is split over, Megatron-style (each loads "
         "its shard; gloo on CPU, NCCL on GPUs; see docs/parallel.md)",
-        validator=attrs.validators.ge(1),
+        validator=_ONE,
+        topic="model",
     )
     model_backend: Literal["auto", "eager", "inference"] = setting(
         "auto",

@@ -132,6 +132,13 @@ class EngineConfig:
         validator=_ONE,
         topic="model",
     )
+    tensor_parallel_size: int = setting(
+        1,
+        help="processes the model is split over, Megatron-style (each loads "
+        "its shard; gloo on CPU, NCCL on GPUs; see docs/parallel.md)",
+        validator=_ONE,
+        topic="model",
+    )
     model_backend: Literal["auto", "eager", "inference"] = setting(
         "auto",
         help="inference: oneDNN predictors (Paddle Inference); auto picks them for "

@@ -14,6 +14,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 import attrs
 import msgspec
@@ -21,7 +22,7 @@ import msgspec
 from structllm.config import EngineConfig
 from structllm.core.block_pool import BlockPool
 from structllm.core.request import CoreRequest, Request
-from structllm.core.runner import ModelRunner
+from structllm.core.runner import ModelInput, ModelRunner
 from structllm.core.scheduler import (
     Scheduler,
     SchedulerConfig,
@@ -46,6 +47,7 @@ __all__ = [
     "RejectedRequest",
     "RequestStepOutput",
     "StepOutput",
+    "TensorParallelGroup",
     "check_prompt",
 ]
 
@@ -118,6 +120,23 @@ def check_prompt(prompt: Sequence[int], *, vocab_size: int, max_model_len: int) 
         )
 
 
+class TensorParallelGroup(Protocol):
+    """The other ranks of a tensor-parallel core, as rank 0 drives them.
+
+    The process group is up and each follower is loading its shard; the
+    core allocates the followers' KV caches once it has sized its own, then
+    hands each step's model input to :meth:`broadcast` before its forward.
+    (``structllm.engine.rank_group`` starts them; nothing here does I/O.)
+    """
+
+    @property
+    def size(self) -> int: ...
+
+    def allocate(self, num_blocks: int) -> None: ...
+
+    def broadcast(self, step: ModelInput) -> None: ...
+
+
 @attrs.frozen
 class EngineCoreStatistics:
     scheduler: SchedulerStatistics
@@ -127,7 +146,13 @@ class EngineCoreStatistics:
 
 class EngineCore:
     """``tokenizer`` (an object, or a path loaded on first use; default: the
-    model's) is what structured-output grammars are compiled against."""
+    model's) is what structured-output grammars are compiled against.
+
+    With ``config.tensor_parallel_size > 1`` this is rank 0 of the group
+    ``tp_group`` (started by the core process): it loads rank 0's shard,
+    schedules and samples; the other ranks only run the forward.
+    ``kv_cache_memory`` is then per rank.
+    """
 
     def __init__(
         self,
@@ -135,20 +160,46 @@ class EngineCore:
         *,
         on_progress: Callable[[LoadProgress], None] | None = None,
         tokenizer: Tokenizer | str | None = None,
+        tp_group: TensorParallelGroup | None = None,
     ) -> None:
         self.config = config
-        set_num_threads(config.num_threads)
-        loaded = load_model(
-            config.model,
-            dtype=config.dtype,
-            load_format=config.load_format,
-            block_size=config.block_size,
-            max_model_len=config.max_model_len,
-            seed=config.seed,
-            on_progress=on_progress,
-            backend=config.model_backend,
-            num_threads=config.num_threads or default_num_threads(),
-        )
+        tp = config.tensor_parallel_size
+        # ranks of one machine share its cores
+        set_num_threads(config.num_threads or max(1, default_num_threads() // tp))
+        if tp > 1 and (tp_group is None or tp_group.size != tp):
+            raise EngineConfigError(
+                f"tensor_parallel_size={tp} runs in the engine's core process, "
+                "which starts the other ranks: use AsyncLLM (executor='process') "
+                "or `structllm serve`, not LLM or executor='inline'",
+                field="tensor_parallel_size",
+            )
+        if tp > 1:
+            from structllm.model.parallel import load_model_shard
+
+            loaded = load_model_shard(
+                config.model,
+                tp,
+                0,
+                dtype=config.dtype,
+                load_format=config.load_format,
+                block_size=config.block_size,
+                max_model_len=config.max_model_len,
+                seed=config.seed,
+                backend=config.model_backend,
+                on_progress=on_progress,
+            )
+        else:
+            loaded = load_model(
+                config.model,
+                dtype=config.dtype,
+                load_format=config.load_format,
+                block_size=config.block_size,
+                max_model_len=config.max_model_len,
+                seed=config.seed,
+                on_progress=on_progress,
+                backend=config.model_backend,
+                num_threads=config.num_threads or default_num_threads(),
+            )
         self.model_config: ModelConfig = loaded.config
         limit = loaded.config.max_context_len
         if config.max_model_len is not None and config.max_model_len > limit:
@@ -194,7 +245,14 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             functools.partial(grammar_vocabulary, tokenizer, config.model)
         )
-        self.runner = ModelRunner(loaded.model, num_blocks, self.structured)
+        if tp_group is not None:
+            tp_group.allocate(num_blocks)
+        self.runner = ModelRunner(
+            loaded.model,
+            num_blocks,
+            self.structured,
+            broadcast=None if tp_group is None else tp_group.broadcast,
+        )
         self._sequence = itertools.count()
         self.steps = 0
 

@@ -46,7 +46,6 @@ from structllm.params import MAX_COUNT, OutputKind, SamplingParams
 from structllm.server.fields import (
     MAX_CHOICES,
     MAX_ID_LIST,
-    MAX_MESSAGES,
     MAX_N,
     REQUEST_CONFIG,
     CacheSalt,
@@ -70,7 +69,7 @@ from structllm.server.formats import (
     field_error,
     output_constraint,
 )
-from structllm.server.messages import Message
+from structllm.server.messages import ChatPrompt, Message
 from structllm.server.refusals import (
     CHAT_ONLY,
     CHAT_REFUSED,
@@ -79,10 +78,8 @@ from structllm.server.refusals import (
     refuse,
 )
 from structllm.server.tools import (
-    MAX_TOOLS,
     Check,
     NamedToolChoice,
-    Tool,
     ToolChoice,
     check_tools,
     tool_constraint,
@@ -283,16 +280,13 @@ class CompletionRequest(SamplingRequest):
         return SamplingParams(**kw)
 
 
-class ChatRequest(SamplingRequest):
+class ChatRequest(SamplingRequest, ChatPrompt):
     """``POST /v1/chat/completions``."""
 
     refused_fields = CHAT_REFUSED
-    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Count | None = None
     logprobs: bool | None = None
     top_logprobs: Logprobs | None = None
-    add_generation_prompt: bool | None = None
-    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     #: default: "auto" with tools, "none" without
     tool_choice: ToolChoice | None = None
     #: default true; false: one call at most
@@ -358,13 +352,6 @@ class ChatRequest(SamplingRequest):
         if self.logprobs:
             kw["logprobs"] = self.top_logprobs or 0
         return SamplingParams(**kw)
-
-    def template_messages(self) -> list[dict[str, Any]]:
-        return [m.template_dict() for m in self.messages]
-
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """``tools`` as ``apply_chat_template(tools=...)`` takes them."""
-        return [t.template_dict() for t in self.tools] if self.tools else None
 
     @property
     def echo_text(self) -> str:

@@ -45,15 +45,13 @@ class ChatServing(Serving):
         if cap is not None and 4 * size > cap:  # 4: the most bytes per char
             text = "".join(m["content"] for m in messages)
             check_prompt_bytes(text, cap, field="messages")
-        add_generation_prompt = req.add_generation_prompt is not False
-        tools = req.template_tools()
+        options = req.template_options()
+        tools = options["tools"]
         # the template writes the tools out too: count them for the thread
         rendered = size + (len(json.dumps(tools)) if tools else 0)
 
         def render() -> tuple[str, tuple[int, ...]]:
-            text = llm.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tools=tools
-            )
+            text = llm.tokenizer.apply_chat_template(messages, **options)
             # the template writes BOS itself: tokenise without special tokens
             return text, tuple(llm.tokenizer.encode(text, add_special_tokens=False))
 

@@ -22,8 +22,8 @@ LIMIT = 32
 
 
 @pytest.mark.xfail(
-    reason="structllm differs: truncate_prompt_tokens and truncation_side "
-    "(vLLM's) are ignored, neither implemented nor refused",
+    reason="not implemented: truncate_prompt_tokens and truncation_side are "
+    "refused (400 naming them)",
     strict=True,
 )
 @pytest.mark.parametrize(

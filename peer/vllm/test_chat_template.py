@@ -59,11 +59,6 @@ Hi there!<|im_end|>
 What is the capital of<|im_end|>
 <|im_start|>assistant
 The capital of""",
-        marks=pytest.mark.xfail(
-            reason="structllm differs: continue_final_message is refused by "
-            "/tokenize (400) and ignored by chat completions",
-            strict=True,
-        ),
     ),
 ]
 

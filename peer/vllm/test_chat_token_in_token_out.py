@@ -36,9 +36,8 @@ def _render_prompt_token_ids(server: StructllmServer) -> list[int]:
 
 
 @pytest.mark.xfail(
-    reason="structllm differs: chat's prompt_token_ids (vLLM's pre-tokenized "
-    "chat input) is not implemented and is ignored, so messages: [] is a 400 "
-    "naming messages",
+    reason="not implemented: chat's prompt_token_ids (vLLM's pre-tokenized "
+    "chat input) is refused (400 naming it)",
     strict=True,
 )
 async def test_chat_token_in_matches_messages(server):
@@ -76,7 +75,7 @@ async def test_chat_token_in_rejects_template_option(server):
     prompt_token_ids = _render_prompt_token_ids(server)
     async with server.get_async_client() as client:
         # structllm: the 400 names messages (empty), since prompt_token_ids
-        # is not read (the xfail above); the request is refused either way
+        # is refused (the xfail above); the request is refused either way
         with pytest.raises(openai.BadRequestError):
             await client.chat.completions.create(
                 model=MODEL_NAME,

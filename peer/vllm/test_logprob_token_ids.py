@@ -34,8 +34,7 @@ def _logprob_entries(resp) -> list:
 
 
 @pytest.mark.xfail(
-    reason="structllm differs: logprob_token_ids (vLLM's) is ignored, neither "
-    "implemented nor refused: the natural top 3 come back",
+    reason="not implemented: logprob_token_ids is refused (400 naming it)",
     strict=True,
 )
 async def test_logprob_token_ids_returns_requested_ids(server):

@@ -17,14 +17,7 @@ from peer.vllm.conftest import MODEL_NAME
 # peer/vllm/conftest.py; pytest.mark.asyncio -> pytest.mark.anyio.
 pytestmark = pytest.mark.anyio
 
-NO_ROOT = pytest.mark.xfail(
-    reason="structllm differs: a model card has no 'root' (vLLM's: the path "
-    "the model was loaded from)",
-    strict=True,
-)
 
-
-@NO_ROOT
 async def test_check_models(client: openai.AsyncOpenAI):
     models = await client.models.list()
     models = models.data
@@ -34,7 +27,6 @@ async def test_check_models(client: openai.AsyncOpenAI):
     # structllm: the LoRA cards (models[1:]) go
 
 
-@NO_ROOT
 async def test_retrieve_base_model(client: openai.AsyncOpenAI):
     model = await client.models.retrieve(MODEL_NAME)
     assert model.id == MODEL_NAME

@@ -14,7 +14,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import msgspec
@@ -37,7 +37,7 @@ from structllm.core.structured import (
 from structllm.errors import EngineConfigError, InvalidRequestError
 from structllm.model._paddle import default_num_threads, set_num_threads
 from structllm.model.config import ModelConfig
-from structllm.model.loader import LoadProgress, load_model
+from structllm.model.loader import LoadedModel, LoadProgress, load_model
 from structllm.model.sampler import TokenLogprobs, make_generator
 from structllm.outputs import FinishReason
 from structllm.text.tokenizer import Tokenizer
@@ -49,6 +49,7 @@ __all__ = [
     "StepOutput",
     "TensorParallelGroup",
     "check_prompt",
+    "load_engine_model",
 ]
 
 #: when only grammar compiles are pending, a step waits this long for one
@@ -173,33 +174,7 @@ class EngineCore:
                 "or `structllm serve`, not LLM or executor='inline'",
                 field="tensor_parallel_size",
             )
-        if tp > 1:
-            from structllm.model.parallel import load_model_shard
-
-            loaded = load_model_shard(
-                config.model,
-                tp,
-                0,
-                dtype=config.dtype,
-                load_format=config.load_format,
-                block_size=config.block_size,
-                max_model_len=config.max_model_len,
-                seed=config.seed,
-                backend=config.model_backend,
-                on_progress=on_progress,
-            )
-        else:
-            loaded = load_model(
-                config.model,
-                dtype=config.dtype,
-                load_format=config.load_format,
-                block_size=config.block_size,
-                max_model_len=config.max_model_len,
-                seed=config.seed,
-                on_progress=on_progress,
-                backend=config.model_backend,
-                num_threads=config.num_threads or default_num_threads(),
-            )
+        loaded = load_engine_model(config, 0, on_progress)
         self.model_config: ModelConfig = loaded.config
         limit = loaded.config.max_context_len
         if config.max_model_len is not None and config.max_model_len > limit:
@@ -445,3 +420,27 @@ def _take_prompt_logprobs(req: Request) -> tuple[TokenLogprobs | None, ...] | No
     entries, req.prompt_logprobs = req.prompt_logprobs, []
     req.prompt_logprobs_sent = True
     return (None, *entries)
+
+
+def load_engine_model(
+    config: EngineConfig,
+    rank: int = 0,
+    on_progress: Callable[[LoadProgress], None] | None = None,
+) -> LoadedModel:
+    """``config``'s model, or rank ``rank``'s shard of it (tensor parallel)."""
+    common: dict[str, Any] = {
+        "dtype": config.dtype,
+        "load_format": config.load_format,
+        "block_size": config.block_size,
+        "max_model_len": config.max_model_len,
+        "seed": config.seed,
+        "backend": config.model_backend,
+        "on_progress": on_progress,
+    }
+    tp = config.tensor_parallel_size
+    if tp == 1:
+        threads = config.num_threads or default_num_threads()
+        return load_model(config.model, num_threads=threads, **common)
+    from structllm.model.parallel import load_model_shard
+
+    return load_model_shard(config.model, tp, rank, **common)

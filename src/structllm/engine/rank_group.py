@@ -337,6 +337,7 @@ def _rank_env(rank: int, endpoints: list[str], backend: str) -> dict[str, str]:
 
 def _follow(sock: socket.socket) -> int:
     """Load the shard, then run each step's forward until EOF."""
+    from structllm.core.engine_core import load_engine_model
     from structllm.core.runner import run_forward
     from structllm.engine.core_process import _inject
     from structllm.model._paddle import (
@@ -344,7 +345,6 @@ def _follow(sock: socket.socket) -> int:
         paddle,
         set_num_threads,
     )
-    from structllm.model.parallel import load_model_shard
 
     setup = _receive(sock)
     if not isinstance(setup, RankSetup):
@@ -354,17 +354,7 @@ def _follow(sock: socket.socket) -> int:
     set_num_threads(config.num_threads or max(1, default_num_threads() // tp))
     paddle.distributed.init_parallel_env()
     rank = paddle.distributed.get_rank()
-    model = load_model_shard(
-        config.model,
-        tp,
-        rank,
-        dtype=config.dtype,
-        load_format=config.load_format,
-        block_size=config.block_size,
-        max_model_len=config.max_model_len,
-        seed=config.seed,
-        backend=config.model_backend,
-    ).model
+    model = load_engine_model(config, rank).model
     fault_kind, _, fault_step = (setup.fault or "").partition(":")
     kv_caches = None
     steps = 0

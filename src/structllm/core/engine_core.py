@@ -17,11 +17,15 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import attrs
-import msgspec
 
 from structllm.config import EngineConfig
 from structllm.core.block_pool import BlockPool
-from structllm.core.request import CoreRequest, Request
+from structllm.core.request import (
+    CoreRequest,
+    Request,
+    RequestStepOutput,
+    StepOutput,
+)
 from structllm.core.runner import ModelInput, ModelRunner
 from structllm.core.scheduler import (
     Scheduler,
@@ -39,7 +43,6 @@ from structllm.model._paddle import default_num_threads, set_num_threads
 from structllm.model.config import ModelConfig
 from structllm.model.loader import LoadedModel, LoadProgress, load_model
 from structllm.model.sampler import TokenLogprobs, make_generator
-from structllm.outputs import FinishReason
 from structllm.text.tokenizer import Tokenizer
 
 __all__ = [
@@ -55,52 +58,6 @@ __all__ = [
 #: when only grammar compiles are pending, a step waits this long for one
 #: (bounds how late an abort that arrives meanwhile is read)
 GRAMMAR_WAIT_S = 0.02
-
-
-class RequestStepOutput(msgspec.Struct, frozen=True, array_like=True):
-    """What one step produced for one request (in process and on the wire)."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprobs, ...] | None = None
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    #: on a request's first output: seconds from arrival to first scheduled
-    queue_s: float | None = None
-    #: on a request's first output: prompt tokens read from the prefix cache
-    #: (OpenAI's usage.prompt_tokens_details.cached_tokens)
-    num_cached_tokens: int | None = None
-    #: with the first sampled token of a request with ``prompt_logprobs``:
-    #: one entry per prompt token, the first None (nothing predicts it)
-    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
-
-
-class StepOutput(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """One step's news, and the scheduler's state after it.
-
-    The core process sends this very struct to the front end.
-    """
-
-    outputs: tuple[RequestStepOutput, ...]
-    num_batched_tokens: int
-    num_seqs: int
-    preempted: tuple[str, ...] = ()
-    #: requests dropped unrun because their grammar was refused
-    rejected: tuple[RejectedRequest, ...] = ()
-    #: seconds: scheduling, model forward (incl. logits), sampling, whole step
-    schedule_s: float = 0.0
-    forward_s: float = 0.0
-    sample_s: float = 0.0
-    total_s: float = 0.0
-    #: scheduler snapshot after the step
-    num_running: int = 0
-    num_waiting: int = 0
-    blocks_used: int = 0
-    total_preemptions: int = 0
-    #: prompt tokens this core has looked up in the prefix cache, and found
-    #: (cumulative since it started; vLLM's prefix_cache_queries / hits)
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
 
 
 def check_prompt(prompt: Sequence[int], *, vocab_size: int, max_model_len: int) -> None:

@@ -16,11 +16,19 @@ included):
    of bytes of it; half close the socket, half abort it (RST).
 3. Then: within 30 s, 0 requests running, 0 waiting and every KV block free
    (``/metrics``); a good request still succeeds; the RSS of the server
-   plus its engine process within 10% of the start (measured after a
-   warm-up of 64 streams and ``--warmup`` hang-ups, so the allocations the
-   engine makes once for the batch shapes it meets do not count).
-   ``--hangup-rounds N`` repeats step 2 and records the RSS after each
-   round: growth that stops is the allocator, growth per round a leak.
+   plus its engine process within 10% of the baseline.
+
+The baseline is taken after a warm-up, so that what the processes allocate
+once and keep does not count: 64 streams, ``--warmup`` hang-ups, and the
+largest batches the soak can make (64 requests of 200-character prompts and
+200 tokens at once: steps of ``--max-num-batched-tokens`` prompt tokens, a
+full KV cache, preemptions), ``--warmup-rounds`` times. The engine keeps,
+per compiled program, the oneDNN primitives and buffers of up to 64 step
+sizes (``compiled.py``), and the allocators keep freed memory; both
+plateau. ``--hangup-rounds N`` repeats step 2 and records the RSS of each
+process after each round: growth that stops is the allocator, growth per
+round a leak (``plateau_pct``: the change over the second half of the
+rounds).
 
 Prints one JSON object per loop; exits 1 if any check failed. ``nox -s
 soak`` runs it on both loops.
@@ -236,15 +244,34 @@ def wait_idle(url: str, seconds: float = 30) -> tuple[dict[str, float], float]:
         time.sleep(0.2)
 
 
+async def largest_batches(url: str, count: int = 64) -> Counter[str]:
+    """``count`` long prompts generating 200 tokens each, all at once."""
+    body = {"prompt": "x" * 200, "max_tokens": 200, "ignore_eos": True}
+    limits = httpx.Limits(max_connections=count)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as ac:
+
+        async def one() -> str:
+            return str((await ac.post("/v1/completions", json=body)).status_code)
+
+        return Counter(await asyncio.gather(*(one() for _ in range(count))))
+
+
 def soak(loop: str, ns: argparse.Namespace) -> dict[str, Any]:
     log = None if ns.server_log is None else Path(f"{ns.server_log}.{loop}")
     with serve(loop, ns.serve_arg, log) as (url, pid):
         host, port = url.removeprefix("http://").split(":")
         cold = rss_mib(pid)
-        # warm-up: the engine's allocator grows once for the shapes it meets
-        asyncio.run(streams(host, int(port), 64))
-        asyncio.run(hang_ups(host, int(port), ns.warmup, ns.hangup_concurrency, 1))
-        wait_idle(url)
+        # warm-up: what the processes allocate once and keep (see above)
+        warmups = []
+        for r in range(ns.warmup_rounds):
+            asyncio.run(streams(host, int(port), 64))
+            asyncio.run(
+                hang_ups(host, int(port), ns.warmup, ns.hangup_concurrency, 1 + r)
+            )
+            asyncio.run(largest_batches(url))
+            wait_idle(url)
+            warmups.append(rss_mib(pid))
+            print(f"{loop}: warm-up round {r + 1}: {warmups[-1]}", file=sys.stderr)
         warm = rss_mib(pid)
         t = time.monotonic()
         phase1 = asyncio.run(streams(host, int(port), ns.streams))
@@ -258,7 +285,8 @@ def soak(loop: str, ns: argparse.Namespace) -> dict[str, Any]:
                 hang_ups(host, int(port), ns.hangups, ns.hangup_concurrency, 100 + r)
             )
             g, waited = wait_idle(url)
-            rounds.append(rss_mib(pid)["total"])
+            rounds.append(rss_mib(pid))
+            print(f"{loop}: hang-up round {r + 1}: {rounds[-1]}", file=sys.stderr)
         s2 = round(time.monotonic() - t, 1)
         good = httpx.post(
             f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60
@@ -283,15 +311,25 @@ def soak(loop: str, ns: argparse.Namespace) -> dict[str, Any]:
             "idle_after_s": waited,
             "rss_mib": {
                 "cold": cold,
+                "after_each_warmup_round": warmups,
                 "warm": warm,
                 "after_streams": after1,
                 "after_each_hangup_round": rounds,
                 "end": end,
             },
             "rss_change_pct": round(100 * (end["total"] / warm["total"] - 1), 1),
+            "plateau_pct": plateau_pct(rounds),
             "checks": checks,
             "ok": all(checks.values()),
         }
+
+
+def plateau_pct(rounds: list[dict[str, float]]) -> dict[str, float] | None:
+    """Per process, the RSS change from the middle round to the last, %."""
+    if len(rounds) < 3:
+        return None
+    mid, last = rounds[(len(rounds) - 1) // 2], rounds[-1]
+    return {k: round(100 * (last[k] / mid[k] - 1), 1) for k in last}
 
 
 def main() -> None:
@@ -302,7 +340,13 @@ def main() -> None:
     parser.add_argument("--hangup-concurrency", type=int, default=250)
     parser.add_argument("--hangup-rounds", type=int, default=1)
     parser.add_argument(
-        "--warmup", type=int, default=500, help="hang-ups before the RSS baseline"
+        "--warmup", type=int, default=500, help="hang-ups per warm-up round"
+    )
+    parser.add_argument(
+        "--warmup-rounds",
+        type=int,
+        default=1,
+        help="warm-up rounds before the RSS baseline",
     )
     parser.add_argument("--serve-arg", action="append", default=[])
     parser.add_argument(

@@ -3,7 +3,7 @@
     python tools/soak.py [--loop asyncio] [--loop trio] [--streams 1000]
         [--hangups 2000] [--hangup-concurrency 250] [--serve-arg=--flag ...]
 
-For each loop, against ``structllm serve tiny-random`` (worker process
+For each loop, against ``structllm serve tiny-random`` (core process
 included):
 
 1. ``--streams`` streaming completions opened at once over raw sockets;

@@ -328,12 +328,13 @@ def test_responses_omit_only_what_was_not_given() -> None:
         "total_tokens": 7,
         "prompt_tokens_details": {"cached_tokens": 2},
     }
-    card = api.dump(api.ModelCard(id="m", created=1, max_model_len=8))
+    card = api.dump(api.ModelCard(id="m", created=1, root="/m", max_model_len=8))
     assert card == {
         "id": "m",
         "object": "model",
         "created": 1,
         "owned_by": "structllm",
+        "root": "/m",
         "max_model_len": 8,
     }
     assert api.error_body("bad", param="x", code=400) == {

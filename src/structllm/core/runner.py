@@ -12,7 +12,7 @@ import numpy as np
 from structllm.core.request import Request
 from structllm.core.scheduler import SchedulerOutput
 from structllm.core.structured import StructuredOutputManager
-from structllm.model._paddle import paddle
+from structllm.model._paddle import host_tensor, paddle
 from structllm.model.attention import SequenceSlice
 from structllm.model.llama import LlamaForCausalLM
 from structllm.model.sampler import (
@@ -57,8 +57,8 @@ def run_forward(
         [SequenceSlice(c, n, table) for c, n, table in step.seqs]
     )
     return model.forward(
-        paddle.to_tensor(np.frombuffer(step.token_ids, dtype=np.int64)),
-        paddle.to_tensor(np.frombuffer(step.positions, dtype=np.int64)),
+        host_tensor(np.frombuffer(step.token_ids, dtype=np.int64), "token_ids"),
+        host_tensor(np.frombuffer(step.positions, dtype=np.int64), "positions"),
         kv_caches,
         meta,
     )
@@ -141,7 +141,8 @@ class ModelRunner:
         }
         if not sampling:
             return RunnerOutput({}, {}, prompt, time.perf_counter() - start, 0.0)
-        last = paddle.index_select(hidden, paddle.to_tensor(np.asarray(rows, np.int64)))
+        index = host_tensor(np.asarray(rows, np.int64), "sampled_rows")
+        last = paddle.index_select(hidden, index)
         logits = self.model.compute_logits(last).numpy()  # (N, V)
         forward_s = time.perf_counter() - start
         start = time.perf_counter()

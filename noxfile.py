@@ -109,15 +109,20 @@ def soak(session: nox.Session) -> None:
 
     Against `structllm serve tiny-random` on each loop: every request
     completes or gets a clean 503; afterwards nothing runs or waits, every
-    KV block is free, and server + engine RSS are within 10% of the start.
-    ``nox -s soak -- --loop trio --streams 500`` and the other flags of
-    tools/soak.py pass through.
+    KV block is free, and server + engine RSS are within 10% of where they
+    were after a warm-up with the largest batches (3 hang-up rounds, RSS
+    per process after each: docs/operations.md). ``nox -s soak -- --loop
+    trio --streams 500`` and the other flags of tools/soak.py pass through;
+    ``-- --trace-memory DIR`` compares tracemalloc snapshots of both
+    processes across the rounds.
     """
     _install(session)
-    loops = (
-        [] if "--loop" in session.posargs else ["--loop", "asyncio", "--loop", "trio"]
-    )
-    session.run("python", "tools/soak.py", *loops, *session.posargs)
+    args = list(session.posargs)
+    if "--loop" not in args:
+        args += ["--loop", "asyncio", "--loop", "trio"]
+    if not any(a.startswith("--hangup-rounds") for a in args):
+        args += ["--hangup-rounds", "3"]
+    session.run("python", "tools/soak.py", *args)
 
 
 @nox.session(python=PYTHON)
@@ -139,7 +144,7 @@ def train_tiny(session: nox.Session) -> None:
 
     Seeded; minutes on 2 cores. ``-- --steps N`` and the other flags of
     tools/train_tiny.py pass through. Then update the expected texts in
-    tests/test_tiny_model.py and the figures in docs/models.md.
+    tests/test_builtin_models.py and the figures in docs/models.md.
     """
     _install(session)
     session.run("python", "tools/train_tiny.py", *session.posargs)

@@ -4,6 +4,8 @@
     python tests/boundary_probe.py stall    [--src DIR] [--loop ...]
     python tests/boundary_probe.py frozen   [--src DIR] [--loop ...]
     python tests/boundary_probe.py sigterm  [--src DIR] [--loop ...]
+    python tests/boundary_probe.py sigkill  [--src DIR] [--loop ...] [--clients 32]
+        [--runs 5]
     python tests/boundary_probe.py load     [--src DIR] [--loop ...] [--clients 1000]
 
 ``--src`` is the ``src`` directory to serve from (default: this checkout),
@@ -239,6 +241,89 @@ def sigterm(src: Path, loop: str) -> dict[str, Any]:
         }
 
 
+def sigkill(src: Path, loop: str, clients: int, runs: int) -> dict[str, Any]:
+    """SIGKILL the worker under ``clients`` streams, ``runs`` times (one server).
+
+    Per run: how each stream ended, seconds from the kill to the first 503
+    of ``/health`` and to its first 200 after that (the recovery), and
+    whether a request then succeeds. Restarts are allowed without limit.
+    """
+    body = {"prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    args = ["--max-restarts", str(runs), "--restart-window", "1"]
+    with serve(src, loop, *args) as (url, proc):
+
+        async def one() -> dict[str, Any]:
+            outcomes: Counter[str] = Counter()
+            started: list[int] = []
+            go = asyncio.Event()
+            limits = httpx.Limits(max_connections=clients + 8)
+            async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as ac:
+
+                async def stream() -> None:
+                    events: list[str] = []
+                    try:
+                        async with ac.stream("POST", "/v1/completions", json=body) as r:
+                            if r.status_code != 200:
+                                outcomes[f"status:{r.status_code}"] += 1
+                                return
+                            async for line in r.aiter_lines():
+                                if line.startswith("data:"):
+                                    if not events:
+                                        started.append(1)
+                                        if len(started) == clients:
+                                            go.set()
+                                    events.append(line)
+                    except httpx.HTTPError as exc:
+                        outcomes[f"cut:{type(exc).__name__}"] += 1
+                        return
+                    error = len(events) > 1 and '"error"' in events[-2]
+                    code = json.loads(events[-2][5:])["error"]["code"] if error else 0
+                    done = events[-1:] == ["data: [DONE]"]
+                    outcomes[f"event:{code}" if error and done else "other"] += 1
+
+                tasks = [asyncio.ensure_future(stream()) for _ in range(clients)]
+                await asyncio.wait_for(go.wait(), 120)
+                os.kill(worker_pid(proc.pid), signal.SIGKILL)
+                killed = time.monotonic()
+                down = up = None
+                while up is None and time.monotonic() - killed < 120:
+                    status = (await ac.get("/health")).status_code
+                    now = round(time.monotonic() - killed, 2)
+                    if status == 503 and down is None:
+                        down = now
+                    elif status == 200 and down is not None:
+                        up = now
+                    await asyncio.sleep(0.01)
+                try:
+                    await asyncio.wait_for(asyncio.gather(*tasks), 30)
+                    ended = True
+                except TimeoutError:
+                    ended = False
+                r = await ac.post(
+                    "/v1/completions", json={"prompt": "hi", "max_tokens": 4}
+                )
+                return {
+                    "outcomes": dict(outcomes),
+                    "all_streams_ended": ended,
+                    "to_503_s": down,
+                    "recovery_s": up,
+                    "next_request": r.status_code,
+                }
+
+        results = [asyncio.run(one()) for _ in range(runs)]
+        recovery = sorted(r["recovery_s"] for r in results if r["recovery_s"])
+        return {
+            "clients": clients,
+            "runs": results,
+            "recovery_s": {
+                "min": recovery[0] if recovery else None,
+                "median": recovery[len(recovery) // 2] if recovery else None,
+                "max": recovery[-1] if recovery else None,
+            },
+            "server_alive": proc.poll() is None,
+        }
+
+
 def load(src: Path, loop: str, clients: int) -> dict[str, Any]:
     """``clients`` streaming requests opened at once over raw sockets."""
     with serve(src, loop) as (url, _):
@@ -305,11 +390,14 @@ def load(src: Path, loop: str, clients: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "probe", choices=["crashers", "stall", "frozen", "sigterm", "load"]
+        "probe", choices=["crashers", "stall", "frozen", "sigterm", "sigkill", "load"]
     )
     parser.add_argument("--src", type=Path, default=HERE)
     parser.add_argument("--loop", default="asyncio")
-    parser.add_argument("--clients", type=int, default=1000)
+    parser.add_argument(
+        "--clients", type=int, help="load: 1000 by default; sigkill: 32"
+    )
+    parser.add_argument("--runs", type=int, default=5, help="sigkill: kills per loop")
     parser.add_argument(
         "--model", default="tiny-random", help="e.g. a `structllm make-tiny-model` dir"
     )
@@ -319,7 +407,9 @@ def main() -> None:
     MODEL[0] = ns.model
     EXTRA.extend(ns.serve_arg)
     if ns.probe == "load":
-        result = load(ns.src, ns.loop, ns.clients)
+        result = load(ns.src, ns.loop, ns.clients or 1000)
+    elif ns.probe == "sigkill":
+        result = sigkill(ns.src, ns.loop, ns.clients or 32, ns.runs)
     else:
         result = globals()[ns.probe](ns.src, ns.loop)
     print(json.dumps({"probe": ns.probe, "loop": ns.loop, **result}, indent=1))

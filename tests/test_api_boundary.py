@@ -531,6 +531,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from structllm.server import protocol as oai  # noqa: E402
+from structllm.server import refusals  # noqa: E402
 
 
 def _nested(depth: int) -> str:
@@ -572,7 +573,9 @@ json_values = st.recursive(
 _COMMON = sorted(
     set(oai.CompletionRequest.model_fields)
     | set(oai.ChatRequest.model_fields)
-    | set(oai.REFUSED)
+    | set(refusals.REFUSED)
+    | set(refusals.CHAT_REFUSED)
+    | set(refusals.COMPLETION_REFUSED)
 )
 _GOOD = {
     "/v1/completions": {"prompt": "ok", "max_tokens": 2},

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
+import attrs
 import numpy as np
 import pytest
 
@@ -20,6 +21,7 @@ from structllm import (
     EngineOverloadedError,
     InvalidRequestError,
     OutputKind,
+    RequestOutput,
     SamplingParams,
 )
 from structllm.config import EngineConfig
@@ -281,7 +283,7 @@ async def test_nothing_left_behind(executor: str) -> None:
     async with open_llm(executor=executor) as llm:
         await llm.complete("x", GREEDY)
         if executor == "process":
-            assert llm.statistics().worker_pid in child_pids()
+            assert llm.statistics().core_pid in child_pids()
         else:
             assert engine_threads() == ["structllm-inline-core"]
     assert engine_threads() == []
@@ -450,4 +452,48 @@ async def test_cancelled_while_tokenising_off_the_loop_registers_nothing(
         assert info.value.field == "prompt"
         out = await llm.complete({"prompt_token_ids": [1, 2, 3]}, GREEDY)
         assert list(out.token_ids) == alone([1, 2, 3])
+        await all_blocks_free(llm)
+
+
+async def test_complete_with_n_samples_each_prompt_once_and_aborts_them_all() -> None:
+    prompt = prompts(1, seed=3)[0]
+    sampled = SamplingParams(temperature=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    async with open_llm() as llm:
+        out = await llm.complete(prompt, attrs.evolve(sampled, n=3))
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        for i, c in enumerate(out.outputs):  # sample i is the request seeded seed + i
+            assert list(c.token_ids) == alone(prompt, sampled.for_choice(i))
+        assert out.num_generated_tokens == 36 and out.finished
+        await all_blocks_free(llm)
+
+        long = SamplingParams(max_tokens=200, ignore_eos=True, n=2)
+        done = anyio.Event()
+        result: list[RequestOutput] = []
+
+        async def run() -> None:
+            result.append(await llm.complete("Hi", long, request_id="both"))
+            done.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            with anyio.fail_after(10):
+                await llm.wait_statistics(lambda s: s.running == 2)
+            await llm.abort("both")  # the id the caller knows ends every sample
+            await done.wait()
+        assert [c.finish_reason for c in result[0].outputs] == ["abort", "abort"]
+        await all_blocks_free(llm)
+
+
+async def test_a_stream_refuses_n_samples() -> None:
+    async with open_llm() as llm:
+        with pytest.raises(InvalidRequestError) as info:
+            async with llm.stream("Hi", SamplingParams(n=2)):
+                pass  # pragma: no cover
+        assert info.value.field == "n"
+        with pytest.raises(InvalidRequestError):
+            async with contextlib.aclosing(
+                llm.generate("Hi", SamplingParams(n=2))
+            ) as g:
+                async for _ in g:
+                    pass  # pragma: no cover
         await all_blocks_free(llm)

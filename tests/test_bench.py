@@ -32,7 +32,7 @@ def test_throughput_counts_the_requested_tokens(tmp_path: Path) -> None:
     assert set(systems) == {
         "structllm",
         "structllm EngineCore (direct)",
-        "structllm AsyncLLM (worker process)",
+        "structllm AsyncLLM (core process)",
     }
     for name, figures in systems.items():
         assert figures["output_tokens"] == result["output_tokens"], name

@@ -369,6 +369,7 @@ def test_flags() -> None:
         "/v1/completions",
         "tokens",
     )
+    assert ServeConfig.from_namespace(parse([])) == ServeConfig()  # one home each
     chat = ServeConfig.from_namespace(parse(["--endpoint", "/v1/chat/completions"]))
     assert chat.prompt_kind == "text"
     bad = parse(["--endpoint", "/v1/chat/completions", "--prompt-kind", "tokens"])

@@ -38,11 +38,18 @@ def test_each_name_has_its_own_tokenizer() -> None:
     assert tok.decode(tok.encode(MIT, add_special_tokens=False)) == MIT
 
 
-def test_tiny_writes_the_text_it_was_trained_on() -> None:
+@pytest.mark.parametrize(
+    "prompt, continuation",
+    [
+        (MIT, MIT_NEXT),
+        ("THE SOFTWARE IS PROVIDED", ' "AS IS", WITHOUT WARRANTY OF ANY KIND'),
+    ],
+)
+def test_tiny_writes_the_text_it_was_trained_on(prompt: str, continuation: str) -> None:
     llm = LLM(TINY, show_progress=False, max_model_len=256, num_blocks=32)
     params = SamplingParams(temperature=0, max_tokens=16)
-    text = llm.generate([MIT], params, use_tqdm=False)[0].outputs[0].text
-    assert text.startswith(MIT_NEXT), text
+    text = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    assert text.startswith(continuation), text
 
 
 def _perplexity(model: str, load_format: str, text: str) -> float:

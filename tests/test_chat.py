@@ -279,3 +279,54 @@ def test_byte_tokenizer_template_ends_assistant_turns_with_eos() -> None:
         tokenizer.apply_chat_template(CONVERSATION[1:2], add_generation_prompt=False)
         == "<|user|>\nHi there \n"
     )
+
+
+def test_continue_final_message_ends_at_its_content() -> None:
+    messages = [
+        {"role": "user", "content": "Capital of France?"},
+        {"role": "assistant", "content": "It is "},
+    ]
+    text = render_chat_template(
+        CHATML_TEMPLATE,
+        messages,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
+    assert text.endswith("<|im_start|>assistant\nIt is ")
+    with pytest.raises(InvalidRequestError) as info:  # both is a contradiction
+        render_chat_template(
+            CHATML_TEMPLATE,
+            messages,
+            add_generation_prompt=True,
+            continue_final_message=True,
+        )
+    assert info.value.field == "continue_final_message"
+    silent = "{% for m in messages %}{{ m.role }}{% endfor %}"  # writes no content
+    with pytest.raises(InvalidRequestError) as info:
+        render_chat_template(
+            silent, messages, add_generation_prompt=False, continue_final_message=True
+        )
+    assert info.value.field == "continue_final_message"
+
+
+def test_template_kwargs_reach_the_template_but_replace_nothing() -> None:
+    template = "{% if enable_thinking %}<think>{% endif %}{{ messages[0].content }}"
+    msgs = [{"role": "user", "content": "hi"}]
+    on = render_chat_template(
+        template,
+        msgs,
+        add_generation_prompt=False,
+        template_kwargs={"enable_thinking": True},
+    )
+    assert on == "<think>hi"
+    assert render_chat_template(template, msgs, add_generation_prompt=False) == "hi"
+    for key in ("messages", "add_generation_prompt", "bos_token", "tools"):
+        with pytest.raises(InvalidRequestError) as info:
+            render_chat_template(
+                template,
+                msgs,
+                add_generation_prompt=False,
+                template_kwargs={key: 1},
+                tools=None,
+            )
+        assert info.value.field == f"chat_template_kwargs.{key}"

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from structllm import LLM, AsyncLLM, StructLLMError
+from structllm import LLM, AsyncLLM, FrontendConfig, ServerConfig, StructLLMError
 from structllm.core.block_pool import NoFreeBlocksError as PoolNoFreeBlocksError
 from structllm.errors import (
     EngineConfigError,
@@ -19,11 +19,12 @@ from structllm.errors import (
 BAD_SETTINGS = [
     pytest.param({"max_model_len": 256, "num_blocks": 4}, "num_blocks", id="kv"),
     pytest.param({"max_model_len": 10**7}, "max_model_len", id="context"),
-    pytest.param(
-        {"max_num_seqs": 0, "num_blocks": 64, "max_model_len": 256},
-        None,
-        id="max_num_seqs",
-    ),
+    pytest.param({"max_num_seqs": 0}, "max_num_seqs", id="max_num_seqs"),
+    pytest.param({"block_size": 0}, "block_size", id="block_size"),
+    pytest.param({"kv_cache_memory": 0}, "kv_cache_memory", id="kv_cache_memory"),
+    pytest.param({"max_model_len": 1}, "max_model_len", id="max_model_len"),
+    pytest.param({"dtype": "fp8"}, "dtype", id="dtype"),
+    pytest.param({"max_num_batched_tokens": "8"}, "max_num_batched_tokens", id="type"),
 ]
 
 
@@ -49,26 +50,50 @@ def test_llm_refuses_a_setting_that_cannot_work(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("executor", ["inline", "process"])
 @pytest.mark.parametrize(("settings", "field"), BAD_SETTINGS)
 async def test_async_llm_refuses_it_with_the_same_error(
-    settings: dict[str, Any], field: str | None
+    executor: str, settings: dict[str, Any], field: str | None
 ) -> None:
+    """Build-time refusals start no core; the rest come back from the core."""
     with pytest.raises(EngineConfigError) as info:
         async with AsyncLLM.open(
-            "tiny-random", executor="inline", show_progress=False, **settings
+            "tiny-random", executor=executor, show_progress=False, **settings
         ):
             pytest.fail("open() should have failed")  # pragma: no cover
     assert info.value.field == field
 
 
-@pytest.mark.anyio
-async def test_the_process_executor_reports_it_too() -> None:
-    with pytest.raises(EngineConfigError, match="fewer than one sequence") as info:
-        async with AsyncLLM.open(
-            "tiny-random", show_progress=False, max_model_len=256, num_blocks=4
-        ):
-            pytest.fail("open() should have failed")  # pragma: no cover
-    assert info.value.field == "num_blocks"
+@pytest.mark.parametrize(
+    ("cls", "settings", "field"),
+    [
+        (FrontendConfig, {"heartbeat_interval": 0}, "heartbeat_interval"),
+        (FrontendConfig, {"max_restarts": -1}, "max_restarts"),
+        (FrontendConfig, {"executor": "cloud"}, "executor"),
+        (ServerConfig, {"port": 70000}, "port"),
+        (ServerConfig, {"backlog": 0}, "backlog"),
+        (ServerConfig, {"max_concurrent_requests": 0}, "max_concurrent_requests"),
+        (ServerConfig, {"max_log_len": -1}, "max_log_len"),
+        (ServerConfig, {"body_timeout": 0}, "body_timeout"),
+        (ServerConfig, {"allowed_origins": ["*"]}, "allowed_origins"),
+        (ServerConfig, {"api_key": ("a key",)}, "api_key"),
+    ],
+)
+def test_every_config_refuses_a_bad_value_naming_the_field(
+    cls: type, settings: dict[str, Any], field: str
+) -> None:
+    extra = {"model_name": "m"} if cls is ServerConfig else {}
+    with pytest.raises(EngineConfigError) as info:
+        cls(**extra, **settings)
+    assert info.value.field == field
+    assert field in str(info.value)
+
+
+def test_a_small_backlog_is_allowed_and_the_help_promises_no_minimum() -> None:
+    import attrs
+
+    assert ServerConfig(model_name="m", backlog=5).backlog == 5
+    assert ">=" not in attrs.fields(ServerConfig).backlog.metadata["help"]
 
 
 @pytest.mark.anyio
@@ -92,3 +117,14 @@ def test_the_drawing_in_the_docstring_lists_every_error() -> None:
     }
     exported = {n for n in errors.__all__ if isinstance(getattr(errors, n), type)}
     assert drawn == defined == exported | {"StructLLMError"}
+
+
+def test_the_engine_guide_draws_the_same_tree() -> None:
+    import re
+    from pathlib import Path
+
+    import structllm.errors as errors
+
+    guide = (Path(__file__).parent.parent / "docs" / "engine.md").read_text()
+    drawn = set(re.findall(r"[├└]── (\w+)", guide))
+    assert drawn == set(re.findall(r"[├└]── (\w+)", errors.__doc__ or ""))

@@ -15,7 +15,9 @@ PUBLIC = {
     "CompletionOutput",
     "EngineConfig",
     "EngineConfigError",
+    "EngineCoreError",
     "EngineDeadError",
+    "EngineLoadingError",
     "EngineOverloadedError",
     "EngineStatistics",
     "FrontendConfig",
@@ -23,6 +25,7 @@ PUBLIC = {
     "LLM",
     "Logprob",
     "ModelLoadError",
+    "NoFreeBlocksError",
     "OutputKind",
     "RequestError",
     "RequestFailedError",
@@ -30,7 +33,9 @@ PUBLIC = {
     "RequestStream",
     "SamplingParams",
     "ServerConfig",
+    "ShuttingDownError",
     "StructLLMError",
+    "StructuredOutputs",
     "UnsupportedModelError",
 }
 
@@ -39,6 +44,28 @@ def test_all_is_the_public_api() -> None:
     assert set(structllm.__all__) == PUBLIC
     for name in PUBLIC:
         assert getattr(structllm, name).__module__.startswith("structllm.")
+
+
+def test_every_error_is_exported() -> None:
+    import structllm.errors as errors
+
+    defined = {
+        name
+        for name, obj in vars(errors).items()
+        if isinstance(obj, type) and issubclass(obj, structllm.StructLLMError)
+    }
+    assert defined <= set(structllm.__all__)
+
+
+def test_lazy_names_load_on_first_use_and_unknown_ones_raise() -> None:
+    import structllm.structured
+
+    assert structllm.EngineStatistics.__name__ == "EngineStatistics"
+    assert structllm.structured.GrammarCompiler.__name__ == "GrammarCompiler"
+    with pytest.raises(AttributeError, match="'structllm' has no attribute 'nope'"):
+        structllm.nope  # noqa: B018
+    with pytest.raises(AttributeError, match=r"'structllm\.structured' has no"):
+        structllm.structured.nope  # noqa: B018
 
 
 def test_errors_tree() -> None:

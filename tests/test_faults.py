@@ -48,7 +48,7 @@ async def consume_until_dead(llm: AsyncLLM) -> tuple[EngineDeadError, float]:
 
 async def test_sigkill_mid_stream_then_restart() -> None:
     async with AsyncLLM.open("tiny-random", max_restarts=2, **ENGINE) as llm:
-        pid = llm.statistics().worker_pid
+        pid = llm.statistics().core_pid
         assert pid is not None
         killed_at = 0.0
 
@@ -68,7 +68,7 @@ async def test_sigkill_mid_stream_then_restart() -> None:
             out = await llm.complete("Hello", SHORT)
         assert out.finish_reason == "length"
         stats = llm.statistics()
-        assert stats.restarts == 1 and not stats.dead and stats.worker_pid != pid
+        assert stats.restarts == 1 and not stats.dead and stats.core_pid != pid
 
 
 async def test_forward_raises_at_step() -> None:
@@ -135,7 +135,7 @@ def test_worker_exits_when_parent_is_killed(tmp_path: Path) -> None:
 
             async def main():
                 async with AsyncLLM.open("tiny-random", show_progress=False) as llm:
-                    print(llm.statistics().worker_pid, flush=True)
+                    print(llm.statistics().core_pid, flush=True)
                     await anyio.sleep(3600)
 
             anyio.run(main)

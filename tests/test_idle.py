@@ -26,7 +26,7 @@ async def test_idle_cpu_is_negligible() -> None:
         "tiny-random", show_progress=False, heartbeat_interval=0.5
     ) as llm:
         await llm.complete("warm", SamplingParams(max_tokens=4))
-        pid = llm.statistics().worker_pid
+        pid = llm.statistics().core_pid
         assert pid is not None
         await anyio.sleep(0.5)  # math threads may spin briefly after work
         front0 = resource.getrusage(resource.RUSAGE_SELF)

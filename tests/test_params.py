@@ -51,6 +51,9 @@ BAD = [
     ("prompt_logprobs", True),
     ("output_kind", "stream"),
     ("skip_special_tokens", None),
+    ("n", 0),
+    ("n", 1025),
+    ("n", 2.0),
 ]
 
 
@@ -95,3 +98,11 @@ def test_logit_bias_and_allowed_ids_normalised() -> None:
     assert p.logit_bias == ((3, -2.5), (7, 1.0))
     assert p.allowed_token_ids == (2, 9)
     assert SamplingParams(logit_bias=[[7, 1.0], [3, -2.5]]).logit_bias == p.logit_bias
+
+
+def test_for_choice_gives_each_sample_its_own_seed() -> None:
+    p = SamplingParams(n=3, seed=2**63 - 1, temperature=0.5)
+    seeds = [p.for_choice(i).seed for i in range(3)]
+    assert seeds == [2**63 - 1, 0, 1]  # distinct, and wrapped into 63 bits
+    assert {p.for_choice(i).n for i in range(3)} == {1}
+    assert SamplingParams(n=2).for_choice(1).seed is None  # unseeded stays so

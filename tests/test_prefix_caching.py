@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -606,3 +607,26 @@ def test_a_failed_step_leaves_nothing_uncomputed_in_the_cache() -> None:
     core.pool.audit()
     tokens = _run(core, [prompt], [params])["r0"][0]
     assert tokens == _run(_core(False), [prompt], [params])["r0"][0]
+
+
+def test_n_samples_are_the_seeded_requests_and_compute_the_prompt_once() -> None:
+    from structllm.llm import LLM
+
+    llm = LLM("tiny-random", show_progress=False, max_model_len=256, num_blocks=64)
+    one = SamplingParams(temperature=0.8, seed=0, max_tokens=8, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(SYSTEM)}
+    (out,) = llm.generate(prompt, attrs.evolve(one, n=4), use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert out.num_generated_tokens == 32
+    # the three siblings find SYSTEM's 4 full blocks of 16
+    assert llm.core.statistics().scheduler.prefix_cache_hits == 3 * 64
+    llm.reset_prefix_cache()
+    alone = [
+        llm.generate(prompt, one.for_choice(i), use_tqdm=False)[0].token_ids
+        for i in range(4)
+    ]
+    assert [c.token_ids for c in out.outputs] == alone
+    assert len(set(alone)) > 1  # the samples differ
+    with pytest.raises(InvalidRequestError) as info:  # a stream is one sample
+        next(llm.stream(prompt, attrs.evolve(one, n=2)))
+    assert info.value.field == "n"

@@ -264,6 +264,20 @@ async def test_error_mapping() -> None:
         assert_error(await s.http.get("/v1/completions"), 405)
         r = await post("/v1/completions", content=b"x" * 20_000)
         assert_error(r, 413)
+        form = {"content-type": "application/x-www-form-urlencoded"}
+        r = await post("/v1/chat/completions", content=b"messages=hi", headers=form)
+        assert "JSON" in assert_error(r, 415, "Content-Type")
+        for json_type in ("application/json; charset=utf-8", "application/vnd.x+json"):
+            r = await post(
+                "/v1/completions",
+                content=b'{"prompt": "ok", "max_tokens": 1}',
+                headers={"content-type": json_type},
+            )
+            assert r.status_code == 200, json_type
+        r = await post(
+            "/v1/chat/completions", json={"messages": CHAT, "tool_choice": "auto"}
+        )
+        assert "needs tools" in assert_error(r, 400, "tool_choice")
         # the engine serves on after each
         r = await post("/v1/completions", json={"prompt": "ok", "max_tokens": 2})
         assert r.status_code == 200

@@ -131,6 +131,38 @@ async def test_tokenize_matches_what_generation_sees_and_round_trips(
         assert "Say hi" in text and text.count("hi") >= 2
 
 
+async def test_continue_final_message_and_template_kwargs_in_chat_and_tokenize() -> (
+    None
+):
+    prefix = [*CHAT, {"role": "assistant", "content": "The capital of"}]
+    async with open_app("tiny") as (http, _, _):
+        body = {"messages": prefix, "continue_final_message": True}
+        tokenized = (await http.post("/tokenize", json=body)).json()["tokens"]
+        chat = await http.post(
+            "/v1/chat/completions",
+            json={**body, "max_tokens": 2, "return_token_ids": True},
+        )
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["prompt_token_ids"] == tokenized
+        text = (await http.post("/detokenize", json={"tokens": tokenized})).json()
+        assert text["prompt"].endswith("<|im_start|>assistant\nThe capital of")
+        closed = {"messages": prefix, "add_generation_prompt": False}
+        closed_ids = (await http.post("/tokenize", json=closed)).json()["tokens"]
+        assert len(closed_ids) > len(tokenized)  # the turn ends: <|im_end|>
+        for path in ("/tokenize", "/v1/chat/completions"):
+            both = {**body, "add_generation_prompt": True}
+            openai_error(
+                await http.post(path, json=both), 400, "continue_final_message"
+            )
+            kwargs = {"messages": CHAT, "chat_template_kwargs": {"messages": []}}
+            r = await http.post(path, json=kwargs)
+            openai_error(r, 400, "chat_template_kwargs.messages")
+            kwargs = {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": 1}}
+            assert (
+                await http.post(path, json={**kwargs, "max_tokens": 1})
+            ).status_code == 200
+
+
 async def test_tokenize_and_detokenize_refusals_name_the_field() -> None:
     async with open_app() as (http, _, _):
         post = http.post

@@ -18,11 +18,11 @@ from structllm.params import MAX_COUNT, OutputKind, SamplingParams
 from structllm.server import responses as api
 from structllm.server.body import validate
 from structllm.server.protocol import (
-    REFUSED,
     ChatRequest,
     CompletionRequest,
     validation_error,
 )
+from structllm.server.refusals import CHAT_REFUSED, COMPLETION_REFUSED, REFUSED
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -142,12 +142,31 @@ def test_a_body_that_is_not_an_object() -> None:
         assert "JSON object" in str(refused(CompletionRequest, body))
 
 
-def test_every_refused_field_is_refused_and_its_no_op_accepted() -> None:
-    for name, (reason, no_ops) in REFUSED.items():
-        err = refused(CompletionRequest, {"prompt": "x", name: "something"})
+@pytest.mark.parametrize(
+    ("model", "base", "table"),
+    [
+        (CompletionRequest, {"prompt": "x"}, REFUSED | COMPLETION_REFUSED),
+        (ChatRequest, {"messages": CHAT}, REFUSED | CHAT_REFUSED),
+    ],
+)
+def test_every_refused_field_is_refused_and_its_no_op_accepted(
+    model: type[BaseModel], base: dict[str, Any], table: dict[str, Any]
+) -> None:
+    for name, (reason, no_ops) in table.items():
+        err = refused(model, {**base, name: "something"})
         assert err.field == name and reason in str(err)
         for ok in no_ops:
-            validate(CompletionRequest, {"prompt": "x", name: ok})
+            validate(model, {**base, name: ok})
+
+
+def test_each_endpoint_refuses_the_other_ones_fields_only_for_itself() -> None:
+    validate(ChatRequest, {"messages": CHAT, "prompt_embeds": None})
+    assert refused(ChatRequest, {"messages": CHAT, "prompt_token_ids": [1]}).field == (
+        "prompt_token_ids"
+    )
+    # the chat default for add_special_tokens is the completions refusal
+    assert refused(CompletionRequest, {"prompt": "x", "add_special_tokens": False})
+    assert refused(ChatRequest, {"messages": CHAT, "add_special_tokens": True})
 
 
 def test_unknown_fields_are_ignored() -> None:
@@ -309,12 +328,13 @@ def test_responses_omit_only_what_was_not_given() -> None:
         "total_tokens": 7,
         "prompt_tokens_details": {"cached_tokens": 2},
     }
-    card = api.dump(api.ModelCard(id="m", created=1, max_model_len=8))
+    card = api.dump(api.ModelCard(id="m", created=1, root="/m", max_model_len=8))
     assert card == {
         "id": "m",
         "object": "model",
         "created": 1,
         "owned_by": "structllm",
+        "root": "/m",
         "max_model_len": 8,
     }
     assert api.error_body("bad", param="x", code=400) == {

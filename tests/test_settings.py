@@ -9,6 +9,7 @@ import pytest
 
 from structllm.cli import build_parser, engine_args
 from structllm.config import (
+    TOPICS,
     EngineConfig,
     FrontendConfig,
     ServerConfig,
@@ -16,6 +17,7 @@ from structllm.config import (
     from_arguments,
     split_fields,
 )
+from structllm.core.scheduler import SchedulerConfig
 from structllm.params import SamplingParams
 from structllm.server.run import configs_from_args
 
@@ -118,3 +120,85 @@ def test_test_hooks_have_no_flags() -> None:
     strings = {s for a in _subparser("serve")._actions for s in a.option_strings}
     assert "--fault" not in strings and "--fault-starts" not in strings
     assert "--seed" not in strings  # dummy-weight seed: library only
+
+
+def test_every_flag_of_the_configs_has_a_topic() -> None:
+    for cls in (EngineConfig, FrontendConfig, ServerConfig):
+        for field in _flags(cls):
+            assert field.metadata["topic"] in TOPICS, f"{cls.__name__}.{field.name}"
+
+
+def test_serve_help_is_grouped_by_topic() -> None:
+    parser = _subparser("serve")
+    group_of = {
+        a.dest: g.title for g in parser._action_groups for a in g._group_actions
+    }
+    for cls in (EngineConfig, FrontendConfig, ServerConfig):
+        for field in _flags(cls):
+            dest = (field.metadata["flag"] or field.name).lstrip("-").replace("-", "_")
+            assert group_of[dest] == TOPICS[field.metadata["topic"]], field.name
+    titles = [g.title for g in parser._action_groups]
+    shown = [t for t in TOPICS.values() if t in titles]
+    assert shown == [t for t in titles if t in TOPICS.values()]  # in TOPICS order
+    assert {"network", "security (API keys, CORS)", "limits and timeouts"} <= set(
+        titles
+    )
+    help_text = parser.format_help()
+    assert help_text.index("\n  --api-key") > help_text.index("\nsecurity (API")
+
+
+def test_no_help_shows_rst_markup() -> None:
+    def walk(parser: argparse.ArgumentParser) -> None:
+        assert "``" not in parser.format_help(), parser.prog
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    walk(sub)
+
+    walk(build_parser())
+
+
+def test_make_tiny_model_flags_take_the_functions_defaults() -> None:
+    import inspect
+
+    from structllm.cli import _TINY_FLAGS
+    from structllm.models import make_tiny_model
+
+    ns = build_parser().parse_args(["make-tiny-model", "d"])
+    params = inspect.signature(make_tiny_model).parameters
+    for name in _TINY_FLAGS:
+        assert getattr(ns, name) == params[name].default, name
+    ns = build_parser().parse_args(["make-tiny-model", "d", "--arch", "qwen3"])
+    assert ns.arch == "qwen3"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["make-tiny-model", "d", "--arch", "gpt2"])
+
+
+def test_derived_defaults_have_one_home() -> None:
+    engine = attrs.fields(EngineConfig)
+    scheduler = SchedulerConfig(max_model_len=8)
+    assert scheduler.max_num_seqs == engine.max_num_seqs.default
+    assert scheduler.max_num_batched_tokens == engine.max_num_batched_tokens.default
+    assert scheduler.enable_chunked_prefill == engine.enable_chunked_prefill.default
+    assert scheduler.enable_prefix_caching == engine.enable_prefix_caching.default
+    server = ServerConfig(model_name="m")
+    assert server.default_max_tokens == SamplingParams().max_tokens
+
+
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        (["serve", "m", "--max-num-seqs", "0"], "max_num_seqs"),
+        (["serve", "m", "--port", "70000"], "port"),
+        (["serve", "m", "--heartbeat-timeout", "0"], "heartbeat_timeout"),
+        (["generate", "m", "p", "--block-size", "0"], "block_size"),
+    ],
+)
+def test_a_value_that_cannot_work_stops_the_command_naming_it(
+    argv: list[str], field: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from structllm.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and field in err and "Traceback" not in err

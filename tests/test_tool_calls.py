@@ -477,7 +477,7 @@ def test_a_hermes_template_renders_what_the_auto_parser_reads() -> None:
         QWEN_TOOLS_TEMPLATE,
         req.template_messages(),
         add_generation_prompt=False,
-        tools=req.template_tools(),
+        tools=req.template_options()["tools"],
     )
     assert json.dumps(TOOLS[0]) in prompt  # the tools as transformers passes them
     assert "<tool_response>\nfound\n</tool_response>" in prompt

@@ -3,7 +3,7 @@
     python tools/soak.py [--loop asyncio] [--loop trio] [--streams 1000]
         [--hangups 2000] [--hangup-concurrency 250] [--serve-arg=--flag ...]
 
-For each loop, against ``structllm serve tiny-random`` (worker process
+For each loop, against ``structllm serve tiny-random`` (core process
 included):
 
 1. ``--streams`` streaming completions opened at once over raw sockets;
@@ -16,11 +16,19 @@ included):
    of bytes of it; half close the socket, half abort it (RST).
 3. Then: within 30 s, 0 requests running, 0 waiting and every KV block free
    (``/metrics``); a good request still succeeds; the RSS of the server
-   plus its engine process within 10% of the start (measured after a
-   warm-up of 64 streams and ``--warmup`` hang-ups, so the allocations the
-   engine makes once for the batch shapes it meets do not count).
-   ``--hangup-rounds N`` repeats step 2 and records the RSS after each
-   round: growth that stops is the allocator, growth per round a leak.
+   plus its engine process within 10% of the baseline.
+
+The baseline is taken after a warm-up, so that what the processes allocate
+once and keep does not count: 64 streams, ``--warmup`` hang-ups, and the
+largest batches the soak can make (64 requests of 200-character prompts and
+200 tokens at once: steps of ``--max-num-batched-tokens`` prompt tokens, a
+full KV cache, preemptions), ``--warmup-rounds`` times. The engine keeps,
+per compiled program, the oneDNN primitives and buffers of up to 64 step
+sizes (``compiled.py``), and the allocators keep freed memory; both
+plateau. ``--hangup-rounds N`` repeats step 2 and records the RSS of each
+process after each round: growth that stops is the allocator, growth per
+round a leak (``plateau_pct``: the change over the second half of the
+rounds).
 
 Prints one JSON object per loop; exits 1 if any check failed. ``nox -s
 soak`` runs it on both loops.
@@ -49,12 +57,47 @@ import httpx
 ENGINE = ["--max-model-len", "2048", "--num-blocks", "1024", "--max-num-seqs", "64"]
 
 
+#: ``--trace-memory``: a ``sitecustomize`` for the server and its engine
+#: process (they inherit PYTHONPATH): tracemalloc from the start, and on
+#: SIGUSR1 a snapshot and the count of live objects per type into the folder
+TRACE_HOOK = """\
+import collections, gc, json, os, signal, tracemalloc
+
+_DIR = os.environ["STRUCTLLM_SOAK_TRACE"]
+tracemalloc.start(8)
+_count = [0]
+
+
+def _dump(signum, frame):
+    _count[0] += 1
+    name = f"{_DIR}/{os.getpid()}-{_count[0]}"
+    tracemalloc.take_snapshot().dump(name + ".tracemalloc")
+    types = collections.Counter(type(o).__qualname__ for o in gc.get_objects())
+    with open(name + ".tmp", "w") as f:
+        json.dump(types, f)
+    os.replace(name + ".tmp", name + ".types.json")
+
+
+signal.signal(signal.SIGUSR1, _dump)
+"""
+
+
 @contextmanager
-def serve(loop: str, extra: list[str], log: Path | None) -> Iterator[tuple[str, int]]:
+def serve(
+    loop: str, extra: list[str], log: Path | None, trace: Path | None = None
+) -> Iterator[tuple[str, int]]:
     cmd = [sys.executable, "-m", "structllm.cli", "serve", "tiny-random"]
     cmd += ["--port", "0", "--loop", loop, "--no-show-progress", *ENGINE, *extra]
     err = subprocess.DEVNULL if log is None else log.open("w")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+    env = dict(os.environ)
+    if trace is not None:
+        trace.mkdir(parents=True, exist_ok=True)
+        (trace / "sitecustomize.py").write_text(TRACE_HOOK)
+        env["STRUCTLLM_SOAK_TRACE"] = str(trace)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(trace), env.get("PYTHONPATH")) if p
+        )
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
     assert proc.stdout is not None
     url = None
     while url is None:
@@ -75,13 +118,66 @@ def serve(loop: str, extra: list[str], log: Path | None) -> Iterator[tuple[str, 
         proc.stdout.close()
 
 
-def rss_mib(pid: int) -> dict[str, float]:
-    """Resident memory of the server ``pid`` and of its engine process, MiB."""
+def children(pid: int) -> list[int]:
     kids: list[int] = []
     for task in os.listdir(f"/proc/{pid}/task"):
         path = Path(f"/proc/{pid}/task/{task}/children")
         if path.exists():
             kids += [int(p) for p in path.read_text().split()]
+    return kids
+
+
+def trace_dump(trace: Path, pid: int) -> dict[str, Path]:
+    """Have the server ``pid`` and its engine dump their memory (``--trace-memory``).
+
+    Returns, per process, the snapshot's path without its extensions.
+    """
+    out = {}
+    for name, p in (("server", pid), *(("engine", k) for k in children(pid))):
+        before = set(trace.glob(f"{p}-*.types.json"))
+        os.kill(p, signal.SIGUSR1)
+        deadline = time.monotonic() + 300
+        while not (new := set(trace.glob(f"{p}-*.types.json")) - before):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} ({p}) wrote no memory snapshot")
+            time.sleep(0.2)
+        out[name] = Path(str(new.pop()).removesuffix(".types.json"))
+    return out
+
+
+def trace_compare(first: Path, last: Path, top: int = 12) -> dict[str, Any]:
+    """Python allocations and live objects that grew from ``first`` to ``last``."""
+    import tracemalloc
+
+    a = tracemalloc.Snapshot.load(f"{first}.tracemalloc")
+    b = tracemalloc.Snapshot.load(f"{last}.tracemalloc")
+    ignore = [tracemalloc.Filter(False, tracemalloc.__file__)]
+    a, b = a.filter_traces(ignore), b.filter_traces(ignore)
+    diff = b.compare_to(a, "traceback")
+    grew = [d for d in diff if d.size_diff > 0][:top]
+    types_a = Counter(json.loads(Path(f"{first}.types.json").read_text()))
+    types_b = Counter(json.loads(Path(f"{last}.types.json").read_text()))
+    more = Counter({k: types_b[k] - types_a[k] for k in types_b})
+    return {
+        "traced_mib": [
+            round(sum(t.size for t in a.traces) / 2**20, 2),
+            round(sum(t.size for t in b.traces) / 2**20, 2),
+        ],
+        "grew": [
+            {
+                "kib": round(d.size_diff / 1024, 1),
+                "blocks": d.count_diff,
+                "at": [f"{f.filename}:{f.lineno}" for f in d.traceback][-4:],
+            }
+            for d in grew
+        ],
+        "objects_grew": dict((+more).most_common(top)),
+    }
+
+
+def rss_mib(pid: int) -> dict[str, float]:
+    """Resident memory of the server ``pid`` and of its engine process, MiB."""
+    kids = children(pid)
 
     def rss(p: int) -> float:
         for line in Path(f"/proc/{p}/status").read_text().splitlines():
@@ -236,15 +332,35 @@ def wait_idle(url: str, seconds: float = 30) -> tuple[dict[str, float], float]:
         time.sleep(0.2)
 
 
+async def largest_batches(url: str, count: int = 64) -> Counter[str]:
+    """``count`` long prompts generating 200 tokens each, all at once."""
+    body = {"prompt": "x" * 200, "max_tokens": 200, "ignore_eos": True}
+    limits = httpx.Limits(max_connections=count)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as ac:
+
+        async def one() -> str:
+            return str((await ac.post("/v1/completions", json=body)).status_code)
+
+        return Counter(await asyncio.gather(*(one() for _ in range(count))))
+
+
 def soak(loop: str, ns: argparse.Namespace) -> dict[str, Any]:
     log = None if ns.server_log is None else Path(f"{ns.server_log}.{loop}")
-    with serve(loop, ns.serve_arg, log) as (url, pid):
+    trace = None if ns.trace_memory is None else Path(ns.trace_memory) / loop
+    with serve(loop, ns.serve_arg, log, trace) as (url, pid):
         host, port = url.removeprefix("http://").split(":")
         cold = rss_mib(pid)
-        # warm-up: the engine's allocator grows once for the shapes it meets
-        asyncio.run(streams(host, int(port), 64))
-        asyncio.run(hang_ups(host, int(port), ns.warmup, ns.hangup_concurrency, 1))
-        wait_idle(url)
+        # warm-up: what the processes allocate once and keep (see above)
+        warmups = []
+        for r in range(ns.warmup_rounds):
+            asyncio.run(streams(host, int(port), 64))
+            asyncio.run(
+                hang_ups(host, int(port), ns.warmup, ns.hangup_concurrency, 1 + r)
+            )
+            asyncio.run(largest_batches(url))
+            wait_idle(url)
+            warmups.append(rss_mib(pid))
+            print(f"{loop}: warm-up round {r + 1}: {warmups[-1]}", file=sys.stderr)
         warm = rss_mib(pid)
         t = time.monotonic()
         phase1 = asyncio.run(streams(host, int(port), ns.streams))
@@ -253,12 +369,16 @@ def soak(loop: str, ns: argparse.Namespace) -> dict[str, Any]:
         t = time.monotonic()
         phase2: Counter[str] = Counter()
         rounds = []
+        dumps = []
         for r in range(ns.hangup_rounds):
             phase2 += asyncio.run(
                 hang_ups(host, int(port), ns.hangups, ns.hangup_concurrency, 100 + r)
             )
             g, waited = wait_idle(url)
-            rounds.append(rss_mib(pid)["total"])
+            rounds.append(rss_mib(pid))
+            print(f"{loop}: hang-up round {r + 1}: {rounds[-1]}", file=sys.stderr)
+            if trace is not None and r in (0, ns.hangup_rounds - 1):
+                dumps.append(trace_dump(trace, pid))
         s2 = round(time.monotonic() - t, 1)
         good = httpx.post(
             f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4}, timeout=60
@@ -273,8 +393,12 @@ def soak(loop: str, ns: argparse.Namespace) -> dict[str, Any]:
             "still_serves": good.status_code == 200,
             "rss_within_10pct": end["total"] <= warm["total"] * 1.10,
         }
+        traced = {}
+        if len(dumps) == 2:  # from after the first round to after the last
+            traced = {k: trace_compare(dumps[0][k], dumps[1][k]) for k in dumps[0]}
         return {
             "loop": loop,
+            **({"traced": traced} if traced else {}),
             "streams": {"outcomes": dict(phase1), "seconds": s1},
             "hangups": {"outcomes": dict(phase2), "seconds": s2},
             "aborted_in_engine": g.get(
@@ -283,15 +407,25 @@ def soak(loop: str, ns: argparse.Namespace) -> dict[str, Any]:
             "idle_after_s": waited,
             "rss_mib": {
                 "cold": cold,
+                "after_each_warmup_round": warmups,
                 "warm": warm,
                 "after_streams": after1,
                 "after_each_hangup_round": rounds,
                 "end": end,
             },
             "rss_change_pct": round(100 * (end["total"] / warm["total"] - 1), 1),
+            "plateau_pct": plateau_pct(rounds),
             "checks": checks,
             "ok": all(checks.values()),
         }
+
+
+def plateau_pct(rounds: list[dict[str, float]]) -> dict[str, float] | None:
+    """Per process, the RSS change from the middle round to the last, %."""
+    if len(rounds) < 3:
+        return None
+    mid, last = rounds[(len(rounds) - 1) // 2], rounds[-1]
+    return {k: round(100 * (last[k] / mid[k] - 1), 1) for k in last}
 
 
 def main() -> None:
@@ -302,9 +436,22 @@ def main() -> None:
     parser.add_argument("--hangup-concurrency", type=int, default=250)
     parser.add_argument("--hangup-rounds", type=int, default=1)
     parser.add_argument(
-        "--warmup", type=int, default=500, help="hang-ups before the RSS baseline"
+        "--warmup", type=int, default=500, help="hang-ups per warm-up round"
+    )
+    parser.add_argument(
+        "--warmup-rounds",
+        type=int,
+        default=1,
+        help="warm-up rounds before the RSS baseline",
     )
     parser.add_argument("--serve-arg", action="append", default=[])
+    parser.add_argument(
+        "--trace-memory",
+        metavar="DIR",
+        help="tracemalloc in the server and engine (slow): compare the Python "
+        "allocations and objects per type after the first and the last "
+        "hang-up round (snapshots in DIR/LOOP)",
+    )
     parser.add_argument(
         "--server-log", help="write the server's stderr to PATH.LOOP (the access log)"
     )

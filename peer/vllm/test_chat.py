@@ -201,6 +201,9 @@ async def test_more_than_one_prompt_logprobs_chat(
             {"role": "user", "content": "Where was it played?"},
         ],
         "model": model_name,
+        # structllm: a limit (UNTIL), as in test_prompt_logprobs_chat: upstream
+        # sets none, and tiny writes to the end of the context
+        "max_completion_tokens": UNTIL,
         "extra_body": {"prompt_logprobs": 1},
     }
 
@@ -209,9 +212,9 @@ async def test_more_than_one_prompt_logprobs_chat(
     params["extra_body"] = {"prompt_logprobs": 2}
     completion_2 = await client.chat.completions.create(**params)
 
-    # Adapted: an entry holds the top k plus the prompt token when that is not
-    # among them; upstream's model has the prompt token at position 3 as its
-    # top 1, the random tiny model need not.
+    # structllm: an entry holds the top k plus the prompt token when that is
+    # not among them; upstream's model has the prompt token at position 3 as
+    # its top 1, tiny need not.
     for completion, k in ((completion_1, 1), (completion_2, 2)):
         ranks = sorted(e["rank"] for e in completion.prompt_logprobs[3].values())
         assert ranks[:k] == list(range(1, k + 1))

@@ -5,25 +5,33 @@ use, so that importing a light layer (``structllm.params``, ``structllm.text``)
 does not pull in Paddle or AnyIO.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from structllm._lazy import lazy_getattr
 from structllm.config import EngineConfig, FrontendConfig, ServerConfig
 from structllm.errors import (
     EngineConfigError,
+    EngineCoreError,
     EngineDeadError,
+    EngineLoadingError,
     EngineOverloadedError,
     InvalidRequestError,
     ModelLoadError,
+    NoFreeBlocksError,
     RequestError,
     RequestFailedError,
+    ShuttingDownError,
     StructLLMError,
     UnsupportedModelError,
 )
 from structllm.outputs import CompletionOutput, Logprob, RequestOutput
 from structllm.params import OutputKind, SamplingParams
+from structllm.structured.spec import StructuredOutputs
 
 if TYPE_CHECKING:
-    from structllm.engine.async_llm import AsyncLLM, EngineStatistics, RequestStream
+    from structllm.engine.async_llm import AsyncLLM
+    from structllm.engine.request_stream import RequestStream
+    from structllm.engine.statistics import EngineStatistics
     from structllm.llm import LLM
 
 __all__ = [
@@ -32,13 +40,16 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "EngineConfigError",
+    "EngineCoreError",
     "EngineDeadError",
+    "EngineLoadingError",
     "EngineOverloadedError",
     "EngineStatistics",
     "FrontendConfig",
     "InvalidRequestError",
     "Logprob",
     "ModelLoadError",
+    "NoFreeBlocksError",
     "OutputKind",
     "RequestError",
     "RequestFailedError",
@@ -46,7 +57,9 @@ __all__ = [
     "RequestStream",
     "SamplingParams",
     "ServerConfig",
+    "ShuttingDownError",
     "StructLLMError",
+    "StructuredOutputs",
     "UnsupportedModelError",
 ]
 
@@ -55,17 +68,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "structllm.llm",
     "AsyncLLM": "structllm.engine.async_llm",
-    "EngineStatistics": "structllm.engine.async_llm",
-    "RequestStream": "structllm.engine.async_llm",
+    "EngineStatistics": "structllm.engine.statistics",
+    "RequestStream": "structllm.engine.request_stream",
 }
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'structllm' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

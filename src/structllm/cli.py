@@ -1,22 +1,29 @@
-"""The ``structllm`` command: generate, inspect, serve, make-tiny-model, bench."""
+"""The structllm command: generate, inspect, serve, make-tiny-model, bench."""
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
+import typing
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
-from structllm.config import EngineConfig, add_arguments, from_arguments
+from structllm.config import (
+    EngineConfig,
+    FrontendConfig,
+    ServerConfig,
+    add_arguments,
+    add_grouped_arguments,
+    from_arguments,
+)
 from structllm.params import SamplingParams
 
 __all__ = ["main"]
 
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    add_arguments(p.add_argument_group("engine"), EngineConfig)
+_MODEL_HELP = "model directory, or a built-in name (tiny, tiny-random)"
 
 
 def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
@@ -62,47 +69,28 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="stream a completion to the terminal")
-    gen.add_argument(
-        "model", help="model directory, or a built-in name (tiny, tiny-random)"
-    )
+    gen.add_argument("model", help=_MODEL_HELP)
     gen.add_argument("prompt")
     gen.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the chat template"
     )
-    _add_engine_args(gen)
+    add_grouped_arguments(gen, EngineConfig)
     _add_sampling_args(gen)
 
     insp = sub.add_parser(
         "inspect", help="print what structllm understands of a model's config.json"
     )
-    insp.add_argument(
-        "model", help="model directory, or a built-in name (tiny, tiny-random)"
-    )
+    insp.add_argument("model", help=_MODEL_HELP)
 
     tiny = sub.add_parser("make-tiny-model", help="write a random-weight HF checkpoint")
     tiny.add_argument("directory")
-    tiny.add_argument(
-        "--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"]
-    )
-    tiny.add_argument("--hidden", type=int, default=64, help="hidden size")
-    tiny.add_argument("--layers", type=int, default=2)
-    tiny.add_argument("--heads", type=int, default=4)
-    tiny.add_argument("--kv-heads", type=int, default=2)
-    tiny.add_argument("--intermediate", type=int, default=None)
-    tiny.add_argument("--vocab-size", type=int, default=512)
-    tiny.add_argument("--max-position-embeddings", type=int, default=2048)
-    tiny.add_argument("--tie", action=argparse.BooleanOptionalAction, default=None)
-    tiny.add_argument(
-        "--dtype", default="float32", choices=["float32", "float16", "bfloat16"]
-    )
-    tiny.add_argument("--shards", type=int, default=1)
-    tiny.add_argument("--seed", type=int, default=0)
+    _add_tiny_model_args(tiny)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    from structllm.server.run import add_serve_args
-
-    add_serve_args(serve)
-    _add_engine_args(serve)
+    serve.add_argument("model", help=_MODEL_HELP)
+    # grouped by topic (network, security, limits, ...), whichever config holds
+    # the field; server.run.configs_from_args reads them back
+    add_grouped_arguments(serve, ServerConfig, FrontendConfig, EngineConfig)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -123,25 +111,53 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: make-tiny-model's flags: make_tiny_model's keyword arguments, whose
+#: signature gives each flag its type, choices and default
+_TINY_FLAGS = {
+    "arch": ("--arch", "architecture family"),
+    "hidden_size": ("--hidden", "hidden size"),
+    "num_layers": ("--layers", "decoder layers"),
+    "num_heads": ("--heads", "attention heads"),
+    "num_kv_heads": ("--kv-heads", "key/value heads"),
+    "intermediate_size": ("--intermediate", "MLP width (default: 2 x hidden)"),
+    "vocab_size": ("--vocab-size", "tokenizer vocabulary"),
+    "max_position_embeddings": ("--max-position-embeddings", "context length"),
+    "tie_word_embeddings": ("--tie", "tie the head to the embedding "),
+    "dtype": ("--dtype", "weight dtype"),
+    "shards": ("--shards", "safetensors files"),
+    "seed": ("--seed", "weight seed"),
+}
+
+
+def _add_tiny_model_args(p: argparse.ArgumentParser) -> None:
+    from structllm.models import make_tiny_model
+
+    params = inspect.signature(make_tiny_model).parameters
+    hints = typing.get_type_hints(make_tiny_model)
+    for name, (flag, text) in _TINY_FLAGS.items():
+        default = params[name].default
+        args = [a for a in typing.get_args(hints[name]) if a is not type(None)]
+        kind = args[0] if args else hints[name]
+        kw: dict[str, Any] = {"dest": name, "default": default}
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+            text += "(default: the family's)" if default is None else ""
+        elif typing.get_origin(hints[name]) is typing.Literal:
+            kw["choices"] = args
+        else:
+            kw.update(type=kind, metavar=kind.__name__.upper())
+        if default is not None and kind is not bool:
+            text += " (default: %(default)s)"
+        p.add_argument(flag, help=text, **kw)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.command == "make-tiny-model":
         from structllm.models import make_tiny_model
 
         config = make_tiny_model(
-            ns.directory,
-            arch=ns.arch,
-            hidden_size=ns.hidden,
-            num_layers=ns.layers,
-            num_heads=ns.heads,
-            num_kv_heads=ns.kv_heads,
-            intermediate_size=ns.intermediate,
-            vocab_size=ns.vocab_size,
-            tie_word_embeddings=ns.tie,
-            max_position_embeddings=ns.max_position_embeddings,
-            dtype=ns.dtype,
-            shards=ns.shards,
-            seed=ns.seed,
+            ns.directory, **{name: getattr(ns, name) for name in _TINY_FLAGS}
         )
         print(
             f"wrote {config.architecture} ({config.num_parameters / 1e6:.2f}M parameters) "
@@ -158,10 +174,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.command == "inspect":
         return _inspect(ns)
     if ns.command == "serve":
+        from structllm.errors import EngineConfigError
         from structllm.server.run import configs_from_args, run_server
 
-        engine = EngineConfig(model=ns.model, **engine_args(ns))
-        return run_server(*configs_from_args(ns, engine), engine)
+        try:
+            engine = EngineConfig(model=ns.model, **engine_args(ns))
+            server, front = configs_from_args(ns, engine)
+        except EngineConfigError as exc:  # names the setting: no traceback
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return run_server(server, front, engine)
     if ns.command == "bench" and ns.bench == "serve":
         from structllm.bench.serve import run_serve
 

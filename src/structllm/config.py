@@ -8,29 +8,50 @@
 :class:`ServerConfig`    ``structllm serve``: listening, HTTP limits, defaults
 ==================  =========================================================
 
-Each field carries its command-line help in ``metadata``; :func:`add_arguments`
-turns the fields into ``argparse`` flags (``max_num_seqs`` becomes
-``--max-num-seqs``, a bool becomes ``--x/--no-x``, a ``Literal`` gives the
-choices) and :func:`from_arguments` builds the config back from the parsed
-namespace, so every default lives here once. This module is in the types
-layer: attrs and the standard library only.
+Each field is a :func:`~structllm.settings.setting`: it carries its
+command-line help and its topic (a ``--help`` group, :data:`TOPICS`), so
+:func:`add_arguments` / :func:`add_grouped_arguments` turn the fields into
+``argparse`` flags (``max_num_seqs`` becomes ``--max-num-seqs``) and
+:func:`from_arguments` builds the config back from the parsed namespace:
+every default lives here once. Those helpers live in
+:mod:`structllm.settings` and are re-exported here.
+
+A value that cannot work raises :class:`~structllm.errors.EngineConfigError`
+naming the field when the config is built, whoever builds it (``LLM``,
+``AsyncLLM.open``, the command line): types, ``Literal`` choices and bounds
+are checked here, what depends on the model when the core loads it. This
+module is in the types layer: attrs, ``settings``, ``errors`` and
+``params``.
 """
 
 from __future__ import annotations
 
-import argparse
-import functools
-import typing
-from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import attrs
 
+from structllm.errors import EngineConfigError
+from structllm.params import SamplingParams
+from structllm.settings import (
+    TOPICS,
+    add_arguments,
+    add_grouped_arguments,
+    at_least,
+    check_config,
+    from_arguments,
+    setting,
+    split_fields,
+)
+
 __all__ = [
+    "TOPICS",
     "EngineConfig",
     "FrontendConfig",
     "ServerConfig",
     "add_arguments",
+    "add_grouped_arguments",
+    "at_least",
+    "check_config",
     "from_arguments",
     "setting",
     "split_fields",
@@ -39,39 +60,19 @@ __all__ = [
 _GiB = 1 << 30
 
 
-def setting(
-    default: Any = attrs.NOTHING,
-    *,
-    help: str | None = None,
-    flag: str | None = None,
-    cli: bool = True,
-    validator: Any = None,
-    secret: bool = False,
-) -> Any:
-    """An attrs field with its command-line help (``cli=False``: no flag).
-
-    ``secret``: left out of the class's ``repr`` (API keys never reach a log).
-    """
-    return attrs.field(
-        default=default,
-        validator=validator,
-        repr=not secret,
-        metadata={"help": help, "flag": flag, "cli": cli},
-    )
-
-
 def _api_key(_: Any, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
     for key in value:  # the message never shows the key itself
         if not key or not key.isascii() or not key.isprintable() or " " in key:
-            raise ValueError(
-                f"--{attribute.name.replace('_', '-')}: every key must be "
-                "non-empty printable ASCII without spaces"
+            raise EngineConfigError(
+                f"{attribute.name}: every key must be "
+                "non-empty printable ASCII without spaces",
+                field=attribute.name,
             )
 
 
-def _positive_or_none(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and value < 1:
-        raise ValueError(f"{attribute.name} must be at least 1 (or unset), not {value}")
+_ONE = at_least(1)
+_ZERO = at_least(0)
+_POSITIVE = at_least(0, above=True)
 
 
 @attrs.frozen(kw_only=True)
@@ -82,41 +83,71 @@ class EngineConfig:
         help="a model directory, or a built-in name (see structllm.builtin)", cli=False
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
-        "auto", help="compute dtype; auto: float32 on CPU, else the checkpoint's"
+        "auto",
+        help="compute dtype; auto: float32 on CPU, else the checkpoint's",
+        topic="model",
     )
     load_format: Literal["auto", "safetensors", "dummy"] = setting(
-        "auto", help="dummy: random weights from config.json alone"
+        "auto", help="dummy: random weights from config.json alone", topic="model"
     )
     seed: int = setting(0, help="seed for dummy weights", cli=False)
     block_size: int = setting(
-        16, help="tokens per KV block", validator=attrs.validators.ge(1)
+        16, help="tokens per KV block", validator=_ONE, topic="engine"
     )
     num_blocks: int | None = setting(
-        None, help="KV blocks (default: as many as fit in --kv-cache-memory)"
+        None,
+        help="KV blocks (default: as many as fit in --kv-cache-memory)",
+        validator=_ONE,
+        topic="engine",
     )
     kv_cache_memory: int = setting(
-        _GiB // 2, help="bytes for the KV cache when --num-blocks is not given"
+        _GiB // 2,
+        help="bytes for the KV cache when --num-blocks is not given",
+        validator=_ONE,
+        topic="engine",
     )
     max_model_len: int | None = setting(
         None,
         help="longest prompt + output (default: the model's max_position_embeddings)",
+        validator=at_least(2),  # a prompt of one token, and one to sample
+        topic="engine",
     )
-    max_num_seqs: int = setting(64, help="most sequences in one batch")
-    max_num_batched_tokens: int = setting(1024, help="most tokens in one step")
+    max_num_seqs: int = setting(
+        64, help="most sequences in one batch", validator=_ONE, topic="engine"
+    )
+    max_num_batched_tokens: int = setting(
+        1024, help="most tokens in one step", validator=_ONE, topic="engine"
+    )
     enable_chunked_prefill: bool = setting(
-        True, help="split prompts longer than the token budget over several steps"
+        True,
+        help="split prompts longer than the token budget over several steps",
+        topic="engine",
     )
     enable_prefix_caching: bool = setting(
-        True, help="reuse the KV blocks of repeated prompt prefixes"
+        True, help="reuse the KV blocks of repeated prompt prefixes", topic="engine"
     )
     num_threads: int | None = setting(
-        None, help="CPU threads for Paddle's math (default: every usable core)"
+        None,
+        help="CPU threads for Paddle's math (default: every usable core)",
+        validator=_ONE,
+        topic="model",
+    )
+    tensor_parallel_size: int = setting(
+        1,
+        help="processes the model is split over, Megatron-style (each loads "
+        "its shard; gloo on CPU, NCCL on GPUs; see docs/parallel.md)",
+        validator=_ONE,
+        topic="model",
     )
     model_backend: Literal["auto", "eager", "inference"] = setting(
         "auto",
         help="inference: oneDNN predictors (Paddle Inference); auto picks them for "
         "float32 CPU models of 10M+ parameters, else eager",
+        topic="model",
     )
+
+    def __attrs_post_init__(self) -> None:
+        check_config(self)
 
 
 @attrs.frozen(kw_only=True)
@@ -124,44 +155,83 @@ class FrontendConfig:
     """Front-end settings of :meth:`AsyncLLM.open` (engine settings are separate)."""
 
     executor: Literal["process", "inline"] = setting(
-        "process", help="where the engine core runs: a child process, or a thread"
+        "process",
+        help="where the engine core runs: a child process, or a thread",
+        topic="engine",
     )
     tokenizer: str | None = setting(
-        None, help="tokenizer directory (default: the model's)"
+        None, help="tokenizer directory (default: the model's)", topic="model"
     )
     max_queued_requests: int | None = setting(
         None,
         help="refuse new requests (overloaded) once this many wait beyond "
         "--max-num-seqs (default: no limit)",
+        validator=_ZERO,
+        topic="limits",
     )
     shutdown_grace: float = setting(
-        5.0, help="seconds that stopping the engine waits for in-flight requests"
+        5.0,
+        help="seconds that stopping the engine waits for in-flight requests",
+        validator=_ZERO,
+        topic="supervision",
     )
-    heartbeat_interval: float = setting(1.0, help="seconds between core heartbeats")
+    heartbeat_interval: float = setting(
+        1.0,
+        help="seconds between core heartbeats",
+        validator=_POSITIVE,
+        topic="supervision",
+    )
     heartbeat_timeout: float = setting(
-        10.0, help="a core silent this long (no heartbeat, no step) is declared dead"
+        10.0,
+        help="a core silent this long (no heartbeat, no step) is declared dead",
+        validator=_POSITIVE,
+        topic="supervision",
     )
-    startup_timeout: float = setting(600.0, help="seconds the core may take to load")
+    startup_timeout: float = setting(
+        600.0,
+        help="seconds the core may take to load",
+        validator=_POSITIVE,
+        topic="supervision",
+    )
     max_restarts: int = setting(
-        3, help="core restarts allowed within --restart-window seconds"
+        3,
+        help="core restarts allowed within --restart-window seconds",
+        validator=_ZERO,
+        topic="supervision",
     )
-    restart_window: float = setting(300.0, help="see --max-restarts")
-    restart_backoff: float = setting(0.25, help="seconds before the first restart")
-    show_progress: bool = setting(True, help="progress bars while the model loads")
+    restart_window: float = setting(
+        300.0, help="see --max-restarts", validator=_POSITIVE, topic="supervision"
+    )
+    restart_backoff: float = setting(
+        0.25,
+        help="seconds before the first restart",
+        validator=_ZERO,
+        topic="supervision",
+    )
+    show_progress: bool = setting(
+        True, help="progress bars while the model loads", topic="logging"
+    )
     max_prompt_bytes: int | None = setting(
         None,
         help="refuse longer prompts (UTF-8 bytes) before tokenising "
         "(default: 32 per token of max-model-len, at least 64 KiB)",
+        validator=_ONE,
+        topic="limits",
     )
     health_timeout: float | None = setting(
         None,
         help="report unhealthy once the core has been silent this long "
         "(default: 3 heartbeat intervals)",
+        validator=_POSITIVE,
+        topic="supervision",
     )
     #: test hook forwarded to the core ("raise_at_step:N", "hang_at_step:N",
     #: "exit_at_step:N") for its first ``fault_starts`` starts
     fault: str | None = setting(None, cli=False)
-    fault_starts: int = setting(1, cli=False)
+    fault_starts: int = setting(1, cli=False, validator=_ZERO)
+
+    def __attrs_post_init__(self) -> None:
+        check_config(self)
 
 
 @attrs.frozen(kw_only=True)
@@ -171,31 +241,66 @@ class ServerConfig:
     model_name: str = setting(
         help="the model name the API answers to (default: the model argument)",
         flag="--served-model-name",
+        topic="model",
     )
-    host: str = setting("127.0.0.1", help="address to listen on")
-    port: int = setting(8000, help="port to listen on; 0 picks a free one")
-    loop: Literal["asyncio", "trio"] = setting("asyncio", help="the event loop")
-    backlog: int = setting(4096, help="listen backlog (>= 1024)")
+    host: str = setting("127.0.0.1", help="address to listen on", topic="network")
+    port: int = setting(
+        8000,
+        help="port to listen on; 0 picks a free one",
+        validator=at_least(0, at_most=65535),
+        topic="network",
+    )
+    loop: Literal["asyncio", "trio"] = setting(
+        "asyncio", help="the event loop", topic="network"
+    )
+    backlog: int = setting(
+        4096,
+        help="connections the kernel queues before the server accepts them "
+        "(capped by net.core.somaxconn)",
+        validator=_ONE,
+        topic="network",
+    )
     header_timeout: float = setting(
-        10.0, help="seconds a connection may take to send its request headers"
+        10.0,
+        help="seconds a connection may take to send its request headers",
+        validator=_POSITIVE,
+        topic="limits",
     )
     graceful_timeout: float = setting(
-        5.0, help="seconds open requests get to finish after SIGINT/SIGTERM"
+        5.0,
+        help="seconds open requests get to finish after SIGINT/SIGTERM",
+        validator=_ZERO,
+        topic="limits",
     )
     request_timeout: float | None = setting(
-        None, help="seconds before a request ends with a timeout error (default: never)"
+        None,
+        help="seconds before a request ends with a timeout error (default: never)",
+        validator=_POSITIVE,
+        topic="limits",
     )
     retry_after: int = setting(
-        1, help="the Retry-After header (seconds) of 503 answers"
+        1,
+        help="the Retry-After header (seconds) of 503 answers",
+        validator=_ZERO,
+        topic="limits",
     )
     default_max_tokens: int = setting(
-        16, help="max_tokens of a request that does not say"
+        attrs.fields(SamplingParams).max_tokens.default,
+        help="max_tokens of a request that does not say",
+        validator=_ONE,
+        topic="limits",
     )
     max_body_bytes: int = setting(
-        32 << 20, help="larger request bodies are refused with 413 before being read"
+        32 << 20,
+        help="larger request bodies are refused with 413 before being read",
+        validator=_ONE,
+        topic="limits",
     )
     body_timeout: float = setting(
-        30.0, help="seconds to receive a request body (408 after)"
+        30.0,
+        help="seconds to receive a request body (408 after)",
+        validator=_POSITIVE,
+        topic="limits",
     )
     api_key: tuple[str, ...] = setting(
         (),
@@ -204,174 +309,61 @@ class ServerConfig:
         "an open server)",
         validator=_api_key,
         secret=True,
+        metavar="KEY",
+        topic="security",
     )
     metrics_require_auth: bool = setting(
-        False, help="/metrics needs the API key too (/health and /version never do)"
+        False,
+        help="/metrics needs the API key too (/health and /version never do)",
+        topic="security",
     )
     max_concurrent_requests: int | None = setting(
         None,
         help="requests handled at once (all routes but /health, /metrics); more "
         "get 503 with Retry-After (default: no limit)",
-        validator=_positive_or_none,
+        validator=_ONE,
+        topic="limits",
     )
     max_concurrent_requests_per_client: int | None = setting(
         None,
         help="the same, per client address, so one client cannot hold the "
         "server (default: no limit)",
-        validator=_positive_or_none,
+        validator=_ONE,
+        topic="limits",
     )
     access_log: bool = setting(
-        True, help="one structured line per request on the structllm.access logger"
+        True,
+        help="one structured line per request on the structllm.access logger",
+        topic="logging",
     )
     max_log_len: int = setting(
         0,
         help="log at most this many characters of the prompt in the access "
         "log (0: no prompt text)",
-        validator=attrs.validators.ge(0),
+        validator=_ZERO,
+        topic="logging",
     )
     allowed_origins: tuple[str, ...] = setting(
-        (), help="CORS: origins allowed to call the API ('*' for any; default: no CORS)"
+        (),
+        help="CORS: origins allowed to call the API ('*' for any; default: no CORS)",
+        topic="security",
+        metavar="ORIGIN",
     )
     allowed_methods: tuple[str, ...] = setting(
-        ("*",), help="CORS: allowed methods (with --allowed-origins)"
+        ("*",),
+        help="CORS: allowed methods (with --allowed-origins)",
+        topic="security",
+        metavar="METHOD",
     )
     allowed_headers: tuple[str, ...] = setting(
-        ("*",), help="CORS: allowed request headers (with --allowed-origins)"
+        ("*",),
+        help="CORS: allowed request headers (with --allowed-origins)",
+        topic="security",
+        metavar="HEADER",
     )
     allow_credentials: bool = setting(
-        False, help="CORS: allow credentials (with --allowed-origins)"
+        False, help="CORS: allow credentials (with --allowed-origins)", topic="security"
     )
 
-
-def split_fields(
-    kwargs: Mapping[str, Any], *classes: type, caller: str
-) -> list[dict[str, Any]]:
-    """Share keyword arguments out among the attrs ``classes`` by field name."""
-    parts: list[dict[str, Any]] = [{} for _ in classes]
-    fields = [attrs.fields_dict(cls) for cls in classes]
-    for key, value in kwargs.items():
-        i = next((i for i, f in enumerate(fields) if key in f), None)
-        if i is None:
-            raise TypeError(f"{caller} got an unexpected argument {key!r}")
-        parts[i][key] = value
-    return parts
-
-
-# -------------------------------------------------------------- the flags
-
-
-def _flag(field: attrs.Attribute[Any]) -> str:
-    return str(field.metadata.get("flag") or "--" + field.name.replace("_", "-"))
-
-
-def _dest(field: attrs.Attribute[Any]) -> str:
-    return _flag(field)[2:].replace("-", "_")
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _kind(hint: Any) -> tuple[Any, list[Any] | None, bool]:
-    """``(element type, choices, repeatable)`` of an annotation."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        return type(args[0]), list(args), False
-    if origin is tuple:
-        return args[0], None, True
-    if args and origin is not None and len(args) == 1:  # X | None
-        return _kind(args[0])
-    return hint, None, False
-
-
-def _cli_fields(
-    cls: type, only: Iterable[str] | None, skip: Iterable[str]
-) -> list[attrs.Attribute[Any]]:
-    fields = attrs.fields_dict(cls)
-    names = list(fields) if only is None else list(only)
-    unknown = [n for n in [*names, *skip] if n not in fields]
-    if unknown:
-        raise KeyError(f"{cls.__name__} has no field {unknown[0]!r}")
-    chosen = [fields[n] for n in names if n not in set(skip)]
-    return [f for f in chosen if only is not None or f.metadata.get("cli", True)]
-
-
-def add_arguments(
-    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-    cls: type,
-    *,
-    only: Iterable[str] | None = None,
-    skip: Iterable[str] = (),
-    defaults: Mapping[str, Any] | None = None,
-    help: Mapping[str, str] | None = None,
-) -> None:
-    """Add a ``--flag`` for each field of the attrs class ``cls``.
-
-    ``only`` picks fields (in that order; even ``cli=False`` ones), ``skip``
-    leaves some out, ``defaults`` and ``help`` override a field's default
-    and help for this command only. A required field's flag defaults to None
-    (the caller fills it in, see :func:`from_arguments`).
-    """
-    defaults = defaults or {}
-    help = help or {}
-    for field in _cli_fields(cls, only, skip):
-        kind, choices, repeat = _kind(_hints(cls)[field.name])
-        default = defaults.get(
-            field.name, None if field.default is attrs.NOTHING else field.default
-        )
-        text = help.get(field.name, field.metadata.get("help")) or ""
-        kw: dict[str, Any] = {"dest": _dest(field), "default": default}
-        if kind is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-            text += " (default: on)" if default else " (default: off)"
-        elif repeat:
-            kw.update(action=_Append, type=kind, default=tuple(default))
-            text += " (repeatable)"
-        else:
-            kw.update(type=kind, choices=choices)
-            if choices is None:
-                kw["metavar"] = kind.__name__.upper()
-        if repeat and default:
-            text += f" (default: {' '.join(default)})"
-        elif default not in (None, (), []) and kind is not bool:
-            text += " (default: %(default)s)"
-        parser.add_argument(_flag(field), help=text.strip() or None, **kw)
-
-
-class _Append(argparse.Action):
-    """``append`` whose first use replaces the default instead of extending it."""
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        items = getattr(namespace, self.dest)
-        items = [] if items is self.default else list(items)
-        setattr(namespace, self.dest, [*items, values])
-
-
-def from_arguments(
-    cls: type[Any],
-    ns: argparse.Namespace,
-    *,
-    only: Iterable[str] | None = None,
-    skip: Iterable[str] = (),
-    **given: Any,
-) -> Any:
-    """Build ``cls`` from the flags :func:`add_arguments` added, plus ``given``.
-
-    A required field left None on the command line must be in ``given``.
-    """
-    kw: dict[str, Any] = {}
-    for field in _cli_fields(cls, only, skip):
-        value = getattr(ns, _dest(field))
-        if value is None and field.default is attrs.NOTHING:
-            continue
-        kw[field.name] = tuple(value) if isinstance(value, list | tuple) else value
-    kw.update(given)
-    return cls(**kw)
+    def __attrs_post_init__(self) -> None:
+        check_config(self)

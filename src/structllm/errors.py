@@ -13,17 +13,20 @@ Two families, because a caller reacts to them differently::
     ├── EngineCoreError              the core process failed (also a RuntimeError);
     │                                carries its traceback; a usual ``__cause__``
     │                                of EngineDeadError
-    ├── EngineConfigError            an engine setting is invalid or does not fit
-    │                                the model (also a ValueError); names the field
+    ├── EngineConfigError            a setting (EngineConfig, FrontendConfig,
+    │                                ServerConfig) is invalid or does not fit the
+    │                                model (also a ValueError); names the field
     ├── ModelLoadError               a checkpoint could not be loaded
     │   └── UnsupportedModelError    the architecture is not one we implement
     └── NoFreeBlocksError            the KV block pool ran dry (also a RuntimeError):
                                      the scheduler prevents it, so it means a bug
 
 The offline ``LLM`` and the async ``AsyncLLM`` raise the same type for the
-same mistake: a setting that cannot work (``num_blocks`` too small for one
-sequence of ``max_model_len``) is an EngineConfigError from both, although
-``AsyncLLM`` learns of it from the core process.
+same mistake. A value that can never work (``max_num_seqs=0``, an unknown
+``dtype``) is an EngineConfigError when the config is built, before anything
+loads; one that does not fit the model (``num_blocks`` too small for one
+sequence of ``max_model_len``) is an EngineConfigError from both too,
+although ``AsyncLLM`` learns of it from the core process.
 
 Foreign errors (Paddle, msgspec, OSError on pipes, safetensors) are translated
 into these at layer boundaries only; inside a layer they propagate unchanged.
@@ -98,9 +101,10 @@ class EngineCoreError(StructLLMError, RuntimeError):
 
 
 class EngineConfigError(StructLLMError, ValueError):
-    """An engine setting is invalid, or cannot work with this model.
+    """A setting is invalid, or cannot work with this model.
 
-    ``field`` names the setting (``"num_blocks"``, ``"max_model_len"``).
+    ``field`` names the setting (``"num_blocks"``, ``"max_model_len"``,
+    ``"port"``): the configs of :mod:`structllm.config` raise it when built.
     """
 
     def __init__(self, message: str, *, field: str | None = None) -> None:

@@ -22,9 +22,14 @@ from structllm.engine.inputs import (
     PromptInput,
     check_structured_outputs,
     is_batch,
+    new_request,
     parse_prompt,
 )
-from structllm.engine.output_processor import OutputProcessor, RequestState
+from structllm.engine.output_processor import (
+    OutputProcessor,
+    RequestState,
+    merge_choices,
+)
 from structllm.errors import InvalidRequestError
 from structllm.model.loader import LoadProgress
 from structllm.outputs import RequestOutput
@@ -120,8 +125,9 @@ class LLM:
                 f"got {len(priority)} priorities for {len(batch)} prompts",
                 field="priority",
             )
-        # Tokenise and validate everything before the core sees any request.
-        prepared = [
+        # Tokenise and validate everything before the core sees any request;
+        # a prompt with n samples is n requests, which share its KV blocks.
+        groups = [
             self._prepare(
                 prompt,
                 p if p.output_kind is OutputKind.FINAL else _final(p),
@@ -129,12 +135,13 @@ class LLM:
             )
             for i, (prompt, p) in enumerate(zip(batch, plist, strict=True))
         ]
-        ids = [state.request_id for state, _ in prepared]
+        ids = [state.request_id for group in groups for state, _ in group]
         results: dict[str, RequestOutput] = {}
         try:
-            for state, request in prepared:
-                self.core.add_request(request)
-                self._processor.add(state)
+            for group in groups:
+                for state, request in group:
+                    self.core.add_request(request)
+                    self._processor.add(state)
             with tqdm(
                 total=len(ids), desc="generating", unit="req", disable=not use_tqdm
             ) as bar:
@@ -147,7 +154,10 @@ class LLM:
         finally:
             # an exception (or KeyboardInterrupt) mid-run leaves nothing behind
             self._drop(ids)
-        return [results[rid] for rid in ids]
+        return [
+            merge_choices([results[state.request_id] for state, _ in group])
+            for group in groups
+        ]
 
     def stream(
         self, prompt: PromptInput, params: SamplingParams | None = None
@@ -156,7 +166,8 @@ class LLM:
 
         A plain generator: closing it early aborts the request in the core.
         """
-        state, request = self._prepare(prompt, params or SamplingParams(), 0)
+        params = params or SamplingParams()
+        ((state, request),) = self._prepare(prompt, params, 0, samples=False)
         self.core.add_request(request)
         self._processor.add(state)
         try:
@@ -166,21 +177,31 @@ class LLM:
             self._drop([state.request_id])
 
     def _prepare(
-        self, prompt: PromptInput, params: SamplingParams, priority: int
-    ) -> tuple[RequestState, CoreRequest]:
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        priority: int,
+        *,
+        samples: bool = True,
+    ) -> list[tuple[RequestState, CoreRequest]]:
+        """One request per sample (``params.n``); with ``samples`` false, the
+        request as given (a stream: ``new_request`` refuses n > 1)."""
         parsed = parse_prompt(prompt, self.tokenizer)
         check_structured_outputs(params)
-        rid = str(next(self._counter))
-        state = RequestState(rid, parsed.text, parsed.token_ids, params, self.tokenizer)
-        request = CoreRequest(
-            request_id=rid,
-            prompt_token_ids=parsed.token_ids,
-            params=params,
-            eos_token_ids=self.eos_token_ids,
-            priority=priority,
-            cache_salt=parsed.cache_salt,
-        )
-        return state, request
+        choices = [params]
+        if samples and params.n > 1:
+            choices = [params.for_choice(j) for j in range(params.n)]
+        return [
+            new_request(
+                parsed,
+                choice,
+                self.tokenizer,
+                request_id=str(next(self._counter)),
+                eos_token_ids=self.eos_token_ids,
+                priority=priority,
+            )
+            for choice in choices
+        ]
 
     def _outputs(
         self, wanted: set[str], more: Callable[[], bool]

@@ -32,6 +32,8 @@ MAX_LOGPROBS = 20
 MAX_TOKEN_ID = 2**31 - 1
 #: The largest token count (``max_tokens``, ``min_tokens``, ``top_k``).
 MAX_COUNT = 2**31 - 1
+#: The most samples one request may ask for (``SamplingParams.n``).
+MAX_N = 1024
 #: ``logit_bias`` values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range).
 MAX_LOGIT_BIAS = 100.0
 
@@ -222,6 +224,11 @@ class SamplingParams:
     the model's context length.
     """
 
+    #: samples per prompt, each its own ``CompletionOutput`` (``index`` 0 to
+    #: n - 1) in one ``RequestOutput``; they share the prompt's KV blocks
+    #: (computed once). ``LLM.generate`` and ``AsyncLLM.complete`` take n > 1;
+    #: a stream carries one sample, so the streaming APIs refuse it.
+    n: int = 1
     max_tokens: int | None = 16
     min_tokens: int = 0
     temperature: float = 1.0
@@ -267,6 +274,7 @@ class SamplingParams:
         # Numbers are normalised here rather than by converters so that each
         # message can name its field; object.__setattr__ because we're frozen.
         set_ = object.__setattr__
+        _int("n", self.n, lo=1, hi=MAX_N, expected=f"an integer in [1, {MAX_N}]")
         if self.max_tokens is not None:
             _int(
                 "max_tokens",
@@ -378,3 +386,14 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The params of sample ``index`` of ``n``, as one request of its own.
+
+        ``n`` is 1; a seeded request gives each sample its own seed (seed +
+        index), so the samples differ and each is reproducible.
+        """
+        seed = self.seed
+        if seed is not None and index:
+            seed = (seed + index) % 2**63
+        return attrs.evolve(self, n=1, seed=seed)

@@ -68,6 +68,7 @@ from structllm.bench.serve_results import (
     plot,
     summarize,
 )
+from structllm.config import add_arguments, from_arguments, setting
 
 __all__ = [
     "RequestSpec",
@@ -121,32 +122,58 @@ def _check_concurrency(
 
 @attrs.frozen
 class ServeConfig:
-    """What to send, where and how fast."""
+    """What to send, where and how fast; each field is a flag of ``bench serve``."""
 
-    url: str = attrs.field(converter=_strip_slash)
-    model: str | None = None
-    endpoint: str = attrs.field(
-        default="/v1/completions", validator=attrs.validators.in_(ENDPOINTS)
+    url: str = setting(
+        "http://127.0.0.1:8000", help="server base URL (no /v1)", converter=_strip_slash
     )
-    num_prompts: int = attrs.field(default=200, validator=attrs.validators.ge(1))
-    request_rate: float = attrs.field(
-        default=math.inf, validator=attrs.validators.gt(0.0)
+    model: str | None = setting(
+        None, help="model name (default: first of GET /v1/models)"
     )
-    max_concurrency: int | None = attrs.field(
-        default=None, validator=_check_concurrency
+    endpoint: Literal["/v1/completions", "/v1/chat/completions"] = setting(
+        "/v1/completions",
+        help="the API to load",
+        validator=attrs.validators.in_(ENDPOINTS),
     )
-    input_len: tuple[int, int] = attrs.field(
-        default=(32, 256), converter=_length_range, validator=_check_range
+    num_prompts: int = setting(
+        200, help="requests to send", validator=attrs.validators.ge(1)
     )
-    output_len: tuple[int, int] = attrs.field(
-        default=(16, 128), converter=_length_range, validator=_check_range
+    request_rate: float = setting(
+        math.inf,
+        help="Poisson arrivals per second; inf sends everything at once",
+        validator=attrs.validators.gt(0.0),
     )
-    seed: int = 0
-    prompt_kind: Literal["tokens", "text"] = attrs.field(
-        default="tokens", validator=attrs.validators.in_(("tokens", "text"))
+    max_concurrency: int | None = setting(
+        None, help="cap on requests in flight", validator=_check_concurrency
     )
-    vocab_size: int = attrs.field(default=256, validator=attrs.validators.gt(3))
-    timeout: float = attrs.field(default=3600.0, validator=attrs.validators.gt(0.0))
+    input_len: tuple[int, int] = setting(
+        (32, 256),
+        help="prompt lengths (tokens or words), drawn uniformly",
+        converter=_length_range,
+        validator=_check_range,
+        metavar=("MIN", "MAX"),
+    )
+    output_len: tuple[int, int] = setting(
+        (16, 128),
+        help="max_tokens of each request, drawn uniformly",
+        converter=_length_range,
+        validator=_check_range,
+        metavar=("MIN", "MAX"),
+    )
+    seed: int = setting(0, help="seed of the prompts, lengths and arrivals")
+    prompt_kind: Literal["tokens", "text"] = setting(
+        "tokens", validator=attrs.validators.in_(("tokens", "text"))
+    )
+    vocab_size: int = setting(
+        256,
+        help="token ids are drawn in [3, this)",
+        validator=attrs.validators.gt(3),
+    )
+    timeout: float = setting(
+        3600.0,
+        help="seconds per request, in all (inf: none)",
+        validator=attrs.validators.gt(0.0),
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.prompt_kind == "tokens" and self.endpoint != "/v1/completions":
@@ -157,24 +184,11 @@ class ServeConfig:
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServeConfig:
-        endpoint = ns.endpoint
-        kind: Literal["tokens", "text"] = ns.prompt_kind or (
-            "tokens" if endpoint == ENDPOINTS[0] else "text"
-        )
-        return cls(
-            url=ns.url,
-            model=ns.model,
-            endpoint=endpoint,
-            num_prompts=ns.num_prompts,
-            request_rate=ns.request_rate,
-            max_concurrency=ns.max_concurrency,
-            input_len=ns.input_len,
-            output_len=ns.output_len,
-            seed=ns.seed,
-            prompt_kind=kind,
-            vocab_size=ns.vocab_size,
-            timeout=ns.timeout,
-        )
+        """The config :func:`add_serve_args`'s flags give; ``prompt_kind``
+        follows the endpoint unless given."""
+        kind = ns.prompt_kind or ("tokens" if ns.endpoint == ENDPOINTS[0] else "text")
+        config: ServeConfig = from_arguments(cls, ns, prompt_kind=kind)
+        return config
 
     def to_json(self) -> dict[str, Any]:
         d = attrs.asdict(self)
@@ -184,45 +198,15 @@ class ServeConfig:
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--url", default="http://127.0.0.1:8000", help="server base URL (no /v1)"
-    )
-    p.add_argument(
-        "--model", default=None, help="model name (default: first of GET /v1/models)"
-    )
-    p.add_argument("--endpoint", default=ENDPOINTS[0], choices=ENDPOINTS)
-    p.add_argument("--num-prompts", type=int, default=200)
-    p.add_argument(
-        "--request-rate",
-        type=float,
-        default=math.inf,
-        help="Poisson arrivals per second; inf sends everything at once",
-    )
-    p.add_argument(
-        "--max-concurrency", type=int, default=None, help="cap on requests in flight"
-    )
-    p.add_argument(
-        "--input-len", type=int, nargs=2, default=[32, 256], metavar=("MIN", "MAX")
-    )
-    p.add_argument(
-        "--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX")
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--prompt-kind",
-        choices=["tokens", "text"],
-        default=None,
-        help="token-id lists or random words (default: tokens for completions, "
-        "text for chat)",
-    )
-    p.add_argument(
-        "--vocab-size", type=int, default=256, help="token ids are drawn in [3, this)"
-    )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=3600.0,
-        help="seconds per request, in all (inf: none)",
+    """``bench serve``'s flags: :class:`ServeConfig`'s fields, and the outputs."""
+    add_arguments(
+        p,
+        ServeConfig,
+        defaults={"prompt_kind": None},
+        help={
+            "prompt_kind": "token-id lists or random words (default: tokens for "
+            "completions, text for chat)"
+        },
     )
     p.add_argument("--json", default=None, metavar="PATH", help="write the results")
     p.add_argument("--plot", default=None, metavar="PATH.png", help="draw a figure")

@@ -123,7 +123,7 @@ def run_throughput(ns: argparse.Namespace) -> int:
                 fronts.append(anyio.run(_bench_async, model, work, ns, threads))
         results["systems"]["structllm EngineCore (direct)"] = _median_run(cores)
         if fronts:
-            results["systems"]["structllm AsyncLLM (worker process)"] = _median_run(
+            results["systems"]["structllm AsyncLLM (core process)"] = _median_run(
                 fronts
             )
             ratios = [
@@ -229,7 +229,7 @@ def _bench_core(
 async def _bench_async(
     model: str, work: list[tuple[list[int], int]], ns: argparse.Namespace, threads: int
 ) -> dict[str, float]:
-    """All prompts at once through AsyncLLM with its worker process."""
+    """All prompts at once through AsyncLLM with its core process."""
     from structllm.engine.async_llm import AsyncLLM
     from structllm.params import SamplingParams
 

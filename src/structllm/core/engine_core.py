@@ -14,14 +14,19 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 import attrs
-import msgspec
 
 from structllm.config import EngineConfig
 from structllm.core.block_pool import BlockPool
-from structllm.core.request import CoreRequest, Request
-from structllm.core.runner import ModelRunner
+from structllm.core.request import (
+    CoreRequest,
+    Request,
+    RequestStepOutput,
+    StepOutput,
+)
+from structllm.core.runner import ModelInput, ModelRunner
 from structllm.core.scheduler import (
     Scheduler,
     SchedulerConfig,
@@ -36,9 +41,8 @@ from structllm.core.structured import (
 from structllm.errors import EngineConfigError, InvalidRequestError
 from structllm.model._paddle import default_num_threads, set_num_threads
 from structllm.model.config import ModelConfig
-from structllm.model.loader import LoadProgress, load_model
+from structllm.model.loader import LoadedModel, LoadProgress, load_model
 from structllm.model.sampler import TokenLogprobs, make_generator
-from structllm.outputs import FinishReason
 from structllm.text.tokenizer import Tokenizer
 
 __all__ = [
@@ -46,58 +50,14 @@ __all__ = [
     "RejectedRequest",
     "RequestStepOutput",
     "StepOutput",
+    "TensorParallelGroup",
     "check_prompt",
+    "load_engine_model",
 ]
 
 #: when only grammar compiles are pending, a step waits this long for one
 #: (bounds how late an abort that arrives meanwhile is read)
 GRAMMAR_WAIT_S = 0.02
-
-
-class RequestStepOutput(msgspec.Struct, frozen=True, array_like=True):
-    """What one step produced for one request (in process and on the wire)."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprobs, ...] | None = None
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    #: on a request's first output: seconds from arrival to first scheduled
-    queue_s: float | None = None
-    #: on a request's first output: prompt tokens read from the prefix cache
-    #: (OpenAI's usage.prompt_tokens_details.cached_tokens)
-    num_cached_tokens: int | None = None
-    #: with the first sampled token of a request with ``prompt_logprobs``:
-    #: one entry per prompt token, the first None (nothing predicts it)
-    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
-
-
-class StepOutput(msgspec.Struct, frozen=True, kw_only=True, tag=True):
-    """One step's news, and the scheduler's state after it.
-
-    The core process sends this very struct to the front end.
-    """
-
-    outputs: tuple[RequestStepOutput, ...]
-    num_batched_tokens: int
-    num_seqs: int
-    preempted: tuple[str, ...] = ()
-    #: requests dropped unrun because their grammar was refused
-    rejected: tuple[RejectedRequest, ...] = ()
-    #: seconds: scheduling, model forward (incl. logits), sampling, whole step
-    schedule_s: float = 0.0
-    forward_s: float = 0.0
-    sample_s: float = 0.0
-    total_s: float = 0.0
-    #: scheduler snapshot after the step
-    num_running: int = 0
-    num_waiting: int = 0
-    blocks_used: int = 0
-    total_preemptions: int = 0
-    #: prompt tokens this core has looked up in the prefix cache, and found
-    #: (cumulative since it started; vLLM's prefix_cache_queries / hits)
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
 
 
 def check_prompt(prompt: Sequence[int], *, vocab_size: int, max_model_len: int) -> None:
@@ -118,6 +78,23 @@ def check_prompt(prompt: Sequence[int], *, vocab_size: int, max_model_len: int) 
         )
 
 
+class TensorParallelGroup(Protocol):
+    """The other ranks of a tensor-parallel core, as rank 0 drives them.
+
+    The process group is up and each follower is loading its shard; the
+    core allocates the followers' KV caches once it has sized its own, then
+    hands each step's model input to :meth:`broadcast` before its forward.
+    (``structllm.engine.rank_group`` starts them; nothing here does I/O.)
+    """
+
+    @property
+    def size(self) -> int: ...
+
+    def allocate(self, num_blocks: int) -> None: ...
+
+    def broadcast(self, step: ModelInput) -> None: ...
+
+
 @attrs.frozen
 class EngineCoreStatistics:
     scheduler: SchedulerStatistics
@@ -127,7 +104,13 @@ class EngineCoreStatistics:
 
 class EngineCore:
     """``tokenizer`` (an object, or a path loaded on first use; default: the
-    model's) is what structured-output grammars are compiled against."""
+    model's) is what structured-output grammars are compiled against.
+
+    With ``config.tensor_parallel_size > 1`` this is rank 0 of the group
+    ``tp_group`` (started by the core process): it loads rank 0's shard,
+    schedules and samples; the other ranks only run the forward.
+    ``kv_cache_memory`` is then per rank.
+    """
 
     def __init__(
         self,
@@ -135,20 +118,20 @@ class EngineCore:
         *,
         on_progress: Callable[[LoadProgress], None] | None = None,
         tokenizer: Tokenizer | str | None = None,
+        tp_group: TensorParallelGroup | None = None,
     ) -> None:
         self.config = config
-        set_num_threads(config.num_threads)
-        loaded = load_model(
-            config.model,
-            dtype=config.dtype,
-            load_format=config.load_format,
-            block_size=config.block_size,
-            max_model_len=config.max_model_len,
-            seed=config.seed,
-            on_progress=on_progress,
-            backend=config.model_backend,
-            num_threads=config.num_threads or default_num_threads(),
-        )
+        tp = config.tensor_parallel_size
+        # ranks of one machine share its cores
+        set_num_threads(config.num_threads or max(1, default_num_threads() // tp))
+        if tp > 1 and (tp_group is None or tp_group.size != tp):
+            raise EngineConfigError(
+                f"tensor_parallel_size={tp} runs in the engine's core process, "
+                "which starts the other ranks: use AsyncLLM (executor='process') "
+                "or `structllm serve`, not LLM or executor='inline'",
+                field="tensor_parallel_size",
+            )
+        loaded = load_engine_model(config, 0, on_progress)
         self.model_config: ModelConfig = loaded.config
         limit = loaded.config.max_context_len
         if config.max_model_len is not None and config.max_model_len > limit:
@@ -194,7 +177,14 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             functools.partial(grammar_vocabulary, tokenizer, config.model)
         )
-        self.runner = ModelRunner(loaded.model, num_blocks, self.structured)
+        if tp_group is not None:
+            tp_group.allocate(num_blocks)
+        self.runner = ModelRunner(
+            loaded.model,
+            num_blocks,
+            self.structured,
+            broadcast=None if tp_group is None else tp_group.broadcast,
+        )
         self._sequence = itertools.count()
         self.steps = 0
 
@@ -387,3 +377,27 @@ def _take_prompt_logprobs(req: Request) -> tuple[TokenLogprobs | None, ...] | No
     entries, req.prompt_logprobs = req.prompt_logprobs, []
     req.prompt_logprobs_sent = True
     return (None, *entries)
+
+
+def load_engine_model(
+    config: EngineConfig,
+    rank: int = 0,
+    on_progress: Callable[[LoadProgress], None] | None = None,
+) -> LoadedModel:
+    """``config``'s model, or rank ``rank``'s shard of it (tensor parallel)."""
+    common: dict[str, Any] = {
+        "dtype": config.dtype,
+        "load_format": config.load_format,
+        "block_size": config.block_size,
+        "max_model_len": config.max_model_len,
+        "seed": config.seed,
+        "backend": config.model_backend,
+        "on_progress": on_progress,
+    }
+    tp = config.tensor_parallel_size
+    if tp == 1:
+        threads = config.num_threads or default_num_threads()
+        return load_model(config.model, num_threads=threads, **common)
+    from structllm.model.parallel import load_model_shard
+
+    return load_model_shard(config.model, tp, rank, **common)

@@ -31,7 +31,14 @@ from structllm.params import SamplingParams
 if TYPE_CHECKING:
     from structllm.structured.matcher import GrammarMatcher
 
-__all__ = ["CoreRequest", "Request", "RequestStatus"]
+__all__ = [
+    "CoreRequest",
+    "RejectedRequest",
+    "Request",
+    "RequestStatus",
+    "RequestStepOutput",
+    "StepOutput",
+]
 
 
 class CoreRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -46,6 +53,64 @@ class CoreRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     arrival_time: float = 0.0
     #: requests with different salts never share prefix-cache blocks
     cache_salt: str | None = None
+
+
+class RejectedRequest(msgspec.Struct, frozen=True, array_like=True):
+    """A request the core dropped before running it: its grammar was refused.
+
+    The front end fails the request with ``InvalidRequestError(message,
+    field=field)``, as for a refusal at ``add_request``.
+    """
+
+    request_id: str
+    message: str
+    field: str | None = None
+
+
+class RequestStepOutput(msgspec.Struct, frozen=True, array_like=True):
+    """What one step produced for one request (in process and on the wire)."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    #: on a request's first output: seconds from arrival to first scheduled
+    queue_s: float | None = None
+    #: on a request's first output: prompt tokens read from the prefix cache
+    #: (OpenAI's usage.prompt_tokens_details.cached_tokens)
+    num_cached_tokens: int | None = None
+    #: with the first sampled token of a request with ``prompt_logprobs``:
+    #: one entry per prompt token, the first None (nothing predicts it)
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+
+
+class StepOutput(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """One step's news, and the scheduler's state after it.
+
+    The core process sends this very struct to the front end.
+    """
+
+    outputs: tuple[RequestStepOutput, ...]
+    num_batched_tokens: int
+    num_seqs: int
+    preempted: tuple[str, ...] = ()
+    #: requests dropped unrun because their grammar was refused
+    rejected: tuple[RejectedRequest, ...] = ()
+    #: seconds: scheduling, model forward (incl. logits), sampling, whole step
+    schedule_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    total_s: float = 0.0
+    #: scheduler snapshot after the step
+    num_running: int = 0
+    num_waiting: int = 0
+    blocks_used: int = 0
+    total_preemptions: int = 0
+    #: prompt tokens this core has looked up in the prefix cache, and found
+    #: (cumulative since it started; vLLM's prefix_cache_queries / hits)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class RequestStatus(enum.Enum):

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import attrs
+import msgspec
 import numpy as np
 
 from structllm.core.request import Request
 from structllm.core.scheduler import SchedulerOutput
 from structllm.core.structured import StructuredOutputManager
-from structllm.model._paddle import paddle
+from structllm.model._paddle import host_tensor, paddle
 from structllm.model.attention import SequenceSlice
 from structllm.model.llama import LlamaForCausalLM
 from structllm.model.sampler import (
@@ -21,11 +22,46 @@ from structllm.model.sampler import (
     token_logprobs,
 )
 
-__all__ = ["PROMPT_LOGITS_ROWS", "ModelRunner", "RunnerOutput"]
+__all__ = [
+    "PROMPT_LOGITS_ROWS",
+    "ModelInput",
+    "ModelRunner",
+    "RunnerOutput",
+    "run_forward",
+]
 
 #: prompt logprobs take logits this many positions at a time, so a long
 #: chunk never holds more than (PROMPT_LOGITS_ROWS, vocab) floats at once
 PROMPT_LOGITS_ROWS = 256
+
+
+class ModelInput(msgspec.Struct, frozen=True, array_like=True):
+    """One step's model forward: what every rank of a tensor-parallel group
+    runs (rank 0 builds it and sends it to the others, which need nothing
+    else: no scheduler, no requests, no sampling)."""
+
+    #: (T,) int64 token ids and their positions, native byte order
+    token_ids: bytes
+    positions: bytes
+    #: per sequence, ``(context_len, query_len, block_table)``
+    seqs: tuple[tuple[int, int, tuple[int, ...]], ...]
+
+
+def run_forward(
+    model: LlamaForCausalLM,
+    kv_caches: list[tuple[paddle.Tensor, paddle.Tensor]],
+    step: ModelInput,
+) -> paddle.Tensor:
+    """The step's hidden states ``(T, H)``, its keys and values written."""
+    meta = model.attention.build_metadata(
+        [SequenceSlice(c, n, table) for c, n, table in step.seqs]
+    )
+    return model.forward(
+        host_tensor(np.frombuffer(step.token_ids, dtype=np.int64), "token_ids"),
+        host_tensor(np.frombuffer(step.positions, dtype=np.int64), "positions"),
+        kv_caches,
+        meta,
+    )
 
 
 @attrs.frozen
@@ -43,16 +79,22 @@ class RunnerOutput:
 
 class ModelRunner:
     """Owns the model's KV cache; runs whole steps. ``structured`` (the
-    core's grammar state) masks the constrained requests' logits."""
+    core's grammar state) masks the constrained requests' logits.
+
+    ``broadcast`` (rank 0 of a tensor-parallel group) is given each step's
+    :class:`ModelInput` before the forward, so the other ranks run the same
+    forward with it (their all-reduces meet this one's)."""
 
     def __init__(
         self,
         model: LlamaForCausalLM,
         num_blocks: int,
         structured: StructuredOutputManager | None = None,
+        broadcast: Callable[[ModelInput], None] | None = None,
     ) -> None:
         self.model = model
         self.structured = structured
+        self.broadcast = broadcast
         self.num_blocks = num_blocks
         self.kv_caches = model.allocate_kv_cache(num_blocks)
         self.sampler = Sampler()
@@ -62,7 +104,7 @@ class ModelRunner:
         chunks = sorted(step.chunks, key=lambda c: c.num_tokens > 1)
         ids: list[np.ndarray] = []
         positions: list[np.ndarray] = []
-        seqs: list[SequenceSlice] = []
+        seqs: list[tuple[int, int, tuple[int, ...]]] = []
         rows: list[int] = []  # flattened row of each sampling chunk's last token
         sampling = []
         # prompt logprobs: (request, first flattened row, first position, count)
@@ -73,7 +115,7 @@ class ModelRunner:
             stop = c.context_len + c.num_tokens
             ids.append(np.asarray(req.token_slice(c.context_len, stop), dtype=np.int64))
             positions.append(np.arange(c.context_len, stop, dtype=np.int64))
-            seqs.append(SequenceSlice(c.context_len, c.num_tokens, req.block_ids))
+            seqs.append((c.context_len, c.num_tokens, tuple(req.block_ids)))
             if req.needs_prompt_logits:
                 # position i's logits give prompt token i + 1's logprob
                 lo = max(c.context_len, len(req.prompt_logprobs))
@@ -85,20 +127,22 @@ class ModelRunner:
                 rows.append(t - 1)
                 sampling.append(req)
         start = time.perf_counter()
-        meta = self.model.attention.build_metadata(seqs)
-        hidden = self.model.forward(
-            paddle.to_tensor(np.concatenate(ids)),
-            paddle.to_tensor(np.concatenate(positions)),
-            self.kv_caches,
-            meta,
-        )  # (T, H)
+        model_input = ModelInput(
+            np.concatenate(ids).tobytes(),
+            np.concatenate(positions).tobytes(),
+            tuple(seqs),
+        )
+        if self.broadcast is not None:
+            self.broadcast(model_input)
+        hidden = run_forward(self.model, self.kv_caches, model_input)  # (T, H)
         prompt = {
             req.request_id: (pos + 1, self._prompt_logprobs(hidden, req, row, pos, n))
             for req, row, pos, n in prompt_rows
         }
         if not sampling:
             return RunnerOutput({}, {}, prompt, time.perf_counter() - start, 0.0)
-        last = paddle.index_select(hidden, paddle.to_tensor(np.asarray(rows, np.int64)))
+        index = host_tensor(np.asarray(rows, np.int64), "sampled_rows")
+        last = paddle.index_select(hidden, index)
         logits = self.model.compute_logits(last).numpy()  # (N, V)
         forward_s = time.perf_counter() - start
         start = time.perf_counter()

@@ -40,6 +40,7 @@ from collections.abc import Iterable, Mapping
 
 import attrs
 
+from structllm.config import EngineConfig
 from structllm.core.block_pool import (
     BlockHash,
     BlockPool,
@@ -50,6 +51,7 @@ from structllm.core.block_pool import (
 from structllm.core.request import Request, RequestStatus
 from structllm.errors import EngineConfigError
 from structllm.outputs import FinishReason
+from structllm.settings import at_least
 
 __all__ = [
     "ScheduledChunk",
@@ -61,17 +63,33 @@ __all__ = [
 ]
 
 
+_ENGINE = attrs.fields(EngineConfig)
+
+
 @attrs.frozen(kw_only=True)
 class SchedulerConfig:
-    max_model_len: int = attrs.field(validator=attrs.validators.ge(2))
-    max_num_seqs: int = attrs.field(default=64, validator=attrs.validators.ge(1))
+    """The scheduler's share of :class:`~structllm.config.EngineConfig`.
+
+    Not a setting users pass: :class:`~structllm.core.engine_core.EngineCore`
+    builds it from their ``EngineConfig`` and the model (``max_model_len``
+    resolved), and the defaults are ``EngineConfig``'s, so each lives once.
+    """
+
+    max_model_len: int = attrs.field(validator=at_least(2))
+    max_num_seqs: int = attrs.field(
+        default=_ENGINE.max_num_seqs.default, validator=at_least(1)
+    )
     max_num_batched_tokens: int = attrs.field(
-        default=1024, validator=attrs.validators.ge(1)
+        default=_ENGINE.max_num_batched_tokens.default, validator=at_least(1)
     )
     #: split prompts longer than the token budget over several steps
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = attrs.field(
+        default=_ENGINE.enable_chunked_prefill.default
+    )
     #: reuse cached full blocks of earlier requests with the same prefix
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = attrs.field(
+        default=_ENGINE.enable_prefix_caching.default
+    )
 
     def __attrs_post_init__(self) -> None:
         if (

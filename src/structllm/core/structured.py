@@ -35,11 +35,10 @@ import concurrent.futures
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from structllm.core.request import Request
+from structllm.core.request import RejectedRequest, Request
 from structllm.errors import InvalidRequestError
 from structllm.structured.compiler import CompiledGrammar, GrammarCompiler
 from structllm.structured.matcher import allocate_bitmask, fill_bitmasks
@@ -70,18 +69,6 @@ def grammar_vocabulary(
     if not isinstance(tokenizer, Tokenizer):
         tokenizer = load_tokenizer(tokenizer or model)
     return GrammarVocabulary.from_tokenizer(tokenizer)
-
-
-class RejectedRequest(msgspec.Struct, frozen=True, array_like=True):
-    """A request the core dropped before running it: its grammar was refused.
-
-    The front end fails the request with ``InvalidRequestError(message,
-    field=field)``, as for a refusal at ``add_request``.
-    """
-
-    request_id: str
-    message: str
-    field: str | None = None
 
 
 class StructuredOutputManager:

@@ -13,8 +13,9 @@ This module is the public API; the work is split by job as vLLM splits it:
 - :mod:`~structllm.engine.output_processor` turns the core's tokens into
   outputs (detokenising, stop strings) and delivers them to each request's
   one-slot mailbox; the offline ``LLM`` uses the same processor;
-- this module validates and admits requests and ties each one to whoever
-  consumes it.
+- :mod:`~structllm.engine.inputs` checks a request's arguments and builds
+  the request the core takes (shared with ``LLM`` too);
+- this module admits requests and ties each one to whoever consumes it.
 
 ``open()`` owns one task group, which runs the client. Leaving ``open()``
 stops admission, lets in-flight requests finish for ``shutdown_grace``
@@ -42,41 +43,31 @@ import anyio.lowlevel
 import attrs
 
 from structllm.config import EngineConfig, FrontendConfig, split_fields
-from structllm.core.engine_core import StepOutput, check_prompt
+from structllm.core.engine_core import StepOutput
 from structllm.engine.core_client import CoreClient
 from structllm.engine.core_connection import encode_request
 from structllm.engine.inputs import (
     PromptInput,
-    check_request_args,
-    check_structured_outputs,
-    check_structured_outputs_off_loop,
-    check_token_ids,
-    parse_prompt_off_loop,
+    check_for_model,
+    check_overload,
+    new_request,
+    prepare_off_loop,
+    prompt_byte_cap,
 )
 from structllm.engine.output_processor import (
     OutputProcessor,
     RequestOutputCollector,
     RequestState,
 )
-from structllm.engine.protocol import AbortRequests, AddFailed, CoreRequest, Ready
-from structllm.engine.request_stream import RequestStream
+from structllm.engine.protocol import AbortRequests, AddFailed, Ready
+from structllm.engine.request_stream import RequestStream, complete
 from structllm.engine.statistics import EngineStatistics
-from structllm.errors import (
-    EngineDeadError,
-    EngineOverloadedError,
-    InvalidRequestError,
-    dead_error,
-)
+from structllm.errors import EngineDeadError, InvalidRequestError, dead_error
 from structllm.outputs import RequestOutput
 from structllm.params import OutputKind, SamplingParams
 from structllm.text.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = [
-    "AsyncLLM",
-    "EngineStatistics",
-    "FrontendConfig",
-    "RequestStream",
-]
+__all__ = ["AsyncLLM", "EngineStatistics", "RequestStream"]
 
 
 class AsyncLLM:
@@ -95,6 +86,8 @@ class AsyncLLM:
         self._idle_event = anyio.Event()
         self._eos: frozenset[int] = frozenset(tokenizer.eos_token_ids)
         self._stats_event = anyio.Event()
+        #: complete()'s requests with n > 1: id -> its samples' ids
+        self._samples: dict[str, list[str]] = {}
 
     # ------------------------------------------------------------------ open
 
@@ -207,22 +200,22 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
     ) -> RequestOutput:
-        """Run a request to the end and return only its final output."""
+        """Run a request to the end and return only its final output.
+
+        With ``params.n`` > 1 the samples run as n requests (ids
+        ``{request_id}-{i}``) sharing the prompt's KV blocks, and come back
+        as one output; ``abort(request_id)`` ends them all.
+        """
         params = attrs.evolve(
             SamplingParams() if params is None else params, output_kind=OutputKind.FINAL
         )
-        last = None
-        s = self.stream(prompt, params, request_id=request_id, priority=priority)
-        async with s:
-            async for out in s:
-                last = out
-        if last is None:  # aborted before it produced anything
-            last = s.final_output
-        assert last is not None
-        return last
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        return await complete(self, prompt, params, rid, priority)
 
     async def abort(self, request_id: str) -> None:
         """End ``request_id`` now: cancels its stream block; idempotent."""
+        for sample in self._samples.get(request_id, ()):
+            await self.abort(sample)
         state = self._processor.get(request_id)
         if state is not None:
             # cancel first: a consumer woken by the release alone would see
@@ -257,12 +250,10 @@ class AsyncLLM:
     @property
     def max_prompt_bytes(self) -> int | None:
         """The byte cap on prompts (None until the context length is known)."""
-        if self.config.max_prompt_bytes is not None:
-            return self.config.max_prompt_bytes
         info = self._client.info
-        if info is None:
-            return None
-        return max(64 << 10, 32 * info.max_model_len)
+        return prompt_byte_cap(
+            self.config.max_prompt_bytes, None if info is None else info.max_model_len
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -296,10 +287,13 @@ class AsyncLLM:
         request_id: str,
         priority: int,
     ) -> RequestState:
-        check_request_args(params, request_id, priority)
-        await check_structured_outputs_off_loop(params)
-        parsed = await parse_prompt_off_loop(
-            prompt, self.tokenizer, max_bytes=self.max_prompt_bytes
+        parsed = await prepare_off_loop(
+            prompt,
+            params,
+            request_id,
+            priority,
+            self.tokenizer,
+            max_bytes=self.max_prompt_bytes,
         )
         await self._client.wait_ready()
         # From here to the end: no await. Registered and submitted, or neither.
@@ -311,27 +305,17 @@ class AsyncLLM:
             )
         # the id the core sees: unique per submission, so a caller's id can be
         # reused at once without a late output for the old request landing here
-        core_id = f"{request_id}#{next(self._submissions)}"
-        frame = encode_request(
-            CoreRequest(
-                request_id=core_id,
-                prompt_token_ids=parsed.token_ids,
-                params=params,
-                eos_token_ids=self._eos | frozenset(info.eos_token_ids),
-                priority=priority,
-                cache_salt=parsed.cache_salt,
-            )
-        )
-        self._client.submit_nowait(frame)
-        state = RequestState(
-            request_id,
-            parsed.text,
-            parsed.token_ids,
+        state, request = new_request(
+            parsed,
             params,
             self.tokenizer,
-            core_id=core_id,
+            request_id=request_id,
+            core_id=f"{request_id}#{next(self._submissions)}",
+            eos_token_ids=self._eos | frozenset(info.eos_token_ids),
+            priority=priority,
             queue=RequestOutputCollector(params.output_kind),
         )
+        self._client.submit_nowait(encode_request(request))
         self._processor.add(state)
         return state
 
@@ -355,23 +339,18 @@ class AsyncLLM:
         info = self._client.info
         if not self._client.ready or info is None:
             raise EngineDeadError("the engine core is restarting")
-        check_prompt(
+        check_for_model(
             prompt_token_ids,
+            params,
             vocab_size=info.vocab_size,
             max_model_len=info.max_model_len,
         )
-        if params is not None:
-            check_token_ids(params, info.vocab_size)
-            check_structured_outputs(params)
-        limit = self.config.max_queued_requests
-        if (
-            limit is not None
-            and len(self._processor) + count > self.engine_config.max_num_seqs + limit
-        ):
-            raise EngineOverloadedError(
-                f"{len(self._processor)} requests in flight; max_queued_requests={limit} "
-                "are already waiting beyond max_num_seqs"
-            )
+        check_overload(
+            len(self._processor),
+            count,
+            max_num_seqs=self.engine_config.max_num_seqs,
+            max_queued_requests=self.config.max_queued_requests,
+        )
         return info
 
     def _release(self, state: RequestState) -> None:

@@ -3,8 +3,8 @@
 :class:`CoreClient` runs as one task in ``AsyncLLM.open()``'s task group. Its
 loop starts the core (a child process running
 :mod:`structllm.engine.core_process`, or that same loop in a thread for
-``executor="inline"``), shakes hands (relaying load progress to progress
-bars), then, for as long as that core lives, runs three tasks: the *reader*
+``executor="inline"``), shakes hands
+(:func:`~structllm.engine.core_connection.handshake`), then, for as long as that core lives, runs three tasks: the *reader*
 (step outputs, heartbeats, refusals; a silence of ``heartbeat_timeout``
 means the core hung), the *writer* (an unbounded memory channel of encoded
 frames to the socket) and a *watch* on the child's exit. When the core dies
@@ -15,14 +15,15 @@ times within ``restart_window``; after that the engine is dead for good.
 Requests are encoded by their sender
 (:func:`~structllm.engine.core_connection.encode_request`), so a value the
 wire cannot carry fails that request, never the writer shared by all. Where
-the core runs, and the socket to it, is :mod:`structllm.engine.core_connection`.
+the core runs, the socket to it and the handshake are
+:mod:`structllm.engine.core_connection`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Protocol
+from typing import Protocol
 
 import anyio
 import anyio.abc
@@ -30,12 +31,17 @@ import attrs
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from structllm.config import EngineConfig, FrontendConfig
-from structllm.engine.core_connection import CoreConnection, open_core
+from structllm.engine.core_connection import (
+    CoreConnection,
+    CoreLost,
+    handshake,
+    open_core,
+    receive,
+)
 from structllm.engine.protocol import (
     AddFailed,
     Fatal,
     Heartbeat,
-    LoadProgressMsg,
     Message,
     PrefixCacheReset,
     Ready,
@@ -52,7 +58,6 @@ from structllm.errors import (
     EngineDeadError,
     ModelLoadError,
     dead_error,
-    load_error,
 )
 
 __all__ = [
@@ -77,12 +82,6 @@ class CoreEvents(Protocol):
 
     def on_statistics(self) -> None:
         """Counts, readiness or liveness changed."""
-
-
-class _CoreLost(Exception):
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(str(cause))
-        self.cause = cause
 
 
 @attrs.define(eq=False)
@@ -181,7 +180,7 @@ class CoreClient:
             restarts=client.restarts,
             ready=client.ready,
             dead=client.dead is not None,
-            worker_pid=None if info is None else info.pid,
+            core_pid=None if info is None else info.pid,
             silent_for=silent,
             healthy=healthy,
             prefix_cache_queries=client.prefix_cache[0],
@@ -229,7 +228,17 @@ class CoreClient:
                     self.config.fault if starts <= self.config.fault_starts else None
                 )
                 try:
-                    self.info = await self._handshake(conn, fault)
+                    self.info = await handshake(
+                        conn,
+                        Start(
+                            config=self.engine_config,
+                            heartbeat_interval=self.config.heartbeat_interval,
+                            fault=fault,
+                            tokenizer=self.config.tokenizer,
+                        ),
+                        startup_timeout=self.config.startup_timeout,
+                        show_progress=self.config.show_progress,
+                    )
                     self.last_heard = anyio.current_time()
                     send, receive = anyio.create_memory_object_stream[bytes](math.inf)
                     self._outgoing = send
@@ -240,7 +249,7 @@ class CoreClient:
                         started = True
                         task_status.started()
                     await self._serve(conn, receive)
-                except _CoreLost as lost:
+                except CoreLost as lost:
                     cause = lost.cause
                 except (ModelLoadError, EngineConfigError) as exc:
                     if not started:
@@ -295,48 +304,6 @@ class CoreClient:
             self._outgoing.close()
             self._outgoing = None
 
-    async def _handshake(self, conn: CoreConnection, fault: str | None) -> Ready:
-        await conn.send(
-            Start(
-                config=self.engine_config,
-                heartbeat_interval=self.config.heartbeat_interval,
-                fault=fault,
-                tokenizer=self.config.tokenizer,
-            )
-        )
-        bars: dict[str, Any] = {}
-        try:
-            with anyio.fail_after(self.config.startup_timeout):
-                while True:
-                    msg = await _receive(conn)
-                    if isinstance(msg, LoadProgressMsg):
-                        self._show_progress(bars, msg)
-                    elif isinstance(msg, Ready):
-                        return msg
-                    elif isinstance(msg, Fatal):
-                        if msg.during_load:
-                            raise load_error(msg.kind, msg.message, msg.field)
-                        raise _CoreLost(
-                            EngineCoreError(msg.kind, msg.message, msg.traceback)
-                        )
-        except TimeoutError as exc:
-            raise _CoreLost(exc) from None
-        finally:
-            for bar in bars.values():
-                bar.close()
-
-    def _show_progress(self, bars: dict[str, Any], msg: LoadProgressMsg) -> None:
-        if not self.config.show_progress:
-            return
-        from tqdm import tqdm
-
-        bar = bars.get(msg.stage)
-        if bar is None:
-            bar = bars[msg.stage] = tqdm(
-                total=msg.total, desc=f"engine {msg.stage}", leave=False
-            )
-        bar.update(msg.done - bar.n)
-
     async def _serve(
         self, conn: CoreConnection, outgoing: MemoryObjectReceiveStream[bytes]
     ) -> None:
@@ -346,7 +313,7 @@ class CoreClient:
                 if conn.process is not None:
                     tg.start_soon(self._watch_process, conn.process)
                 await self._read(conn)
-        except* _CoreLost as group:
+        except* CoreLost as group:
             raise group.exceptions[0] from None
 
     async def _write(
@@ -357,21 +324,21 @@ class CoreClient:
                 async for frame in outgoing:
                     await conn.send_frame(frame)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
-            raise _CoreLost(exc) from None
+            raise CoreLost(exc) from None
 
     async def _watch_process(self, process: anyio.abc.Process) -> None:
         code = await process.wait()
-        raise _CoreLost(ChildProcessError(f"the core process exited with code {code}"))
+        raise CoreLost(ChildProcessError(f"the core process exited with code {code}"))
 
     async def _read(self, conn: CoreConnection) -> None:
         timeout = self.config.heartbeat_timeout
         while True:
             try:
                 with anyio.fail_after(timeout):
-                    msg = await _receive(conn)
+                    msg = await receive(conn)
                 self.last_heard = anyio.current_time()
             except TimeoutError:
-                raise _CoreLost(
+                raise CoreLost(
                     TimeoutError(f"no heartbeat from the engine core for {timeout:g}s")
                 ) from None
             if isinstance(msg, StepOutput):
@@ -392,19 +359,4 @@ class CoreClient:
                 answer.append(msg.num_blocks)
                 done.set()
             elif isinstance(msg, Fatal):
-                raise _CoreLost(EngineCoreError(msg.kind, msg.message, msg.traceback))
-
-
-async def _receive(conn: CoreConnection) -> Message:
-    try:
-        return await conn.receive()
-    except (
-        anyio.EndOfStream,
-        anyio.BrokenResourceError,
-        anyio.ClosedResourceError,
-        OSError,
-        ValueError,  # a malformed frame (protocol.FrameError)
-    ) as exc:
-        raise _CoreLost(
-            ConnectionError(f"the engine core connection closed ({exc!r})")
-        ) from None
+                raise CoreLost(EngineCoreError(msg.kind, msg.message, msg.traceback))

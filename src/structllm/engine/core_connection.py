@@ -1,4 +1,4 @@
-"""Where the engine core runs, and the socket to it.
+"""Where the engine core runs, the socket to it, and the handshake.
 
 Both ways to run a core are async context managers yielding a
 :class:`CoreConnection` over a socketpair speaking
@@ -14,6 +14,11 @@ Both ways to run a core are async context managers yielding a
 Leaving the context closes the socket and waits for the core, bounded; a
 process that does not exit in time is killed. Nothing outlives the block
 except a *hung* thread, which Python cannot kill.
+
+:func:`handshake` starts a core that has just been opened: it sends
+``Start`` and relays ``LoadProgressMsg``s to progress bars until ``Ready``.
+A core that breaks off (its socket closes, a malformed frame, silence past
+a timeout) raises :class:`CoreLost`, which the client treats as a death.
 """
 
 from __future__ import annotations
@@ -27,22 +32,40 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
 
 import anyio
 import anyio.abc
 import anyio.to_thread
 import attrs
 
-from structllm.engine.protocol import CoreRequest, FrameReader, Message, encode
-from structllm.errors import EngineConfigError, InvalidRequestError
+from structllm.engine.protocol import (
+    CoreRequest,
+    Fatal,
+    FrameReader,
+    LoadProgressMsg,
+    Message,
+    Ready,
+    Start,
+    encode,
+)
+from structllm.errors import (
+    EngineConfigError,
+    EngineCoreError,
+    InvalidRequestError,
+    load_error,
+)
 
 __all__ = [
     "CoreConnection",
+    "CoreLost",
     "core_process_command",
     "encode_request",
+    "handshake",
     "open_core",
     "open_core_process",
     "open_core_thread",
+    "receive",
 ]
 
 
@@ -177,3 +200,75 @@ def encode_request(request: CoreRequest) -> bytes:
         raise InvalidRequestError(
             f"the request cannot be sent to the engine: {exc}", field=None
         ) from exc
+
+
+# -------------------------------------------------------------- handshake
+
+
+class CoreLost(Exception):
+    """The core broke off (``cause`` says how); the client restarts it."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+async def receive(conn: CoreConnection) -> Message:
+    """The next message; CoreLost when the connection ends or is garbled."""
+    try:
+        return await conn.receive()
+    except (
+        anyio.EndOfStream,
+        anyio.BrokenResourceError,
+        anyio.ClosedResourceError,
+        OSError,
+        ValueError,  # a malformed frame (protocol.FrameError)
+    ) as exc:
+        raise CoreLost(
+            ConnectionError(f"the engine core connection closed ({exc!r})")
+        ) from None
+
+
+async def handshake(
+    conn: CoreConnection, start: Start, *, startup_timeout: float, show_progress: bool
+) -> Ready:
+    """Send ``start``; return the core's ``Ready`` once it has loaded.
+
+    A load failure raises the front end's copy of it (ModelLoadError,
+    EngineConfigError, :func:`~structllm.errors.load_error`); any other
+    failure, or no ``Ready`` within ``startup_timeout`` seconds, raises
+    CoreLost.
+    """
+    await conn.send(start)
+    bars: dict[str, Any] = {}
+    try:
+        with anyio.fail_after(startup_timeout):
+            while True:
+                msg = await receive(conn)
+                if isinstance(msg, LoadProgressMsg):
+                    if show_progress:
+                        _show_progress(bars, msg)
+                elif isinstance(msg, Ready):
+                    return msg
+                elif isinstance(msg, Fatal):
+                    if msg.during_load:
+                        raise load_error(msg.kind, msg.message, msg.field)
+                    raise CoreLost(
+                        EngineCoreError(msg.kind, msg.message, msg.traceback)
+                    )
+    except TimeoutError as exc:
+        raise CoreLost(exc) from None
+    finally:
+        for bar in bars.values():
+            bar.close()
+
+
+def _show_progress(bars: dict[str, Any], msg: LoadProgressMsg) -> None:
+    from tqdm import tqdm
+
+    bar = bars.get(msg.stage)
+    if bar is None:
+        bar = bars[msg.stage] = tqdm(
+            total=msg.total, desc=f"engine {msg.stage}", leave=False
+        )
+    bar.update(msg.done - bar.n)

@@ -12,11 +12,18 @@ away), or when its parent process dies: a thread watches a pidfd of the
 parent and ends the process at once, even mid-step (see
 :func:`_exit_with_parent`). It starts as a fresh interpreter and ignores
 SIGINT: Ctrl-C is the front end's to handle.
+
+With ``tensor_parallel_size > 1`` it is rank 0 of a group and starts the
+other ranks itself (:mod:`structllm.engine.rank_group`); they die with it,
+and it sends Fatal and exits when one of them dies or raises, so the front
+end supervises the group as this one process. Only the process entry point
+(:func:`main`) starts a group; the inline executor refuses it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import select
@@ -48,6 +55,7 @@ from structllm.engine.protocol import (
 
 if TYPE_CHECKING:
     from structllm.core.engine_core import EngineCore
+    from structllm.engine.rank_group import RankGroup
 
 __all__ = ["main", "serve"]
 
@@ -56,16 +64,26 @@ Send = Callable[[Message], None]
 Receive = Callable[[float | None], list[Message] | None]
 
 
+#: Fatal.kind when a follower rank of a tensor-parallel group died or raised
+_RANK_LOST = "TensorParallelRankLost"
+
+
 class _Closed(Exception):
     pass
 
 
-def serve(sock: socket.socket) -> int:
-    """Run the protocol on ``sock`` until shutdown or EOF; return an exit code."""
+def serve(sock: socket.socket, *, tensor_parallel: bool = False) -> int:
+    """Run the protocol on ``sock`` until shutdown or EOF; return an exit code.
+
+    ``tensor_parallel``: this is a process of its own, which may start the
+    other ranks of a tensor-parallel group (see the module docstring).
+    """
     reader = FrameReader()
+    lock = threading.Lock()  # the rank watch thread may send a Fatal too
 
     def send(msg: Message) -> None:
-        sock.sendall(encode(msg))
+        with lock:
+            sock.sendall(encode(msg))
 
     def receive(timeout: float | None) -> list[Message] | None:
         ready, _, _ = select.select([sock], [], [], timeout)
@@ -83,39 +101,97 @@ def serve(sock: socket.socket) -> int:
         start = first.pop(0)
         if not isinstance(start, Start):
             raise RuntimeError(f"expected Start, got {type(start).__name__}")
-        core = _load(start, send)
-        if core is None:
-            return 1
+        group: RankGroup | None = None
+        ready = threading.Event()
+        if tensor_parallel and start.config.tensor_parallel_size > 1:
+
+            def on_lost(reason: str) -> None:
+                _exit_group_lost(reason, sock, lock, group, ready)
+
+            try:
+                group = _start_group(start, on_lost)
+            except Exception as exc:
+                send(_load_fatal(exc))
+                return 1
         try:
-            return _loop(core, start, first, receive, send)
+            core = _load(start, send, group)
+            if core is None:
+                return 1
+            ready.set()
+            try:
+                return _loop(core, start, first, receive, send, group)
+            finally:
+                core.close()
         finally:
-            core.close()
+            if group is not None:
+                group.close()
     except (_Closed, BrokenPipeError, ConnectionResetError):
         return 0
 
 
-def _load(start: Start, send: Send) -> EngineCore | None:
-    from structllm.core.engine_core import EngineCore
+def _start_group(start: Start, on_lost: Callable[[str], None]) -> RankGroup:
+    from structllm.engine.rank_group import RankGroup
+    from structllm.model.parallel import check_tensor_parallel
+
+    check_tensor_parallel(start.config.model, start.config.tensor_parallel_size)
+    rank1, _, fault = (start.fault or "").partition(":")
+    return RankGroup.start(
+        start.config, on_lost=on_lost, fault=fault if rank1 == "rank1" else None
+    )
+
+
+def _exit_group_lost(
+    reason: str,
+    sock: socket.socket,
+    lock: threading.Lock,
+    group: RankGroup | None,
+    ready: threading.Event,
+) -> None:
+    """A follower rank died or raised: say so (Fatal), take the rest down, exit.
+
+    Runs in the rank watch thread, whatever the main thread is doing (it
+    may be blocked in a collective that will never complete).
+    """
+    fatal = Fatal(
+        _RANK_LOST,
+        reason,
+        "",
+        during_load=not ready.is_set(),
+    )
+    if lock.acquire(timeout=2.0):  # the main thread may be mid-send
+        with contextlib.suppress(OSError):
+            sock.sendall(encode(fatal))
+    if group is not None:
+        group.kill()
+    os._exit(1)
+
+
+def _load_fatal(exc: Exception) -> Fatal:
     from structllm.errors import EngineConfigError
+
+    field = exc.field if isinstance(exc, EngineConfigError) else None
+    return Fatal(
+        type(exc).__name__,
+        str(exc),
+        traceback.format_exc(),
+        during_load=True,
+        field=field,
+    )
+
+
+def _load(start: Start, send: Send, group: RankGroup | None) -> EngineCore | None:
+    from structllm.core.engine_core import EngineCore
 
     try:
         core = EngineCore(
             start.config,
             on_progress=lambda e: send(LoadProgressMsg(e.stage, e.done, e.total)),
             tokenizer=start.tokenizer,
+            tp_group=group,
         )
         _warm_up(core, send)
     except Exception as exc:
-        field = exc.field if isinstance(exc, EngineConfigError) else None
-        send(
-            Fatal(
-                type(exc).__name__,
-                str(exc),
-                traceback.format_exc(),
-                during_load=True,
-                field=field,
-            )
-        )
+        send(_load_fatal(exc))
         return None
     send(
         Ready(
@@ -156,8 +232,10 @@ def _loop(
     backlog: list[Message],
     receive: Receive,
     send: Send,
+    group: RankGroup | None = None,
 ) -> int:
-    fault_kind, _, fault_step = (start.fault or "").partition(":")
+    fault = start.fault if not (start.fault or "").startswith("rank1:") else None
+    fault_kind, _, fault_step = (fault or "").partition(":")
     steps = 0
     pending: list[Message] = list(backlog)
     last_sent = time.monotonic()
@@ -195,7 +273,11 @@ def _loop(
                 _inject(fault_kind, steps)
             out = core.step()
         except Exception as exc:
-            send(Fatal(type(exc).__name__, str(exc), traceback.format_exc()))
+            # A follower's death breaks the step's collective ("connection
+            # reset by peer"): wait briefly for the watch to say whose.
+            lost = None if group is None else group.wait_lost(1.0)
+            kind = type(exc).__name__ if lost is None else _RANK_LOST
+            send(Fatal(kind, lost or str(exc), traceback.format_exc()))
             return 1
         steps += 1
         last_sent = time.monotonic()
@@ -270,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0  # the parent died before the watch began
     sock = socket.socket(fileno=ns.fd)
     try:
-        return serve(sock)
+        return serve(sock, tensor_parallel=True)
     finally:
         sock.close()
 

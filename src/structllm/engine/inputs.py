@@ -1,4 +1,11 @@
-"""Prompt forms a caller may pass, normalised to text and token ids."""
+"""What a caller passes, checked and turned into the request the core takes.
+
+The prompt forms (:data:`PromptInput`) normalised to text and token ids, the
+checks of a request's arguments (before any engine is needed, and against
+the loaded model), and :func:`new_request`, the front-end state and the
+``CoreRequest`` of one request, which ``LLM`` and ``AsyncLLM`` share (vLLM's
+input processor).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,10 @@ import anyio.lowlevel
 import anyio.to_thread
 import attrs
 
-from structllm.errors import InvalidRequestError
+from structllm.core.engine_core import check_prompt
+from structllm.core.request import CoreRequest
+from structllm.engine.output_processor import RequestOutputCollector, RequestState
+from structllm.errors import EngineOverloadedError, InvalidRequestError
 from structllm.params import SamplingParams
 from structllm.text.tokenizer import Tokenizer
 
@@ -20,14 +30,19 @@ __all__ = [
     "Prompt",
     "PromptInput",
     "check_cache_salt",
+    "check_for_model",
+    "check_overload",
     "check_prompt_bytes",
     "check_request_args",
     "check_structured_outputs",
     "check_structured_outputs_off_loop",
     "check_token_ids",
     "is_batch",
+    "new_request",
     "parse_prompt",
     "parse_prompt_off_loop",
+    "prepare_off_loop",
+    "prompt_byte_cap",
 ]
 
 #: texts longer than this are tokenised in a worker thread, off the event loop
@@ -229,6 +244,106 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
                 f"[0, {vocab_size})",
                 field=name,
             )
+
+
+async def prepare_off_loop(
+    prompt: PromptInput,
+    params: SamplingParams,
+    request_id: str,
+    priority: int,
+    tokenizer: Tokenizer,
+    *,
+    max_bytes: int | None,
+) -> Prompt:
+    """Every check that needs no engine, then the prompt parsed; long texts
+    and new structured-output specs are handled in worker threads."""
+    check_request_args(params, request_id, priority)
+    await check_structured_outputs_off_loop(params)
+    return await parse_prompt_off_loop(prompt, tokenizer, max_bytes=max_bytes)
+
+
+def check_for_model(
+    prompt_token_ids: Sequence[int],
+    params: SamplingParams | None,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+) -> None:
+    """What only the loaded model can tell: the prompt fits its context and
+    vocabulary, so do the token ids in ``params``; and the structured-output
+    spec compiles (on the caller's thread; a spec checked before is free)."""
+    check_prompt(prompt_token_ids, vocab_size=vocab_size, max_model_len=max_model_len)
+    if params is not None:
+        check_token_ids(params, vocab_size)
+        check_structured_outputs(params)
+
+
+def check_overload(
+    live: int, count: int, *, max_num_seqs: int, max_queued_requests: int | None
+) -> None:
+    """EngineOverloadedError when ``count`` more requests beside the ``live``
+    ones would leave more than ``max_queued_requests`` waiting beyond the
+    ``max_num_seqs`` a step can run (None: no limit)."""
+    limit = max_queued_requests
+    if limit is not None and live + count > max_num_seqs + limit:
+        raise EngineOverloadedError(
+            f"{live} requests in flight; max_queued_requests={limit} "
+            "are already waiting beyond max_num_seqs"
+        )
+
+
+def prompt_byte_cap(configured: int | None, max_model_len: int | None) -> int | None:
+    """The byte cap on prompts: ``configured``, else 32 bytes per token of
+    context and at least 64 KiB (None while the context is unknown)."""
+    if configured is not None:
+        return configured
+    if max_model_len is None:
+        return None
+    return max(64 << 10, 32 * max_model_len)
+
+
+def new_request(
+    parsed: Prompt,
+    params: SamplingParams,
+    tokenizer: Tokenizer,
+    *,
+    request_id: str,
+    eos_token_ids: frozenset[int],
+    priority: int,
+    core_id: str | None = None,
+    queue: RequestOutputCollector | None = None,
+) -> tuple[RequestState, CoreRequest]:
+    """The front end's state of a request, and the request the core takes.
+
+    ``core_id``: the id the core sees (default ``request_id``); ``queue``:
+    where outputs go (None: the caller collects them, as ``LLM`` does).
+    """
+    if params.n != 1:
+        raise InvalidRequestError(
+            f"n: a stream carries one sample, not {params.n}; take n > 1 from "
+            "LLM.generate or AsyncLLM.complete, or open one stream per sample "
+            "(SamplingParams.for_choice)",
+            field="n",
+        )
+    core_id = request_id if core_id is None else core_id
+    state = RequestState(
+        request_id,
+        parsed.text,
+        parsed.token_ids,
+        params,
+        tokenizer,
+        core_id=core_id,
+        queue=queue,
+    )
+    request = CoreRequest(
+        request_id=core_id,
+        prompt_token_ids=parsed.token_ids,
+        params=params,
+        eos_token_ids=eos_token_ids,
+        priority=priority,
+        cache_salt=parsed.cache_salt,
+    )
+    return state, request
 
 
 def is_batch(prompts: object) -> bool:

@@ -31,6 +31,7 @@ __all__ = [
     "ProcessedOutputs",
     "RequestOutputCollector",
     "RequestState",
+    "merge_choices",
     "merge_outputs",
 ]
 
@@ -367,3 +368,20 @@ def merge_outputs(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     )
     prompt_logprobs = newer.prompt_logprobs or older.prompt_logprobs
     return attrs.evolve(newer, outputs=(merged,), prompt_logprobs=prompt_logprobs)
+
+
+def merge_choices(outputs: Sequence[RequestOutput]) -> RequestOutput:
+    """The final outputs of one prompt's ``n`` samples as one output.
+
+    ``outputs[i]`` is sample i's own request; the result is the first's, with
+    every sample's ``CompletionOutput`` (``index`` i) and the tokens of all.
+    """
+    first = outputs[0]
+    return attrs.evolve(
+        first,
+        outputs=tuple(
+            attrs.evolve(out.outputs[0], index=i) for i, out in enumerate(outputs)
+        ),
+        finished=all(out.finished for out in outputs),
+        num_generated_tokens=sum(out.num_generated_tokens for out in outputs),
+    )

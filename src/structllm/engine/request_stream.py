@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 import anyio
 
 from structllm.engine.inputs import PromptInput
-from structllm.engine.output_processor import RequestState
+from structllm.engine.output_processor import RequestState, merge_choices
 from structllm.outputs import RequestOutput
 from structllm.params import SamplingParams
 
 if TYPE_CHECKING:
     from structllm.engine.async_llm import AsyncLLM
 
-__all__ = ["RequestStream"]
+__all__ = ["RequestStream", "complete", "run_all_to_end", "run_to_end"]
 
 
 class RequestStream:
@@ -80,3 +81,69 @@ class RequestStream:
         if out is None:
             raise StopAsyncIteration
         return out
+
+
+async def complete(
+    llm: AsyncLLM,
+    prompt: PromptInput,
+    params: SamplingParams,
+    request_id: str,
+    priority: int,
+) -> RequestOutput:
+    """``AsyncLLM.complete``: one stream, or one per sample when ``n`` > 1.
+
+    The samples' ids are ``{request_id}-{i}``; while they run,
+    ``llm.abort(request_id)`` finds them under ``request_id``.
+    """
+    if params.n == 1:
+        stream = llm.stream(prompt, params, request_id=request_id, priority=priority)
+        return await run_to_end(stream)
+    samples = [
+        llm.stream(
+            prompt,
+            params.for_choice(i),
+            request_id=f"{request_id}-{i}",
+            priority=priority,
+        )
+        for i in range(params.n)
+    ]
+    llm._samples[request_id] = [s.request_id for s in samples]
+    try:
+        return merge_choices(await run_all_to_end(samples))
+    finally:
+        del llm._samples[request_id]
+
+
+async def run_to_end(stream: RequestStream) -> RequestOutput:
+    """Consume ``stream``; its last output (everything so far if aborted)."""
+    last = None
+    async with stream:
+        async for out in stream:
+            last = out
+    if last is None:  # aborted before it produced anything
+        last = stream.final_output
+    assert last is not None
+    return last
+
+
+async def run_all_to_end(streams: Sequence[RequestStream]) -> list[RequestOutput]:
+    """:func:`run_to_end` on each stream, concurrently; the outputs in order.
+
+    One failing cancels the others; its error is raised as itself (the
+    first, if several failed together), not in an ``ExceptionGroup``.
+    """
+    outputs: list[RequestOutput | None] = [None] * len(streams)
+
+    async def run(i: int) -> None:
+        outputs[i] = await run_to_end(streams[i])
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for i in range(len(streams)):
+                tg.start_soon(run, i)
+    except BaseExceptionGroup as group:
+        leaf: BaseException = group
+        while isinstance(leaf, BaseExceptionGroup):
+            leaf = leaf.exceptions[0]
+        raise leaf from None
+    return [out for out in outputs if out is not None]

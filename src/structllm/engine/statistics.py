@@ -23,7 +23,7 @@ class EngineStatistics:
     ready: bool
     dead: bool
     #: the pid of the core process (this process's, for the inline executor)
-    worker_pid: int | None
+    core_pid: int | None
     #: seconds since the core was last heard from (None: no core)
     silent_for: float | None = None
     #: ready, not dead, and heard from within the health timeout

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import warnings
+
+import numpy as np
 
 # Paddle's C++ logging (glog) writes warnings to stderr, e.g. one from
 # to_static on every process that builds oneDNN predictors; errors still show
@@ -15,7 +18,13 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import paddle
 
-__all__ = ["cpu_vendor", "default_num_threads", "paddle", "set_num_threads"]
+__all__ = [
+    "cpu_vendor",
+    "default_num_threads",
+    "host_tensor",
+    "paddle",
+    "set_num_threads",
+]
 
 
 def default_num_threads() -> int:
@@ -46,3 +55,32 @@ def cpu_vendor() -> str:
     except OSError:  # pragma: no cover - not Linux
         pass
     return ""
+
+
+_holders = threading.local()
+
+
+def host_tensor(array: np.ndarray, slot: str) -> paddle.Tensor:
+    """``array`` as a Paddle tensor, without a copy and without a leak.
+
+    Paddle 3.3's eager ``Tensor`` constructor leaks a Python list on every
+    call (``paddle.to_tensor`` and ``paddle.from_dlpack`` included: about
+    100 bytes each, found by the soak in docs/operations.md), and a step
+    builds several such tensors per layer. Instead, each thread keeps one
+    eager tensor per ``slot`` and re-points it at ``array``'s memory. The
+    tensor returned is valid until this thread asks for ``slot`` again, so a
+    slot names one use within a step; ``array`` may be a temporary (the
+    tensor keeps its memory alive).
+    """
+    holders: dict[str, paddle.Tensor] | None = getattr(_holders, "tensors", None)
+    if holders is None:
+        holders = _holders.tensors = {}
+    tensor = holders.get(slot)
+    if tensor is None:
+        tensor = holders[slot] = paddle.empty([1], dtype="float32")
+    if not (array.flags.c_contiguous and array.flags.writeable):
+        array = np.array(array)  # DLPack exports neither read-only nor strided
+    tensor.get_tensor()._share_data_with(
+        paddle.base.core.from_dlpack(array.__dlpack__())
+    )
+    return tensor

@@ -36,18 +36,31 @@ import attrs
 
 from structllm.errors import EngineConfigError, ModelLoadError
 from structllm.model._paddle import paddle
-from structllm.model.config import ModelConfig
+from structllm.model.config import ModelConfig, tiny_random_config
 from structllm.model.llama import LlamaForCausalLM
 from structllm.model.loader import (
+    LoadedModel,
+    LoadFormat,
+    LoadProgress,
     _fuse,
     _read_safetensors,
     build_model,
     hf_tensor_shapes,
+    random_hf_tensors,
     resolve_backend,
     resolve_dtype,
 )
+from structllm.models import model_directory
 
-__all__ = ["ShardPlan", "all_reduce_sum", "build_shard", "load_shard", "plan_shards"]
+__all__ = [
+    "ShardPlan",
+    "all_reduce_sum",
+    "build_shard",
+    "check_tensor_parallel",
+    "load_model_shard",
+    "load_shard",
+    "plan_shards",
+]
 
 #: an HF tensor's rows (and columns) a rank keeps, in ``(out, in)`` layout
 Index = tuple[slice, ...]
@@ -185,13 +198,7 @@ def load_shard(
     :attr:`ShardPlan.local` and ``all_reduce`` defaulting to
     :func:`all_reduce_sum` (the process group must be initialised).
     """
-    resolve_backend(backend, "float32", plan.config)  # refuses unknown names
-    if plan.tp_size > 1 and backend == "inference":
-        raise EngineConfigError(
-            "model_backend='inference' (oneDNN) does not run tensor parallel "
-            f"yet (tensor_parallel_size={plan.tp_size}); use 'eager' or 'auto'",
-            field="model_backend",
-        )
+    _check_backend(plan, backend)
     compute_dtype = resolve_dtype(dtype, plan.config)
     slices = plan.slices()
     tensors = dict(_read_safetensors(path, hf_tensor_shapes(plan.config), slices))
@@ -212,6 +219,16 @@ def load_shard(
         max_model_len=max_model_len,
         all_reduce=all_reduce,
     )
+
+
+def _check_backend(plan: ShardPlan, backend: str) -> None:
+    resolve_backend(backend, "float32", plan.config)  # refuses unknown names
+    if plan.tp_size > 1 and backend == "inference":
+        raise EngineConfigError(
+            "model_backend='inference' (oneDNN) does not run tensor parallel "
+            f"yet (tensor_parallel_size={plan.tp_size}); use 'eager' or 'auto'",
+            field="model_backend",
+        )
 
 
 def build_shard(
@@ -243,3 +260,79 @@ def build_shard(
         max_model_len=min(max_model_len or limit, limit),
         all_reduce=all_reduce,
     )
+
+
+def _model_config(model: str | Path) -> tuple[ModelConfig, Path | None]:
+    path = model_directory(model)
+    if path is None:
+        return tiny_random_config(), None
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {str(path)!r} does not exist")
+    return ModelConfig.from_directory(path), path
+
+
+def check_tensor_parallel(model: str | Path, tp_size: int) -> None:
+    """Refuse (EngineConfigError on ``tensor_parallel_size``) a model that
+    ``tp_size`` ranks cannot split, before any rank is started."""
+    plan_shards(_model_config(model)[0], tp_size, 0)
+
+
+def load_model_shard(
+    model: str | Path,
+    tp_size: int,
+    rank: int,
+    *,
+    dtype: str = "auto",
+    load_format: LoadFormat = "auto",
+    block_size: int = 16,
+    max_model_len: int | None = None,
+    seed: int = 0,
+    backend: str = "auto",
+    on_progress: Callable[[LoadProgress], None] | None = None,
+) -> LoadedModel:
+    """Rank ``rank``'s shard of ``model`` (a directory or a built-in name),
+    as :func:`~structllm.model.loader.load_model` takes its arguments.
+
+    ``load_format="dummy"`` (and ``"tiny-random"``) draws the whole model's
+    random weights from ``seed`` and keeps the rank's slices, so every rank
+    holds a slice of the same model; that costs the whole model's memory
+    for a moment and is meant for tests. Checkpoints are read by
+    :func:`load_shard` (only the rank's slices). ``LoadedModel.config`` is
+    the whole model's; ``LoadedModel.model.config`` the shard's.
+    """
+    config, path = _model_config(model)
+    if path is None:
+        load_format = "dummy"
+    if load_format not in ("auto", "safetensors", "dummy"):
+        raise ModelLoadError(
+            f"load_format must be auto, safetensors or dummy, got {load_format!r}"
+        )
+    plan = plan_shards(config, tp_size, rank)
+    if on_progress is not None:
+        on_progress(LoadProgress("weights", 0, 1))
+    if load_format != "dummy":
+        assert path is not None
+        shard = load_shard(
+            path,
+            plan,
+            dtype=dtype,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            backend=backend,
+        )
+    else:
+        _check_backend(plan, backend)
+        slices = plan.slices()
+        shard = build_shard(
+            plan,
+            {
+                name: paddle.to_tensor(array[slices[name]])
+                for name, array in random_hf_tensors(config, seed)
+            },
+            dtype=resolve_dtype(dtype, config),
+            block_size=block_size,
+            max_model_len=max_model_len,
+        )
+    if on_progress is not None:
+        on_progress(LoadProgress("weights", 1, 1))
+    return LoadedModel(config=config, model=shard, path=path)

@@ -8,7 +8,7 @@ as it would a real Llama, Qwen2, Qwen3 or Mistral checkpoint.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import tokenizers
 
@@ -30,7 +30,7 @@ ARCHITECTURES = {
 def make_tiny_model(
     directory: str | Path,
     *,
-    arch: str = "llama",
+    arch: Literal["llama", "qwen2", "qwen3", "mistral"] = "llama",
     hidden_size: int = 64,
     num_layers: int = 2,
     num_heads: int = 4,
@@ -39,7 +39,7 @@ def make_tiny_model(
     vocab_size: int = 512,
     tie_word_embeddings: bool | None = None,
     max_position_embeddings: int = 2048,
-    dtype: str = "float32",
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32",
     shards: int = 1,
     seed: int = 0,
     rope_theta: float = 10000.0,

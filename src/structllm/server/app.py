@@ -117,7 +117,10 @@ def _gauges(slot: EngineSlot) -> Gauges:
             "num_requests_waiting": ("Requests waiting to be scheduled.", s.waiting),
             "kv_cache_usage_perc": ("Fraction of KV-cache blocks in use.", usage),
             "num_preemptions_total": ("Preemptions since start.", s.total_preemptions),
-            "engine_restarts_total": ("Worker restarts since start.", s.restarts),
+            "engine_restarts_total": (
+                "Engine core process restarts since start.",
+                s.restarts,
+            ),
             "engine_healthy": ("1 when the engine serves, else 0.", float(s.healthy)),
             "prefix_cache_queries_total": (
                 "Prompt tokens looked up in the prefix cache.",

@@ -15,11 +15,17 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from structllm.server.fields import REQUEST_CONFIG, Content, NonEmptyText, Text
+from structllm.server.fields import (
+    MAX_MESSAGES,
+    REQUEST_CONFIG,
+    Content,
+    NonEmptyText,
+    Text,
+)
 from structllm.server.formats import OBJECT_CONFIG
-from structllm.server.tools import MAX_TOOLS
+from structllm.server.tools import MAX_TOOLS, Tool
 
-__all__ = ["FunctionCallParam", "Message", "ToolCallParam"]
+__all__ = ["ChatPrompt", "FunctionCallParam", "Message", "ToolCallParam"]
 
 
 def _json_object(text: str) -> str:
@@ -117,3 +123,37 @@ class Message(BaseModel):
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
         return d
+
+
+class ChatPrompt(BaseModel):
+    """What a chat prompt is rendered from: the fields chat completions and
+    ``/tokenize`` share, and the keywords they give the template."""
+
+    model_config = REQUEST_CONFIG
+
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
+    #: written out by the template (as transformers passes them)
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    #: default true, or false when the final message is continued
+    add_generation_prompt: bool | None = None
+    #: render the final message open-ended, for the model to continue it
+    continue_final_message: bool = False
+    #: extra variables for the chat template (``enable_thinking``, ...)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.template_dict() for m in self.messages]
+
+    def template_options(self) -> dict[str, Any]:
+        """The keywords of ``apply_chat_template`` besides the messages
+        (``continue_final_message`` with ``add_generation_prompt`` true is a
+        400 there)."""
+        add = self.add_generation_prompt
+        return {
+            "add_generation_prompt": (
+                not self.continue_final_message if add is None else add
+            ),
+            "continue_final_message": self.continue_final_message,
+            "template_kwargs": self.chat_template_kwargs,
+            "tools": [t.template_dict() for t in self.tools] if self.tools else None,
+        }

@@ -33,6 +33,7 @@ _ERRORS = {
     404: "The `model` is not the one this server serves.",
     408: "The body or the request took too long.",
     413: "The body is larger than `--max-body-bytes`.",
+    415: "The body is declared as something other than JSON (`Content-Type`).",
     500: "An internal error in this request alone.",
     503: "The engine is loading, overloaded, restarting or dead, the server is "
     "shutting down, or it handles `--max-concurrent-requests` already.",
@@ -62,7 +63,7 @@ def request_body(*models: type[BaseModel]) -> dict[str, Any]:
 def responses(
     model: type[BaseModel],
     chunk: type[BaseModel] | None = None,
-    errors: Iterable[int] = (400, 401, 404, 408, 413, 500, 503),
+    errors: Iterable[int] = (400, 401, 404, 408, 413, 415, 500, 503),
 ) -> dict[int | str, dict[str, Any]]:
     """``responses`` for a route answering ``model`` (or ``chunk`` events)."""
     ok: dict[str, Any] = {"model": model, "description": "The response."}

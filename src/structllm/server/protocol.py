@@ -10,10 +10,10 @@ failure becomes an OpenAI-style 400 whose ``param`` is the path of the field
 (``max_tokens``, ``messages[0].content``). The models also give the request
 bodies of the OpenAPI schema.
 
-Fields OpenAI defines but structllm does not implement are refused with a
-400 naming them (:data:`REFUSED`), never accepted and ignored; unknown
-fields outside OpenAI's and vLLM's sets are ignored, as OpenAI-compatible
-servers do.
+Fields OpenAI or vLLM define but structllm does not implement are refused
+with a 400 naming them (:mod:`~structllm.server.refusals`), never accepted
+and ignored; unknown fields outside OpenAI's and vLLM's sets are ignored,
+as OpenAI-compatible servers do.
 
 The output fields (``response_format``, ``structured_outputs``,
 ``guided_*``: :mod:`~structllm.server.formats`) and a forced tool call
@@ -30,9 +30,9 @@ body to :class:`~structllm.params.SamplingParams`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar
 
-import attrs
 from pydantic import (
     BaseModel,
     Field,
@@ -46,7 +46,6 @@ from structllm.params import MAX_COUNT, OutputKind, SamplingParams
 from structllm.server.fields import (
     MAX_CHOICES,
     MAX_ID_LIST,
-    MAX_MESSAGES,
     MAX_N,
     REQUEST_CONFIG,
     CacheSalt,
@@ -70,12 +69,17 @@ from structllm.server.formats import (
     field_error,
     output_constraint,
 )
-from structllm.server.messages import Message
+from structllm.server.messages import ChatPrompt, Message
+from structllm.server.refusals import (
+    CHAT_ONLY,
+    CHAT_REFUSED,
+    COMPLETION_REFUSED,
+    REFUSED,
+    refuse,
+)
 from structllm.server.tools import (
-    MAX_TOOLS,
     Check,
     NamedToolChoice,
-    Tool,
     ToolChoice,
     check_tools,
     tool_constraint,
@@ -84,39 +88,13 @@ from structllm.server.validation import validation_error
 from structllm.structured import StructuredOutputs
 
 __all__ = [
-    "REFUSED",
     "ChatRequest",
     "CompletionRequest",
     "Message",
     "SamplingRequest",
     "StreamOptions",
-    "choice_seed",
     "validation_error",
 ]
-
-#: OpenAI (and vLLM) fields structllm refuses, with the reason. A field is
-#: refused when present with a value other than null or a listed no-op value.
-REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "functions": ("function calling is not supported; use tools", ([],)),
-    "function_call": ("function calling is not supported; use tool_choice", ("none",)),
-    "guided_decoding_backend": ("there is one backend (llguidance)", ()),
-    "guided_whitespace_pattern": ("JSON whitespace is not configurable", ()),
-    "structural_tag": ("structural tags are not supported", ()),
-    "suffix": ("suffix (insertion) is not supported", ("",)),
-    "audio": ("audio output is not supported", ()),
-    "modalities": ("only text output is supported", (["text"],)),
-    "prediction": ("predicted outputs are not supported", ()),
-    "web_search_options": ("web search is not supported", ()),
-    "store": ("stored completions are not supported", (False,)),
-    "use_beam_search": ("beam search is not supported", (False,)),
-}
-
-#: chat's tool fields, refused by completions unless null or a no-op value
-CHAT_ONLY: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (),
-}
 
 
 class StreamOptions(BaseModel):
@@ -131,6 +109,8 @@ class SamplingRequest(BaseModel):
     """Fields shared by completions and chat."""
 
     model_config = REQUEST_CONFIG
+    #: the endpoint's own refused fields (besides :data:`REFUSED`)
+    refused_fields: ClassVar[Mapping[str, tuple[str, tuple[Any, ...]]]] = {}
 
     model: Text | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
@@ -186,14 +166,8 @@ class SamplingRequest(BaseModel):
     def _refuse(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             raise PydanticCustomError("body", "the request body must be a JSON object")
-        for name, (reason, no_ops) in REFUSED.items():
-            value = data.get(name)
-            if value is not None and not any(
-                type(value) is type(ok) and value == ok for ok in no_ops
-            ):
-                raise PydanticCustomError(
-                    "refused", "{reason}", {"name": name, "reason": reason}
-                )
+        refuse(data, REFUSED)
+        refuse(data, cls.refused_fields)
         return data
 
     @model_validator(mode="after")
@@ -269,6 +243,7 @@ class SamplingRequest(BaseModel):
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``."""
 
+    refused_fields = COMPLETION_REFUSED
     prompt: Prompts
     logprobs: Logprobs | None = None
 
@@ -305,15 +280,13 @@ class CompletionRequest(SamplingRequest):
         return SamplingParams(**kw)
 
 
-class ChatRequest(SamplingRequest):
+class ChatRequest(SamplingRequest, ChatPrompt):
     """``POST /v1/chat/completions``."""
 
-    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
+    refused_fields = CHAT_REFUSED
     max_completion_tokens: Count | None = None
     logprobs: bool | None = None
     top_logprobs: Logprobs | None = None
-    add_generation_prompt: bool | None = None
-    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     #: default: "auto" with tools, "none" without
     tool_choice: ToolChoice | None = None
     #: default true; false: one call at most
@@ -338,8 +311,11 @@ class ChatRequest(SamplingRequest):
         if choice is None or choice == "none":
             return
         if not tools:  # as OpenAI and vLLM: "auto" needs tools to choose from
+            what = repr(choice)
+            if isinstance(choice, NamedToolChoice):
+                what = f"the function {choice.function.name!r}"
             raise InvalidRequestError(
-                f"tool_choice: {_choice_name(choice)} needs tools, and none are given",
+                f"tool_choice: {what} needs tools, and none are given",
                 field="tool_choice",
             )
         if choice == "auto":
@@ -377,28 +353,8 @@ class ChatRequest(SamplingRequest):
             kw["logprobs"] = self.top_logprobs or 0
         return SamplingParams(**kw)
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        return [m.template_dict() for m in self.messages]
-
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """``tools`` as ``apply_chat_template(tools=...)`` takes them."""
-        return [t.template_dict() for t in self.tools] if self.tools else None
-
     @property
     def echo_text(self) -> str:
         """vLLM's chat ``echo``: the last message, when it is the assistant's."""
         last = self.messages[-1]
         return last.text if self.echo and last.role == "assistant" else ""
-
-
-def choice_seed(params: SamplingParams, index: int) -> SamplingParams:
-    """Choice ``index`` of ``n``: a distinct seed when the request gave one."""
-    if params.seed is None or index == 0:
-        return params
-    return attrs.evolve(params, seed=(params.seed + index) % 2**63)
-
-
-def _choice_name(choice: str | NamedToolChoice) -> str:
-    if isinstance(choice, NamedToolChoice):
-        return f"the function {choice.function.name!r}"
-    return repr(choice)

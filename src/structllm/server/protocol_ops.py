@@ -17,9 +17,8 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from structllm.server.fields import MAX_MESSAGES, Text, TokenId
-from structllm.server.messages import Message
-from structllm.server.tools import MAX_TOOLS, Tool
+from structllm.server.fields import Text, TokenId
+from structllm.server.messages import ChatPrompt
 
 __all__ = [
     "MAX_DETOKENIZE",
@@ -38,8 +37,6 @@ MAX_DETOKENIZE = 1 << 20
 #: vLLM's tokenize fields that structllm refuses (present and not null)
 TOKENIZE_REFUSED = {
     "chat_template": "custom chat templates are not supported",
-    "chat_template_kwargs": "chat template arguments are not supported",
-    "continue_final_message": "continue_final_message is not supported",
     "mm_processor_kwargs": "multimodal input is not supported",
 }
 
@@ -80,21 +77,11 @@ class TokenizeCompletionRequest(_Request):
     add_special_tokens: bool = True
 
 
-class TokenizeChatRequest(_Request):
+class TokenizeChatRequest(_Request, ChatPrompt):
     """``POST /tokenize`` with ``messages``, rendered as chat completions does."""
 
-    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
-    #: written out by the template, as chat completions renders them
-    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
-    add_generation_prompt: bool = True
     #: chat templates write BOS themselves
     add_special_tokens: bool = False
-
-    def template_messages(self) -> list[dict[str, Any]]:
-        return [m.template_dict() for m in self.messages]
-
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        return [t.template_dict() for t in self.tools] if self.tools else None
 
 
 class DetokenizeRequest(_Request):

@@ -291,6 +291,8 @@ class ModelCard(_Body):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "structllm"
+    #: what the model was loaded from: its directory or built-in name (vLLM's)
+    root: str
     max_model_len: int
 
 

@@ -1,12 +1,12 @@
 """``structllm serve``: the engine and the HTTP server in one structured run.
 
-    async with AsyncLLM.open(...) as llm:      # the engine (worker process)
+    async with AsyncLLM.open(...) as llm:      # the engine (its core process)
         await hypercorn serve(app)             # until SIGINT / SIGTERM
 
 On a signal the server drains: the listener stays open and new requests get
 503 (``/health`` too), open requests have ``--graceful-timeout`` seconds to
 finish, then those still running are cut (a stream with a final error event
-and ``[DONE]``); then hypercorn stops, and the engine stops its worker.
+and ``[DONE]``); then hypercorn stops, and the engine stops its core process.
 Exit status 0, or 1 when the engine had died for good.
 
 The access log (``--access-log``, on by default) goes to stderr, one JSON
@@ -36,7 +36,6 @@ from structllm.config import (
     EngineConfig,
     FrontendConfig,
     ServerConfig,
-    add_arguments,
     from_arguments,
 )
 from structllm.engine.async_llm import AsyncLLM
@@ -51,7 +50,6 @@ from structllm.server.serving import EngineSlot
 _log = logging.getLogger("structllm.server")
 
 __all__ = [
-    "add_serve_args",
     "configs_from_args",
     "hypercorn_config",
     "listen",
@@ -60,20 +58,10 @@ __all__ = [
 ]
 
 
-def add_serve_args(p: argparse.ArgumentParser) -> None:
-    """``serve``'s flags: the model, then ServerConfig's and FrontendConfig's
-    fields (the engine's are added by the caller)."""
-    p.add_argument(
-        "model", help="model directory, or a built-in name (tiny, tiny-random)"
-    )
-    add_arguments(p.add_argument_group("server"), ServerConfig)
-    add_arguments(p.add_argument_group("front end"), FrontendConfig)
-
-
 def configs_from_args(
     ns: argparse.Namespace, engine: EngineConfig
 ) -> tuple[ServerConfig, FrontendConfig]:
-    """The server and front-end configs the flags of :func:`add_serve_args` give."""
+    """The server and front-end configs ``structllm serve``'s flags give."""
     server = from_arguments(
         ServerConfig,
         ns,

@@ -1,11 +1,10 @@
 """The serving base: what every OpenAI endpoint does around its own logic.
 
 :class:`Serving` holds the engine slot, the configuration and the metrics.
-``guarded()`` refuses a body declared as anything but JSON (415), reads
-the body under a size cap and a deadline, parses it as
-strict JSON (:mod:`~structllm.server.body`: no NaN, bounded depth; big
-bodies in a worker thread), runs the
-endpoint's handler in a task group that also watches the connection (a
+``guarded()`` takes the body through
+:func:`~structllm.server.body.receive_json` (JSON only, under a size cap
+and a deadline, strict: no NaN, bounded depth; big bodies parsed in a
+worker thread), runs the endpoint's handler in a task group that also watches the connection (a
 client that leaves cancels it, the request's ``stream`` block exits and the
 engine aborts it within one step) under ``--request-timeout``, and turns the
 known errors into OpenAI error responses. ``run_to_end()`` and
@@ -30,7 +29,6 @@ from anyio.streams.memory import MemoryObjectSendStream
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
-from starlette.requests import ClientDisconnect
 
 from structllm.config import ServerConfig
 from structllm.engine.async_llm import AsyncLLM
@@ -40,19 +38,12 @@ from structllm.outputs import CompletionOutput, RequestOutput
 from structllm.params import SamplingParams
 from structllm.server import responses as api
 from structllm.server.access import current_record
-from structllm.server.body import (
-    BIG_BODY,
-    BodyTooLargeError,
-    maybe_off_loop,
-    parse_json,
-    read_body,
-)
+from structllm.server.body import receive_json
 from structllm.server.constraints import rename_field
 from structllm.server.http_errors import (
     ModelNotFoundError,
     RequestTimeoutError,
     error_response,
-    json_error,
 )
 from structllm.server.metrics import Metrics
 from structllm.server.protocol import SamplingRequest
@@ -127,43 +118,15 @@ class Serving:
         is the disconnect, which a watcher task waits for.
         """
         config = self.config
-        media_type = request.headers.get("content-type", "").split(";")[0].strip()
-        if media_type and not _is_json(media_type.lower()):
-            return json_error(
-                415,
-                f"the body must be JSON (Content-Type: application/json), "
-                f"not {media_type[:100]!r}",
-                param="Content-Type",
-                headers={"connection": "close"},
-            )
-        try:
-            with anyio.fail_after(config.body_timeout):
-                raw = await read_body(request, config.max_body_bytes)
-        except ClientDisconnect:
-            return Response(status_code=499)
-        except BodyTooLargeError:
-            return json_error(
-                413,
-                f"the request body exceeds {config.max_body_bytes} bytes",
-                headers={"connection": "close"},
-            )
-        except TimeoutError:
-            return json_error(
-                408,
-                f"the request body was not received within {config.body_timeout:g}s",
-                headers={"connection": "close"},
-            )
-        big = len(raw) > BIG_BODY
-        try:
-            body = await maybe_off_loop(big, parse_json, raw)
-        except (ValueError, RecursionError) as exc:
-            return json_error(400, f"the body is not valid JSON: {exc}"[:500])
+        body = await receive_json(request, config.max_body_bytes, config.body_timeout)
+        if isinstance(body, Response):
+            return body
         try:
             response = None
             async with anyio.create_task_group() as tg:
                 tg.start_soon(cancel_on_disconnect, request.receive, tg.cancel_scope)
                 with deadline(config.request_timeout):
-                    response = await handler(body, big)
+                    response = await handler(body.value, body.big)
                 tg.cancel_scope.cancel()
             if response is None:  # the client went away
                 return Response(status_code=499)
@@ -417,8 +380,3 @@ def _leaf(group: BaseExceptionGroup[Any]) -> BaseException:
     while isinstance(exc, BaseExceptionGroup):
         exc = exc.exceptions[0]
     return exc
-
-
-def _is_json(media_type: str) -> bool:
-    """application/json or a ``+json`` type; a body without one is read as JSON."""
-    return media_type == "application/json" or media_type.endswith("+json")

@@ -22,7 +22,7 @@ from structllm.server import tool_calls
 from structllm.server.body import maybe_off_loop, validate
 from structllm.server.constraints import check_constraints, renamed
 from structllm.server.http_errors import ASCIIJSONResponse
-from structllm.server.protocol import ChatRequest, choice_seed
+from structllm.server.protocol import ChatRequest
 from structllm.server.serving import Chunks, Job, Serving
 from structllm.server.tool_calls import StreamedCalls
 
@@ -45,15 +45,13 @@ class ChatServing(Serving):
         if cap is not None and 4 * size > cap:  # 4: the most bytes per char
             text = "".join(m["content"] for m in messages)
             check_prompt_bytes(text, cap, field="messages")
-        add_generation_prompt = req.add_generation_prompt is not False
-        tools = req.template_tools()
+        options = req.template_options()
+        tools = options["tools"]
         # the template writes the tools out too: count them for the thread
         rendered = size + (len(json.dumps(tools)) if tools else 0)
 
         def render() -> tuple[str, tuple[int, ...]]:
-            text = llm.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tools=tools
-            )
+            text = llm.tokenizer.apply_chat_template(messages, **options)
             # the template writes BOS itself: tokenise without special tokens
             return text, tuple(llm.tokenizer.encode(text, add_special_tokens=False))
 
@@ -61,7 +59,7 @@ class ChatServing(Serving):
         prompt = Prompt(text, ids, req.cache_salt)
         limit = req.max_completion_tokens or req.max_tokens
         self.check_length(llm, ids, limit, req.limit_field)
-        jobs = [Job(j, 0, prompt, choice_seed(params, j)) for j in range(req.choices)]
+        jobs = [Job(j, 0, prompt, params.for_choice(j)) for j in range(req.choices)]
         top_logprobs = params.logprobs or 0
         if req.stream:
             chunks = _Chunks(self, req, api.new_id("chatcmpl"), top_logprobs)

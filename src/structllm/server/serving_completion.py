@@ -19,7 +19,7 @@ from structllm.server import responses as api
 from structllm.server.body import maybe_off_loop, validate
 from structllm.server.constraints import check_constraints, renamed
 from structllm.server.http_errors import ASCIIJSONResponse
-from structllm.server.protocol import CompletionRequest, choice_seed
+from structllm.server.protocol import CompletionRequest
 from structllm.server.serving import Chunks, Job, Serving
 
 __all__ = ["CompletionServing"]
@@ -46,7 +46,7 @@ class CompletionServing(Serving):
             self.check_length(llm, prompt.token_ids, req.max_tokens, "max_tokens")
             prompts.append(attrs.evolve(prompt, cache_salt=req.cache_salt))
         jobs = [
-            Job(i * req.choices + j, i, p, choice_seed(params, j))
+            Job(i * req.choices + j, i, p, params.for_choice(j))
             for i, p in enumerate(prompts)
             for j in range(req.choices)
         ]

@@ -48,16 +48,12 @@ class TokenizeServing(Serving):
                 big, validate, TokenizeChatRequest, body
             )
             messages = chat.template_messages()
-            tools = chat.template_tools()
+            options = chat.template_options()
             text = "".join(m["content"] for m in messages)
             field, req = "messages", chat
 
             def render() -> str:
-                return tok.apply_chat_template(
-                    messages,
-                    add_generation_prompt=chat.add_generation_prompt,
-                    tools=tools,
-                )
+                return tok.apply_chat_template(messages, **options)
         else:
             plain: TokenizeCompletionRequest = await maybe_off_loop(
                 big, validate, TokenizeCompletionRequest, body

@@ -17,8 +17,9 @@ Only :class:`StructuredOutputs` is imported eagerly; the rest (which load
 llguidance) on first use, so the types layer stays light.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from structllm._lazy import lazy_getattr
 from structllm.structured.spec import StructuredOutputs
 
 if TYPE_CHECKING:
@@ -59,12 +60,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'structllm.structured' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

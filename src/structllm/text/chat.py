@@ -123,6 +123,8 @@ def render_chat_template(
     messages: Sequence[Mapping[str, Any]],
     *,
     add_generation_prompt: bool,
+    continue_final_message: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
     bos_token: str = "",
     eos_token: str = "",
     **extra: Any,
@@ -130,19 +132,37 @@ def render_chat_template(
     """Render *messages* with the Hugging Face chat *template*.
 
     The template sees ``messages``, ``add_generation_prompt``, ``bos_token``,
-    ``eos_token`` and every keyword in *extra* (``tools``,
-    ``date_string``...). Compiled templates are cached.
+    ``eos_token``, every keyword in *extra* (``tools``, ``date_string``...)
+    and the caller's *template_kwargs* (a request's ``chat_template_kwargs``,
+    such as ``enable_thinking``; they may not replace the others). With
+    ``continue_final_message`` the text ends where the final message's
+    content ends (no end-of-turn after it), so the model continues that
+    message, as transformers renders it. Compiled templates are cached.
     """
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequestError(
+            "continue_final_message: the final message is continued, so no "
+            "generation prompt can follow it (set add_generation_prompt false)",
+            field="continue_final_message",
+        )
     checked = validate_messages(messages)
+    named = {
+        "messages": checked,
+        "add_generation_prompt": add_generation_prompt,
+        "bos_token": bos_token,
+        "eos_token": eos_token,
+        **extra,
+    }
+    for key in template_kwargs or {}:
+        if key in named:
+            raise InvalidRequestError(
+                f"chat_template_kwargs.{key}: {key!r} is set by the request "
+                "itself, not through chat_template_kwargs",
+                field=f"chat_template_kwargs.{key}",
+            )
     compiled = _compile(template)
     try:
-        return compiled.render(
-            **extra,
-            messages=checked,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token,
-            eos_token=eos_token,
-        )
+        text: str = compiled.render(**(template_kwargs or {}), **named)
     except _TemplateRaised as exc:
         raise InvalidRequestError(
             f"chat template refused the messages: {exc}", field="messages"
@@ -152,3 +172,21 @@ def render_chat_template(
             f"chat template failed on these messages: {type(exc).__name__}: {exc}",
             field="messages",
         ) from exc
+    if continue_final_message:
+        text = _cut_after_final_content(text, checked[-1])
+    return text
+
+
+def _cut_after_final_content(text: str, final: Mapping[str, Any]) -> str:
+    """``text`` up to the end of the final message's content (its last copy)."""
+    content = final.get("content")
+    if isinstance(content, str) and content.strip():
+        for piece in (content, content.strip()):
+            end = text.rfind(piece)
+            if end >= 0:
+                return text[: end + len(piece)]
+    raise InvalidRequestError(
+        "continue_final_message: the template does not write the final "
+        "message's content, so it cannot be continued",
+        field="continue_final_message",
+    )

@@ -94,9 +94,12 @@ class Tokenizer(abc.ABC):
         messages: Sequence[Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
         **extra: Any,
     ) -> str:
-        """Render *messages* with this tokenizer's chat template.
+        """Render *messages* with this tokenizer's chat template
+        (:func:`~structllm.text.chat.render_chat_template`).
 
         Raises :class:`~structllm.errors.InvalidRequestError` when the model
         has no template, the messages are malformed or the template fails.
@@ -110,6 +113,8 @@ class Tokenizer(abc.ABC):
             self.chat_template,
             messages,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             **extra,

@@ -28,6 +28,7 @@ def _card(request: Request) -> ModelCard | Response:
     return ModelCard(
         id=serving.config.model_name,
         created=request.app.state.created,
+        root=llm.engine_config.model,
         max_model_len=llm.max_model_len,
     )
 

@@ -142,7 +142,8 @@ class EngineConfig:
     model_backend: Literal["auto", "eager", "inference"] = setting(
         "auto",
         help="inference: oneDNN predictors (Paddle Inference); auto picks them for "
-        "float32 CPU models of 10M+ parameters, else eager",
+        "float32 CPU models of 10M+ parameters on CPUs other than Intel's (where "
+        "Paddle's eager MKL kernels are faster), else eager",
         topic="model",
     )
 

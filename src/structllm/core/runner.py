@@ -57,8 +57,8 @@ def run_forward(
         [SequenceSlice(c, n, table) for c, n, table in step.seqs]
     )
     return model.forward(
-        host_tensor(np.frombuffer(step.token_ids, dtype=np.int64), "token_ids"),
-        host_tensor(np.frombuffer(step.positions, dtype=np.int64), "positions"),
+        host_tensor(np.frombuffer(step.token_ids, dtype=np.int64)),
+        host_tensor(np.frombuffer(step.positions, dtype=np.int64)),
         kv_caches,
         meta,
     )
@@ -141,8 +141,7 @@ class ModelRunner:
         }
         if not sampling:
             return RunnerOutput({}, {}, prompt, time.perf_counter() - start, 0.0)
-        index = host_tensor(np.asarray(rows, np.int64), "sampled_rows")
-        last = paddle.index_select(hidden, index)
+        last = paddle.index_select(hidden, host_tensor(np.asarray(rows, np.int64)))
         logits = self.model.compute_logits(last).numpy()  # (N, V)
         forward_s = time.perf_counter() - start
         start = time.perf_counter()

@@ -57,30 +57,26 @@ def cpu_vendor() -> str:
     return ""
 
 
-_holders = threading.local()
+_holder = threading.local()
 
 
-def host_tensor(array: np.ndarray, slot: str) -> paddle.Tensor:
-    """``array`` as a Paddle tensor, without a copy and without a leak.
+def host_tensor(array: np.ndarray) -> paddle.Tensor:
+    """``array`` as a CPU Paddle tensor sharing its memory, without a leak.
 
     Paddle 3.3's eager ``Tensor`` constructor leaks a Python list on every
     call (``paddle.to_tensor`` and ``paddle.from_dlpack`` included: about
     100 bytes each, found by the soak in docs/operations.md), and a step
-    builds several such tensors per layer. Instead, each thread keeps one
-    eager tensor per ``slot`` and re-points it at ``array``'s memory. The
-    tensor returned is valid until this thread asks for ``slot`` again, so a
-    slot names one use within a step; ``array`` may be a temporary (the
-    tensor keeps its memory alive).
+    builds several host tensors per layer. Instead, one eager tensor per
+    thread is re-pointed at ``array`` (with a trailing axis of 1) and a
+    ``squeeze`` op makes the tensor returned: an independent view that
+    keeps ``array``'s memory alive, built in C++ with no constructor call.
     """
-    holders: dict[str, paddle.Tensor] | None = getattr(_holders, "tensors", None)
-    if holders is None:
-        holders = _holders.tensors = {}
-    tensor = holders.get(slot)
-    if tensor is None:
-        tensor = holders[slot] = paddle.empty([1], dtype="float32")
+    holder: paddle.Tensor | None = getattr(_holder, "tensor", None)
+    if holder is None:
+        holder = _holder.tensor = paddle.empty([1], dtype="float32")
     if not (array.flags.c_contiguous and array.flags.writeable):
         array = np.array(array)  # DLPack exports neither read-only nor strided
-    tensor.get_tensor()._share_data_with(
-        paddle.base.core.from_dlpack(array.__dlpack__())
+    holder.get_tensor()._share_data_with(
+        paddle.base.core.from_dlpack(array[..., None].__dlpack__())
     )
-    return tensor
+    return holder.squeeze(-1)

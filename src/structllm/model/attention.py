@@ -33,7 +33,7 @@ from collections.abc import Collection, Mapping, Sequence
 import attrs
 import numpy as np
 
-from structllm.model._paddle import paddle
+from structllm.model._paddle import host_tensor, paddle
 
 __all__ = ["AttentionMetadata", "PortableAttention", "SequenceSlice", "slots_for"]
 
@@ -181,7 +181,7 @@ class PortableAttention:
         mask = np.where(seen, 0.0, _NEG_INF).astype(np.float32)[:, None, :]
         if self.group > 1:
             mask = np.repeat(mask, self.group, axis=1)
-        return paddle.to_tensor(mask)
+        return host_tensor(mask)
 
     def allocate(self, num_blocks: int, dtype: str) -> paddle.Tensor:
         """One layer's K (or V) cache: ``(kv_heads, num_blocks * block_size, d)``."""
@@ -300,8 +300,8 @@ class _SlotIO:
         if self.host:
             k_buf, v_buf = self.scratch
             return (
-                paddle.from_dlpack(k_buf.take(np.from_dlpack(self.k_cache), slots)),
-                paddle.from_dlpack(v_buf.take(np.from_dlpack(self.v_cache), slots)),
+                host_tensor(k_buf.take(np.from_dlpack(self.k_cache), slots)),
+                host_tensor(v_buf.take(np.from_dlpack(self.v_cache), slots)),
             )
         index = paddle.to_tensor(slots)
         return (

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from structllm.errors import ModelLoadError
-from structllm.model._paddle import paddle
+from structllm.model._paddle import host_tensor, paddle
 from structllm.model.attention import AttentionMetadata
 from structllm.model.config import ModelConfig
 from structllm.model.llama import (
@@ -129,7 +129,7 @@ class _Predictor:
             # zero-copy: the predictor reads the tensor's memory as laid out
             handle.share_external_data(feeds[name].contiguous())
         self._predictor.run()
-        return [paddle.from_dlpack(self._outputs[i].copy_to_cpu()) for i in self._order]
+        return [host_tensor(self._outputs[i].copy_to_cpu()) for i in self._order]
 
     def match(self, feeds: Feeds, expected: Sequence[np.ndarray]) -> float:
         """Order the outputs like ``expected`` (eager results); the worst difference."""

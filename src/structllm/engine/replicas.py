@@ -298,6 +298,7 @@ class ReplicaSet:
             async with anyio.create_task_group() as starting:
                 for client in self.clients:
                     starting.start_soon(start, client)
-            task_status.started()
+            if not failures:  # trio need not deliver the cancellation here
+                task_status.started()
         if failures:
             raise failures[0]

@@ -29,7 +29,7 @@ from structllm.core.request import RequestStepOutput, StepOutput
 from structllm.engine.async_llm import AsyncLLM
 from structllm.engine.protocol import AbortRequests, AddFailed, Heartbeat, encode
 from structllm.engine.replicas import ReplicaSet, replica_config
-from structllm.errors import EngineConfigError
+from structllm.errors import EngineConfigError, EngineOverloadedError
 from structllm.llm import LLM
 from structllm.model.checkpoint import write_random_checkpoint
 from structllm.model.config import ModelConfig, tiny_random_config
@@ -116,8 +116,13 @@ async def test_two_replicas_give_the_greedy_tokens_of_one(
 
 @asyncio_only
 async def test_abort_frees_the_blocks_of_its_own_replica() -> None:
+    # one sequence a replica and no queue: the engine takes two at once
     async with AsyncLLM.open(
-        "tiny-random", data_parallel_size=2, **ENGINE, **FRONT
+        "tiny-random",
+        data_parallel_size=2,
+        max_queued_requests=0,
+        **{**ENGINE, "max_num_seqs": 1},
+        **FRONT,
     ) as llm:
         async with llm.stream("Hello", ENDLESS) as kept:  # replica 0: both idle
             await anext(aiter(kept))
@@ -126,6 +131,8 @@ async def test_abort_frees_the_blocks_of_its_own_replica() -> None:
                 mid = llm.statistics()
                 assert [r.live_requests for r in mid.replicas] == [1, 1]
                 assert all(r.blocks_used > 0 for r in mid.replicas)
+                with pytest.raises(EngineOverloadedError):
+                    llm.check_admission([1, 2, 3])
             # leaving the inner block aborted the request on replica 1 only
             with anyio.fail_after(10):
                 stats = await llm.wait_statistics(

@@ -349,7 +349,7 @@ class AsyncLLM:
         check_overload(
             len(self._processor),
             count,
-            max_num_seqs=self.engine_config.max_num_seqs,
+            max_num_seqs=self._client.max_num_seqs,
             max_queued_requests=self.config.max_queued_requests,
         )
         return info

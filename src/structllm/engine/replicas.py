@@ -146,7 +146,7 @@ class ReplicaSet:
 
     @property
     def dead(self) -> EngineDeadError | None:
-        """Set once every replica is dead for good (the last one's death)."""
+        """Set once every replica is dead for good (the last replica's error)."""
         if all(c.dead is not None for c in self.clients):
             return self.clients[-1].dead
         return None
@@ -154,6 +154,12 @@ class ReplicaSet:
     @property
     def health_timeout(self) -> float:
         return self.clients[0].health_timeout
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences one step of every replica runs: admission's queue starts
+        beyond them (``max_queued_requests`` counts the whole engine's)."""
+        return self.engine_config.max_num_seqs * len(self.clients)
 
     def new_dead_error(self) -> EngineDeadError:
         dead = self.dead
@@ -236,6 +242,9 @@ class ReplicaSet:
     def send_shutdown(self) -> None:
         for client in self.clients:
             client.send_shutdown()
+        # the front end failed whatever was left: nothing lives anywhere now
+        self.placement.clear()
+        self.load = [0] * len(self.clients)
 
     async def reset_prefix_cache(self) -> int:
         """Reset every living replica's prefix cache; the blocks dropped in all."""

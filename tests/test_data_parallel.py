@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream
 
@@ -33,6 +34,8 @@ from structllm.errors import EngineConfigError, EngineOverloadedError
 from structllm.llm import LLM
 from structllm.model.checkpoint import write_random_checkpoint
 from structllm.model.config import ModelConfig, tiny_random_config
+from structllm.server.app import build_app
+from structllm.server.serving import EngineSlot, ServerConfig
 
 pytestmark = pytest.mark.anyio
 
@@ -220,6 +223,28 @@ async def test_a_bad_checkpoint_fails_open_unwrapped(tmp_path: Path) -> None:
             str(tmp_path), tokenizer="tiny-random", data_parallel_size=2, **FRONT
         ):
             pytest.fail("open() should have failed")  # pragma: no cover
+
+
+async def test_the_server_serves_and_reports_two_replicas() -> None:
+    """``structllm serve --data-parallel-size 2``'s app: /health, a completion,
+    and /metrics summing the replicas."""
+    slot = EngineSlot()
+    app = build_app(slot, ServerConfig(model_name="tiny-random"))
+    transport = httpx.ASGITransport(app=app)
+    async with (
+        httpx.AsyncClient(transport=transport, base_url="http://t") as http,
+        AsyncLLM.open("tiny-random", data_parallel_size=2, **ENGINE, **FRONT) as llm,
+    ):
+        slot.llm = llm
+        assert (await http.get("/health")).status_code == 200
+        body = {"prompt": "x", "max_tokens": 3, "ignore_eos": True}
+        r = await http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+        metrics = (await http.get("/metrics")).text
+        assert "structllm_engine_healthy 1.0" in metrics
+        assert "structllm_generation_tokens_total 3.0" in metrics
+        slot.llm = None
 
 
 # ------------------------------------------------ routing, without processes

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
+import anyio.lowlevel
 import httpx
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream
@@ -28,6 +30,7 @@ from structllm.cli import build_parser
 from structllm.config import EngineConfig, FrontendConfig, from_arguments
 from structllm.core.request import RequestStepOutput, StepOutput
 from structllm.engine.async_llm import AsyncLLM
+from structllm.engine.core_client import CoreClient
 from structllm.engine.protocol import AbortRequests, AddFailed, Heartbeat, encode
 from structllm.engine.replicas import ReplicaSet, replica_config
 from structllm.errors import EngineConfigError, EngineOverloadedError
@@ -369,6 +372,40 @@ def test_statistics_sum_the_replicas() -> None:
         assert stats.ready and not stats.dead and stats.live_requests == 1
         assert [r.live_requests for r in stats.replicas] == [1, 0]
         assert [r.ready for r in stats.replicas] == [True, False]
+
+
+@pytest.mark.parametrize("after_start", [False, True])
+async def test_a_supervisor_failure_comes_out_unwrapped(
+    monkeypatch: pytest.MonkeyPatch, after_start: bool
+) -> None:
+    """As from one client: a startup failure (or, later, a supervisor's own
+    bug) raises as itself, and the other replicas are stopped."""
+    stopped = anyio.Event()
+
+    async def run(
+        client: CoreClient, *, task_status: anyio.abc.TaskStatus[None]
+    ) -> None:
+        if client is replicas.clients[0]:
+            task_status.started()
+            try:
+                await anyio.sleep_forever()
+            finally:
+                stopped.set()
+        if after_start:
+            task_status.started()
+            await anyio.lowlevel.checkpoint()
+        raise ModelLoadError("no weights")
+
+    monkeypatch.setattr(CoreClient, "run", run)
+    # in a task group, as AsyncLLM runs it: one plain error, no nested group
+    with (
+        _replicas(2) as (replicas, _, _),
+        pytest.RaisesGroup(pytest.RaisesExc(ModelLoadError, match="no weights")),
+    ):
+        async with anyio.create_task_group() as tg:
+            await tg.start(replicas.run)
+            await anyio.sleep_forever()
+    assert stopped.is_set()
 
 
 def test_each_replica_gets_its_share_of_the_cores() -> None:

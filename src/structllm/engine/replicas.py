@@ -295,19 +295,29 @@ class ReplicaSet:
         client's would. Returns when every supervisor has returned.
         """
         failures: list[Exception] = []
-        async with anyio.create_task_group() as tg:
+        try:
+            async with anyio.create_task_group() as tg:
 
-            async def start(client: CoreClient) -> None:
-                try:
-                    await tg.start(client.run)
-                except Exception as exc:
-                    failures.append(exc)
-                    tg.cancel_scope.cancel()
+                async def start(client: CoreClient) -> None:
+                    try:
+                        await tg.start(client.run)
+                    except Exception as exc:
+                        failures.append(exc)
+                        tg.cancel_scope.cancel()
 
-            async with anyio.create_task_group() as starting:
-                for client in self.clients:
-                    starting.start_soon(start, client)
-            if not failures:  # trio need not deliver the cancellation here
-                task_status.started()
+                async with anyio.create_task_group() as starting:
+                    for client in self.clients:
+                        starting.start_soon(start, client)
+                if not failures:  # trio need not deliver the cancellation here
+                    task_status.started()
+        except BaseExceptionGroup as group:
+            # one supervisor's own failure comes out as one client's would
+            if len(group.exceptions) == 1 and isinstance(
+                group.exceptions[0], Exception
+            ):
+                exc = group.exceptions[0]
+                exc.__suppress_context__ = True  # keeps its own __cause__
+                raise exc  # noqa: B904 - the group is only a wrapper here
+            raise
         if failures:
             raise failures[0]

@@ -35,6 +35,7 @@ from structllm.engine.protocol import AbortRequests, AddFailed, Heartbeat, encod
 from structllm.engine.replicas import ReplicaSet, replica_config
 from structllm.errors import EngineConfigError, EngineOverloadedError
 from structllm.llm import LLM
+from structllm.model._paddle import paddle
 from structllm.model.checkpoint import write_random_checkpoint
 from structllm.model.config import ModelConfig, tiny_random_config
 from structllm.server.app import build_app
@@ -118,6 +119,36 @@ async def test_two_replicas_give_the_greedy_tokens_of_one(
     )
     assert stats.num_blocks == 2 * ENGINE["num_blocks"]
     _wait_gone(*[pid for pid in pids if pid is not None])
+
+
+@asyncio_only
+@pytest.mark.skipif(
+    not hasattr(paddle.base.core, "ProcessGroupGloo"),
+    reason="this Paddle build has no gloo (CPU) backend",
+)
+async def test_replicas_of_two_tensor_parallel_ranks(
+    model: str, expected: dict[str, tuple[int, ...]]
+) -> None:
+    """DP=2 x TP=2: four processes, two gloo groups side by side."""
+    got: dict[str, tuple[int, ...]] = {}
+    async with AsyncLLM.open(
+        model,
+        data_parallel_size=2,
+        tensor_parallel_size=2,
+        **ENGINE,
+        **FRONT,
+        **TOKENIZER,
+    ) as llm:
+
+        async def run(prompt: str) -> None:
+            got[prompt] = (await llm.complete(prompt, GREEDY)).token_ids
+
+        async with anyio.create_task_group() as tg:
+            for prompt in PROMPTS:
+                tg.start_soon(run, prompt)
+        stats = llm.statistics()
+    assert got == expected
+    assert all(r.prefix_cache_queries > 0 for r in stats.replicas)
 
 
 @asyncio_only

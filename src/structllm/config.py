@@ -163,6 +163,13 @@ class FrontendConfig:
     tokenizer: str | None = setting(
         None, help="tokenizer directory (default: the model's)", topic="model"
     )
+    data_parallel_size: int = setting(
+        1,
+        help="engine replicas (each its own core process) behind one front end; "
+        "a request goes to the least-loaded one (see docs/parallel.md)",
+        validator=_ONE,
+        topic="engine",
+    )
     max_queued_requests: int | None = setting(
         None,
         help="refuse new requests (overloaded) once this many wait beyond "
@@ -233,6 +240,12 @@ class FrontendConfig:
 
     def __attrs_post_init__(self) -> None:
         check_config(self)
+        if self.data_parallel_size > 1 and self.executor == "inline":
+            raise EngineConfigError(
+                f"data_parallel_size={self.data_parallel_size} runs one core "
+                "process per replica: use executor='process', not 'inline'",
+                field="data_parallel_size",
+            )
 
 
 @attrs.frozen(kw_only=True)

@@ -30,7 +30,7 @@ from structllm.engine.output_processor import (
     RequestState,
     merge_choices,
 )
-from structllm.errors import InvalidRequestError
+from structllm.errors import EngineConfigError, InvalidRequestError
 from structllm.model.loader import LoadProgress
 from structllm.outputs import RequestOutput
 from structllm.params import OutputKind, SamplingParams
@@ -72,6 +72,12 @@ class LLM:
         show_progress: bool = True,
         **engine_args: Any,
     ) -> None:
+        if engine_args.pop("data_parallel_size", 1) != 1:
+            raise EngineConfigError(
+                "data_parallel_size > 1 runs engine replicas behind AsyncLLM "
+                "or `structllm serve`; LLM runs one engine in this process",
+                field="data_parallel_size",
+            )
         self.config = EngineConfig(model=str(model), **engine_args)
         self.tokenizer: Tokenizer = load_tokenizer(tokenizer or self.config.model)
         self.core = EngineCore(

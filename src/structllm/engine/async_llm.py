@@ -9,7 +9,8 @@ This module is the public API; the work is split by job as vLLM splits it:
 
 - :mod:`~structllm.engine.core_client` starts the engine core (a child
   process, :mod:`~structllm.engine.core_process`, or a thread), supervises
-  and restarts it, and writes to and reads from it;
+  and restarts it, and talks to it; :mod:`~structllm.engine.replicas`
+  holds ``data_parallel_size`` of them and routes each request to one;
 - :mod:`~structllm.engine.output_processor` turns the core's tokens into
   outputs (detokenising, stop strings) and delivers them to each request's
   one-slot mailbox; the offline ``LLM`` uses the same processor;
@@ -44,7 +45,6 @@ import attrs
 
 from structllm.config import EngineConfig, FrontendConfig, split_fields
 from structllm.core.engine_core import StepOutput
-from structllm.engine.core_client import CoreClient
 from structllm.engine.core_connection import encode_request
 from structllm.engine.inputs import (
     PromptInput,
@@ -60,9 +60,10 @@ from structllm.engine.output_processor import (
     RequestState,
 )
 from structllm.engine.protocol import AbortRequests, AddFailed, Ready
+from structllm.engine.replicas import ReplicaSet
 from structllm.engine.request_stream import RequestStream, complete
 from structllm.engine.statistics import EngineStatistics
-from structllm.errors import EngineDeadError, InvalidRequestError, dead_error
+from structllm.errors import EngineDeadError, InvalidRequestError
 from structllm.outputs import RequestOutput
 from structllm.params import OutputKind, SamplingParams
 from structllm.text.tokenizer import Tokenizer, load_tokenizer
@@ -81,7 +82,7 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         #: the live requests
         self._processor = OutputProcessor(on_idle=self._on_idle)
-        self._client = CoreClient(engine, front, self)
+        self._client = ReplicaSet(engine, front, self)
         self._submissions = itertools.count()
         self._idle_event = anyio.Event()
         self._eos: frozenset[int] = frozenset(tokenizer.eos_token_ids)
@@ -315,7 +316,7 @@ class AsyncLLM:
             priority=priority,
             queue=RequestOutputCollector(params.output_kind),
         )
-        self._client.submit_nowait(encode_request(request))
+        self._client.submit_nowait(state.core_id, encode_request(request))
         self._processor.add(state)
         return state
 
@@ -348,7 +349,7 @@ class AsyncLLM:
         check_overload(
             len(self._processor),
             count,
-            max_num_seqs=self.engine_config.max_num_seqs,
+            max_num_seqs=self._client.max_num_seqs,
             max_queued_requests=self.config.max_queued_requests,
         )
         return info
@@ -362,7 +363,7 @@ class AsyncLLM:
         self._idle_event.set()
         self._idle_event = anyio.Event()
 
-    # ------------------------------------------------- CoreEvents (client)
+    # ------------------------------------------------ ReplicaEvents (cores)
 
     def on_step(self, step: StepOutput) -> None:
         for no in step.rejected:  # a grammar only the core could refuse
@@ -376,8 +377,10 @@ class AsyncLLM:
         if state is not None:
             state.mailbox.close(InvalidRequestError(msg.message, field=msg.field))
 
-    def on_core_lost(self, cause: BaseException) -> None:
-        self._processor.fail_all(lambda: dead_error("the engine core died", cause))
+    def on_core_lost(
+        self, core_ids: Sequence[str], make_error: Callable[[], EngineDeadError]
+    ) -> None:
+        self._processor.fail(core_ids, make_error)
 
     def on_statistics(self) -> None:
         self._stats_event.set()

@@ -306,11 +306,20 @@ class OutputProcessor:
 
     def fail_all(self, make_error: Callable[[], BaseException]) -> None:
         """Finish every live request with ``error``, raising make_error() to each."""
-        for state in list(self._states.values()):
-            state.abort("error")
-            self.pop(state.core_id)
-            if state.queue is not None:
-                state.queue.close(make_error())
+        self.fail(list(self._states), make_error)
+
+    def fail(
+        self, core_ids: Iterable[str], make_error: Callable[[], BaseException]
+    ) -> None:
+        """Finish the live requests ``core_ids`` (those of one lost core) with
+        an error, raising make_error() to each; ids no longer live are skipped."""
+        for core_id in core_ids:
+            state = self._states.get(core_id)
+            if state is not None:
+                state.abort("error")
+                self.pop(core_id)
+                if state.queue is not None:
+                    state.queue.close(make_error())
 
     def process_outputs(
         self, step_outputs: Iterable[RequestStepOutput]

@@ -22,7 +22,8 @@ class EngineStatistics:
     restarts: int
     ready: bool
     dead: bool
-    #: the pid of the core process (this process's, for the inline executor)
+    #: the pid of the core process (this process's, for the inline executor;
+    #: replica 0's with data parallelism: see ``replicas``)
     core_pid: int | None
     #: seconds since the core was last heard from (None: no core)
     silent_for: float | None = None
@@ -32,6 +33,15 @@ class EngineStatistics:
     #: open(), over every core start)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    #: each replica's own snapshot (its ``live_requests``: those placed on
+    #: it); the counts above are their sums, ``ready`` and ``healthy`` true
+    #: when any replica is, ``dead`` when all are
+    replicas: tuple[EngineStatistics, ...] = ()
+
+    @property
+    def core_pids(self) -> tuple[int | None, ...]:
+        """Every replica's core pid (None for one restarting)."""
+        return tuple(r.core_pid for r in self.replicas)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -1,0 +1,323 @@
+"""Data parallelism: ``data_parallel_size`` engine cores behind one front end.
+
+:class:`ReplicaSet` holds one :class:`~structllm.engine.core_client.CoreClient`
+per replica (each its own core process, supervised and restarted on its
+own) and shows ``AsyncLLM`` the surface of one client, so the front end has
+a single code path whatever the size (1 by default).
+
+- **Routing.** A new request goes to the ready replica with the fewest live
+  requests (ties: the lowest index). Live requests are the front end's own
+  count of what it placed on each replica and has not seen end, not the
+  core's waiting + running: those arrive a step late, so a burst submitted
+  within one step would all land on the replica that looked idle.
+- **Placement.** The set remembers which replica each core request id lives
+  on, routes its aborts there, and forgets it when the request ends: the
+  core finishes it, refuses it, or the front end aborts it (a stop string,
+  a failure, a release). An abort for an id already forgotten (the front
+  end re-aborting an id a step still carried) goes to every replica; core
+  ids are unique per submission, so it cannot touch another request.
+- **Failure.** When replica k's core dies, only the requests placed on k
+  fail (EngineDeadError); k restarts under its own ``max_restarts`` budget
+  while the others serve on. The engine admits while any replica is ready
+  and is dead only when every replica is dead for good.
+- **Statistics.** Counts are summed over replicas; ``replicas`` carries each
+  one's own snapshot (its pid, its live requests).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import anyio
+import anyio.abc
+import attrs
+
+from structllm.config import EngineConfig, FrontendConfig
+from structllm.core.engine_core import StepOutput
+from structllm.engine.core_client import CoreClient
+from structllm.engine.protocol import AbortRequests, AddFailed, Message, Ready
+from structllm.engine.statistics import EngineStatistics
+from structllm.errors import EngineDeadError, dead_error
+
+__all__ = ["ReplicaEvents", "ReplicaSet", "replica_config"]
+
+
+class ReplicaEvents(Protocol):
+    """What the set tells the front end (called synchronously)."""
+
+    def on_step(self, step: StepOutput) -> None: ...
+
+    def on_add_failed(self, msg: AddFailed) -> None: ...
+
+    def on_core_lost(
+        self, core_ids: Sequence[str], make_error: Callable[[], EngineDeadError]
+    ) -> None:
+        """A core died: fail the requests ``core_ids`` with ``make_error()``."""
+
+    def on_statistics(self) -> None:
+        """Counts, readiness or liveness changed."""
+
+
+def replica_config(engine: EngineConfig, replicas: int) -> EngineConfig:
+    """``engine`` for one of ``replicas`` cores: unless ``num_threads`` is set,
+    each rank of each replica gets its share of this machine's cores."""
+    if replicas == 1 or engine.num_threads is not None:
+        return engine
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    share = max(1, cores // (replicas * engine.tensor_parallel_size))
+    return attrs.evolve(engine, num_threads=share)
+
+
+@attrs.define(eq=False)
+class _Replica:
+    """Replica ``index``'s CoreEvents: tags the client's events with it."""
+
+    owner: ReplicaSet
+    index: int
+
+    def on_step(self, step: StepOutput) -> None:
+        owner = self.owner
+        owner.events.on_step(step)
+        for out in step.outputs:
+            if out.finish_reason is not None:
+                owner.forget(out.request_id)
+        for no in step.rejected:
+            owner.forget(no.request_id)
+
+    def on_add_failed(self, msg: AddFailed) -> None:
+        self.owner.events.on_add_failed(msg)
+        self.owner.forget(msg.request_id)
+
+    def on_core_lost(self, cause: BaseException) -> None:
+        owner = self.owner
+        lost = [rid for rid, k in owner.placement.items() if k == self.index]
+        for rid in lost:
+            owner.forget(rid)
+        what = "the engine core died"
+        if len(owner.clients) > 1:
+            what = f"the engine core of replica {self.index} died"
+        owner.events.on_core_lost(lost, lambda: dead_error(what, cause))
+
+    def on_statistics(self) -> None:
+        self.owner.changed()
+
+
+@attrs.define(eq=False)
+class ReplicaSet:
+    """N supervised engine cores seen as one; see the module docstring."""
+
+    engine_config: EngineConfig
+    config: FrontendConfig
+    events: ReplicaEvents
+    clients: list[CoreClient] = attrs.field(init=False)
+    #: core request id -> the index of the replica it was submitted to
+    placement: dict[str, int] = attrs.Factory(dict)
+    #: live requests placed on each replica
+    load: list[int] = attrs.field(init=False)
+    closing: bool = False
+    _changed: anyio.Event = attrs.Factory(anyio.Event)
+
+    def __attrs_post_init__(self) -> None:
+        n = self.config.data_parallel_size
+        engine = replica_config(self.engine_config, n)
+        self.clients = [
+            CoreClient(engine, self.config, _Replica(self, k)) for k in range(n)
+        ]
+        self.load = [0] * n
+
+    # --------------------------------------------------------------- state
+
+    @property
+    def ready(self) -> bool:
+        """Some replica is up and accepts requests."""
+        return any(c.ready for c in self.clients)
+
+    @property
+    def info(self) -> Ready | None:
+        """A replica's handshake (every replica runs the same model)."""
+        ready = [c.info for c in self.clients if c.ready and c.info is not None]
+        known = ready or [c.info for c in self.clients if c.info is not None]
+        return known[0] if known else None
+
+    @property
+    def dead(self) -> EngineDeadError | None:
+        """Set once every replica is dead for good (the last replica's error)."""
+        if all(c.dead is not None for c in self.clients):
+            return self.clients[-1].dead
+        return None
+
+    @property
+    def health_timeout(self) -> float:
+        return self.clients[0].health_timeout
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences one step of every replica runs: admission's queue starts
+        beyond them (``max_queued_requests`` counts the whole engine's)."""
+        return self.engine_config.max_num_seqs * len(self.clients)
+
+    def new_dead_error(self) -> EngineDeadError:
+        dead = self.dead
+        assert dead is not None
+        err = EngineDeadError(str(dead))
+        err.__cause__ = dead.__cause__
+        return err
+
+    def check_admitting(self) -> None:
+        if self.dead is not None:
+            raise self.new_dead_error()
+        if self.closing:
+            raise EngineDeadError("the engine is shutting down")
+
+    async def wait_ready(self) -> None:
+        """Wait for a ready replica; raise EngineDeadError if none will come."""
+        while not self.ready:
+            self.check_admitting()
+            await self._changed.wait()
+
+    def changed(self) -> None:
+        """A replica's readiness, liveness or counts changed."""
+        self._changed.set()
+        self._changed = anyio.Event()
+        self.events.on_statistics()
+
+    # ------------------------------------------------------------- senders
+
+    def submit_nowait(self, core_id: str, frame: bytes) -> None:
+        """Send an encoded request to the least-loaded ready replica.
+
+        EngineDeadError if no replica takes it (all restarting, or the
+        chosen ones died a moment ago and their teardown has not run yet).
+        """
+        order = sorted(
+            (k for k, c in enumerate(self.clients) if c.ready),
+            key=lambda k: (self.load[k], k),
+        )
+        error = EngineDeadError("the engine core is restarting")
+        for k in order:
+            try:
+                self.clients[k].submit_nowait(frame)
+            except EngineDeadError as exc:
+                error = exc
+                continue
+            self.placement[core_id] = k
+            self.load[k] += 1
+            return
+        raise error
+
+    def send_nowait(self, msg: Message) -> None:
+        """Aborts go where their requests live; other messages go to all."""
+        if not isinstance(msg, AbortRequests):
+            for client in self.clients:
+                client.send_nowait(msg)
+            return
+        routed: list[list[str]] = [[] for _ in self.clients]
+        for rid in msg.request_ids:
+            k = self.forget(rid)
+            for target in range(len(self.clients)) if k is None else [k]:
+                routed[target].append(rid)
+        for client, ids in zip(self.clients, routed, strict=True):
+            if ids:
+                client.send_nowait(AbortRequests(ids))
+
+    def forget(self, core_id: str) -> int | None:
+        """``core_id`` ended: drop its placement; return where it was."""
+        k = self.placement.pop(core_id, None)
+        if k is not None:
+            self.load[k] -= 1
+        return k
+
+    def begin_shutdown(self) -> None:
+        """Admit nothing more; wake submitters waiting for a restart."""
+        self.closing = True
+        for client in self.clients:
+            client.begin_shutdown()
+        self._changed.set()
+
+    def send_shutdown(self) -> None:
+        for client in self.clients:
+            client.send_shutdown()
+        # the front end failed whatever was left: nothing lives anywhere now
+        self.placement.clear()
+        self.load = [0] * len(self.clients)
+
+    async def reset_prefix_cache(self) -> int:
+        """Reset every living replica's prefix cache; the blocks dropped in all."""
+        await self.wait_ready()
+        total = 0
+        for client in self.clients:
+            if client.dead is None:
+                total += await client.reset_prefix_cache()
+        return total
+
+    def statistics(self, *, live_requests: int) -> EngineStatistics:
+        """Counts summed over replicas; each replica's own in ``replicas``."""
+        each = tuple(
+            c.statistics(live_requests=n)
+            for c, n in zip(self.clients, self.load, strict=True)
+        )
+        if len(each) == 1:
+            return attrs.evolve(each[0], live_requests=live_requests, replicas=each)
+        silences = [s.silent_for for s in each if s.silent_for is not None]
+        first = each[0]
+        return EngineStatistics(
+            live_requests=live_requests,
+            running=sum(s.running for s in each),
+            waiting=sum(s.waiting for s in each),
+            blocks_used=sum(s.blocks_used for s in each),
+            num_blocks=sum(s.num_blocks for s in each),
+            total_preemptions=sum(s.total_preemptions for s in each),
+            restarts=sum(s.restarts for s in each),
+            ready=any(s.ready for s in each),
+            dead=all(s.dead for s in each),
+            core_pid=first.core_pid,
+            silent_for=min(silences) if silences else None,
+            healthy=any(s.healthy for s in each),
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in each),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in each),
+            replicas=each,
+        )
+
+    # ---------------------------------------------------------- supervisor
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Run every replica's supervisor; ``started()`` once all are up.
+
+        The replicas start together (a model loads N times in parallel); the
+        first startup failure stops the others and raises unwrapped, as one
+        client's would. Returns when every supervisor has returned.
+        """
+        failures: list[Exception] = []
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def start(client: CoreClient) -> None:
+                    try:
+                        await tg.start(client.run)
+                    except Exception as exc:
+                        failures.append(exc)
+                        tg.cancel_scope.cancel()
+
+                async with anyio.create_task_group() as starting:
+                    for client in self.clients:
+                        starting.start_soon(start, client)
+                if not failures:  # trio need not deliver the cancellation here
+                    task_status.started()
+        except BaseExceptionGroup as group:
+            # one supervisor's own failure comes out as one client's would
+            if len(group.exceptions) == 1 and isinstance(
+                group.exceptions[0], Exception
+            ):
+                exc = group.exceptions[0]
+                exc.__suppress_context__ = True  # keeps its own __cause__
+                raise exc  # noqa: B904 - the group is only a wrapper here
+            raise
+        if failures:
+            raise failures[0]

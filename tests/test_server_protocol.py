@@ -95,6 +95,8 @@ def test_completion_fields_out_of_range_name_the_field(
         ([2**31], False),
         (5, False),
         (["x"] * 129, False),
+        ([[1]] * 129, False),
+        (list(range(3, 1003)), True),  # one prompt of 1,000 token ids, not 1,000
     ],
 )
 def test_prompt_shapes(prompt: Any, ok: bool) -> None:

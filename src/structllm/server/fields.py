@@ -199,10 +199,10 @@ def _prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
         return (_unicode(value),)
     if not isinstance(value, list) or not value:
         raise fail(shape)
+    if (one := ids(value)) is not None:  # one prompt of token ids
+        return (one,)
     if len(value) > MAX_CHOICES:
         raise fail(f"has more than {MAX_CHOICES} prompts")
-    if (one := ids(value)) is not None:
-        return (one,)
     if all(isinstance(p, str) for p in value):
         if any(p == "" for p in value):
             raise fail("must not be empty")

@@ -588,3 +588,17 @@ def test_fill_bitmask_checks_its_row(
         m.fill_bitmask(np.zeros((1, 3), np.int32), 0)
     with pytest.raises(ValueError, match="rows"):
         fill_bitmasks([m, m], allocate_bitmask(1, m.vocabulary))
+
+
+def test_the_models_eos_ends_a_grammar_when_the_tokenizer_names_none(
+    bpe: HFTokenizer,
+) -> None:
+    bare = HFTokenizer(backend=bpe.backend)  # tokenizer.json alone: no EOS
+    assert not bare.eos_token_ids
+    with pytest.raises(ValueError, match="EOS"):
+        GrammarVocabulary.from_tokenizer(bare)
+    eos = bpe.backend.token_to_id("<|im_end|>")
+    vocabulary = GrammarVocabulary.from_tokenizer(bare, model_eos_token_ids=[eos])
+    assert vocabulary.eos_token_ids == {eos}
+    with_both = GrammarVocabulary.from_tokenizer(bpe, model_eos_token_ids=[eos, 0])
+    assert with_both.eos_token_ids == set(bpe.eos_token_ids) | {eos, 0}

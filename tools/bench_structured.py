@@ -117,7 +117,10 @@ def first_token_s(core: EngineCore, prompt: list[int], params: SamplingParams) -
         CoreRequest(request_id="ttft", prompt_token_ids=tuple(prompt), params=params)
     )
     while True:
-        if any(o.request_id == "ttft" for o in core.step().outputs):
+        step = core.step()
+        if step.rejected:  # else this would wait for ever
+            raise RuntimeError(step.rejected[0].message)
+        if any(o.request_id == "ttft" for o in step.outputs):
             took = time.perf_counter() - start
             core.abort_requests(["ttft"])
             return took

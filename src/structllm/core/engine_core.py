@@ -175,7 +175,12 @@ class EngineCore:
             raise EngineConfigError(str(exc)) from exc
         self.scheduler = Scheduler(scheduler_config, self.pool)
         self.structured = StructuredOutputManager(
-            functools.partial(grammar_vocabulary, tokenizer, config.model)
+            functools.partial(
+                grammar_vocabulary,
+                tokenizer,
+                config.model,
+                frozenset(self.model_config.eos_token_ids),
+            )
         )
         if tp_group is not None:
             tp_group.allocate(num_blocks)

@@ -62,13 +62,18 @@ GRAMMAR_CACHE_SIZE = 256
 
 
 def grammar_vocabulary(
-    tokenizer: Tokenizer | str | None, model: str
+    tokenizer: Tokenizer | str | None,
+    model: str,
+    model_eos_token_ids: Iterable[int] = (),
 ) -> GrammarVocabulary:
     """The grammar vocabulary of ``tokenizer`` (an object, a path, or None:
-    ``model``'s); run in a compile thread, once per core."""
+    ``model``'s), ending on its EOS tokens and the model's; run in a compile
+    thread, once per core."""
     if not isinstance(tokenizer, Tokenizer):
         tokenizer = load_tokenizer(tokenizer or model)
-    return GrammarVocabulary.from_tokenizer(tokenizer)
+    return GrammarVocabulary.from_tokenizer(
+        tokenizer, model_eos_token_ids=model_eos_token_ids
+    )
 
 
 class StructuredOutputManager:

@@ -55,17 +55,21 @@ class GrammarVocabulary:
     eos_token_ids: frozenset[int]
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Tokenizer) -> GrammarVocabulary:
-        """The vocabulary of a structllm tokenizer (HF or the byte tokenizer)."""
+    def from_tokenizer(
+        cls, tokenizer: Tokenizer, *, model_eos_token_ids: Iterable[int] = ()
+    ) -> GrammarVocabulary:
+        """The vocabulary of a structllm tokenizer (HF or the byte tokenizer).
+
+        A grammar may end on the tokenizer's EOS tokens and on the model's
+        (``config.json``'s ``eos_token_id``: the ids that stop generation,
+        which some checkpoints name only there).
+        """
+        eos = frozenset(tokenizer.eos_token_ids) | frozenset(model_eos_token_ids)
         if isinstance(tokenizer, HFTokenizer):
-            return cls._build(
-                tokenizer.backend.to_str(),
-                tokenizer.vocab_size,
-                tokenizer.eos_token_ids,
-            )
+            return cls._build(tokenizer.backend.to_str(), tokenizer.vocab_size, eos)
         if isinstance(tokenizer, ByteTokenizer):
             wrapper = llguidance.TokenizerWrapper(_ByteTokens(tokenizer))
-            return cls._build(wrapper, tokenizer.vocab_size, tokenizer.eos_token_ids)
+            return cls._build(wrapper, tokenizer.vocab_size, eos)
         raise TypeError(
             f"structured output needs an HFTokenizer or the ByteTokenizer, "
             f"got {type(tokenizer).__name__}"

@@ -58,10 +58,12 @@ def schema(tag: str, fields: int = 24) -> StructuredOutputs:
     )
 
 
-def checkpoint(tmp: Path, tokenizer: Path | None) -> tuple[str, str]:
-    """(model directory, load_format)."""
+def checkpoint(
+    tmp: Path, tokenizer: Path | None, shape: dict[str, int] | None = None
+) -> tuple[str, str]:
+    """(model directory, load_format); ``shape``: write_bench_checkpoint's sizes."""
     model = tmp / "model"
-    write_bench_checkpoint(model)
+    write_bench_checkpoint(model, **(shape or {}))
     if tokenizer is None:
         return str(model), "auto"
     config = json.loads((model / "config.json").read_text())
@@ -133,9 +135,21 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--shape",
+        type=int,
+        nargs=5,
+        metavar=("HIDDEN", "LAYERS", "HEADS", "KV_HEADS", "INTERMEDIATE"),
+        help="the model's sizes (default: the 27.8M bench model's; Qwen2-0.5B's "
+        "are 896 24 14 2 4864)",
+    )
     ns = parser.parse_args()
+    shape = None
+    if ns.shape:
+        names = ("hidden", "layers", "heads", "kv_heads", "intermediate")
+        shape = dict(zip(names, ns.shape, strict=True))
     with tempfile.TemporaryDirectory() as tmp:
-        model, load_format = checkpoint(Path(tmp), ns.tokenizer)
+        model, load_format = checkpoint(Path(tmp), ns.tokenizer, shape)
         config = EngineConfig(
             model=model,
             load_format=load_format,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from structllm.model.checkpoint import write_random_checkpoint
 from structllm.model.config import ModelConfig, tiny_random_config
 from structllm.server.app import build_app
 from structllm.server.serving import EngineSlot, ServerConfig
+from tests.processes import wait_gone
 
 pytestmark = pytest.mark.anyio
 
@@ -118,7 +118,7 @@ async def test_two_replicas_give_the_greedy_tokens_of_one(
         r.prefix_cache_queries for r in stats.replicas
     )
     assert stats.num_blocks == 2 * ENGINE["num_blocks"]
-    _wait_gone(*[pid for pid in pids if pid is not None])
+    wait_gone(*[pid for pid in pids if pid is not None])
 
 
 @asyncio_only
@@ -245,7 +245,7 @@ async def test_sigkill_of_one_replica_fails_only_its_requests() -> None:
         assert n == [GREEDY.max_tokens] * 2
         assert llm.statistics().replicas[1].prefix_cache_queries > before
     assert new1 is not None
-    _wait_gone(old0, old1, new1)
+    wait_gone(old0, old1, new1)
 
 
 @asyncio_only
@@ -488,19 +488,3 @@ async def _last(stream: Any) -> Any:
         last = out
     assert last is not None
     return last.outputs[0]
-
-
-def _wait_gone(*pids: int) -> None:
-    """Every pid exits within 5 s of the engine closing."""
-    deadline = time.monotonic() + 5.0
-    while any(map(_alive, pids)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [pid for pid in pids if _alive(pid)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-    except FileNotFoundError:
-        return False
-    return state != "Z"

@@ -29,6 +29,7 @@ from structllm.engine.protocol import FrameReader, Ready, Start, encode
 from structllm.errors import EngineCoreError
 from structllm.model.checkpoint import write_random_checkpoint
 from structllm.model.config import tiny_random_config
+from tests.processes import alive
 
 pytestmark = pytest.mark.anyio
 
@@ -151,22 +152,14 @@ def test_worker_exits_when_parent_is_killed(tmp_path: Path) -> None:
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(timeout=10)
         deadline = time.monotonic() + 5
-        while _alive(worker) and time.monotonic() < deadline:
+        while alive(worker) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(worker)
+        assert not alive(worker)
     finally:
         parent.kill()
         parent.wait()
         if parent.stdout is not None:
             parent.stdout.close()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def test_worker_outlives_the_thread_that_started_it() -> None:

@@ -28,6 +28,7 @@ from structllm.llm import LLM
 from structllm.model._paddle import paddle
 from structllm.model.checkpoint import write_random_checkpoint
 from structllm.model.config import ModelConfig
+from tests.processes import wait_gone
 
 pytestmark = [
     pytest.mark.anyio,
@@ -192,7 +193,7 @@ async def test_sigkill_of_rank_1_mid_stream_restarts_the_group() -> None:
         new0 = stats.core_pid
         assert new0 is not None and new0 != rank0
         [new1] = _children(new0)
-    _wait_gone(rank0, rank1, new0, new1)
+    wait_gone(rank0, rank1, new0, new1)
 
 
 @pytest.mark.parametrize(
@@ -223,7 +224,7 @@ async def test_a_rank_that_raises_fails_the_group_loudly(
         new0 = llm.statistics().core_pid
         assert new0 is not None
         [new1] = _children(new0)
-    _wait_gone(rank0, rank1, new0, new1)
+    wait_gone(rank0, rank1, new0, new1)
 
 
 async def test_a_hung_follower_is_caught_by_the_heartbeat() -> None:
@@ -251,7 +252,7 @@ async def test_a_hung_follower_is_caught_by_the_heartbeat() -> None:
         new0 = llm.statistics().core_pid
         assert new0 is not None
         [new1] = _children(new0)
-    _wait_gone(rank0, rank1, new0, new1)
+    wait_gone(rank0, rank1, new0, new1)
 
 
 def test_offline_llm_refuses_tensor_parallel_naming_the_field() -> None:
@@ -288,20 +289,3 @@ def _children(pid: int) -> list[int]:
     return [
         int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     ]
-
-
-def _wait_gone(*pids: int) -> None:
-    """Every pid exits within 5 s (a follower notices rank 0's death through
-    its pidfd watch, asynchronously)."""
-    deadline = time.monotonic() + 5.0
-    while any(map(_alive, pids)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [pid for pid in pids if _alive(pid)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-    except FileNotFoundError:
-        return False
-    return state != "Z"

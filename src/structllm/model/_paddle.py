@@ -70,7 +70,10 @@ def host_tensor(array: np.ndarray) -> paddle.Tensor:
     thread is re-pointed at ``array`` (with a trailing axis of 1) and a
     ``squeeze`` op makes the tensor returned: an independent view that
     keeps ``array``'s memory alive, built in C++ with no constructor call.
+    On an accelerator the array is copied there by ``paddle.to_tensor``.
     """
+    if paddle.get_device() != "cpu":
+        return paddle.to_tensor(array)
     holder: paddle.Tensor | None = getattr(_holder, "tensor", None)
     if holder is None:
         holder = _holder.tensor = paddle.empty([1], dtype="float32")

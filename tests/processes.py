@@ -8,9 +8,9 @@ from pathlib import Path
 
 def alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie, exited but not reaped, counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-    except FileNotFoundError:
+    try:  # the state follows the command name, which may hold spaces: "(a b)"
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
         return False
     return state != "Z"
 

@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -27,19 +26,11 @@ import pytest
 
 from structllm.llm import LLM
 from structllm.params import SamplingParams
+from tests.processes import alive
 from tests.test_server import ENGINE, _worker_pid, metric, run_server, wait_idle
 
 LOOPS = pytest.mark.parametrize("loop", ["asyncio", "trio"])
 LONG = {"prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}
-
-
-def alive(pid: int) -> bool:
-    """``pid`` runs (a zombie, exited but not yet reaped, does not count)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
 
 
 async def poll_health(url: str, statuses: list[int], seconds: float) -> list[int]:
@@ -140,7 +131,10 @@ def test_sigkill_of_the_core_fails_every_stream_then_recovers(loop: str) -> None
 def test_sigterm_finishes_short_requests_refuses_new_ones_exits_zero(
     loop: str,
 ) -> None:
-    streams, plain, tokens = 24, 8, 48
+    # tokens: enough that no short request can finish before the last one
+    # is admitted, even on a slow machine (the test signals with all 32 in
+    # the running batch); 33 x 8 blocks stay well inside --num-blocks 512
+    streams, plain, tokens = 24, 8, 120
     # the grace is long: the short requests finish well within it, and the
     # server exits as soon as the last open request ends, not at the grace
     grace = 60.0

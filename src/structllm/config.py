@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 import attrs
 
+from structllm._cores import cpu_cores
 from structllm.errors import EngineConfigError
 from structllm.params import SamplingParams
 from structllm.settings import (
@@ -149,6 +150,14 @@ class EngineConfig:
 
     def __attrs_post_init__(self) -> None:
         check_config(self)
+
+    def cpu_threads(self, processes: int = 1) -> int:
+        """Paddle threads for each rank: ``num_threads``, or this machine's
+        cores shared out among ``processes`` engines of ``tensor_parallel_size``
+        ranks each (at least 1)."""
+        if self.num_threads is not None:
+            return self.num_threads
+        return max(1, cpu_cores() // (processes * self.tensor_parallel_size))
 
 
 @attrs.frozen(kw_only=True)

@@ -39,7 +39,7 @@ from structllm.core.structured import (
     grammar_vocabulary,
 )
 from structllm.errors import EngineConfigError, InvalidRequestError
-from structllm.model._paddle import default_num_threads, set_num_threads
+from structllm.model._paddle import set_num_threads
 from structllm.model.config import ModelConfig
 from structllm.model.loader import LoadedModel, LoadProgress, load_model
 from structllm.model.sampler import TokenLogprobs, make_generator
@@ -122,8 +122,7 @@ class EngineCore:
     ) -> None:
         self.config = config
         tp = config.tensor_parallel_size
-        # ranks of one machine share its cores
-        set_num_threads(config.num_threads or max(1, default_num_threads() // tp))
+        set_num_threads(config.cpu_threads())  # ranks of one machine share its cores
         if tp > 1 and (tp_group is None or tp_group.size != tp):
             raise EngineConfigError(
                 f"tensor_parallel_size={tp} runs in the engine's core process, "
@@ -401,8 +400,7 @@ def load_engine_model(
     }
     tp = config.tensor_parallel_size
     if tp == 1:
-        threads = config.num_threads or default_num_threads()
-        return load_model(config.model, num_threads=threads, **common)
+        return load_model(config.model, num_threads=config.cpu_threads(), **common)
     from structllm.model.parallel import load_model_shard
 
     return load_model_shard(config.model, tp, rank, **common)

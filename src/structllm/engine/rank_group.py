@@ -341,7 +341,6 @@ def _follow(sock: socket.socket) -> int:
     from structllm.core.runner import run_forward
     from structllm.engine.core_process import _inject
     from structllm.model._paddle import (
-        default_num_threads,
         paddle,
         set_num_threads,
     )
@@ -350,8 +349,7 @@ def _follow(sock: socket.socket) -> int:
     if not isinstance(setup, RankSetup):
         return 0  # rank 0 went away before saying what to load
     config = setup.config
-    tp = config.tensor_parallel_size
-    set_num_threads(config.num_threads or max(1, default_num_threads() // tp))
+    set_num_threads(config.cpu_threads())
     paddle.distributed.init_parallel_env()
     rank = paddle.distributed.get_rank()
     model = load_engine_model(config, rank).model

@@ -26,7 +26,6 @@ a single code path whatever the size (1 by default).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -65,12 +64,7 @@ def replica_config(engine: EngineConfig, replicas: int) -> EngineConfig:
     each rank of each replica gets its share of this machine's cores."""
     if replicas == 1 or engine.num_threads is not None:
         return engine
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    share = max(1, cores // (replicas * engine.tensor_parallel_size))
-    return attrs.evolve(engine, num_threads=share)
+    return attrs.evolve(engine, num_threads=engine.cpu_threads(replicas))
 
 
 @attrs.define(eq=False)

@@ -9,6 +9,8 @@ import warnings
 
 import numpy as np
 
+from structllm._cores import cpu_cores
+
 # Paddle's C++ logging (glog) writes warnings to stderr, e.g. one from
 # to_static on every process that builds oneDNN predictors; errors still show
 os.environ.setdefault("GLOG_minloglevel", "2")
@@ -29,10 +31,7 @@ __all__ = [
 
 def default_num_threads() -> int:
     """CPU threads for Paddle's math: the cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+    return cpu_cores()
 
 
 def set_num_threads(n: int | None = None) -> None:

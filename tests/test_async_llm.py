@@ -497,3 +497,17 @@ async def test_a_stream_refuses_n_samples() -> None:
                 async for _ in g:
                     pass  # pragma: no cover
         await all_blocks_free(llm)
+
+
+async def test_cancelling_complete_with_n_samples_frees_every_sample() -> None:
+    long = SamplingParams(max_tokens=200, ignore_eos=True, n=3)
+    async with open_llm() as llm:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(llm.complete, "Hi", long)
+            with anyio.fail_after(10):
+                await llm.wait_statistics(lambda s: s.running == 3)
+            tg.cancel_scope.cancel()  # the caller's scope, not an abort
+        await all_blocks_free(llm)
+        out = await llm.complete("Hi", SamplingParams(max_tokens=2, n=2))
+        assert [len(c.token_ids) for c in out.outputs] == [2, 2]  # serving on
+        await all_blocks_free(llm)

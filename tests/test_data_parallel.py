@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 import anyio.abc
 import anyio.lowlevel
+import attrs
 import httpx
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream
@@ -36,10 +37,11 @@ from structllm.errors import EngineConfigError, EngineOverloadedError
 from structllm.llm import LLM
 from structllm.model._paddle import paddle
 from structllm.model.checkpoint import write_random_checkpoint
-from structllm.model.config import ModelConfig, tiny_random_config
+from structllm.model.config import tiny_random_config
 from structllm.server.app import build_app
 from structllm.server.serving import EngineSlot, ServerConfig
 from tests.processes import wait_gone
+from tests.test_tensor_parallel_engine import _BASE as TP_MODEL
 
 pytestmark = pytest.mark.anyio
 
@@ -51,17 +53,8 @@ ENGINE: dict[str, Any] = {
 }
 FRONT = {"show_progress": False}
 TOKENIZER = {"tokenizer": "tiny-random"}  # the byte tokenizer
-MODEL = ModelConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=320,  # the byte tokenizer's 258 ids fit
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=1024,
-)
+#: tensor parallel's test model (the byte tokenizer's ids fit), longer
+MODEL = attrs.evolve(TP_MODEL, max_position_embeddings=1024)
 PROMPTS = ["Hello", "The quick brown fox", "data parallel", "a", "bc", "Hello!"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)

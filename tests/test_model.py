@@ -76,14 +76,21 @@ CONFIGS = {
 
 
 def _model(
-    config: ModelConfig, block_size: int = 4, backend: str = "eager"
+    config: ModelConfig,
+    block_size: int = 4,
+    backend: str = "eager",
+    attention: str = "kernels",
 ) -> LlamaForCausalLM:
-    return build_model(
+    model = build_model(
         config,
         dict(random_hf_tensors(config, seed=3)),
         block_size=block_size,
         backend=backend,
     )
+    # the compiled CPU kernels (model/kernels.py), or Paddle ops alone
+    assert model.attention.use_kernels
+    model.attention.use_kernels = attention == "kernels"
+    return model
 
 
 def _run(model, seqs, token_ids, positions, caches):
@@ -97,12 +104,15 @@ def _run(model, seqs, token_ids, positions, caches):
     return model.compute_logits(hidden).numpy()
 
 
+@pytest.mark.parametrize("attention", ["kernels", "ops"])
 @pytest.mark.parametrize("backend", ["eager", "inference"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_mixed_paged_batch_matches_reference(name: str, backend: str) -> None:
+def test_mixed_paged_batch_matches_reference(
+    name: str, backend: str, attention: str
+) -> None:
     config = CONFIGS[name]
     block_size = 4
-    model = _model(config, block_size, backend)
+    model = _model(config, block_size, backend, attention)
     weights = dict(random_hf_tensors(config, seed=3))
     rng = np.random.default_rng(0)
     # four sequences with shuffled, interleaved blocks in one pool
@@ -141,9 +151,10 @@ def test_mixed_paged_batch_matches_reference(name: str, backend: str) -> None:
     assert done == lengths
 
 
-def test_decode_after_prefill_matches_reference() -> None:
+@pytest.mark.parametrize("attention", ["kernels", "ops"])
+def test_decode_after_prefill_matches_reference(attention: str) -> None:
     config = CONFIGS["llama-gqa-tied"]
-    model = _model(config, block_size=4)
+    model = _model(config, block_size=4, attention=attention)
     weights = dict(random_hf_tensors(config, seed=3))
     ids = list(range(40, 58))
     expected = reference_logits(config, weights, ids)
@@ -163,14 +174,16 @@ def test_decode_rows_must_come_first() -> None:
         )
 
 
-def test_gather_refuses_a_slot_outside_the_cache() -> None:
-    # host gathers use np.take(mode="clip") into reused buffers; the range is
-    # checked first, so a bad block table raises instead of reading slot 0
-    model = _model(tiny_random_config(), block_size=4)
+@pytest.mark.parametrize("attention", ["kernels", "ops"])
+def test_gather_refuses_a_slot_outside_the_cache(attention: str) -> None:
+    # host gathers use np.take(mode="clip") into reused buffers, and the
+    # kernels read unchecked; the range is checked first, so a bad block
+    # table raises instead of reading another slot (or outside the cache)
+    model = _model(tiny_random_config(), block_size=4, attention=attention)
     caches = model.allocate_kv_cache(2)  # 8 slots
     # the new token goes to block 0 (valid); its past sits in block 5 (not)
     meta = model.attention.build_metadata([SequenceSlice(4, 1, [5, 0])])
-    with pytest.raises(IndexError, match="slot out of range"):
+    with pytest.raises(IndexError, match=r"(slot|block) out of range"):
         model.forward(
             paddle.to_tensor(np.array([1], dtype=np.int64)),
             paddle.to_tensor(np.array([4], dtype=np.int64)),

@@ -9,6 +9,7 @@ the attention calls and the predictor calls (wrapped with timers), median
 over REPS steps; BATCH one-token sequences with CONTEXT cached tokens each.
 """
 
+import os
 import sys
 import tempfile
 import time
@@ -58,6 +59,7 @@ def main() -> None:
     pos = paddle.to_tensor(np.full(B, CTX, np.int64))
     for backend in BACKENDS:
         m = load_model(d, backend=backend, num_threads=2).model
+        m.attention.use_kernels = os.environ.get("KERNELS", "1") == "1"
         kv = m.allocate_kv_cache(B * per_seq + 1)
         for k, v in kv:
             np.from_dlpack(k)[:] = rng.standard_normal(k.shape).astype(np.float32)

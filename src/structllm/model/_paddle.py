@@ -10,6 +10,7 @@ import warnings
 import numpy as np
 
 from structllm._cores import cpu_cores
+from structllm.model import kernels
 
 # Paddle's C++ logging (glog) writes warnings to stderr, e.g. one from
 # to_static on every process that builds oneDNN predictors; errors still show
@@ -35,8 +36,11 @@ def default_num_threads() -> int:
 
 
 def set_num_threads(n: int | None = None) -> None:
-    """Paddle runs CPU math on one thread unless told otherwise."""
-    paddle.base.core.set_num_threads(n or default_num_threads())
+    """Paddle runs CPU math on one thread unless told otherwise; the
+    compiled attention kernels take the same number."""
+    n = n or default_num_threads()
+    paddle.base.core.set_num_threads(n)
+    kernels.set_num_threads(n)
 
 
 @functools.cache

@@ -33,9 +33,16 @@ from collections.abc import Collection, Mapping, Sequence
 import attrs
 import numpy as np
 
+from structllm.model import kernels
 from structllm.model._paddle import host_tensor, paddle
 
-__all__ = ["AttentionMetadata", "PortableAttention", "SequenceSlice", "slots_for"]
+__all__ = [
+    "AttentionMetadata",
+    "PortableAttention",
+    "RopeTables",
+    "SequenceSlice",
+    "slots_for",
+]
 
 _NEG_INF = -1e30
 
@@ -78,6 +85,13 @@ class AttentionMetadata:
     #: window (None: full attention) -> (B, group, K) additive mask
     decode_masks: Mapping[int | None, paddle.Tensor]
     prefills: tuple[_Prefill, ...]
+    #: for the compiled kernels instead of slots and masks: (B, max_blocks)
+    #: block tables (padded with block 0) and (B,) keys each decode row sees
+    decode_tables: np.ndarray | None = None
+    decode_lens: np.ndarray | None = None
+    use_kernels: bool = False  # write (and attend decode rows) with them
+    #: (T,) int64 each token's position (for the kernels' RoPE)
+    positions: np.ndarray | None = None
 
 
 class PortableAttention:
@@ -91,7 +105,12 @@ class PortableAttention:
         block_size: int,
         *,
         windows: Collection[int | None] = (None,),
+        use_kernels: bool = False,
     ) -> None:
+        #: attend decode rows and write the cache with the compiled CPU
+        #: kernels (``kernels.py``); needs a float32 cache on the host and
+        #: numba. May be switched between steps, not within one.
+        self.use_kernels = use_kernels and kernels.available()
         #: the windows layers use: a query at position p sees keys j with
         #: p - j < window; None: all earlier keys. One mask per window a step.
         self.windows = tuple(sorted(set(windows), key=lambda w: (w is not None, w)))
@@ -103,6 +122,8 @@ class PortableAttention:
         self.scale = head_dim**-0.5
         #: host gathers land in these (K, V), reused by every layer and step
         self._gathered = (_Scratch(), _Scratch())
+        #: the kernels' rotated queries, reused likewise
+        self._rotated_q = _Scratch()
 
     def build_metadata(self, seqs: Sequence[SequenceSlice]) -> AttentionMetadata:
         """Slots, gathers and masks for ``seqs`` (one-token sequences first)."""
@@ -121,10 +142,13 @@ class PortableAttention:
             np.concatenate(slot_parts) if slot_parts else np.zeros(0, np.int64)
         )
 
-        decode_slots = None
+        decode_slots = decode_tables = decode_lens = None
         decode_masks: dict[int | None, paddle.Tensor] = {}
         width = 0
-        if num_decodes:
+        if num_decodes and self.use_kernels:
+            decode_lens, decode_tables = _padded_tables(seqs[:num_decodes], bs)
+            width = int(decode_lens.max())
+        elif num_decodes:
             lens = np.array([s.context_len + 1 for s in seqs[:num_decodes]])
             width = int(lens.max())
             slots = np.zeros((num_decodes, width), dtype=np.int64)
@@ -166,6 +190,14 @@ class PortableAttention:
             decode_width=width,
             decode_masks=decode_masks,
             prefills=tuple(prefills),
+            decode_tables=decode_tables,
+            decode_lens=decode_lens,
+            use_kernels=self.use_kernels,
+            positions=np.concatenate(
+                [np.arange(s.context_len, s.context_len + s.query_len) for s in seqs]
+            )
+            if self.use_kernels and seqs
+            else None,
         )
 
     def _mask(self, seen: np.ndarray) -> paddle.Tensor:
@@ -199,32 +231,129 @@ class PortableAttention:
         window: int | None = None,
     ) -> paddle.Tensor:  # (T, num_heads * head_dim)
         """Attend ``q`` over the cache (after writing ``k``/``v``) under ``window``."""
-        kvh, g, d = self.num_kv_heads, self.group, self.head_dim
         cache = _SlotIO(k_cache, v_cache, self._gathered)
-        cache.write(meta.slot_mapping, k, v)
+        outs = []
+        if meta.use_kernels:
+            k_host, v_host = np.from_dlpack(k_cache), np.from_dlpack(v_cache)
+            # written before attending: each decode row's own key is its last
+            kernels.write_kv(_host(k), _host(v), k_host, v_host, meta.slot_mapping)
+            if meta.num_decodes:
+                outs.append(self._decode_kernel(q, k_host, v_host, meta, window))
+        else:
+            cache.write(meta.slot_mapping, k, v)
+            if meta.num_decodes:
+                outs.append(self._decode_ops(q, cache, meta, window))
+        outs.extend(self._prefill(q, p, cache, window) for p in meta.prefills)
+        return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
+
+    def forward_qkv(
+        self,
+        qkv: paddle.Tensor,  # (T, (nh + 2 kvh) d): [q | k | v] before RoPE
+        k_cache: paddle.Tensor,  # (num_kv_heads, num_slots, head_dim)
+        v_cache: paddle.Tensor,
+        meta: AttentionMetadata,
+        rope: RopeTables,
+        window: int | None = None,
+        q_norm: paddle.Tensor | None = None,  # (d,) Qwen3
+        k_norm: paddle.Tensor | None = None,
+        eps: float = 0.0,
+    ) -> paddle.Tensor:  # (T, num_heads * head_dim)
+        """The whole attention from the fused q/k/v projection, by the kernels.
+
+        One pass does Qwen3's q/k norm, RoPE and the cache writes
+        (``kernels.rope_and_write``); decode rows are attended in place,
+        prefill rows as in :meth:`forward`. Needs ``meta.use_kernels``.
+        """
+        assert meta.use_kernels and meta.positions is not None
+        t = meta.num_tokens
+        k_host, v_host = np.from_dlpack(k_cache), np.from_dlpack(v_cache)
+        q_host = self._rotated_q.array((t, self.num_heads, self.head_dim))
+        kernels.rope_and_write(
+            _host(qkv),
+            meta.positions,
+            rope.cos,
+            rope.sin,
+            self.num_heads,
+            None if q_norm is None else _host(q_norm),
+            None if k_norm is None else _host(k_norm),
+            eps,
+            k_host,
+            v_host,
+            meta.slot_mapping,
+            q_host,
+        )
         outs = []
         if meta.num_decodes:
-            b, width = meta.num_decodes, meta.decode_width
-            assert meta.decode_slots is not None
-            kd, vd = cache.gather(meta.decode_slots)  # (kvh, B * K, d)
-            qd = q[:b].reshape([b, kvh, g, d]).transpose([1, 0, 2, 3])  # (kvh, B, g, d)
-            out = self._attend(
-                qd,
-                kd.reshape([kvh, b, width, d]),
-                vd.reshape([kvh, b, width, d]),
-                meta.decode_masks[window],
-            )  # (kvh, B, g, d)
-            outs.append(out.transpose([1, 0, 2, 3]).reshape([b, kvh * g * d]))
-        for p in meta.prefills:
-            n = p.stop - p.start
-            kp, vp = cache.gather(p.kv_slots)  # (kvh, L, d)
-            qp = q[p.start : p.stop].reshape([n, kvh, g * d]).transpose([1, 0, 2])
-            # (kvh, q g, d) @ (kvh, L, d)^T -> (kvh, q g, L): one matmul a kv
-            # head (a (kvh, q, g, d) @ (kvh, 1, L, d) broadcast is 6x slower)
-            out = self._attend(qp.reshape([kvh, n * g, d]), kp, vp, p.masks[window])
-            out = out.reshape([kvh, n, g * d]).transpose([1, 0, 2])
-            outs.append(out.reshape([n, kvh * g * d]))
+            outs.append(self._decode_kernel(q_host, k_host, v_host, meta, window))
+        if meta.prefills:
+            cache = _SlotIO(k_cache, v_cache, self._gathered)
+            q = host_tensor(q_host)
+            outs.extend(self._prefill(q, p, cache, window) for p in meta.prefills)
         return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
+
+    def _decode_kernel(
+        self,
+        q: paddle.Tensor | np.ndarray,  # (T, nh, d)
+        k_cache: np.ndarray,  # (kvh, S, d)
+        v_cache: np.ndarray,
+        meta: AttentionMetadata,
+        window: int | None,
+    ) -> paddle.Tensor:  # (B, nh * d)
+        """The decode rows, by the compiled kernel reading the cache in place."""
+        assert meta.decode_tables is not None and meta.decode_lens is not None
+        b = meta.num_decodes
+        if int(meta.decode_tables.max()) * self.block_size >= k_cache.shape[1]:
+            raise IndexError(f"block out of range for a cache of {k_cache.shape[1]}")
+        out = kernels.decode_attention(
+            q[:b] if isinstance(q, np.ndarray) else _host(q[:b]),
+            k_cache,
+            v_cache,
+            meta.decode_tables,
+            meta.decode_lens,
+            window,
+            self.scale,
+            self.block_size,
+        )  # (B, nh, d)
+        return host_tensor(out.reshape(b, -1))
+
+    def _decode_ops(
+        self,
+        q: paddle.Tensor,  # (T, nh, d)
+        cache: _SlotIO,
+        meta: AttentionMetadata,
+        window: int | None,
+    ) -> paddle.Tensor:  # (B, nh * d)
+        """The decode rows as one padded batch: gathers, matmuls, masks."""
+        kvh, g, d = self.num_kv_heads, self.group, self.head_dim
+        b, width = meta.num_decodes, meta.decode_width
+        assert meta.decode_slots is not None
+        kd, vd = cache.gather(meta.decode_slots)  # (kvh, B * K, d)
+        qd = q[:b].reshape([b, kvh, g, d]).transpose([1, 0, 2, 3])  # (kvh, B, g, d)
+        out = self._attend(
+            qd,
+            kd.reshape([kvh, b, width, d]),
+            vd.reshape([kvh, b, width, d]),
+            meta.decode_masks[window],
+        )  # (kvh, B, g, d)
+        return out.transpose([1, 0, 2, 3]).reshape([b, kvh * g * d])
+
+    def _prefill(
+        self,
+        q: paddle.Tensor,  # (T, nh, d)
+        p: _Prefill,
+        cache: _SlotIO,
+        window: int | None,
+    ) -> paddle.Tensor:  # (n, nh * d)
+        """One prefill chunk against its cached prefix and itself."""
+        kvh, g, d = self.num_kv_heads, self.group, self.head_dim
+        n = p.stop - p.start
+        kp, vp = cache.gather(p.kv_slots)  # (kvh, L, d)
+        qp = q[p.start : p.stop].reshape([n, kvh, g * d]).transpose([1, 0, 2])
+        # (kvh, q g, d) @ (kvh, L, d)^T -> (kvh, q g, L): one matmul a kv
+        # head (a (kvh, q, g, d) @ (kvh, 1, L, d) broadcast is 6x slower)
+        out = self._attend(qp.reshape([kvh, n * g, d]), kp, vp, p.masks[window])
+        out = out.reshape([kvh, n, g * d]).transpose([1, 0, 2])
+        return out.reshape([n, kvh * g * d])
 
     def _attend(
         self,
@@ -242,21 +371,54 @@ class PortableAttention:
         return paddle.matmul(probs, v)
 
 
+def _padded_tables(
+    seqs: Sequence[SequenceSlice], block_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Keys each one-token sequence sees, and its block table padded with 0.
+
+    The kernel reads ``table[p // block_size]`` for every position ``p``
+    below the length, unchecked; a table too short for its length has
+    already failed :func:`slots_for` for the new token's slot.
+    """
+    lens = np.array([s.context_len + 1 for s in seqs], dtype=np.int64)
+    tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), np.int64)
+    for i, s in enumerate(seqs):
+        tables[i, : len(s.block_table)] = s.block_table
+    return lens, tables
+
+
+def _host(t: paddle.Tensor) -> np.ndarray:
+    """A C-contiguous host array of ``t`` (a copy only if ``t`` is strided)."""
+    return np.from_dlpack(t.contiguous())
+
+
+@attrs.frozen
+class RopeTables:
+    """Full-width RoPE tables on the host, ``(max_len, head_dim)`` float32:
+    ``cos = [c | c]`` and ``sin = [-s | s]`` (see ``llama._apply_rope``)."""
+
+    cos: np.ndarray
+    sin: np.ndarray
+
+
 class _Scratch:
-    """A float32 host buffer that grows to the largest gather seen."""
+    """A float32 host buffer that grows to the largest use seen."""
 
     def __init__(self) -> None:
         self._buf = np.empty(0, np.float32)
+
+    def array(self, shape: tuple[int, ...]) -> np.ndarray:
+        """An uninitialised ``shape`` view of this buffer (valid until the next)."""
+        size = int(np.prod(shape))
+        if self._buf.size < size:
+            self._buf = np.empty(size, np.float32)
+        return self._buf[:size].reshape(shape)
 
     def take(self, src: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """``np.take(src, slots, axis=1)`` into this buffer (valid until the next)."""
         if slots.size and not (slots.min() >= 0 and slots.max() < src.shape[1]):
             raise IndexError(f"slot out of range for a cache of {src.shape[1]}")
-        shape = (src.shape[0], slots.size, *src.shape[2:])
-        size = int(np.prod(shape))
-        if self._buf.size < size:
-            self._buf = np.empty(size, np.float32)
-        out = self._buf[:size].reshape(shape)
+        out = self.array((src.shape[0], slots.size, *src.shape[2:]))
         # mode="clip" (range checked above): with "raise", out= goes through
         # a temporary copy
         return np.take(src, slots, axis=1, out=out, mode="clip")

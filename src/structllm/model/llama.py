@@ -17,7 +17,7 @@ import attrs
 import numpy as np
 
 from structllm.model._paddle import paddle
-from structllm.model.attention import AttentionMetadata, PortableAttention
+from structllm.model.attention import AttentionMetadata, PortableAttention, RopeTables
 from structllm.model.config import ModelConfig, RopeScaling
 
 __all__ = [
@@ -140,6 +140,8 @@ class LlamaForCausalLM:
             config.head_dim,
             block_size,
             windows={config.layer_window(i) for i in range(config.num_hidden_layers)},
+            # the compiled kernels read a float32 cache in host memory
+            use_kernels=self.dtype == paddle.float32 and paddle.get_device() == "cpu",
         )
         self._windows = [
             config.layer_window(i) for i in range(config.num_hidden_layers)
@@ -151,8 +153,12 @@ class LlamaForCausalLM:
         # full-width tables, sin signed for the rotated half: (max_len, head_dim)
         scale = rope_attention_factor(config)
         cos, sin = np.cos(freqs) * scale, np.sin(freqs) * scale
-        self._cos = paddle.to_tensor(np.concatenate([cos, cos], -1).astype(np.float32))
-        self._sin = paddle.to_tensor(np.concatenate([-sin, sin], -1).astype(np.float32))
+        self._rope = RopeTables(
+            cos=np.concatenate([cos, cos], -1).astype(np.float32),
+            sin=np.concatenate([-sin, sin], -1).astype(np.float32),
+        )
+        self._cos = paddle.to_tensor(self._rope.cos)
+        self._sin = paddle.to_tensor(self._rope.sin)
 
     def allocate_kv_cache(
         self, num_blocks: int
@@ -204,13 +210,45 @@ class LlamaForCausalLM:
     ) -> paddle.Tensor:  # (T, H), before the final norm
         c = self.config
         w = self.weights
-        cos, sin = self.rope_tables(positions)
         x = paddle.nn.functional.embedding(input_ids, w.embed)  # (T, H)
+        if meta.use_kernels:
+            return self._residual_stream_kernels(x, kv_caches, meta)
+        cos, sin = self.rope_tables(positions)
         for i, layer in enumerate(w.layers):
             q, k, v = attention_inputs(c, layer, x, cos, sin)
             k_cache, v_cache = kv_caches[i]
             attn = self.attention.forward(
                 q, k, v, k_cache, v_cache, meta, self._windows[i]
+            )  # (T, nh * d)
+            x = layer_output(c, layer, x, attn, self.all_reduce)
+        return x
+
+    def _residual_stream_kernels(
+        self,
+        x: paddle.Tensor,  # (T, H) the embeddings
+        kv_caches: Sequence[tuple[paddle.Tensor, paddle.Tensor]],
+        meta: AttentionMetadata,
+    ) -> paddle.Tensor:  # (T, H)
+        """The layers with RoPE, the cache writes and decode attention in the
+        compiled kernels (``attention.forward_qkv``): from the q/k/v
+        projection to the attention output is two kernel calls a layer."""
+        c = self.config
+        for i, layer in enumerate(self.weights.layers):
+            h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
+            qkv = paddle.matmul(h, layer.qkv)  # (T, q_size + 2 kv_size)
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
+            k_cache, v_cache = kv_caches[i]
+            attn = self.attention.forward_qkv(
+                qkv,
+                k_cache,
+                v_cache,
+                meta,
+                self._rope,
+                self._windows[i],
+                layer.q_norm,
+                layer.k_norm,
+                c.rms_norm_eps,
             )  # (T, nh * d)
             x = layer_output(c, layer, x, attn, self.all_reduce)
         return x

@@ -1,0 +1,307 @@
+"""CPU kernels for paged attention, compiled by numba (no C++ build step).
+
+Paddle has no paged attention for CPU, and building one from its ops costs
+two passes over the batch's keys and values a layer: a gather out of the
+paged cache into a padded ``(kv_heads, B, K, d)`` tensor, then the batched
+matmuls that read it. At batch 16 the gathers alone were 40% of a decode
+step (docs/benchmarks.md). These kernels read the cache in place, block by
+block through each sequence's block table, with the softmax fused in, so a
+decode step reads each cached key and value once, in one call a layer.
+A second kernel takes the fused q/k/v projection as it leaves the matmul
+and does the rest of the attention's input work in one pass: Qwen3's
+per-head q/k norm, RoPE, the cache writes.
+
+The kernels work on numpy views of the Paddle tensors (DLPack, zero copy):
+float32, C-contiguous, on the host. :func:`available` says whether numba
+imported; without it the portable Paddle-op path in ``attention.py`` runs.
+They release the GIL, so the server's event loop runs meanwhile, and
+decode attention spreads its (sequence, kv head) pairs over the threads
+Paddle was given (:func:`set_num_threads`) when the batch is big enough to
+pay for the hand-off. Compiled code is cached on disk (numba's
+``cache=True``: next to this file, or in numba's user cache directory when
+that is read-only), so a new process loads it (~0.1 s) instead of
+compiling again (a few seconds, once per install).
+
+Arithmetic is float32 with reassociation allowed (``fastmath``): sums are
+vectorised, so results differ from Paddle's matmuls in the last bits, as two
+BLAS libraries do. The softmax subtracts each row's maximum first.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "available",
+    "decode_attention",
+    "rope_and_write",
+    "set_num_threads",
+    "write_kv",
+]
+
+numba: Any
+try:
+    numba = importlib.import_module("numba")
+except ImportError:  # pragma: no cover - numba comes with the cpu extra
+    numba = None
+
+#: below this many (sequence, kv head) pairs times keys, decode attention
+#: runs on the calling thread: waking a second one costs more than it saves
+#: (a single stream of a few hundred tokens; docs/benchmarks.md)
+_PARALLEL_MIN_WORK = 8192
+_threads = 1
+
+
+def available() -> bool:
+    """Whether the compiled kernels can run (numba imported)."""
+    return numba is not None
+
+
+def set_num_threads(n: int) -> None:
+    """Threads for :func:`decode_attention` (Paddle's share of the cores)."""
+    global _threads
+    if numba is not None:
+        _threads = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+
+
+def _jit(parallel: bool = False) -> Callable[[Any], Any]:
+    def compile(f: Any) -> Any:
+        if numba is None:  # pragma: no cover
+            return f
+        return numba.njit(
+            nogil=True,
+            fastmath=True,
+            cache=True,
+            boundscheck=False,
+            parallel=parallel,
+        )(f)
+
+    return compile
+
+
+#: a parallel loop where compiled with parallel=True, else a plain range
+_prange = range if numba is None else numba.prange
+
+
+@_jit()
+def _write_kv(
+    k: np.ndarray,  # (T, kvh, d)
+    v: np.ndarray,
+    k_cache: np.ndarray,  # (kvh, S, d)
+    v_cache: np.ndarray,
+    slots: np.ndarray,  # (T,) int64
+) -> None:  # pragma: no cover - compiled
+    t_len, kvh, d = k.shape
+    for t in range(t_len):
+        s = slots[t]
+        for h in range(kvh):
+            for e in range(d):
+                k_cache[h, s, e] = k[t, h, e]
+                v_cache[h, s, e] = v[t, h, e]
+
+
+@_jit()
+def _rope_and_write(
+    qkv: np.ndarray,  # (T, (nh + 2 kvh) d): [q heads | k heads | v heads]
+    positions: np.ndarray,  # (T,) int64
+    cos: np.ndarray,  # (max_len, d): [c | c]
+    sin: np.ndarray,  # (max_len, d): [-s | s]
+    num_heads: int,
+    q_norm: np.ndarray,  # (d,) or (0,): Qwen3's per-head RMSNorm weights
+    k_norm: np.ndarray,
+    eps: float,
+    k_cache: np.ndarray,  # (kvh, S, d)
+    v_cache: np.ndarray,
+    slots: np.ndarray,  # (T,) int64
+    q_out: np.ndarray,  # (T, nh, d)
+) -> None:  # pragma: no cover - compiled
+    t_len = qkv.shape[0]
+    kvh, _, d = k_cache.shape
+    half = d // 2
+    normed = q_norm.shape[0] > 0
+    head = np.empty(d, np.float32)
+    for t in range(t_len):
+        p = positions[t]
+        s = slots[t]
+        for hh in range(num_heads + kvh):
+            base = hh * d
+            for e in range(d):
+                head[e] = qkv[t, base + e]
+            if normed:
+                total = np.float32(0.0)
+                for e in range(d):
+                    total += head[e] * head[e]
+                inv = np.float32(1.0) / np.sqrt(total / d + np.float32(eps))
+                w = q_norm if hh < num_heads else k_norm
+                for e in range(d):
+                    head[e] = head[e] * inv * w[e]
+            # x * cos + [x2 | x1] * sin, as llama.py's _apply_rope
+            if hh < num_heads:
+                for e in range(d):
+                    other = head[e + half] if e < half else head[e - half]
+                    q_out[t, hh, e] = head[e] * cos[p, e] + other * sin[p, e]
+            else:
+                h = hh - num_heads
+                for e in range(d):
+                    other = head[e + half] if e < half else head[e - half]
+                    k_cache[h, s, e] = head[e] * cos[p, e] + other * sin[p, e]
+        for h in range(kvh):
+            base = (num_heads + kvh + h) * d
+            for e in range(d):
+                v_cache[h, s, e] = qkv[t, base + e]
+
+
+def _decode_attention_py(
+    q: np.ndarray,  # (B, nh, d)
+    k_cache: np.ndarray,  # (kvh, S, d)
+    v_cache: np.ndarray,
+    tables: np.ndarray,  # (B, max_blocks) int64
+    lens: np.ndarray,  # (B,) int64: keys each row sees, the new one included
+    window: int,  # 0: all earlier keys; else the last `window` of them
+    scale: float,
+    block_size: int,
+    out: np.ndarray,  # (B, nh, d)
+) -> None:  # pragma: no cover - compiled
+    b_len, nh, d = q.shape
+    kvh = k_cache.shape[0]
+    g_len = nh // kvh
+    for bh in _prange(b_len * kvh):
+        b = bh // kvh
+        h = bh - b * kvh
+        n = lens[b]
+        start = n - window if 0 < window < n else 0
+        keys = n - start
+        qs = np.empty((g_len, d), np.float32)
+        for g in range(g_len):
+            for e in range(d):
+                qs[g, e] = q[b, h * g_len + g, e] * scale
+        scores = np.empty((g_len, keys), np.float32)
+        for j in range(keys):
+            pos = start + j
+            slot = tables[b, pos // block_size] * block_size + pos % block_size
+            for g in range(g_len):
+                acc = np.float32(0.0)
+                for e in range(d):
+                    acc += qs[g, e] * k_cache[h, slot, e]
+                scores[g, j] = acc
+        for g in range(g_len):
+            top = scores[g, 0]
+            for j in range(1, keys):
+                top = max(top, scores[g, j])
+            total = np.float32(0.0)
+            for j in range(keys):
+                p = np.exp(scores[g, j] - top)
+                scores[g, j] = p
+                total += p
+            inv = np.float32(1.0) / total
+            for j in range(keys):
+                scores[g, j] *= inv
+        acc_out = np.zeros((g_len, d), np.float32)
+        for j in range(keys):
+            pos = start + j
+            slot = tables[b, pos // block_size] * block_size + pos % block_size
+            for g in range(g_len):
+                p = scores[g, j]
+                for e in range(d):
+                    acc_out[g, e] += p * v_cache[h, slot, e]
+        for g in range(g_len):
+            for e in range(d):
+                out[b, h * g_len + g, e] = acc_out[g, e]
+
+
+_decode_attention = _jit()(_decode_attention_py)
+_decode_attention_parallel = _jit(parallel=True)(_decode_attention_py)
+
+
+def _check_slots(slots: np.ndarray, cache: np.ndarray) -> None:
+    if slots.size and not (slots.min() >= 0 and slots.max() < cache.shape[1]):
+        raise IndexError(f"slot out of range for a cache of {cache.shape[1]}")
+
+
+def write_kv(
+    k: np.ndarray,
+    v: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    slots: np.ndarray,
+) -> None:
+    """Store the step's keys and values ``(T, kvh, d)`` at ``slots`` of the
+    caches ``(kvh, S, d)``."""
+    _check_slots(slots, k_cache)
+    _write_kv(k, v, k_cache, v_cache, slots)
+
+
+def rope_and_write(
+    qkv: np.ndarray,
+    positions: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    num_heads: int,
+    q_norm: np.ndarray | None,
+    k_norm: np.ndarray | None,
+    eps: float,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    slots: np.ndarray,
+    q_out: np.ndarray,
+) -> None:
+    """From the fused projection ``qkv (T, (nh + 2 kvh) d)``: the rotated
+    queries into ``q_out (T, nh, d)``, and the rotated keys and the values
+    into the caches at ``slots``.
+
+    ``cos`` and ``sin`` are full-width tables (``[c | c]``, ``[-s | s]``)
+    indexed by position; ``q_norm``/``k_norm`` (Qwen3) normalise each head
+    before it is rotated.
+    """
+    _check_slots(slots, k_cache)
+    if positions.size and not (positions.min() >= 0 and positions.max() < len(cos)):
+        raise IndexError(f"position out of range for a RoPE table of {len(cos)}")
+    empty = np.zeros(0, np.float32)
+    _rope_and_write(
+        qkv,
+        positions,
+        cos,
+        sin,
+        num_heads,
+        empty if q_norm is None else q_norm,
+        empty if k_norm is None else k_norm,
+        eps,
+        k_cache,
+        v_cache,
+        slots,
+        q_out,
+    )
+
+
+def decode_attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    tables: np.ndarray,
+    lens: np.ndarray,
+    window: int | None,
+    scale: float,
+    block_size: int,
+) -> np.ndarray:
+    """One query a row, ``q (B, nh, d)``, over its sequence's cached keys.
+
+    Row ``b`` sees positions ``0..lens[b]-1`` (its own key, written before,
+    is the last), or only the last ``window`` of them, through the block
+    table ``tables[b]``. Returns ``(B, nh, d)``. The caller checks that
+    ``tables`` covers ``lens`` and stays inside the cache: the kernel reads
+    unchecked.
+    """
+    out = np.empty(q.shape, np.float32)
+    args = (q, k_cache, v_cache, tables, lens, window or 0, scale, block_size, out)
+    work = len(lens) * k_cache.shape[0] * int(lens.max(initial=0))
+    if _threads > 1 and work >= _PARALLEL_MIN_WORK:
+        if numba.get_num_threads() != _threads:
+            numba.set_num_threads(_threads)  # per calling thread
+        _decode_attention_parallel(*args)
+    else:
+        _decode_attention(*args)
+    return out

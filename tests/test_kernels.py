@@ -1,0 +1,137 @@
+"""The compiled CPU attention kernels against plain numpy and Paddle ops."""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import pytest
+
+from structllm.model import kernels
+from structllm.model._paddle import paddle
+from structllm.model.attention import SequenceSlice, slots_for
+from structllm.model.config import tiny_random_config
+from structllm.model.llama import attention_inputs
+from structllm.model.loader import build_model, random_hf_tensors
+
+
+def _reference_decode(q, k_cache, v_cache, tables, lens, window, scale, bs):
+    """Softmax attention of each row's one query over its gathered keys."""
+    b_len, nh, _ = q.shape
+    kvh = k_cache.shape[0]
+    out = np.zeros_like(q)
+    for b in range(b_len):
+        n = int(lens[b])
+        start = max(0, n - window) if window else 0
+        slots = slots_for(tables[b], start, n, bs)
+        for head in range(nh):
+            h = head // (nh // kvh)
+            scores = (k_cache[h, slots] @ q[b, head]) * scale
+            p = np.exp(scores - scores.max())
+            out[b, head] = (p / p.sum()) @ v_cache[h, slots]
+    return out
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("window", [None, 3, 40])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (8, 2)])
+def test_decode_attention_matches_numpy(
+    heads: int,
+    kv_heads: int,
+    window: int | None,
+    parallel: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if parallel:  # the threaded path, whatever the batch's size
+        monkeypatch.setattr(kernels, "_PARALLEL_MIN_WORK", 0)
+        monkeypatch.setattr(kernels, "_threads", 2)
+    rng = np.random.default_rng(heads * 10 + kv_heads)
+    bs, d, num_blocks = 4, 16, 64
+    lens = np.array([1, 5, 17, 33, 60], dtype=np.int64)
+    blocks = rng.permutation(num_blocks)
+    tables = np.zeros((len(lens), 16), dtype=np.int64)
+    at = 0
+    for i, n in enumerate(lens):
+        need = -(-int(n) // bs)
+        tables[i, :need] = blocks[at : at + need]
+        at += need
+    k_cache = rng.standard_normal((kv_heads, num_blocks * bs, d)).astype(np.float32)
+    v_cache = rng.standard_normal((kv_heads, num_blocks * bs, d)).astype(np.float32)
+    q = rng.standard_normal((len(lens), heads, d)).astype(np.float32)
+    got = kernels.decode_attention(q, k_cache, v_cache, tables, lens, window, 0.25, bs)
+    want = _reference_decode(q, k_cache, v_cache, tables, lens, window, 0.25, bs)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_and_write_matches_the_paddle_ops(qk_norm: bool) -> None:
+    config = attrs.evolve(
+        tiny_random_config(),
+        architecture="Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM",
+        qk_norm=qk_norm,
+        head_dim=24,
+    )
+    model = build_model(config, dict(random_hf_tensors(config, seed=1)), block_size=4)
+    layer = model.weights.layers[0]
+    rng = np.random.default_rng(0)
+    x = paddle.to_tensor(rng.standard_normal((6, config.hidden_size)).astype("float32"))
+    positions = np.array([0, 1, 2, 9, 30, 31], dtype=np.int64)
+    cos, sin = model.rope_tables(paddle.to_tensor(positions))
+    q, k, v = attention_inputs(config, layer, x, cos, sin)
+
+    from structllm.model.llama import _rms_norm
+
+    h = _rms_norm(x, layer.input_norm, config.rms_norm_eps)
+    qkv = paddle.matmul(h, layer.qkv).numpy()
+    k_cache, v_cache = (np.zeros((config.num_key_value_heads, 40, 24), "float32"),) * 2
+    k_cache, v_cache = k_cache.copy(), v_cache.copy()
+    slots = np.array([7, 3, 20, 0, 39, 11], dtype=np.int64)
+    q_out = np.empty((6, config.num_attention_heads, 24), np.float32)
+    kernels.rope_and_write(
+        qkv,
+        positions,
+        model._rope.cos,
+        model._rope.sin,
+        config.num_attention_heads,
+        layer.q_norm.numpy() if qk_norm else None,
+        layer.k_norm.numpy() if qk_norm else None,
+        config.rms_norm_eps,
+        k_cache,
+        v_cache,
+        slots,
+        q_out,
+    )
+    np.testing.assert_allclose(q_out, q.numpy(), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        k_cache[:, slots].transpose(1, 0, 2), k.numpy(), atol=1e-5, rtol=1e-5
+    )
+    np.testing.assert_array_equal(v_cache[:, slots].transpose(1, 0, 2), v.numpy())
+    untouched = np.setdiff1d(np.arange(40), slots)
+    assert not k_cache[:, untouched].any() and not v_cache[:, untouched].any()
+
+
+def test_kernels_refuse_slots_and_positions_outside_their_arrays() -> None:
+    cache = np.zeros((2, 8, 4), np.float32)
+    new = np.zeros((1, 2, 4), np.float32)
+    with pytest.raises(IndexError, match="slot out of range"):
+        kernels.write_kv(new, new, cache, cache, np.array([8]))
+    with pytest.raises(IndexError, match="slot out of range"):
+        kernels.write_kv(new, new, cache, cache, np.array([-1]))
+    qkv = np.zeros((1, 3 * 2 * 4), np.float32)  # two q, k and v heads of 4
+    table = np.zeros((16, 4), np.float32)
+    q_out = np.zeros((1, 2, 4), np.float32)
+    with pytest.raises(IndexError, match="position out of range"):
+        kernels.rope_and_write(
+            qkv, np.array([16]), table, table, 2, None, None, 1e-6,
+            cache, cache, np.array([0]), q_out,
+        )  # fmt: skip
+
+
+def test_a_block_table_too_short_for_its_length_is_refused() -> None:
+    model = build_model(
+        tiny_random_config(),
+        dict(random_hf_tensors(tiny_random_config())),
+        block_size=4,
+    )
+    # the kernels read block tables unchecked: one too short never gets there
+    with pytest.raises(IndexError):
+        model.attention.build_metadata([SequenceSlice(4, 1, [0])])  # 5 tokens

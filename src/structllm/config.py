@@ -175,7 +175,8 @@ class FrontendConfig:
     data_parallel_size: int = setting(
         1,
         help="engine replicas (each its own core process) behind one front end; "
-        "a request goes to the least-loaded one (see docs/parallel.md)",
+        "a request goes to the one holding its prompt's prefix, within a load "
+        "bound, else to the least-loaded one (see docs/parallel.md)",
         validator=_ONE,
         topic="engine",
     )

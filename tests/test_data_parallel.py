@@ -32,11 +32,11 @@ from hypothesis import strategies as st
 from structllm import EngineDeadError, ModelLoadError, SamplingParams
 from structllm.cli import build_parser
 from structllm.config import EngineConfig, FrontendConfig, from_arguments
+from structllm.core.block_pool import hash_block_tokens, root_hash
 from structllm.core.request import RequestStepOutput, StepOutput
 from structllm.engine.async_llm import AsyncLLM
 from structllm.engine.core_client import CoreClient
 from structllm.engine.protocol import AbortRequests, AddFailed, Heartbeat, encode
-from structllm.core.block_pool import hash_block_tokens, root_hash
 from structllm.engine.replicas import (
     AFFINITY_CAPACITY,
     PrefixRouter,
@@ -123,6 +123,43 @@ async def test_two_replicas_give_the_greedy_tokens_of_one(
     )
     assert stats.num_blocks == 2 * ENGINE["num_blocks"]
     wait_gone(*[pid for pid in pids if pid is not None])
+
+
+@asyncio_only
+async def test_a_conversations_next_turn_meets_its_cached_prefix(model: str) -> None:
+    """A second turn that extends the first turn's prompt goes to the first
+    turn's replica, though the other is less loaded, and finds its prefix
+    there; unrelated requests still spread over both replicas."""
+    turn1 = list(b"You are a careful assistant. Tell me about the sea.")  # 6 blocks
+    unrelated = [list(b"Unrelated prompt number one, long"), list(b"zz other")]
+    async with AsyncLLM.open(
+        model, data_parallel_size=2, **ENGINE, **FRONT, **TOKENIZER
+    ) as llm:
+        first = await llm.complete({"prompt_token_ids": turn1}, GREEDY)
+        before = llm.statistics().replicas
+        assert [r.prefix_cache_queries > 0 for r in before] == [True, False]
+        turn2 = [*turn1, *first.token_ids, *b" And the sky?"]
+        async with llm.stream({"prompt_token_ids": unrelated[0]}, ENDLESS) as u1:
+            await anext(aiter(u1))  # replica 0: both idle
+            async with llm.stream({"prompt_token_ids": turn2}, GREEDY) as second:
+                # least loaded would be replica 1; the prefix is on replica 0
+                assert [r.live_requests for r in llm.statistics().replicas] == [
+                    2,
+                    0,
+                ]
+                async with llm.stream({"prompt_token_ids": unrelated[1]}, GREEDY) as u2:
+                    assert [r.live_requests for r in llm.statistics().replicas] == [
+                        2,
+                        1,
+                    ]
+                    assert len((await _last(u2)).token_ids) == GREEDY.max_tokens
+                assert len((await _last(second)).token_ids) == GREEDY.max_tokens
+        after = llm.statistics().replicas
+    # turn 2 found turn 1's prompt and answer, all but the last partial block
+    shared = (len(turn1) + len(first.token_ids)) // ENGINE["block_size"]
+    hits = after[0].prefix_cache_hits - before[0].prefix_cache_hits
+    assert hits >= shared * ENGINE["block_size"]
+    assert after[1].prefix_cache_hits == 0 and after[1].prefix_cache_queries > 0
 
 
 @asyncio_only
@@ -411,7 +448,7 @@ def test_a_prompt_goes_where_its_longest_prefix_went_within_the_slack() -> None:
         assert replicas.router.affine(replicas.router.prefix_hashes(turn1)) is None
         assert replicas.router.affine(replicas.router.prefix_hashes(other)) is None
         salted = replicas.router.prefix_hashes(other, "tenant")
-        assert replicas.router.affine(salted) == 0 and len(replicas.router) == 2
+        assert replicas.router.affine(salted) == 0 and replicas.router.num_hashes == 2
 
 
 def test_one_replica_or_no_prefix_cache_hashes_nothing() -> None:
@@ -420,7 +457,7 @@ def test_one_replica_or_no_prefix_cache_hashes_nothing() -> None:
         with _replicas(n, engine) as (replicas, _, _):
             replicas.submit_nowait("a", b"", list(range(40)))
             replicas.submit_nowait("b", b"", list(range(40)))
-            assert len(replicas.router) == 0
+            assert replicas.router.num_hashes == 0
             assert replicas.placement == {"a": 0, "b": n - 1}
 
 
@@ -434,9 +471,9 @@ async def test_reset_prefix_cache_forgets_every_prefix(
     engine = EngineConfig(model="tiny-random", block_size=8)
     with _replicas(2, engine) as (replicas, _, _):
         replicas.submit_nowait("a", b"", list(range(16)))
-        assert len(replicas.router) == 2
+        assert replicas.router.num_hashes == 2
         assert await replicas.reset_prefix_cache() == 2
-        assert len(replicas.router) == 0
+        assert replicas.router.num_hashes == 0
 
 
 def test_the_router_hashes_blocks_as_the_prefix_cache_does() -> None:
@@ -453,7 +490,7 @@ def test_the_router_hashes_blocks_as_the_prefix_cache_does() -> None:
 def test_the_router_forgets_a_prompts_tail_before_its_head() -> None:
     router = PrefixRouter(block_size=1, slack=1, capacity=3)
     router.record(router.prefix_hashes([1, 2, 3, 4, 5]), 1)
-    assert len(router) == 3
+    assert router.num_hashes == 3
     assert router.affine(router.prefix_hashes([1, 2, 3])) == 1
     assert router.affine(router.prefix_hashes([1, 2, 3, 4])) == 1  # via [1, 2, 3]
     assert router.prefix_hashes([1, 2, 3, 4])[-1] not in router._owners
@@ -485,9 +522,7 @@ _routes = st.builds(
     # a small alphabet and short prompts: shared prefixes are common
     tokens=st.lists(st.integers(0, 2), min_size=0, max_size=9).map(tuple),
     salt=st.sampled_from([None, None, "t"]),
-    load=st.lists(st.integers(0, 6), min_size=_REPLICAS, max_size=_REPLICAS).map(
-        tuple
-    ),
+    load=st.lists(st.integers(0, 6), min_size=_REPLICAS, max_size=_REPLICAS).map(tuple),
     ready=st.lists(st.booleans(), min_size=_REPLICAS, max_size=_REPLICAS).map(tuple),
 )
 _ops = st.lists(
@@ -544,7 +579,7 @@ def test_the_router_matches_a_model_of_every_prompt_routed(
         assert order[1:] == sorted(order[1:], key=lambda k: (op.load[k], k))
         router.record(hashes, chosen)
         small.record(hashes, chosen)
-        assert len(small) <= 4
+        assert small.num_hashes <= 4
         history.append((op.tokens, op.salt, chosen))
 
 

@@ -102,9 +102,7 @@ class PrefixRouter:
     )
     #: full-block hash -> the replica most recently sent a prompt with that
     #: prefix; least recently routed first
-    _owners: OrderedDict[BlockHash, int] = attrs.field(
-        init=False, factory=OrderedDict
-    )
+    _owners: OrderedDict[BlockHash, int] = attrs.field(init=False, factory=OrderedDict)
 
     def prefix_hashes(
         self, token_ids: Sequence[int], cache_salt: str | None = None
@@ -136,10 +134,13 @@ class PrefixRouter:
             (k for k, up in enumerate(ready) if up), key=lambda k: (load[k], k)
         )
         k = self.affine(hashes)
-        if k is not None and order and ready[k]:
-            if load[k] - load[order[0]] <= self.slack:
-                order.remove(k)
-                order.insert(0, k)
+        if (
+            k is not None
+            and ready[k]
+            and load[k] - load[order[0]] <= self.slack  # order: k is in it
+        ):
+            order.remove(k)
+            order.insert(0, k)
         return order
 
     def record(self, hashes: Sequence[BlockHash], replica: int) -> None:
@@ -164,7 +165,9 @@ class PrefixRouter:
         """Every cache was reset."""
         self._owners.clear()
 
-    def __len__(self) -> int:
+    @property
+    def num_hashes(self) -> int:
+        """Block hashes remembered (at most ``capacity``)."""
         return len(self._owners)
 
 

@@ -47,7 +47,7 @@ from structllm.core.engine_core import StepOutput
 from structllm.engine.core_client import CoreClient
 from structllm.engine.protocol import AbortRequests, AddFailed, Message, Ready
 from structllm.engine.statistics import EngineStatistics
-from structllm.errors import EngineDeadError, dead_error
+from structllm.errors import EngineConfigError, EngineDeadError, dead_error
 
 __all__ = [
     "AFFINITY_CAPACITY",
@@ -248,6 +248,12 @@ class ReplicaSet:
 
     def __attrs_post_init__(self) -> None:
         n = self.config.data_parallel_size
+        if n > 1 and self.engine_config.tensor_parallel_listen is not None:
+            raise EngineConfigError(
+                "tensor_parallel_listen is one address for one group of ranks: "
+                f"it cannot serve data_parallel_size={n} replicas",
+                field="tensor_parallel_listen",
+            )
         engine = replica_config(self.engine_config, n)
         self.clients = [
             CoreClient(engine, self.config, _Replica(self, k)) for k in range(n)

@@ -92,6 +92,9 @@ CONNECT_TIMEOUT = 600.0
 #: seconds rank 0 gives a new connection to say Hello (a stray client is
 #: dropped, and rank 0 waits on for real followers)
 _HELLO_TIMEOUT = 10.0
+#: seconds past a ``--connect`` follower's silence timeout that its SIGALRM
+#: ends it, if its reader thread could not (Paddle held the GIL)
+_ALARM_GRACE = 1.0
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -545,7 +548,11 @@ def _follow_connected(sock: socket.socket, setup_timeout: float) -> int:
     A reader thread takes every message off the socket and ends the process
     at once (even mid-step, blocked in a collective) when rank 0 closes the
     connection or has been silent for ``silence_timeout``: no pidfd crosses
-    machines, and a collective whose peer vanished may never return.
+    machines, and a collective whose peer vanished may never return. A
+    thread needs the GIL, which Paddle holds through some blocking calls
+    (``init_parallel_env`` waiting for the store holds it), so the kernel
+    backs it up: each message re-arms a SIGALRM (default action: the
+    process ends) due ``_ALARM_GRACE`` seconds after the silence timeout.
     """
     sock.sendall(_frame(Hello(os.getpid(), socket.gethostname())))
     sock.settimeout(setup_timeout)  # rank 0 answers once every rank is in
@@ -556,6 +563,8 @@ def _follow_connected(sock: socket.socket, setup_timeout: float) -> int:
     if not isinstance(setup, RankSetup) or setup.silence_timeout is None:
         return 0  # rank 0 went away (or gave up waiting for the others)
     _apply_env(setup.env)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    _rearm(setup.silence_timeout)
     inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
     threading.Thread(
         target=_read_rank0,
@@ -579,8 +588,15 @@ def _read_rank0(
             msg = None
         if msg is None:
             _exit_now(None, 0)  # rank 0 closed the group
+        _rearm(silence)
         if not isinstance(msg, Ping):
             inbox.put(msg)
+
+
+def _rearm(silence: float) -> None:
+    """Have the kernel end this process unless rank 0 is heard from again
+    within ``silence`` seconds (and a grace, for the reader to say why)."""
+    signal.setitimer(signal.ITIMER_REAL, silence + _ALARM_GRACE)
 
 
 def _exit_now(why: str | None, code: int) -> NoReturn:

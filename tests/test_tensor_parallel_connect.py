@@ -4,7 +4,8 @@ Rank 0 listens (``tensor_parallel_listen``) and a follower started on its
 own with ``python -m structllm.engine.rank_group --connect HOST:PORT``
 joins it: TP=2 so formed gives the greedy tokens of TP=1, and survives
 idle stretches longer than the heartbeat timeout (rank 0 pings); the
-follower exits when the engine closes. A follower killed mid-stream fails
+follower exits when the engine closes. ``paddle.distributed.launch``
+starts followers as the docs show it (TP=4). A follower killed mid-stream fails
 the stream with EngineDeadError naming it, and the restarted rank 0 takes
 a new follower; a follower that never comes fails ``open`` loudly; a
 follower whose rank 0 falls silent ends itself; no process is left.
@@ -98,6 +99,42 @@ def _follower(
             process.wait()
 
 
+@contextlib.contextmanager
+def _launch(
+    address: str, log_dir: Path, *, nproc: int
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``paddle.distributed.launch`` starting ``nproc`` followers on this
+    "node", as docs/parallel.md shows it; killed on the way out only if a
+    test failed before it ended."""
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "paddle.distributed.launch",
+            "--nnodes",
+            "1",
+            "--nproc_per_node",
+            str(nproc),
+            "--log_dir",
+            str(log_dir),
+            sys.executable,  # launch runs a script or a program, not -m
+            "-m",
+            "structllm.engine.rank_group",
+            "--connect",
+            address,
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
 def _stderr(path: Path) -> str:
     return path.read_text(errors="replace")
 
@@ -141,6 +178,39 @@ async def test_a_connected_follower_gives_the_greedy_tokens_of_one(
             assert llm.statistics().restarts == 0
         # rank 0 closed the connection: the follower exits, and says nothing
         assert follower.wait(10) == 0, _stderr(err)
+    wait_gone(rank0)
+
+
+async def test_paddle_launch_starts_the_followers(tmp_path: Path, address: str) -> None:
+    """The documented command: ``paddle.distributed.launch`` on a follower
+    "node" (here, this machine) starts three followers for TP=4; whatever
+    ranks launch numbers them (0..2: it does not know of rank 0), rank 0
+    gives them 1..3; the tokens are TP=1's, and launch exits 0 with them."""
+    model = tmp_path / "model"
+    write_random_checkpoint(model, CONFIGS["llama"], seed=3)
+    one = LLM(str(model), tokenizer="tiny-random", show_progress=False, **ENGINE)
+    [expected] = one.generate(PROMPTS[1], GREEDY, use_tqdm=False)
+    with _launch(address, tmp_path / "launch", nproc=3) as launch:
+        async with AsyncLLM.open(
+            str(model),
+            tensor_parallel_size=4,
+            tensor_parallel_listen=address,
+            **ENGINE,
+            **FRONT,
+        ) as llm:
+            rank0 = llm.statistics().core_pid
+            out = await llm.complete(PROMPTS[1], GREEDY)
+        assert out.token_ids == expected.outputs[0].token_ids
+        assert launch.wait(30) == 0
+    launched = (tmp_path / "launch").glob("envlog.*")
+    ids = sorted(
+        line
+        for log in launched
+        for line in log.read_text().splitlines()
+        if line.startswith("PADDLE_TRAINER_ID=")
+    )
+    assert ids == [f"PADDLE_TRAINER_ID={i}" for i in range(3)]
+    assert rank0 is not None
     wait_gone(rank0)
 
 

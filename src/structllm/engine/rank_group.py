@@ -349,7 +349,7 @@ class RankGroup:
         while not self._stop_pinging.wait(interval):
             if time.monotonic() - self._last_sent < interval:
                 continue
-            with contextlib.suppress(OSError):  # the watch thread reports a loss
+            with contextlib.suppress(RuntimeError):  # the watch thread reports it
                 self._send_all(frame)
 
     def allocate(self, num_blocks: int) -> None:

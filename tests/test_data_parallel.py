@@ -537,31 +537,35 @@ def test_the_router_matches_a_model_of_every_prompt_routed(
     ops: list[_Route | _Lose], block_size: int, slack: int
 ) -> None:
     """The router against a list of every prompt it routed: the replica it
-    prefers is the one most recently sent a prompt sharing the most full
-    blocks, the replica it picks is ready and within the slack of the least
-    loaded, and its memory stays within capacity."""
+    prefers holds the longest prefix known, the one most recently sent a
+    prompt with it unless that replica was lost since (one holder a block);
+    the replica it picks is ready and within the slack of the least loaded;
+    its memory stays within capacity."""
     router = PrefixRouter(block_size=block_size, slack=slack, capacity=1000)
     small = PrefixRouter(block_size=block_size, slack=slack, capacity=4)
-    history: list[tuple[tuple[int, ...], str | None, int]] = []
+    routed: list[tuple[tuple[int, ...], str | None, int]] = []  # oldest first
+    lost: list[tuple[int, int]] = []  # (replica, len(routed) when lost)
     for op in ops:
         if isinstance(op, _Lose):
             router.forget_replica(op.replica)
             small.forget_replica(op.replica)
-            history = [h for h in history if h[2] != op.replica]
+            lost.append((op.replica, len(routed)))
             continue
         blocks = len(op.tokens) // block_size
-        best, holder = 0, None
-        for tokens, salt, k in history:  # oldest first: ties go to the latest
-            shared = 0
-            while (
-                salt == op.salt
-                and shared < blocks
-                and tokens[: (shared + 1) * block_size]
-                == op.tokens[: (shared + 1) * block_size]
-            ):
-                shared += 1
-            if shared and shared >= best:
-                best, holder = shared, k
+        holder = None
+        for depth in range(blocks, 0, -1):
+            n = depth * block_size
+            sent = [
+                (when, k)
+                for when, (tokens, salt, k) in enumerate(routed)
+                if salt == op.salt and tokens[:n] == op.tokens[:n]
+            ]
+            if not sent:
+                continue
+            when, k = sent[-1]
+            if not any(r == k and at > when for r, at in lost):
+                holder = k
+                break
         hashes = router.prefix_hashes(op.tokens, op.salt)
         assert router.affine(hashes) == holder
         order = router.order(hashes, op.load, op.ready)
@@ -580,7 +584,7 @@ def test_the_router_matches_a_model_of_every_prompt_routed(
         router.record(hashes, chosen)
         small.record(hashes, chosen)
         assert small.num_hashes <= 4
-        history.append((op.tokens, op.salt, chosen))
+        routed.append((op.tokens, op.salt, chosen))
 
 
 def test_aborts_go_to_the_replica_of_each_request() -> None:

@@ -1,8 +1,10 @@
 """Data parallelism: engine replicas behind one ``AsyncLLM``.
 
 Two replicas give the greedy tokens of one engine for concurrent streams,
-and both serve; a request goes to the ready replica with the fewest live
-requests; an abort frees the blocks of the replica the request lived on;
+and both serve; a request goes to the replica most recently sent the
+longest prefix of its prompt, within a load bound, else to the ready
+replica with the fewest live requests, so a conversation's next turn meets
+its cached prefix; an abort frees the blocks of the replica the request lived on;
 a replica killed mid-stream fails only its own requests, restarts and
 serves again, while the other's streams finish; no core process outlives
 the engine.
@@ -24,15 +26,24 @@ import attrs
 import httpx
 import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from structllm import EngineDeadError, ModelLoadError, SamplingParams
 from structllm.cli import build_parser
 from structllm.config import EngineConfig, FrontendConfig, from_arguments
+from structllm.core.block_pool import hash_block_tokens, root_hash
 from structllm.core.request import RequestStepOutput, StepOutput
 from structllm.engine.async_llm import AsyncLLM
 from structllm.engine.core_client import CoreClient
 from structllm.engine.protocol import AbortRequests, AddFailed, Heartbeat, encode
-from structllm.engine.replicas import ReplicaSet, replica_config
+from structllm.engine.replicas import (
+    AFFINITY_CAPACITY,
+    PrefixRouter,
+    ReplicaSet,
+    affinity_slack,
+    replica_config,
+)
 from structllm.errors import EngineConfigError, EngineOverloadedError
 from structllm.llm import LLM
 from structllm.model._paddle import paddle
@@ -112,6 +123,43 @@ async def test_two_replicas_give_the_greedy_tokens_of_one(
     )
     assert stats.num_blocks == 2 * ENGINE["num_blocks"]
     wait_gone(*[pid for pid in pids if pid is not None])
+
+
+@asyncio_only
+async def test_a_conversations_next_turn_meets_its_cached_prefix(model: str) -> None:
+    """A second turn that extends the first turn's prompt goes to the first
+    turn's replica, though the other is less loaded, and finds its prefix
+    there; unrelated requests still spread over both replicas."""
+    turn1 = list(b"You are a careful assistant. Tell me about the sea.")  # 6 blocks
+    unrelated = [list(b"Unrelated prompt number one, long"), list(b"zz other")]
+    async with AsyncLLM.open(
+        model, data_parallel_size=2, **ENGINE, **FRONT, **TOKENIZER
+    ) as llm:
+        first = await llm.complete({"prompt_token_ids": turn1}, GREEDY)
+        before = llm.statistics().replicas
+        assert [r.prefix_cache_queries > 0 for r in before] == [True, False]
+        turn2 = [*turn1, *first.token_ids, *b" And the sky?"]
+        async with llm.stream({"prompt_token_ids": unrelated[0]}, ENDLESS) as u1:
+            await anext(aiter(u1))  # replica 0: both idle
+            async with llm.stream({"prompt_token_ids": turn2}, GREEDY) as second:
+                # least loaded would be replica 1; the prefix is on replica 0
+                assert [r.live_requests for r in llm.statistics().replicas] == [
+                    2,
+                    0,
+                ]
+                async with llm.stream({"prompt_token_ids": unrelated[1]}, GREEDY) as u2:
+                    assert [r.live_requests for r in llm.statistics().replicas] == [
+                        2,
+                        1,
+                    ]
+                    assert len((await _last(u2)).token_ids) == GREEDY.max_tokens
+                assert len((await _last(second)).token_ids) == GREEDY.max_tokens
+        after = llm.statistics().replicas
+    # turn 2 found turn 1's prompt and answer, all but the last partial block
+    shared = (len(turn1) + len(first.token_ids)) // ENGINE["block_size"]
+    hits = after[0].prefix_cache_hits - before[0].prefix_cache_hits
+    assert hits >= shared * ENGINE["block_size"]
+    assert after[1].prefix_cache_hits == 0 and after[1].prefix_cache_queries > 0
 
 
 @asyncio_only
@@ -302,12 +350,14 @@ class _Front:
 
 @contextlib.contextmanager
 def _replicas(
-    n: int,
+    n: int, engine: EngineConfig | None = None
 ) -> Iterator[tuple[ReplicaSet, _Front, list[MemoryObjectReceiveStream[bytes]]]]:
     """A set of ``n`` clients made ready by hand; what each core was sent."""
     front = _Front()
     replicas = ReplicaSet(
-        EngineConfig(model="tiny-random"), FrontendConfig(data_parallel_size=n), front
+        engine or EngineConfig(model="tiny-random"),
+        FrontendConfig(data_parallel_size=n),
+        front,
     )
     with contextlib.ExitStack() as streams:
         cores = []
@@ -362,6 +412,179 @@ def test_a_request_goes_to_the_ready_replica_with_fewest_live_requests() -> None
         with pytest.raises(EngineDeadError, match="restarting"):
             replicas.submit_nowait("h", b"h")
         assert "h" not in replicas.placement
+
+
+def test_a_prompt_goes_where_its_longest_prefix_went_within_the_slack() -> None:
+    """Blocks of 8 byte tokens, max_num_seqs 8: a slack of 2 live requests."""
+    engine = EngineConfig(model="tiny-random", block_size=8, max_num_seqs=8)
+    turn1 = list(range(20))  # two full blocks
+    turn2 = [*turn1, 20, 21, 22, 23]  # turn 1 and its answer: three
+    other = list(range(100, 120))
+    with _replicas(2, engine) as (replicas, _, _):
+        replicas.submit_nowait("a", b"", turn1)
+        assert replicas.placement["a"] == 0  # nothing known: least loaded
+        replicas.submit_nowait("u", b"", other)
+        assert replicas.placement["u"] == 1  # unrelated: least loaded
+        replicas.submit_nowait("v", b"", other[:8])
+        assert replicas.placement["v"] == 1  # one block of "u": its replica
+        assert replicas.load == [1, 2]
+        replicas.submit_nowait("b", b"", turn2)
+        assert replicas.placement["b"] == 0  # follows turn 1
+        # a salt is its own hash space: "u"'s blocks salted are unknown
+        replicas.submit_nowait("s", b"", other, "tenant")
+        assert replicas.placement["s"] == 0  # tied at two: the lowest index
+        # replica 0 two requests above the idlest still takes its prefixes
+        replicas.clients[0].events.on_step(_finished("s"))
+        replicas.clients[1].events.on_step(_finished("u", "v"))
+        replicas.submit_nowait("c", b"", turn2)
+        assert replicas.load == [3, 0] and replicas.placement["c"] == 0
+        # three above it does not: the idlest takes it, and is now its holder
+        replicas.submit_nowait("d", b"", turn2)
+        assert replicas.placement["d"] == 1
+        assert replicas.router.affine(replicas.router.prefix_hashes(turn1)) == 1
+        # a replica that restarts lost its cache: the prefixes it held last
+        # are unknown again (the router keeps one holder a block)
+        replicas.clients[1].events.on_core_lost(RuntimeError("killed"))
+        assert replicas.router.affine(replicas.router.prefix_hashes(turn1)) is None
+        assert replicas.router.affine(replicas.router.prefix_hashes(other)) is None
+        salted = replicas.router.prefix_hashes(other, "tenant")
+        assert replicas.router.affine(salted) == 0 and replicas.router.num_hashes == 2
+
+
+def test_one_replica_or_no_prefix_cache_hashes_nothing() -> None:
+    off = EngineConfig(model="tiny-random", block_size=8, enable_prefix_caching=False)
+    for n, engine in ((1, EngineConfig(model="tiny-random", block_size=8)), (2, off)):
+        with _replicas(n, engine) as (replicas, _, _):
+            replicas.submit_nowait("a", b"", list(range(40)))
+            replicas.submit_nowait("b", b"", list(range(40)))
+            assert replicas.router.num_hashes == 0
+            assert replicas.placement == {"a": 0, "b": n - 1}
+
+
+async def test_reset_prefix_cache_forgets_every_prefix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def reset(client: CoreClient) -> int:
+        return 1
+
+    monkeypatch.setattr(CoreClient, "reset_prefix_cache", reset)
+    engine = EngineConfig(model="tiny-random", block_size=8)
+    with _replicas(2, engine) as (replicas, _, _):
+        replicas.submit_nowait("a", b"", list(range(16)))
+        assert replicas.router.num_hashes == 2
+        assert await replicas.reset_prefix_cache() == 2
+        assert replicas.router.num_hashes == 0
+
+
+def test_the_router_hashes_blocks_as_the_prefix_cache_does() -> None:
+    router = PrefixRouter(block_size=4, slack=1)
+    tokens = list(range(11))
+    first = hash_block_tokens(root_hash("s"), tokens[:4])
+    assert router.prefix_hashes(tokens, "s") == [
+        first,
+        hash_block_tokens(first, tokens[4:8]),
+    ]
+    assert router.prefix_hashes(tokens[:3]) == []
+
+
+def test_the_router_forgets_a_prompts_tail_before_its_head() -> None:
+    router = PrefixRouter(block_size=1, slack=1, capacity=3)
+    router.record(router.prefix_hashes([1, 2, 3, 4, 5]), 1)
+    assert router.num_hashes == 3
+    assert router.affine(router.prefix_hashes([1, 2, 3])) == 1
+    assert router.affine(router.prefix_hashes([1, 2, 3, 4])) == 1  # via [1, 2, 3]
+    assert router.prefix_hashes([1, 2, 3, 4])[-1] not in router._owners
+
+
+def test_the_slack_is_a_quarter_batch() -> None:
+    assert [affinity_slack(n) for n in (1, 4, 8, 64)] == [1, 1, 2, 16]
+    assert AFFINITY_CAPACITY == 65536
+
+
+@attrs.frozen
+class _Route:
+    """Submit ``tokens`` (salted or not) with these loads and readiness."""
+
+    tokens: tuple[int, ...]
+    salt: str | None
+    load: tuple[int, ...]
+    ready: tuple[bool, ...]
+
+
+@attrs.frozen
+class _Lose:
+    replica: int
+
+
+_REPLICAS = 3
+_routes = st.builds(
+    _Route,
+    # a small alphabet and short prompts: shared prefixes are common
+    tokens=st.lists(st.integers(0, 2), min_size=0, max_size=9).map(tuple),
+    salt=st.sampled_from([None, None, "t"]),
+    load=st.lists(st.integers(0, 6), min_size=_REPLICAS, max_size=_REPLICAS).map(tuple),
+    ready=st.lists(st.booleans(), min_size=_REPLICAS, max_size=_REPLICAS).map(tuple),
+)
+_ops = st.lists(
+    st.one_of(_routes, _routes, _routes, st.builds(_Lose, st.integers(0, 2))),
+    max_size=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=_ops, block_size=st.integers(1, 3), slack=st.integers(0, 3))
+def test_the_router_matches_a_model_of_every_prompt_routed(
+    ops: list[_Route | _Lose], block_size: int, slack: int
+) -> None:
+    """The router against a list of every prompt it routed: the replica it
+    prefers holds the longest prefix known, the one most recently sent a
+    prompt with it unless that replica was lost since (one holder a block);
+    the replica it picks is ready and within the slack of the least loaded;
+    its memory stays within capacity."""
+    router = PrefixRouter(block_size=block_size, slack=slack, capacity=1000)
+    small = PrefixRouter(block_size=block_size, slack=slack, capacity=4)
+    routed: list[tuple[tuple[int, ...], str | None, int]] = []  # oldest first
+    lost: list[tuple[int, int]] = []  # (replica, len(routed) when lost)
+    for op in ops:
+        if isinstance(op, _Lose):
+            router.forget_replica(op.replica)
+            small.forget_replica(op.replica)
+            lost.append((op.replica, len(routed)))
+            continue
+        blocks = len(op.tokens) // block_size
+        holder = None
+        for depth in range(blocks, 0, -1):
+            n = depth * block_size
+            sent = [
+                (when, k)
+                for when, (tokens, salt, k) in enumerate(routed)
+                if salt == op.salt and tokens[:n] == op.tokens[:n]
+            ]
+            if not sent:
+                continue
+            when, k = sent[-1]
+            if not any(r == k and at > when for r, at in lost):
+                holder = k
+                break
+        hashes = router.prefix_hashes(op.tokens, op.salt)
+        assert router.affine(hashes) == holder
+        order = router.order(hashes, op.load, op.ready)
+        up = [k for k in range(_REPLICAS) if op.ready[k]]
+        assert sorted(order) == up
+        if not up:
+            continue
+        least = min(op.load[k] for k in up)
+        chosen = order[0]
+        assert op.load[chosen] - least <= slack
+        if holder is not None and op.ready[holder] and op.load[holder] - least <= slack:
+            assert chosen == holder
+        else:
+            assert (op.load[chosen], chosen) == min((op.load[k], k) for k in up)
+        assert order[1:] == sorted(order[1:], key=lambda k: (op.load[k], k))
+        router.record(hashes, chosen)
+        small.record(hashes, chosen)
+        assert small.num_hashes <= 4
+        routed.append((op.tokens, op.salt, chosen))
 
 
 def test_aborts_go_to_the_replica_of_each_request() -> None:

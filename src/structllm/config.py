@@ -54,6 +54,7 @@ __all__ = [
     "at_least",
     "check_config",
     "from_arguments",
+    "parse_address",
     "setting",
     "split_fields",
 ]
@@ -69,6 +70,24 @@ def _api_key(_: Any, attribute: attrs.Attribute[Any], value: tuple[str, ...]) ->
                 "non-empty printable ASCII without spaces",
                 field=attribute.name,
             )
+
+
+def parse_address(value: str, field: str = "address") -> tuple[str, int]:
+    """``"HOST:PORT"`` (``"[::1]:PORT"`` for IPv6) as ``(host, port)``;
+    EngineConfigError naming ``field`` if it is not one."""
+    host, sep, port = value.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise EngineConfigError(
+            f"{field} must be HOST:PORT with a port from 1 to 65535, not {value!r}",
+            field=field,
+        )
+    return host, int(port)
+
+
+def _address(field: str, value: object) -> None:
+    if isinstance(value, str):  # check_config names a wrong type
+        parse_address(value, field)
 
 
 _ONE = at_least(1)
@@ -140,6 +159,22 @@ class EngineConfig:
         validator=_ONE,
         topic="model",
     )
+    tensor_parallel_listen: str | None = setting(
+        None,
+        help="HOST:PORT where rank 0 waits for the follower ranks, started on "
+        "other machines with `python -m structllm.engine.rank_group --connect "
+        "HOST:PORT` (default: rank 0 starts them itself, on this machine)",
+        validator=lambda _, attribute, value: _address(attribute.name, value),
+        metavar="HOST:PORT",
+        topic="model",
+    )
+    tensor_parallel_connect_timeout: float = setting(
+        120.0,
+        help="seconds rank 0 waits for every follower to connect to "
+        "--tensor-parallel-listen before it fails",
+        validator=_POSITIVE,
+        topic="model",
+    )
     model_backend: Literal["auto", "eager", "inference"] = setting(
         "auto",
         help="inference: oneDNN predictors (Paddle Inference); auto picks them for "
@@ -150,6 +185,12 @@ class EngineConfig:
 
     def __attrs_post_init__(self) -> None:
         check_config(self)
+        if self.tensor_parallel_listen is not None and self.tensor_parallel_size < 2:
+            raise EngineConfigError(
+                "tensor_parallel_listen waits for follower ranks: it needs "
+                f"tensor_parallel_size > 1, not {self.tensor_parallel_size}",
+                field="tensor_parallel_listen",
+            )
 
     def cpu_threads(self, processes: int = 1) -> int:
         """Paddle threads for each rank: ``num_threads``, or this machine's
@@ -175,7 +216,8 @@ class FrontendConfig:
     data_parallel_size: int = setting(
         1,
         help="engine replicas (each its own core process) behind one front end; "
-        "a request goes to the least-loaded one (see docs/parallel.md)",
+        "a request goes to the one holding its prompt's prefix, within a load "
+        "bound, else to the least-loaded one (see docs/parallel.md)",
         validator=_ONE,
         topic="engine",
     )

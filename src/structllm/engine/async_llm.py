@@ -316,7 +316,12 @@ class AsyncLLM:
             priority=priority,
             queue=RequestOutputCollector(params.output_kind),
         )
-        self._client.submit_nowait(state.core_id, encode_request(request))
+        self._client.submit_nowait(
+            state.core_id,
+            encode_request(request),
+            request.prompt_token_ids,
+            request.cache_salt,
+        )
         self._processor.add(state)
         return state
 

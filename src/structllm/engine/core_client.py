@@ -235,6 +235,7 @@ class CoreClient:
                             heartbeat_interval=self.config.heartbeat_interval,
                             fault=fault,
                             tokenizer=self.config.tokenizer,
+                            heartbeat_timeout=self.config.heartbeat_timeout,
                         ),
                         startup_timeout=self.config.startup_timeout,
                         show_progress=self.config.show_progress,

@@ -136,7 +136,10 @@ def _start_group(start: Start, on_lost: Callable[[str], None]) -> RankGroup:
     check_tensor_parallel(start.config.model, start.config.tensor_parallel_size)
     rank1, _, fault = (start.fault or "").partition(":")
     return RankGroup.start(
-        start.config, on_lost=on_lost, fault=fault if rank1 == "rank1" else None
+        start.config,
+        on_lost=on_lost,
+        fault=fault if rank1 == "rank1" else None,
+        heartbeat=(start.heartbeat_interval, start.heartbeat_timeout),
     )
 
 

@@ -61,6 +61,10 @@ class Start(msgspec.Struct, tag=True):
     fault: str | None = None
     #: the tokenizer structured-output grammars use (None: the model's)
     tokenizer: str | None = None
+    #: the front end's silence limit; with ``tensor_parallel_listen``, rank 0
+    #: pings its followers every ``heartbeat_interval`` and a follower that
+    #: hears nothing for this long exits
+    heartbeat_timeout: float = 10.0
 
 
 class AbortRequests(msgspec.Struct, tag=True):

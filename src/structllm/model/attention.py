@@ -28,6 +28,8 @@ A GPU backend can replace :class:`PortableAttention` by providing the same
 
 from __future__ import annotations
 
+import math
+import weakref
 from collections.abc import Collection, Mapping, Sequence
 
 import attrs
@@ -92,6 +94,11 @@ class AttentionMetadata:
     use_kernels: bool = False  # write (and attend decode rows) with them
     #: (T,) int64 each token's position (for the kernels' RoPE)
     positions: np.ndarray | None = None
+    #: the highest slot any kernel of this step touches, and the highest
+    #: position: checked against the cache and RoPE tables once a layer (an
+    #: int compare) rather than by a scan of the arrays a kernel call
+    max_slot: int = -1
+    max_position: int = -1
 
 
 class PortableAttention:
@@ -124,6 +131,7 @@ class PortableAttention:
         self._gathered = (_Scratch(), _Scratch())
         #: the kernels' rotated queries, reused likewise
         self._rotated_q = _Scratch()
+        self._views = _HostViews()
 
     def build_metadata(self, seqs: Sequence[SequenceSlice]) -> AttentionMetadata:
         """Slots, gathers and masks for ``seqs`` (one-token sequences first)."""
@@ -182,6 +190,20 @@ class PortableAttention:
                 _Prefill(start=row, stop=row + s.query_len, kv_slots=kv, masks=masks)
             )
             row += s.query_len
+        positions = max_slot = max_position = None
+        if self.use_kernels and seqs:
+            if slot_mapping.min() < 0:
+                raise IndexError("slot out of range: negative")
+            positions = np.concatenate(
+                [np.arange(s.context_len, s.context_len + s.query_len) for s in seqs]
+            )
+            max_position = int(positions.max())
+            max_slot = int(slot_mapping.max())
+            if decode_tables is not None:
+                if decode_tables.min() < 0:
+                    raise IndexError("block out of range: negative")
+                # the kernel reads whole blocks' worth of slots at most
+                max_slot = max(max_slot, (int(decode_tables.max()) + 1) * bs - 1)
         return AttentionMetadata(
             num_tokens=row,
             slot_mapping=slot_mapping,
@@ -193,11 +215,9 @@ class PortableAttention:
             decode_tables=decode_tables,
             decode_lens=decode_lens,
             use_kernels=self.use_kernels,
-            positions=np.concatenate(
-                [np.arange(s.context_len, s.context_len + s.query_len) for s in seqs]
-            )
-            if self.use_kernels and seqs
-            else None,
+            positions=positions,
+            max_slot=-1 if max_slot is None else max_slot,
+            max_position=-1 if max_position is None else max_position,
         )
 
     def _mask(self, seen: np.ndarray) -> paddle.Tensor:
@@ -234,9 +254,11 @@ class PortableAttention:
         cache = _SlotIO(k_cache, v_cache, self._gathered)
         outs = []
         if meta.use_kernels:
-            k_host, v_host = np.from_dlpack(k_cache), np.from_dlpack(v_cache)
+            k_host, v_host = self._host_cache(k_cache, v_cache, meta)
             # written before attending: each decode row's own key is its last
-            kernels.write_kv(_host(k), _host(v), k_host, v_host, meta.slot_mapping)
+            kernels.write_kv(
+                _host(k), _host(v), k_host, v_host, meta.slot_mapping, checked=True
+            )
             if meta.num_decodes:
                 outs.append(self._decode_kernel(q, k_host, v_host, meta, window))
         else:
@@ -266,7 +288,11 @@ class PortableAttention:
         """
         assert meta.use_kernels and meta.positions is not None
         t = meta.num_tokens
-        k_host, v_host = np.from_dlpack(k_cache), np.from_dlpack(v_cache)
+        k_host, v_host = self._host_cache(k_cache, v_cache, meta)
+        if meta.max_position >= len(rope.cos):
+            raise IndexError(
+                f"position out of range for a RoPE table of {len(rope.cos)}"
+            )
         q_host = self._rotated_q.array((t, self.num_heads, self.head_dim))
         kernels.rope_and_write(
             _host(qkv),
@@ -281,6 +307,7 @@ class PortableAttention:
             v_host,
             meta.slot_mapping,
             q_host,
+            checked=True,
         )
         outs = []
         if meta.num_decodes:
@@ -290,6 +317,18 @@ class PortableAttention:
             q = host_tensor(q_host)
             outs.extend(self._prefill(q, p, cache, window) for p in meta.prefills)
         return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
+
+    def _host_cache(
+        self, k_cache: paddle.Tensor, v_cache: paddle.Tensor, meta: AttentionMetadata
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The caches' host views, the step's slots checked against them."""
+        k_host, v_host = self._views.get(k_cache), self._views.get(v_cache)
+        if meta.max_slot >= k_host.shape[1]:
+            raise IndexError(
+                f"slot out of range for a cache of {k_host.shape[1]} (slot"
+                f" {meta.max_slot})"
+            )
+        return k_host, v_host
 
     def _decode_kernel(
         self,
@@ -302,8 +341,6 @@ class PortableAttention:
         """The decode rows, by the compiled kernel reading the cache in place."""
         assert meta.decode_tables is not None and meta.decode_lens is not None
         b = meta.num_decodes
-        if int(meta.decode_tables.max()) * self.block_size >= k_cache.shape[1]:
-            raise IndexError(f"block out of range for a cache of {k_cache.shape[1]}")
         out = kernels.decode_attention(
             q[:b] if isinstance(q, np.ndarray) else _host(q[:b]),
             k_cache,
@@ -401,6 +438,31 @@ class RopeTables:
     sin: np.ndarray
 
 
+class _HostViews:
+    """numpy views of long-lived host tensors (the KV caches), made once each.
+
+    ``np.from_dlpack`` costs 10-20 us in the middle of a step (cold caches),
+    twice a layer. A view is dropped with its tensor (a weak reference), so
+    a freed cache's memory is not kept alive here.
+    """
+
+    def __init__(self) -> None:
+        self._views: dict[int, tuple[weakref.ref[paddle.Tensor], np.ndarray]] = {}
+
+    def get(self, tensor: paddle.Tensor) -> np.ndarray:
+        key = id(tensor)
+        hit = self._views.get(key)
+        if hit is not None and hit[0]() is tensor:
+            return hit[1]
+        view: np.ndarray = np.from_dlpack(tensor)
+
+        def forget(_: object, key: int = key, views: dict = self._views) -> None:  # type: ignore[type-arg]
+            views.pop(key, None)
+
+        self._views[key] = (weakref.ref(tensor, forget), view)
+        return view
+
+
 class _Scratch:
     """A float32 host buffer that grows to the largest use seen."""
 
@@ -409,7 +471,7 @@ class _Scratch:
 
     def array(self, shape: tuple[int, ...]) -> np.ndarray:
         """An uninitialised ``shape`` view of this buffer (valid until the next)."""
-        size = int(np.prod(shape))
+        size = math.prod(shape)
         if self._buf.size < size:
             self._buf = np.empty(size, np.float32)
         return self._buf[:size].reshape(shape)

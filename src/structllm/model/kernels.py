@@ -217,6 +217,9 @@ _decode_attention = _jit()(_decode_attention_py)
 _decode_attention_parallel = _jit(parallel=True)(_decode_attention_py)
 
 
+_NO_NORM = np.zeros(0, np.float32)
+
+
 def _check_slots(slots: np.ndarray, cache: np.ndarray) -> None:
     if slots.size and not (slots.min() >= 0 and slots.max() < cache.shape[1]):
         raise IndexError(f"slot out of range for a cache of {cache.shape[1]}")
@@ -228,10 +231,14 @@ def write_kv(
     k_cache: np.ndarray,
     v_cache: np.ndarray,
     slots: np.ndarray,
+    *,
+    checked: bool = False,
 ) -> None:
     """Store the step's keys and values ``(T, kvh, d)`` at ``slots`` of the
-    caches ``(kvh, S, d)``."""
-    _check_slots(slots, k_cache)
+    caches ``(kvh, S, d)``; ``checked``: the caller has range-checked
+    ``slots`` (the kernel writes unchecked)."""
+    if not checked:
+        _check_slots(slots, k_cache)
     _write_kv(k, v, k_cache, v_cache, slots)
 
 
@@ -248,6 +255,8 @@ def rope_and_write(
     v_cache: np.ndarray,
     slots: np.ndarray,
     q_out: np.ndarray,
+    *,
+    checked: bool = False,
 ) -> None:
     """From the fused projection ``qkv (T, (nh + 2 kvh) d)``: the rotated
     queries into ``q_out (T, nh, d)``, and the rotated keys and the values
@@ -255,20 +264,23 @@ def rope_and_write(
 
     ``cos`` and ``sin`` are full-width tables (``[c | c]``, ``[-s | s]``)
     indexed by position; ``q_norm``/``k_norm`` (Qwen3) normalise each head
-    before it is rotated.
+    before it is rotated. ``checked``: the caller has range-checked
+    ``slots`` and ``positions`` (the kernel reads and writes unchecked).
     """
-    _check_slots(slots, k_cache)
-    if positions.size and not (positions.min() >= 0 and positions.max() < len(cos)):
-        raise IndexError(f"position out of range for a RoPE table of {len(cos)}")
-    empty = np.zeros(0, np.float32)
+    if not checked:
+        _check_slots(slots, k_cache)
+        if positions.size and not (
+            positions.min() >= 0 and positions.max() < len(cos)
+        ):
+            raise IndexError(f"position out of range for a RoPE table of {len(cos)}")
     _rope_and_write(
         qkv,
         positions,
         cos,
         sin,
         num_heads,
-        empty if q_norm is None else q_norm,
-        empty if k_norm is None else k_norm,
+        _NO_NORM if q_norm is None else q_norm,
+        _NO_NORM if k_norm is None else k_norm,
         eps,
         k_cache,
         v_cache,

@@ -230,11 +230,13 @@ class LlamaForCausalLM:
         meta: AttentionMetadata,
     ) -> paddle.Tensor:  # (T, H)
         """The layers with RoPE, the cache writes and decode attention in the
-        compiled kernels (``attention.forward_qkv``): from the q/k/v
-        projection to the attention output is two kernel calls a layer."""
+        compiled kernels (``attention.forward_qkv``), and each residual add
+        fused into the norm after it: the fewest ops a layer, since at batch
+        1 every op costs 10-20 us in the middle of a step."""
         c = self.config
-        for i, layer in enumerate(self.weights.layers):
-            h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
+        layers = self.weights.layers
+        h = _rms_norm(x, layers[0].input_norm, c.rms_norm_eps)
+        for i, layer in enumerate(layers):
             qkv = paddle.matmul(h, layer.qkv)  # (T, q_size + 2 kv_size)
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
@@ -250,7 +252,14 @@ class LlamaForCausalLM:
                 layer.k_norm,
                 c.rms_norm_eps,
             )  # (T, nh * d)
-            x = layer_output(c, layer, x, attn, self.all_reduce)
+            out = _o_projection(layer, attn, self.all_reduce)
+            h, x = _add_rms_norm(out, x, layer.post_attention_norm, c.rms_norm_eps)
+            out = _mlp(layer, h, self.all_reduce)
+            if i + 1 < len(layers):
+                norm = layers[i + 1].input_norm
+                h, x = _add_rms_norm(out, x, norm, c.rms_norm_eps)
+            else:
+                x = x + out
         return x
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:  # (N, V) float32
@@ -303,13 +312,29 @@ def layer_output(
     On a tensor-parallel rank ``all_reduce`` sums the row-parallel o and down
     projections' partial outputs; their biases are added after it, once.
     """
+    x = x + _o_projection(layer, attn, all_reduce)
+    h = _rms_norm(x, layer.post_attention_norm, c.rms_norm_eps)
+    return x + _mlp(layer, h, all_reduce)
+
+
+def _o_projection(
+    layer: DecoderLayerWeights,
+    attn: paddle.Tensor,  # (T, nh * d)
+    all_reduce: Callable[[paddle.Tensor], paddle.Tensor] | None,
+) -> paddle.Tensor:  # (T, H)
     out = paddle.matmul(attn, layer.o)
     if all_reduce is not None:
         out = all_reduce(out)
     if layer.o_bias is not None:
         out = out + layer.o_bias
-    x = x + out
-    h = _rms_norm(x, layer.post_attention_norm, c.rms_norm_eps)
+    return out
+
+
+def _mlp(
+    layer: DecoderLayerWeights,
+    h: paddle.Tensor,  # (T, H) normed
+    all_reduce: Callable[[paddle.Tensor], paddle.Tensor] | None,
+) -> paddle.Tensor:  # (T, H)
     gate_up = paddle.matmul(h, layer.gate_up)  # (T, 2 I)
     if layer.gate_up_bias is not None:
         gate_up = gate_up + layer.gate_up_bias
@@ -318,7 +343,22 @@ def layer_output(
         out = all_reduce(out)
     if layer.down_bias is not None:
         out = out + layer.down_bias
-    return x + out
+    return out
+
+
+def _add_rms_norm(
+    out: paddle.Tensor,  # (T, H)
+    x: paddle.Tensor,  # (T, H) the residual stream
+    weight: paddle.Tensor,
+    eps: float,
+) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """``x + out`` normed, and ``x + out``: one fused op where it exists."""
+    fused = _FUSED_RMS_NORM and x.stop_gradient and out.stop_gradient
+    if fused and x.dtype == paddle.float32 and weight.stop_gradient:
+        normed, x = _fused_rms_norm(out, weight, None, eps, 1, residual=x)
+        return normed, x
+    x = x + out
+    return _rms_norm(x, weight, eps), x
 
 
 def _rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:

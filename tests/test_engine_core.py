@@ -205,3 +205,35 @@ def test_step_timing_and_counts() -> None:
     assert step.num_batched_tokens == 20 and step.num_seqs == 1
     assert 0 < step.forward_s <= step.total_s
     assert [o.request_id for o in step.outputs] == ["a"]
+
+
+def test_a_bfloat16_kv_cache_holds_twice_the_blocks_and_serves() -> None:
+    memory = 1 << 20
+    full, half = (
+        EngineCore(
+            EngineConfig(
+                model="tiny-random",
+                max_model_len=128,
+                kv_cache_memory=memory,
+                kv_cache_dtype=kv,
+            )
+        )
+        for kv in ("auto", "bfloat16")
+    )
+    blocks = [c.statistics().scheduler.blocks.num_blocks for c in (full, half)]
+    assert blocks[1] == min(2 * blocks[0], half.scheduler.config.max_num_seqs * 8)
+    assert half.runner.kv_caches[0][0].dtype.name == "BFLOAT16"
+    prompts = _prompts(6, seed=3)
+    tokens = _run(half, prompts, GREEDY)
+    assert all(len(t) == GREEDY.max_tokens for t in tokens.values())
+
+
+def test_a_bfloat16_kv_cache_needs_the_kernels() -> None:
+    from structllm.errors import EngineConfigError
+    from structllm.model.loader import load_model
+
+    model = load_model("tiny-random").model
+    model.attention.use_kernels = False  # as without numba, or off the CPU
+    with pytest.raises(EngineConfigError) as info:
+        model.set_kv_cache_dtype("bfloat16")
+    assert info.value.field == "kv_cache_dtype"

@@ -24,6 +24,7 @@ BAD_SETTINGS = [
     pytest.param({"kv_cache_memory": 0}, "kv_cache_memory", id="kv_cache_memory"),
     pytest.param({"max_model_len": 1}, "max_model_len", id="max_model_len"),
     pytest.param({"dtype": "fp8"}, "dtype", id="dtype"),
+    pytest.param({"kv_cache_dtype": "fp8"}, "kv_cache_dtype", id="kv_cache_dtype"),
     pytest.param({"max_num_batched_tokens": "8"}, "max_num_batched_tokens", id="type"),
 ]
 

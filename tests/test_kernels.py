@@ -135,3 +135,44 @@ def test_a_block_table_too_short_for_its_length_is_refused() -> None:
     # the kernels read block tables unchecked: one too short never gets there
     with pytest.raises(IndexError):
         model.attention.build_metadata([SequenceSlice(4, 1, [0])])  # 5 tokens
+
+
+def test_bfloat16_caches_round_as_paddle_casts_and_attend_on_those_values() -> None:
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(4096) * np.exp(rng.uniform(-30, 30, 4096))).astype(
+        np.float32
+    )
+    x[:3] = [0.0, -0.0, 1 + 2**-8]  # a tie: rounds to even
+    k_cache = np.zeros((1, 4096, 1), np.uint16)
+    v_cache = np.zeros((1, 4096, 1), np.uint16)
+    new = x.reshape(-1, 1, 1)
+    kernels.write_kv(new, new, k_cache, v_cache, np.arange(4096))
+    want = paddle.cast(paddle.to_tensor(x), "bfloat16").numpy().view(np.uint16)
+    np.testing.assert_array_equal(k_cache.reshape(-1), want)
+
+    # attention over a bfloat16 cache is attention over the rounded values
+    kvh, d, bs = 2, 16, 4
+    k16 = rng.standard_normal((kvh, 32, d)).astype(np.float32)
+    v16 = rng.standard_normal((kvh, 32, d)).astype(np.float32)
+    k_bits, v_bits = (np.zeros((kvh, 32, d), np.uint16) for _ in range(2))
+    flat = np.arange(32)
+    kernels.write_kv(
+        k16.transpose(1, 0, 2), v16.transpose(1, 0, 2), k_bits, v_bits, flat
+    )
+
+    def widen(bits: np.ndarray) -> np.ndarray:
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+
+    tables = np.array([[3, 1, 0, 2], [5, 7, 6, 4]], dtype=np.int64)
+    lens = np.array([13, 16], dtype=np.int64)
+    q = rng.standard_normal((2, 4, d)).astype(np.float32)
+    got = kernels.decode_attention(q, k_bits, v_bits, tables, lens, None, 0.25, bs)
+    want = _reference_decode(
+        q, widen(k_bits), widen(v_bits), tables, lens, None, 0.25, bs
+    )
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+    out = np.empty((kvh, 5, d), np.float32)
+    slots = np.array([0, 31, 7, 7, 12])
+    np.testing.assert_array_equal(
+        kernels.gather(k_bits, slots, out), widen(k_bits)[:, slots]
+    )

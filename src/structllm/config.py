@@ -120,6 +120,14 @@ class EngineConfig:
         validator=_ONE,
         topic="engine",
     )
+    kv_cache_dtype: Literal["auto", "bfloat16"] = setting(
+        "auto",
+        help="how the KV cache stores keys and values; auto: the model's dtype; "
+        "bfloat16: half the memory and memory traffic of a float32 model's "
+        "cache, rounded to nearest even (the CPU attention kernels only; "
+        "see docs/benchmarks.md for its effect on tokens)",
+        topic="engine",
+    )
     kv_cache_memory: int = setting(
         _GiB // 2,
         help="bytes for the KV cache when --num-blocks is not given",

@@ -400,7 +400,10 @@ def load_engine_model(
     }
     tp = config.tensor_parallel_size
     if tp == 1:
-        return load_model(config.model, num_threads=config.cpu_threads(), **common)
-    from structllm.model.parallel import load_model_shard
+        loaded = load_model(config.model, num_threads=config.cpu_threads(), **common)
+    else:
+        from structllm.model.parallel import load_model_shard
 
-    return load_model_shard(config.model, tp, rank, **common)
+        loaded = load_model_shard(config.model, tp, rank, **common)
+    loaded.model.set_kv_cache_dtype(config.kv_cache_dtype)
+    return loaded

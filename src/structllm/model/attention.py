@@ -251,7 +251,7 @@ class PortableAttention:
         window: int | None = None,
     ) -> paddle.Tensor:  # (T, num_heads * head_dim)
         """Attend ``q`` over the cache (after writing ``k``/``v``) under ``window``."""
-        cache = _SlotIO(k_cache, v_cache, self._gathered)
+        cache = _SlotIO(k_cache, v_cache, self._gathered, self._views, meta)
         outs = []
         if meta.use_kernels:
             k_host, v_host = self._host_cache(k_cache, v_cache, meta)
@@ -313,7 +313,7 @@ class PortableAttention:
         if meta.num_decodes:
             outs.append(self._decode_kernel(q_host, k_host, v_host, meta, window))
         if meta.prefills:
-            cache = _SlotIO(k_cache, v_cache, self._gathered)
+            cache = _SlotIO(k_cache, v_cache, self._gathered, self._views, meta)
             q = host_tensor(q_host)
             outs.extend(self._prefill(q, p, cache, window) for p in meta.prefills)
         return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
@@ -438,6 +438,16 @@ class RopeTables:
     sin: np.ndarray
 
 
+def _host_array(tensor: paddle.Tensor) -> np.ndarray:
+    """A numpy view of a host tensor; of a bfloat16 one, its bits as uint16
+    (numpy has no bfloat16, and DLPack exports none)."""
+    if tensor.dtype == paddle.bfloat16:
+        bits: np.ndarray = np.from_dlpack(tensor.view(paddle.int16))
+        return bits.view(np.uint16)
+    array: np.ndarray = np.from_dlpack(tensor)
+    return array
+
+
 class _HostViews:
     """numpy views of long-lived host tensors (the KV caches), made once each.
 
@@ -454,7 +464,7 @@ class _HostViews:
         hit = self._views.get(key)
         if hit is not None and hit[0]() is tensor:
             return hit[1]
-        view: np.ndarray = np.from_dlpack(tensor)
+        view = _host_array(tensor)
 
         def forget(_: object, key: int = key, views: dict = self._views) -> None:  # type: ignore[type-arg]
             views.pop(key, None)
@@ -477,7 +487,11 @@ class _Scratch:
         return self._buf[:size].reshape(shape)
 
     def take(self, src: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """``np.take(src, slots, axis=1)`` into this buffer (valid until the next)."""
+        """``np.take(src, slots, axis=1)`` into this buffer (valid until the next);
+        from a bfloat16 cache (uint16 bits), converted to float32."""
+        if src.dtype == np.uint16:
+            out = self.array((src.shape[0], slots.size, *src.shape[2:]))
+            return kernels.gather(src, slots, out)
         if slots.size and not (slots.min() >= 0 and slots.max() < src.shape[1]):
             raise IndexError(f"slot out of range for a cache of {src.shape[1]}")
         out = self.array((src.shape[0], slots.size, *src.shape[2:]))
@@ -500,10 +514,18 @@ class _SlotIO:
         k_cache: paddle.Tensor,
         v_cache: paddle.Tensor,
         scratch: tuple[_Scratch, _Scratch],
+        views: _HostViews,
+        meta: AttentionMetadata,
     ) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
         self.scratch = scratch
-        self.host = k_cache.place.is_cpu_place() and k_cache.dtype == paddle.float32
+        self.views = views
+        # numpy reads a float32 cache; a bfloat16 one only through the
+        # kernels (kv_cache_dtype), else Paddle ops as on an accelerator
+        self.host = k_cache.place.is_cpu_place() and (
+            k_cache.dtype == paddle.float32
+            or (k_cache.dtype == paddle.bfloat16 and meta.use_kernels)
+        )
 
     def write(self, slots: np.ndarray, k: paddle.Tensor, v: paddle.Tensor) -> None:
         if self.host:
@@ -524,8 +546,8 @@ class _SlotIO:
         if self.host:
             k_buf, v_buf = self.scratch
             return (
-                host_tensor(k_buf.take(np.from_dlpack(self.k_cache), slots)),
-                host_tensor(v_buf.take(np.from_dlpack(self.v_cache), slots)),
+                host_tensor(k_buf.take(self.views.get(self.k_cache), slots)),
+                host_tensor(v_buf.take(self.views.get(self.v_cache), slots)),
             )
         index = paddle.to_tensor(slots)
         return (

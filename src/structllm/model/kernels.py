@@ -38,6 +38,7 @@ import numpy as np
 __all__ = [
     "available",
     "decode_attention",
+    "gather",
     "rope_and_write",
     "set_num_threads",
     "write_kv",
@@ -87,6 +88,50 @@ def _jit(parallel: bool = False) -> Callable[[Any], Any]:
 _prange = range if numba is None else numba.prange
 
 
+def _load(x: Any) -> Any:  # pragma: no cover - compiled through the overload
+    """A cache element as float32 (bfloat16 caches hold its bits as uint16)."""
+    return x
+
+
+def _store(x: Any, cache: np.ndarray) -> Any:  # pragma: no cover - likewise
+    """A float32 value as ``cache`` holds it (bfloat16: rounded to nearest
+    even, as ``torch`` and Paddle round)."""
+    return x
+
+
+# numba wants an overload's implementations to carry its exact parameters,
+# annotations included
+
+
+def _load_overload(x: Any) -> Any:
+    def from_bfloat16(x: Any) -> Any:
+        return np.uint32(np.uint32(x) << 16).view(np.float32)
+
+    def same(x: Any) -> Any:
+        return x
+
+    return from_bfloat16 if x == numba.types.uint16 else same
+
+
+def _store_overload(x: Any, cache: Any) -> Any:
+    def to_bfloat16(x: Any, cache: Any) -> Any:
+        bits = np.float32(x).view(np.uint32)
+        if bits & 0x7FFFFFFF > 0x7F800000:  # NaN stays NaN
+            return np.uint16((bits >> 16) | 0x40)
+        rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+        return np.uint16(rounded >> 16)
+
+    def same(x: Any, cache: Any) -> Any:
+        return x
+
+    return to_bfloat16 if cache.dtype == numba.types.uint16 else same
+
+
+if numba is not None:  # the compiled kernels call _load/_store as these
+    numba.extending.overload(_load, jit_options={"fastmath": True})(_load_overload)
+    numba.extending.overload(_store, jit_options={"fastmath": True})(_store_overload)
+
+
 @_jit()
 def _write_kv(
     k: np.ndarray,  # (T, kvh, d)
@@ -100,8 +145,8 @@ def _write_kv(
         s = slots[t]
         for h in range(kvh):
             for e in range(d):
-                k_cache[h, s, e] = k[t, h, e]
-                v_cache[h, s, e] = v[t, h, e]
+                k_cache[h, s, e] = _store(k[t, h, e], k_cache)
+                v_cache[h, s, e] = _store(v[t, h, e], v_cache)
 
 
 @_jit()
@@ -148,11 +193,12 @@ def _rope_and_write(
                 h = hh - num_heads
                 for e in range(d):
                     other = head[e + half] if e < half else head[e - half]
-                    k_cache[h, s, e] = head[e] * cos[p, e] + other * sin[p, e]
+                    rotated = head[e] * cos[p, e] + other * sin[p, e]
+                    k_cache[h, s, e] = _store(rotated, k_cache)
         for h in range(kvh):
             base = (num_heads + kvh + h) * d
             for e in range(d):
-                v_cache[h, s, e] = qkv[t, base + e]
+                v_cache[h, s, e] = _store(qkv[t, base + e], v_cache)
 
 
 def _decode_attention_py(
@@ -186,7 +232,7 @@ def _decode_attention_py(
             for g in range(g_len):
                 acc = np.float32(0.0)
                 for e in range(d):
-                    acc += qs[g, e] * k_cache[h, slot, e]
+                    acc += qs[g, e] * _load(k_cache[h, slot, e])
                 scores[g, j] = acc
         for g in range(g_len):
             top = scores[g, 0]
@@ -207,7 +253,7 @@ def _decode_attention_py(
             for g in range(g_len):
                 p = scores[g, j]
                 for e in range(d):
-                    acc_out[g, e] += p * v_cache[h, slot, e]
+                    acc_out[g, e] += p * _load(v_cache[h, slot, e])
         for g in range(g_len):
             for e in range(d):
                 out[b, h * g_len + g, e] = acc_out[g, e]
@@ -215,6 +261,20 @@ def _decode_attention_py(
 
 _decode_attention = _jit()(_decode_attention_py)
 _decode_attention_parallel = _jit(parallel=True)(_decode_attention_py)
+
+
+@_jit()
+def _gather(
+    cache: np.ndarray,  # (kvh, S, d)
+    slots: np.ndarray,  # (n,) int64
+    out: np.ndarray,  # (kvh, n, d) float32
+) -> None:  # pragma: no cover - compiled
+    kvh, _, d = cache.shape
+    for h in range(kvh):
+        for i in range(slots.shape[0]):
+            s = slots[i]
+            for e in range(d):
+                out[h, i, e] = _load(cache[h, s, e])
 
 
 _NO_NORM = np.zeros(0, np.float32)
@@ -240,6 +300,13 @@ def write_kv(
     if not checked:
         _check_slots(slots, k_cache)
     _write_kv(k, v, k_cache, v_cache, slots)
+
+
+def gather(cache: np.ndarray, slots: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``cache[:, slots]`` as float32 into ``out (kvh, len(slots), d)``."""
+    _check_slots(slots, cache)
+    _gather(cache, slots, out)
+    return out
 
 
 def rope_and_write(
@@ -269,9 +336,7 @@ def rope_and_write(
     """
     if not checked:
         _check_slots(slots, k_cache)
-        if positions.size and not (
-            positions.min() >= 0 and positions.max() < len(cos)
-        ):
+        if positions.size and not (positions.min() >= 0 and positions.max() < len(cos)):
             raise IndexError(f"position out of range for a RoPE table of {len(cos)}")
     _rope_and_write(
         qkv,

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import numpy as np
 
+from structllm.errors import EngineConfigError
 from structllm.model._paddle import paddle
 from structllm.model.attention import AttentionMetadata, PortableAttention, RopeTables
 from structllm.model.config import ModelConfig, RopeScaling
@@ -130,6 +131,8 @@ class LlamaForCausalLM:
     ) -> None:
         self.config = config
         self.weights = weights
+        #: see set_kv_cache_dtype
+        self.kv_cache_dtype = "auto"
         #: a tensor-parallel rank's sum of the o and down projections' partial
         #: outputs over its group (``model/parallel.py``); None: whole model
         self.all_reduce = all_reduce
@@ -160,19 +163,40 @@ class LlamaForCausalLM:
         self._cos = paddle.to_tensor(self._rope.cos)
         self._sin = paddle.to_tensor(self._rope.sin)
 
+    def set_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
+        """How caches allocated from now on store keys and values: ``auto``
+        (the model's dtype) or ``bfloat16`` (read and written by the CPU
+        kernels, which see its bits as uint16)."""
+        if kv_cache_dtype == "bfloat16" and not (
+            self.attention.use_kernels and self.dtype == paddle.float32
+        ):
+            raise EngineConfigError(
+                "kv_cache_dtype bfloat16 needs the CPU attention kernels (numba, a "
+                "float32 model on the CPU)",
+                field="kv_cache_dtype",
+            )
+        if kv_cache_dtype not in ("auto", "bfloat16"):
+            raise EngineConfigError(
+                f"kv_cache_dtype must be auto or bfloat16, not {kv_cache_dtype!r}",
+                field="kv_cache_dtype",
+            )
+        self.kv_cache_dtype = kv_cache_dtype
+
     def allocate_kv_cache(
         self, num_blocks: int
     ) -> list[tuple[paddle.Tensor, paddle.Tensor]]:
         """Per layer K and V, ``(kv_heads, num_blocks * block_size, head_dim)``."""
         a = self.attention
+        dtype = "bfloat16" if self.kv_cache_dtype == "bfloat16" else self.dtype
         return [
-            (a.allocate(num_blocks, self.dtype), a.allocate(num_blocks, self.dtype))
+            (a.allocate(num_blocks, dtype), a.allocate(num_blocks, dtype))
             for _ in range(self.config.num_hidden_layers)
         ]
 
     def kv_cache_bytes_per_block(self) -> int:
         c = self.config
-        elem = 4 if self.dtype == paddle.float32 else 2
+        full = self.dtype == paddle.float32 and self.kv_cache_dtype == "auto"
+        elem = 4 if full else 2
         return 2 * c.num_hidden_layers * self.attention.block_size * c.kv_size * elem
 
     def rope_tables(

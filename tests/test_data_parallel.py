@@ -37,13 +37,8 @@ from structllm.core.request import RequestStepOutput, StepOutput
 from structllm.engine.async_llm import AsyncLLM
 from structllm.engine.core_client import CoreClient
 from structllm.engine.protocol import AbortRequests, AddFailed, Heartbeat, encode
-from structllm.engine.replicas import (
-    AFFINITY_CAPACITY,
-    PrefixRouter,
-    ReplicaSet,
-    affinity_slack,
-    replica_config,
-)
+from structllm.engine.replicas import ReplicaSet, replica_config
+from structllm.engine.routing import AFFINITY_CAPACITY, PrefixRouter, affinity_slack
 from structllm.errors import EngineConfigError, EngineOverloadedError
 from structllm.llm import LLM
 from structllm.model._paddle import paddle

@@ -31,14 +31,8 @@ from structllm import EngineDeadError, ModelLoadError, SamplingParams
 from structllm.cli import build_parser
 from structllm.config import EngineConfig, FrontendConfig, from_arguments
 from structllm.engine.async_llm import AsyncLLM
-from structllm.engine.rank_group import (
-    Hello,
-    RankSetup,
-    _connect_env,
-    _frame,
-    _free_ports,
-    _receive,
-)
+from structllm.engine.rank_env import connect_env, free_ports
+from structllm.engine.rank_protocol import Hello, RankSetup, frame, receive
 from structllm.errors import EngineConfigError, EngineCoreError
 from structllm.llm import LLM
 from structllm.model._paddle import paddle
@@ -67,7 +61,7 @@ def anyio_backend() -> str:
 
 @pytest.fixture
 def address() -> str:
-    return f"127.0.0.1:{_free_ports(1)[0]}"
+    return f"127.0.0.1:{free_ports(1)[0]}"
 
 
 @contextlib.contextmanager
@@ -320,13 +314,13 @@ def test_a_follower_ends_itself_when_rank_0_falls_silent(tmp_path: Path) -> None
             listener.settimeout(60)
             conn, _ = listener.accept()
             with conn:
-                assert isinstance(_receive(conn), Hello)
-                env = _connect_env(
+                assert isinstance(receive(conn), Hello)
+                env = connect_env(
                     1, [f"127.0.0.1:{store_at[1]}", "x:0"], "gloo", store_at
                 )
                 config = EngineConfig(model="tiny-random", tensor_parallel_size=2)
                 setup = RankSetup(config, env=env, silence_timeout=1.0)
-                conn.sendall(_frame(setup))
+                conn.sendall(frame(setup))
                 set_up = time.monotonic()
                 code = follower.wait(30)
                 took = time.monotonic() - set_up

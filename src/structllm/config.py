@@ -26,7 +26,7 @@ module is in the types layer: attrs, ``settings``, ``errors`` and
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import attrs
 
@@ -38,8 +38,11 @@ from structllm.settings import (
     add_arguments,
     add_grouped_arguments,
     at_least,
+    check_address,
+    check_api_keys,
     check_config,
     from_arguments,
+    parse_address,
     setting,
     split_fields,
 )
@@ -52,6 +55,8 @@ __all__ = [
     "add_arguments",
     "add_grouped_arguments",
     "at_least",
+    "check_address",
+    "check_api_keys",
     "check_config",
     "from_arguments",
     "parse_address",
@@ -60,36 +65,6 @@ __all__ = [
 ]
 
 _GiB = 1 << 30
-
-
-def _api_key(_: Any, attribute: attrs.Attribute[Any], value: tuple[str, ...]) -> None:
-    for key in value:  # the message never shows the key itself
-        if not key or not key.isascii() or not key.isprintable() or " " in key:
-            raise EngineConfigError(
-                f"{attribute.name}: every key must be "
-                "non-empty printable ASCII without spaces",
-                field=attribute.name,
-            )
-
-
-def parse_address(value: str, field: str = "address") -> tuple[str, int]:
-    """``"HOST:PORT"`` (``"[::1]:PORT"`` for IPv6) as ``(host, port)``;
-    EngineConfigError naming ``field`` if it is not one."""
-    host, sep, port = value.rpartition(":")
-    host = host.removeprefix("[").removesuffix("]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise EngineConfigError(
-            f"{field} must be HOST:PORT with a port from 1 to 65535, not {value!r}",
-            field=field,
-        )
-    return host, int(port)
-
-
-def _address(field: str, value: object) -> None:
-    if isinstance(value, str):  # check_config names a wrong type
-        parse_address(value, field)
-
-
 _ONE = at_least(1)
 _ZERO = at_least(0)
 _POSITIVE = at_least(0, above=True)
@@ -172,7 +147,7 @@ class EngineConfig:
         help="HOST:PORT where rank 0 waits for the follower ranks, started on "
         "other machines with `python -m structllm.engine.rank_group --connect "
         "HOST:PORT` (default: rank 0 starts them itself, on this machine)",
-        validator=lambda _, attribute, value: _address(attribute.name, value),
+        validator=check_address,
         metavar="HOST:PORT",
         topic="model",
     )
@@ -380,7 +355,7 @@ class ServerConfig:
         help="require 'Authorization: Bearer KEY' on /v1, /tokenize and "
         "/detokenize (also STRUCTLLM_API_KEY, comma-separated; default: no key, "
         "an open server)",
-        validator=_api_key,
+        validator=check_api_keys,
         secret=True,
         metavar="KEY",
         topic="security",

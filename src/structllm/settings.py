@@ -2,10 +2,12 @@
 
 - :func:`setting`: an attrs field carrying its command-line help, its
   ``--help`` topic (:data:`TOPICS`) and its flag's name;
-- :func:`at_least` and :func:`check_config`: the checks a config runs when
-  it is built, raising :class:`~structllm.errors.EngineConfigError` that
-  names the field (bounds; types and ``Literal`` choices, which attrs does
-  not check);
+- :func:`at_least`, :func:`check_address`, :func:`check_api_keys` and
+  :func:`check_config`: the checks a config runs when it is built, raising
+  :class:`~structllm.errors.EngineConfigError` that names the field
+  (bounds, addresses, API keys; types and ``Literal`` choices, which attrs
+  does not check); :func:`parse_address` reads a ``HOST:PORT`` wherever
+  one is given;
 - :func:`add_arguments`, :func:`add_grouped_arguments` and
   :func:`from_arguments`: ``argparse`` flags from the fields of an attrs
   class (``max_num_seqs`` becomes ``--max-num-seqs``, a bool ``--x/--no-x``,
@@ -33,8 +35,11 @@ __all__ = [
     "add_arguments",
     "add_grouped_arguments",
     "at_least",
+    "check_address",
+    "check_api_keys",
     "check_config",
     "from_arguments",
+    "parse_address",
     "setting",
     "split_fields",
 ]
@@ -112,6 +117,40 @@ def at_least(low: float, *, above: bool = False, at_most: float | None = None) -
             )
 
     return check
+
+
+def parse_address(value: str, field: str = "address") -> tuple[str, int]:
+    """``"HOST:PORT"`` (``"[::1]:PORT"`` for IPv6) as ``(host, port)``;
+    EngineConfigError naming ``field`` if it is not one."""
+    host, sep, port = value.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise EngineConfigError(
+            f"{field} must be HOST:PORT with a port from 1 to 65535, not {value!r}",
+            field=field,
+        )
+    return host, int(port)
+
+
+def check_address(_: Any, attribute: attrs.Attribute[Any], value: object) -> None:
+    """A validator: the value is a ``HOST:PORT`` (:func:`parse_address`), or
+    not a string at all (None passes; :func:`check_config` names a wrong
+    type)."""
+    if isinstance(value, str):
+        parse_address(value, attribute.name)
+
+
+def check_api_keys(
+    _: Any, attribute: attrs.Attribute[Any], value: tuple[str, ...]
+) -> None:
+    """A validator: every key is non-empty printable ASCII without spaces."""
+    for key in value:  # the message never shows the key itself
+        if not key or not key.isascii() or not key.isprintable() or " " in key:
+            raise EngineConfigError(
+                f"{attribute.name}: every key must be "
+                "non-empty printable ASCII without spaces",
+                field=attribute.name,
+            )
 
 
 def check_config(config: Any) -> None:

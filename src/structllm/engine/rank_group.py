@@ -1,4 +1,4 @@
-"""The follower ranks of a tensor-parallel core, and their entry point.
+"""Rank 0's group: the follower ranks of a tensor-parallel core.
 
 With ``tensor_parallel_size = N > 1`` the core process is rank 0 of a
 ``paddle.distributed`` group: it schedules, samples and talks to the front
@@ -45,134 +45,59 @@ same rules hold, with the connection as the only tie:
 - no pidfd crosses machines: rank 0 :class:`Ping` s each follower every
   heartbeat interval, and a follower exits at once when its connection
   closes or it has heard nothing for the heartbeat timeout, even mid-step.
+
+This module is rank 0's side, :class:`RankGroup`. A follower's side is
+:mod:`structllm.engine.rank_follower`, whose :func:`main` runs as this
+module (``python -m structllm.engine.rank_group``: the command names the
+group, as it always has); the messages and their framing are
+:mod:`structllm.engine.rank_protocol`, each rank's ``paddle.distributed``
+variables :mod:`structllm.engine.rank_env`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
-import queue
 import select
-import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
-from typing import NoReturn
 
 import attrs
 import msgspec
 
 from structllm.config import EngineConfig, parse_address
 from structllm.core.runner import ModelInput
+from structllm.engine.rank_env import (
+    apply_env,
+    connect_env,
+    endpoint,
+    family,
+    free_ports,
+    pick_backend,
+    spawn_env,
+)
+from structllm.engine.rank_follower import main
+from structllm.engine.rank_protocol import (
+    HELLO_TIMEOUT,
+    AllocateKV,
+    Hello,
+    Ping,
+    RankFailed,
+    RankSetup,
+    Step,
+    frame,
+    receive,
+)
 from structllm.errors import EngineConfigError
 
-__all__ = [
-    "CONNECT_TIMEOUT",
-    "AllocateKV",
-    "Hello",
-    "Ping",
-    "RankFailed",
-    "RankGroup",
-    "RankSetup",
-    "Step",
-    "main",
-]
+__all__ = ["EXIT_TIMEOUT", "RankGroup", "main"]
 
-_HEADER = struct.Struct(">I")
 #: seconds a follower gets to exit after its socket closes, before SIGKILL
 EXIT_TIMEOUT = 5.0
-#: default seconds a ``--connect`` follower keeps trying to reach rank 0
-CONNECT_TIMEOUT = 600.0
-#: seconds rank 0 gives a new connection to say Hello (a stray client is
-#: dropped, and rank 0 waits on for real followers)
-_HELLO_TIMEOUT = 10.0
-#: seconds past a ``--connect`` follower's silence timeout that its SIGALRM
-#: ends it, if its reader thread could not (Paddle held the GIL)
-_ALARM_GRACE = 1.0
-
-
-class Hello(msgspec.Struct, tag=True):
-    """A ``--connect`` follower's first message: who it is, for messages."""
-
-    pid: int
-    host: str
-
-
-class RankSetup(msgspec.Struct, tag=True):
-    """First message to a follower: what to load (its rank is in its env)."""
-
-    config: EngineConfig
-    #: test hook, as core_process's: "raise_at_step:N", "hang_at_step:N"
-    fault: str | None = None
-    #: ``--connect`` followers: the ``paddle.distributed`` variables to run
-    #: with (a spawned follower inherits them)
-    env: dict[str, str] = {}
-    #: ``--connect`` followers: exit after this many seconds without a word
-    #: from rank 0 (None: a spawned follower watches rank 0's pid instead)
-    silence_timeout: float | None = None
-
-
-class Ping(msgspec.Struct, tag=True):
-    """Rank 0 is alive (sent to ``--connect`` followers when otherwise idle)."""
-
-
-class AllocateKV(msgspec.Struct, tag=True):
-    """Rank 0 has sized the KV cache: allocate the same number of blocks."""
-
-    num_blocks: int
-
-
-class Step(msgspec.Struct, tag=True):
-    """Run this forward (rank 0 runs it too)."""
-
-    input: ModelInput
-
-
-class RankFailed(msgspec.Struct, tag=True):
-    """A follower raised; it exits after sending this."""
-
-    rank: int
-    kind: str
-    message: str
-    traceback: str
-
-
-_Message = Hello | RankSetup | Ping | AllocateKV | Step | RankFailed
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(_Message)
-
-
-def _frame(msg: _Message) -> bytes:
-    body = _encoder.encode(msg)
-    return _HEADER.pack(len(body)) + body
-
-
-def _receive(sock: socket.socket) -> _Message | None:
-    """The next message (blocking); None at EOF."""
-    header = _read_exactly(sock, _HEADER.size)
-    if header is None:
-        return None
-    (n,) = _HEADER.unpack(header)
-    body = _read_exactly(sock, n)
-    if body is None:
-        return None
-    return _decoder.decode(body)
-
-
-def _read_exactly(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        data = sock.recv(n - len(buf))
-        if not data:
-            return None
-        buf += data
-    return bytes(buf)
 
 
 @attrs.define(eq=False)
@@ -237,7 +162,7 @@ class RankGroup:
                 target=group._watch_followers, name="rank-watch", daemon=True
             )
             group._watch.start()
-            _apply_env(env)
+            apply_env(env)
             import paddle.distributed
 
             paddle.distributed.init_parallel_env()
@@ -249,8 +174,8 @@ class RankGroup:
     def _spawn(self, config: EngineConfig, fault: str | None) -> dict[str, str]:
         """Start ranks 1..size-1 here; rank 0's variables."""
         size = self.size
-        endpoints = [f"127.0.0.1:{port}" for port in _free_ports(size)]
-        backend = _backend(size)
+        endpoints = [f"127.0.0.1:{port}" for port in free_ports(size)]
+        backend = pick_backend(size)
         for rank in range(1, size):
             ours, theirs = socket.socketpair()
             try:
@@ -258,7 +183,7 @@ class RankGroup:
                     _command(theirs.fileno()),
                     pass_fds=[theirs.fileno()],
                     stdin=subprocess.DEVNULL,
-                    env={**os.environ, **_rank_env(rank, endpoints, backend)},
+                    env={**os.environ, **spawn_env(rank, endpoints, backend)},
                 )
             except BaseException:
                 ours.close()
@@ -266,8 +191,8 @@ class RankGroup:
             finally:
                 theirs.close()
             self._followers.append(_Follower(rank, process, ours, f"pid {process.pid}"))
-            ours.sendall(_frame(RankSetup(config, fault if rank == 1 else None)))
-        return _rank_env(0, endpoints, backend)
+            ours.sendall(frame(RankSetup(config, fault if rank == 1 else None)))
+        return spawn_env(0, endpoints, backend)
 
     def _accept(
         self,
@@ -282,7 +207,7 @@ class RankGroup:
         host, port = parse_address(address, field)
         try:
             listener = socket.create_server(
-                (host, port), family=_family(host), backlog=self.size
+                (host, port), family=family(host), backlog=self.size
             )
         except OSError as exc:
             raise EngineConfigError(
@@ -292,22 +217,22 @@ class RankGroup:
             self._accept_followers(listener, config)
         # the store (rank 0) is where the first follower found rank 0
         master = self._followers[0].sock.getsockname()[0]
-        store = (master, _free_ports(1, master)[0])
-        endpoints = [_endpoint(*store)]
-        endpoints += [_endpoint(f.sock.getpeername()[0], 0) for f in self._followers]
-        backend = _backend(1)
+        store = (master, free_ports(1, master)[0])
+        endpoints = [endpoint(*store)]
+        endpoints += [endpoint(f.sock.getpeername()[0], 0) for f in self._followers]
+        backend = pick_backend(1)
         interval, timeout = heartbeat
         for f in self._followers:
-            env = _connect_env(f.rank, endpoints, backend, store)
+            env = connect_env(f.rank, endpoints, backend, store)
             setup = RankSetup(
                 config, fault if f.rank == 1 else None, env, silence_timeout=timeout
             )
-            f.sock.sendall(_frame(setup))
+            f.sock.sendall(frame(setup))
         self._pinger = threading.Thread(
             target=self._ping, args=(interval,), name="rank-ping", daemon=True
         )
         self._pinger.start()
-        return _connect_env(0, endpoints, backend, store)
+        return connect_env(0, endpoints, backend, store)
 
     def _accept_followers(self, listener: socket.socket, config: EngineConfig) -> None:
         timeout = config.tensor_parallel_connect_timeout
@@ -330,9 +255,9 @@ class RankGroup:
                 conn, peer = listener.accept()
             except TimeoutError:
                 continue
-            conn.settimeout(min(left, _HELLO_TIMEOUT))
+            conn.settimeout(min(left, HELLO_TIMEOUT))
             try:
-                hello = _receive(conn)
+                hello = receive(conn)
             except (OSError, msgspec.DecodeError):
                 hello = None
             if not isinstance(hello, Hello):
@@ -345,24 +270,24 @@ class RankGroup:
 
     def _ping(self, interval: float) -> None:
         """Ping every follower when nothing was sent for ``interval`` seconds."""
-        frame = _frame(Ping())
+        ping = frame(Ping())
         while not self._stop_pinging.wait(interval):
             if time.monotonic() - self._last_sent < interval:
                 continue
             with contextlib.suppress(RuntimeError):  # the watch thread reports it
-                self._send_all(frame)
+                self._send_all(ping)
 
     def allocate(self, num_blocks: int) -> None:
-        self._send_all(_frame(AllocateKV(num_blocks)))
+        self._send_all(frame(AllocateKV(num_blocks)))
 
     def broadcast(self, step: ModelInput) -> None:
-        self._send_all(_frame(Step(step)))
+        self._send_all(frame(Step(step)))
 
-    def _send_all(self, frame: bytes) -> None:
+    def _send_all(self, data: bytes) -> None:
         with self._send_lock:
             for f in self._followers:
                 try:
-                    f.sock.sendall(frame)
+                    f.sock.sendall(data)
                 except OSError as exc:
                     raise RuntimeError(
                         f"tensor-parallel rank {f.rank} ({f.who}) is gone: {exc}"
@@ -418,7 +343,7 @@ class RankGroup:
             return
         f = by_fd[ready[0]]
         try:
-            msg = _receive(f.sock)
+            msg = receive(f.sock)
         except (OSError, msgspec.DecodeError):
             msg = None
         if isinstance(msg, RankFailed):
@@ -456,266 +381,6 @@ def _command(fd: int) -> list[str]:
         "--parent-pid",
         str(os.getpid()),
     ]
-
-
-def _free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    socks = [socket.socket(_family(host)) for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _backend(size: int) -> str:
-    """NCCL when this Paddle has CUDA and a GPU for every rank, else gloo."""
-    import paddle
-
-    if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() >= size:
-        return "nccl"
-    return "gloo"
-
-
-def _rank_env(rank: int, endpoints: list[str], backend: str) -> dict[str, str]:
-    """``paddle.distributed.init_parallel_env``'s variables for ``rank``
-    (those ``paddle.distributed.spawn`` sets; rank 0's endpoint is the store)."""
-    env = {
-        "PADDLE_TRAINER_ID": str(rank),
-        "PADDLE_TRAINERS_NUM": str(len(endpoints)),
-        "PADDLE_TRAINER_ENDPOINTS": ",".join(endpoints),
-        "PADDLE_CURRENT_ENDPOINT": endpoints[rank],
-        "PADDLE_DISTRI_BACKEND": backend,
-    }
-    if backend == "nccl":
-        env["FLAGS_selected_gpus"] = str(rank)
-    return env
-
-
-def _family(host: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-def _endpoint(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _connect_env(
-    rank: int, endpoints: list[str], backend: str, store: tuple[str, int]
-) -> dict[str, str]:
-    """A connected group's variables for ``rank``: as :func:`_rank_env`, with
-    the store named outright (``MASTER_ADDR`` / ``MASTER_PORT`` win over a
-    ``PADDLE_MASTER`` that ``paddle.distributed.launch`` set). No GPU
-    choice: each machine numbers its own (:func:`_apply_env`)."""
-    env = _rank_env(rank, endpoints, backend)
-    env.pop("FLAGS_selected_gpus", None)
-    env["MASTER_ADDR"], env["MASTER_PORT"] = store[0], str(store[1])
-    return env
-
-
-def _apply_env(env: dict[str, str]) -> None:
-    """Run this process as the rank ``env`` describes.
-
-    A connected rank drops ``launch``'s own store address and, on GPUs,
-    keeps the GPU its machine chose (``FLAGS_selected_gpus``, else its
-    ``PADDLE_LOCAL_RANK``, else 0).
-    """
-    os.environ.update(env)
-    if "MASTER_ADDR" not in env:
-        return  # spawned: the variables are the whole story
-    os.environ.pop("PADDLE_MASTER", None)
-    if env["PADDLE_DISTRI_BACKEND"] == "nccl":
-        os.environ.setdefault(
-            "FLAGS_selected_gpus", os.environ.get("PADDLE_LOCAL_RANK", "0")
-        )
-
-
-# ------------------------------------------------------------- a follower
-
-
-def _follow(sock: socket.socket) -> int:
-    """A spawned follower: its setup, then each step until EOF."""
-    setup = _receive(sock)
-    if not isinstance(setup, RankSetup):
-        return 0  # rank 0 went away before saying what to load
-    return _run_steps(setup, lambda: _receive(sock))
-
-
-def _follow_connected(sock: socket.socket, setup_timeout: float) -> int:
-    """A ``--connect`` follower: say Hello, take the setup, then steps.
-
-    A reader thread takes every message off the socket and ends the process
-    at once (even mid-step, blocked in a collective) when rank 0 closes the
-    connection or has been silent for ``silence_timeout``: no pidfd crosses
-    machines, and a collective whose peer vanished may never return. A
-    thread needs the GIL, which Paddle holds through some blocking calls
-    (``init_parallel_env`` waiting for the store holds it), so the kernel
-    backs it up: each message re-arms a SIGALRM (default action: the
-    process ends) due ``_ALARM_GRACE`` seconds after the silence timeout.
-    """
-    sock.sendall(_frame(Hello(os.getpid(), socket.gethostname())))
-    sock.settimeout(setup_timeout)  # rank 0 answers once every rank is in
-    try:
-        setup = _receive(sock)
-    except TimeoutError:
-        _exit_now(f"rank 0 sent no setup within {setup_timeout:g}s", 1)
-    if not isinstance(setup, RankSetup) or setup.silence_timeout is None:
-        return 0  # rank 0 went away (or gave up waiting for the others)
-    _apply_env(setup.env)
-    signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    _rearm(setup.silence_timeout)
-    inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
-    threading.Thread(
-        target=_read_rank0,
-        args=(sock, inbox, setup.silence_timeout),
-        name="rank0-reader",
-        daemon=True,
-    ).start()
-    return _run_steps(setup, inbox.get)
-
-
-def _read_rank0(
-    sock: socket.socket, inbox: queue.SimpleQueue[_Message], silence: float
-) -> None:
-    sock.settimeout(silence)
-    while True:
-        try:
-            msg = _receive(sock)
-        except TimeoutError:
-            _exit_now(f"no word from rank 0 for {silence:g}s (heartbeat timeout)", 1)
-        except (OSError, msgspec.DecodeError):
-            msg = None
-        if msg is None:
-            _exit_now(None, 0)  # rank 0 closed the group
-        _rearm(silence)
-        if not isinstance(msg, Ping):
-            inbox.put(msg)
-
-
-def _rearm(silence: float) -> None:
-    """Have the kernel end this process unless rank 0 is heard from again
-    within ``silence`` seconds (and a grace, for the reader to say why)."""
-    signal.setitimer(signal.ITIMER_REAL, silence + _ALARM_GRACE)
-
-
-def _exit_now(why: str | None, code: int) -> NoReturn:
-    """End the process from any thread, whatever the others are doing."""
-    if why is not None:
-        rank = os.environ.get("PADDLE_TRAINER_ID", "?")
-        with contextlib.suppress(OSError):
-            os.write(2, f"structllm rank {rank}: {why}; exiting\n".encode())
-    os._exit(code)
-
-
-def _run_steps(setup: RankSetup, next_message: Callable[[], _Message | None]) -> int:
-    """Load the shard, then run each step's forward until no message is left."""
-    from structllm.core.engine_core import load_engine_model
-    from structllm.core.runner import run_forward
-    from structllm.engine.core_process import _inject
-    from structllm.model._paddle import (
-        paddle,
-        set_num_threads,
-    )
-
-    config = setup.config
-    set_num_threads(config.cpu_threads())
-    paddle.distributed.init_parallel_env()
-    rank = paddle.distributed.get_rank()
-    model = load_engine_model(config, rank).model
-    fault_kind, _, fault_step = (setup.fault or "").partition(":")
-    kv_caches = None
-    steps = 0
-    while (msg := next_message()) is not None:
-        if isinstance(msg, AllocateKV):
-            kv_caches = model.allocate_kv_cache(msg.num_blocks)
-        elif isinstance(msg, Step):
-            if kv_caches is None:
-                raise RuntimeError("a step before the KV cache was allocated")
-            if fault_kind and steps == int(fault_step):
-                _inject(fault_kind, steps)
-            run_forward(model, kv_caches, msg.input)
-            steps += 1
-    return 0
-
-
-def _connect(address: str, timeout: float) -> socket.socket:
-    """A connection to rank 0, retried until it listens or ``timeout`` passes."""
-    host, port = parse_address(address, "--connect")
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            sock = socket.create_connection((host, port), timeout=_HELLO_TIMEOUT)
-        except OSError as exc:
-            if time.monotonic() >= deadline:
-                raise ConnectionError(
-                    f"rank 0 at {address} did not answer within {timeout:g}s: {exc}"
-                ) from exc
-            time.sleep(0.5)  # not listening yet (it starts later, or restarts)
-            continue
-        sock.settimeout(None)
-        return sock
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m structllm.engine.rank_group",
-        description="A follower rank of a tensor-parallel engine. Started by "
-        "rank 0 itself (--fd, --parent-pid), or on another machine with "
-        "--connect to the address rank 0 listens on (structllm serve "
-        "--tensor-parallel-listen); see docs/parallel.md.",
-    )
-    parser.add_argument("--fd", type=int, help="socket to rank 0 (spawned)")
-    parser.add_argument("--parent-pid", type=int, help="rank 0's pid (spawned)")
-    parser.add_argument(
-        "--connect", metavar="HOST:PORT", help="rank 0's --tensor-parallel-listen"
-    )
-    parser.add_argument(
-        "--connect-timeout",
-        type=float,
-        default=CONNECT_TIMEOUT,
-        metavar="SECONDS",
-        help="how long to keep trying to reach rank 0, and then to wait for "
-        "the group to form (default: %(default)g)",
-    )
-    ns = parser.parse_args(argv)
-    if ns.connect is not None:
-        if ns.fd is not None or ns.parent_pid is not None:
-            parser.error("--connect takes no --fd or --parent-pid")
-        try:
-            sock = _connect(ns.connect, ns.connect_timeout)
-        except (ConnectionError, EngineConfigError) as exc:
-            parser.exit(2, f"{parser.prog}: {exc}\n")
-        return _run_follower(sock, lambda: _follow_connected(sock, ns.connect_timeout))
-    if ns.fd is None or ns.parent_pid is None:
-        parser.error("give --connect HOST:PORT (or --fd and --parent-pid)")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from structllm.engine.core_process import _exit_with_parent
-
-    _exit_with_parent(ns.parent_pid)
-    if os.getppid() != ns.parent_pid:
-        return 0  # rank 0 died before the watch began
-    sock = socket.socket(fileno=ns.fd)
-    return _run_follower(sock, lambda: _follow(sock))
-
-
-def _run_follower(sock: socket.socket, follow: Callable[[], int]) -> int:
-    """``follow()``; if it raises, tell rank 0 (RankFailed) and exit 1."""
-    try:
-        return follow()
-    except Exception as exc:
-        rank = int(os.environ.get("PADDLE_TRAINER_ID", "-1"))
-        with contextlib.suppress(OSError):
-            sock.sendall(
-                _frame(
-                    RankFailed(
-                        rank, type(exc).__name__, str(exc), traceback.format_exc()
-                    )
-                )
-            )
-        return 1
-    finally:
-        sock.close()
 
 
 if __name__ == "__main__":

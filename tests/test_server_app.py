@@ -300,10 +300,13 @@ async def test_overload_is_503_with_retry_after() -> None:
 
 
 async def test_request_timeout_is_408_or_a_last_event() -> None:
-    async with open_server(request_timeout=0.3) as s:
-        body = {**LONG, "max_tokens": 250}
+    # 2,000 tokens take over a second on the tiny model (~0.5-1 ms a token
+    # with the CPU kernels: 250 tokens once took longer than 0.3 s, no more)
+    engine = {"max_model_len": 2048, "num_blocks": 136}
+    async with open_server(request_timeout=0.2, engine=engine) as s:
+        body = {**LONG, "max_tokens": 2000}
         r = await s.http.post("/v1/completions", json=body)
-        assert "longer than 0.3s" in assert_error(r, 408)
+        assert "longer than 0.2s" in assert_error(r, 408)
         await s.wait_idle()
         r = await s.http.post("/v1/completions", json={**body, "stream": True})
         assert r.status_code == 200

@@ -210,10 +210,13 @@ def _load(start: Start, send: Send, group: RankGroup | None) -> EngineCore | Non
 
 
 def _warm_up(core: EngineCore, send: Send) -> None:
-    """One short request through every code path (prefill, decode, sampling)."""
+    """One short request through every code path (prefill, decode, sampling),
+    and every compiled attention kernel loaded (compiled once per install)."""
+    from structllm.model import kernels
     from structllm.params import SamplingParams
 
     send(LoadProgressMsg("warmup", 0, 1))
+    kernels.warm_up()
     core.add_request(
         CoreRequest(
             request_id="__warmup__",

@@ -41,6 +41,7 @@ __all__ = [
     "gather",
     "rope_and_write",
     "set_num_threads",
+    "warm_up",
     "write_kv",
 ]
 
@@ -382,3 +383,37 @@ def decode_attention(
     else:
         _decode_attention(*args)
     return out
+
+
+def warm_up() -> None:
+    """Compile every kernel for the argument types the engine passes, or load
+    it from the disk cache, so that a server's first large batch (the
+    threaded decode) or first bfloat16 cache does not pause to compile."""
+    if numba is None:  # pragma: no cover
+        return
+    q = np.zeros((1, 1, 2), np.float32)
+    tables, lens = np.zeros((1, 1), np.int64), np.ones(1, np.int64)
+    slots = np.zeros(1, np.int64)  # slot 0, position 0
+    rope = np.zeros((1, 2), np.float32)
+    for dtype in (np.float32, np.uint16):
+        cache = np.zeros((1, 4, 2), dtype)
+        out = np.empty_like(q)
+        for attend in (_decode_attention, _decode_attention_parallel):
+            attend(q, cache, cache, tables, lens, 0, 1.0, 4, out)
+        _write_kv(q, q, cache, cache, slots)
+        qkv = np.zeros((1, 6), np.float32)
+        _rope_and_write(
+            qkv,
+            slots,
+            rope,
+            rope,
+            1,
+            _NO_NORM,
+            _NO_NORM,
+            1e-6,
+            cache,
+            cache,
+            slots,
+            out,
+        )
+        _gather(cache, slots, out.reshape(1, 1, 2))

@@ -131,6 +131,9 @@ class PortableAttention:
         self._gathered = (_Scratch(), _Scratch())
         #: the kernels' rotated queries, reused likewise
         self._rotated_q = _Scratch()
+        #: decode rows -> the kernel's output tensor and its host view, reused
+        #: by every layer (see forward_qkv)
+        self._decode_out: dict[int, tuple[paddle.Tensor, np.ndarray]] = {}
         self._views = _HostViews()
 
     def build_metadata(self, seqs: Sequence[SequenceSlice]) -> AttentionMetadata:
@@ -285,6 +288,10 @@ class PortableAttention:
         One pass does Qwen3's q/k norm, RoPE and the cache writes
         (``kernels.rope_and_write``); decode rows are attended in place,
         prefill rows as in :meth:`forward`. Needs ``meta.use_kernels``.
+
+        A step of decode rows alone returns a tensor whose memory the next
+        call reuses (a Paddle op per layer saved; the o projection reads it
+        at once): use it before attending the next layer.
         """
         assert meta.use_kernels and meta.positions is not None
         t = meta.num_tokens
@@ -341,7 +348,12 @@ class PortableAttention:
         """The decode rows, by the compiled kernel reading the cache in place."""
         assert meta.decode_tables is not None and meta.decode_lens is not None
         b = meta.num_decodes
-        out = kernels.decode_attention(
+        buffer = self._decode_out.get(b)
+        if buffer is None:
+            tensor = paddle.empty([b, self.num_heads * self.head_dim], "float32")
+            view = np.from_dlpack(tensor).reshape(b, self.num_heads, self.head_dim)
+            buffer = self._decode_out[b] = (tensor, view)
+        kernels.decode_attention(
             q[:b] if isinstance(q, np.ndarray) else _host(q[:b]),
             k_cache,
             v_cache,
@@ -350,8 +362,9 @@ class PortableAttention:
             window,
             self.scale,
             self.block_size,
+            out=buffer[1],
         )  # (B, nh, d)
-        return host_tensor(out.reshape(b, -1))
+        return buffer[0]
 
     def _decode_ops(
         self,

@@ -364,16 +364,21 @@ def decode_attention(
     window: int | None,
     scale: float,
     block_size: int,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """One query a row, ``q (B, nh, d)``, over its sequence's cached keys.
 
     Row ``b`` sees positions ``0..lens[b]-1`` (its own key, written before,
     is the last), or only the last ``window`` of them, through the block
-    table ``tables[b]``. Returns ``(B, nh, d)``. The caller checks that
+    table ``tables[b]``. Returns ``(B, nh, d)`` (written into ``out`` if
+    given: float32, C-contiguous, of that shape). The caller checks that
     ``tables`` covers ``lens`` and stays inside the cache: the kernel reads
     unchecked.
     """
-    out = np.empty(q.shape, np.float32)
+    if out is None:
+        out = np.empty(q.shape, np.float32)
+    elif out.shape != q.shape:
+        raise ValueError(f"out is {out.shape}, not {q.shape}")
     args = (q, k_cache, v_cache, tables, lens, window or 0, scale, block_size, out)
     work = len(lens) * k_cache.shape[0] * int(lens.max(initial=0))
     if _threads > 1 and work >= _PARALLEL_MIN_WORK:

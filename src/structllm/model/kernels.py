@@ -30,6 +30,7 @@ BLAS libraries do. The softmax subtracts each row's maximum first.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,11 @@ try:
     numba = importlib.import_module("numba")
 except ImportError:  # pragma: no cover - numba comes with the cpu extra
     numba = None
+if numba is not None and "NUMBA_THREADING_LAYER" not in os.environ:
+    # Several engines may step in threads of one process (inline executors):
+    # only thread pools that take concurrent launches (TBB, OpenMP), never
+    # numba's fallback workqueue, which aborts the process on them.
+    numba.config.THREADING_LAYER = "threadsafe"
 
 #: below this many (sequence, kv head) pairs times keys, decode attention
 #: runs on the calling thread: waking a second one costs more than it saves
@@ -74,13 +80,16 @@ def _jit(parallel: bool = False) -> Callable[[Any], Any]:
     def compile(f: Any) -> Any:
         if numba is None:  # pragma: no cover
             return f
-        return numba.njit(
-            nogil=True,
-            fastmath=True,
-            cache=True,
-            boundscheck=False,
-            parallel=parallel,
-        )(f)
+        options = {
+            "nogil": True,
+            "fastmath": True,
+            "boundscheck": False,
+            "parallel": parallel,
+        }
+        try:
+            return numba.njit(cache=True, **options)(f)
+        except RuntimeError:  # pragma: no cover - no writable cache directory
+            return numba.njit(**options)(f)  # compiled in every process
 
     return compile
 
@@ -384,7 +393,13 @@ def decode_attention(
     if _threads > 1 and work >= _PARALLEL_MIN_WORK:
         if numba.get_num_threads() != _threads:
             numba.set_num_threads(_threads)  # per calling thread
-        _decode_attention_parallel(*args)
+        try:
+            _decode_attention_parallel(*args)
+        except ValueError as exc:  # pragma: no cover - neither TBB nor OpenMP
+            if "threading layer" not in str(exc):
+                raise
+            set_num_threads(1)
+            _decode_attention(*args)
     else:
         _decode_attention(*args)
     return out

@@ -216,7 +216,7 @@ def _warm_up(core: EngineCore, send: Send) -> None:
     from structllm.params import SamplingParams
 
     send(LoadProgressMsg("warmup", 0, 1))
-    kernels.warm_up()
+    kernels.warm_up(core.config.kv_cache_dtype)
     core.add_request(
         CoreRequest(
             request_id="__warmup__",

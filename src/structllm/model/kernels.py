@@ -405,35 +405,27 @@ def decode_attention(
     return out
 
 
-def warm_up() -> None:
-    """Compile every kernel for the argument types the engine passes, or load
-    it from the disk cache, so that a server's first large batch (the
-    threaded decode) or first bfloat16 cache does not pause to compile."""
+def warm_up(kv_cache_dtype: str = "auto") -> None:
+    """Compile the kernels an engine will call, or load them from the disk
+    cache: for its cache's dtype, and the threaded decode if it has more
+    than one thread. A server's first large batch then never pauses to
+    compile."""
     if numba is None:  # pragma: no cover
         return
     q = np.zeros((1, 1, 2), np.float32)
     tables, lens = np.zeros((1, 1), np.int64), np.ones(1, np.int64)
     slots = np.zeros(1, np.int64)  # slot 0, position 0
     rope = np.zeros((1, 2), np.float32)
-    for dtype in (np.float32, np.uint16):
-        cache = np.zeros((1, 4, 2), dtype)
-        out = np.empty_like(q)
-        for attend in (_decode_attention, _decode_attention_parallel):
-            attend(q, cache, cache, tables, lens, 0, 1.0, 4, out)
-        _write_kv(q, q, cache, cache, slots)
-        qkv = np.zeros((1, 6), np.float32)
-        _rope_and_write(
-            qkv,
-            slots,
-            rope,
-            rope,
-            1,
-            _NO_NORM,
-            _NO_NORM,
-            1e-6,
-            cache,
-            cache,
-            slots,
-            out,
-        )
-        _gather(cache, slots, out.reshape(1, 1, 2))
+    bfloat16 = kv_cache_dtype == "bfloat16"
+    cache = np.zeros((1, 4, 2), np.uint16 if bfloat16 else np.float32)
+    out = np.empty_like(q)
+    _decode_attention(q, cache, cache, tables, lens, 0, 1.0, 4, out)
+    if _threads > 1:
+        _decode_attention_parallel(q, cache, cache, tables, lens, 0, 1.0, 4, out)
+    _write_kv(q, q, cache, cache, slots)
+    qkv = np.zeros((1, 6), np.float32)
+    _rope_and_write(
+        qkv, slots, rope, rope, 1, _NO_NORM, _NO_NORM, 1e-6, cache, cache, slots, out
+    )
+    if bfloat16:  # prefill reads a float32 cache with np.take
+        _gather(cache, slots, out)

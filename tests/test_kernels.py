@@ -176,3 +176,25 @@ def test_bfloat16_caches_round_as_paddle_casts_and_attend_on_those_values() -> N
     np.testing.assert_array_equal(
         kernels.gather(k_bits, slots, out), widen(k_bits)[:, slots]
     )
+
+
+def test_host_views_of_a_freed_cache_are_dropped() -> None:
+    # the kernels keep numpy views of the KV caches between steps; a cache
+    # the engine frees (a restart, a new runner) must not stay alive here
+    model = build_model(
+        tiny_random_config(),
+        dict(random_hf_tensors(tiny_random_config())),
+        block_size=4,
+    )
+    caches = model.allocate_kv_cache(4)
+    meta = model.attention.build_metadata([SequenceSlice(0, 3, [1])])
+    model.forward(
+        paddle.to_tensor(np.array([5, 6, 7])),
+        paddle.to_tensor(np.arange(3)),
+        caches,
+        meta,
+    )
+    views = model.attention._views._views
+    assert len(views) == 2 * len(caches)
+    del caches
+    assert not views

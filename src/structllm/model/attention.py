@@ -115,8 +115,9 @@ class PortableAttention:
         use_kernels: bool = False,
     ) -> None:
         #: attend decode rows and write the cache with the compiled CPU
-        #: kernels (``kernels.py``); needs a float32 cache on the host and
-        #: numba. May be switched between steps, not within one.
+        #: kernels (``kernels.py``); needs a float32 model on the host and
+        #: numba (the cache may be float32 or bfloat16). May be switched
+        #: between steps, not within one.
         self.use_kernels = use_kernels and kernels.available()
         #: the windows layers use: a query at position p sees keys j with
         #: p - j < window; None: all earlier keys. One mask per window a step.
@@ -470,6 +471,7 @@ class _HostViews:
     """
 
     def __init__(self) -> None:
+        #: id(tensor) -> a weak reference to it, and its view
         self._views: dict[int, tuple[weakref.ref[paddle.Tensor], np.ndarray]] = {}
 
     def get(self, tensor: paddle.Tensor) -> np.ndarray:
@@ -478,8 +480,9 @@ class _HostViews:
         if hit is not None and hit[0]() is tensor:
             return hit[1]
         view = _host_array(tensor)
+        views = self._views
 
-        def forget(_: object, key: int = key, views: dict = self._views) -> None:  # type: ignore[type-arg]
+        def forget(_: object) -> None:
             views.pop(key, None)
 
         self._views[key] = (weakref.ref(tensor, forget), view)

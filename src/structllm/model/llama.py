@@ -143,7 +143,7 @@ class LlamaForCausalLM:
             config.head_dim,
             block_size,
             windows={config.layer_window(i) for i in range(config.num_hidden_layers)},
-            # the compiled kernels read a float32 cache in host memory
+            # the compiled kernels run a float32 model in host memory
             use_kernels=self.dtype == paddle.float32 and paddle.get_device() == "cpu",
         )
         self._windows = [

@@ -12,10 +12,10 @@ import tempfile
 import time
 
 import numpy as np
+from decode_step import decode_step
 
 from structllm.bench.model import write_bench_checkpoint
-from structllm.model._paddle import paddle, set_num_threads
-from structllm.model.attention import SequenceSlice
+from structllm.model._paddle import set_num_threads
 from structllm.model.loader import load_model
 
 B = int(sys.argv[1]) if len(sys.argv) > 1 else 16
@@ -28,29 +28,18 @@ def main() -> None:
     set_num_threads(2)
     d = tempfile.mkdtemp()
     write_bench_checkpoint(d)
-    per_seq = -(-(CTX + 1) // BS)
-    rng = np.random.default_rng(0)
-    seqs = [
-        SequenceSlice(CTX, 1, list(range(i * per_seq, (i + 1) * per_seq)))
-        for i in range(B)
-    ]
-    ids = paddle.to_tensor(rng.integers(0, 512, B).astype(np.int64))
-    pos = paddle.to_tensor(np.full(B, CTX, np.int64))
+    step = decode_step(B, CTX, BS)
     model = load_model(d, backend="eager", num_threads=2).model
     caches = {}
     for kv in ("auto", "bfloat16"):
         model.set_kv_cache_dtype(kv)
-        caches[kv] = model.allocate_kv_cache(B * per_seq + 1)
-        for pair in caches[kv]:
-            for t in pair:
-                noise = rng.standard_normal(t.shape).astype(np.float32)
-                paddle.assign(paddle.to_tensor(noise).astype(t.dtype), t)
+        caches[kv] = model.allocate_kv_cache(step.num_blocks)
+        step.fill(caches[kv])
     times: dict[str, list[float]] = {kv: [] for kv in caches}
     for _ in range(STEPS + 3):
         for kv, cache in caches.items():
             start = time.perf_counter()
-            meta = model.attention.build_metadata(seqs)
-            model.compute_logits(model.forward(ids, pos, cache, meta)).numpy()
+            step.run(model, cache)
             times[kv].append(time.perf_counter() - start)
     full, half = np.array(times["auto"][3:]), np.array(times["bfloat16"][3:])
     print(

@@ -21,10 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from decode_step import decode_step
 
 from structllm.bench.model import write_bench_checkpoint
 from structllm.model._paddle import paddle, set_num_threads
-from structllm.model.attention import SequenceSlice
 from structllm.model.config import ModelConfig
 from structllm.model.llama import LlamaForCausalLM
 from structllm.model.parallel import all_reduce_sum, load_shard, plan_shards
@@ -39,24 +39,14 @@ def step_times(
     m: LlamaForCausalLM, before_step: Callable[[], None] = lambda: None
 ) -> list[float]:
     """Seconds of each of REPS decode steps (after 3 warm-up steps)."""
-    per_seq = -(-(CTX + 1) // BS)
-    rng = np.random.default_rng(0)
-    seqs = [
-        SequenceSlice(CTX, 1, list(range(i * per_seq, (i + 1) * per_seq)))
-        for i in range(B)
-    ]
-    ids = paddle.to_tensor(rng.integers(0, 512, B).astype(np.int64))
-    pos = paddle.to_tensor(np.full(B, CTX, np.int64))
-    kv = m.allocate_kv_cache(B * per_seq + 1)
-    for k, v in kv:
-        np.from_dlpack(k)[:] = rng.standard_normal(k.shape).astype(np.float32)
-        np.from_dlpack(v)[:] = rng.standard_normal(v.shape).astype(np.float32)
+    step = decode_step(B, CTX, BS)
+    kv = m.allocate_kv_cache(step.num_blocks)
+    step.fill(kv)
     times = []
     for _ in range(REPS + 3):
         before_step()
         t = time.perf_counter()
-        meta = m.attention.build_metadata(seqs)
-        m.compute_logits(m.forward(ids, pos, kv, meta)).numpy()
+        step.run(m, kv)
         times.append(time.perf_counter() - t)
     return times[3:]
 

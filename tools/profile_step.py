@@ -19,10 +19,10 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from decode_step import decode_step
 
 from structllm.bench.model import write_bench_checkpoint
-from structllm.model._paddle import paddle, set_num_threads
-from structllm.model.attention import SequenceSlice
+from structllm.model._paddle import set_num_threads
 from structllm.model.loader import load_model
 
 B = int(sys.argv[1]) if len(sys.argv) > 1 else 16
@@ -51,24 +51,15 @@ def main() -> None:
     set_num_threads(2)
     d = tempfile.mkdtemp()
     write_bench_checkpoint(d)
-    per_seq = -(-(CTX + 1) // BS)
-    rng = np.random.default_rng(0)
-    seqs = [
-        SequenceSlice(CTX, 1, list(range(i * per_seq, (i + 1) * per_seq)))
-        for i in range(B)
-    ]
-    ids = paddle.to_tensor(rng.integers(0, 512, B).astype(np.int64))
-    pos = paddle.to_tensor(np.full(B, CTX, np.int64))
+    step = decode_step(B, CTX, BS)
     for backend in BACKENDS:
         m = load_model(d, backend=backend, num_threads=2).model
         m.attention.use_kernels = os.environ.get("KERNELS", "1") == "1"
         m.set_kv_cache_dtype(os.environ.get("KV_CACHE_DTYPE", "auto"))
-        kv = m.allocate_kv_cache(B * per_seq + 1)
-        for k, v in kv:
-            for t in (k, v):
-                noise = rng.standard_normal(t.shape).astype(np.float32)
-                paddle.assign(paddle.to_tensor(noise).astype(t.dtype), t)
+        kv = m.allocate_kv_cache(step.num_blocks)
+        step.fill(kv)
         m.attention.forward = timed("attention", m.attention.forward)
+        m.attention.forward_qkv = timed("attention", m.attention.forward_qkv)
         for name in ("_first", "_last", "_head"):
             if hasattr(m, name):
                 setattr(m, name, timed("predictors", getattr(m, name)))
@@ -79,9 +70,9 @@ def main() -> None:
             for v in timers.values():
                 v.append(0.0)
             t0 = time.perf_counter()
-            meta = m.attention.build_metadata(seqs)
+            meta = m.attention.build_metadata(step.seqs)
             t1 = time.perf_counter()
-            m.compute_logits(m.forward(ids, pos, kv, meta)).numpy()
+            m.compute_logits(m.forward(step.ids, step.positions, kv, meta)).numpy()
             totals.append(time.perf_counter() - t1)
             metas.append(t1 - t0)
         parts = ", ".join(f"{k} {med(v):.2f} ms" for k, v in timers.items())

@@ -1,9 +1,19 @@
-"""Process checks the fault tests share: is a pid alive, wait for pids to go."""
+"""What the fault tests share: is a pid alive, wait for pids to go, stream
+until the engine dies."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+
+import pytest
+
+from structllm.engine.async_llm import AsyncLLM
+from structllm.errors import EngineDeadError
+from structllm.params import SamplingParams
+
+#: a stream long enough to be cut by whatever fault a test injects
+LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
 
 def alive(pid: int) -> bool:
@@ -21,3 +31,12 @@ def wait_gone(*pids: int, timeout: float = 5.0) -> None:
     while any(map(alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not [pid for pid in pids if alive(pid)]
+
+
+async def consume_until_dead(llm: AsyncLLM) -> tuple[EngineDeadError, float]:
+    """Stream until the engine dies; return the error and when it arrived."""
+    with pytest.raises(EngineDeadError) as e:
+        async with llm.stream("Hello", LONG) as s:
+            async for _ in s:
+                pass
+    return e.value, time.monotonic()

@@ -29,22 +29,12 @@ from structllm.engine.protocol import FrameReader, Ready, Start, encode
 from structllm.errors import EngineCoreError
 from structllm.model.checkpoint import write_random_checkpoint
 from structllm.model.config import tiny_random_config
-from tests.processes import alive
+from tests.processes import alive, consume_until_dead
 
 pytestmark = pytest.mark.anyio
 
 ENGINE = {"max_model_len": 256, "num_blocks": 64, "show_progress": False}
-LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 SHORT = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-
-
-async def consume_until_dead(llm: AsyncLLM) -> tuple[EngineDeadError, float]:
-    """Stream until the engine dies; return the error and when it arrived."""
-    with pytest.raises(EngineDeadError) as e:
-        async with llm.stream("Hello", LONG) as s:
-            async for _ in s:
-                pass
-    return e.value, time.monotonic()
 
 
 async def test_sigkill_mid_stream_then_restart() -> None:

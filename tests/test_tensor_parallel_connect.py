@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 import pytest
 
-from structllm import EngineDeadError, ModelLoadError, SamplingParams
+from structllm import ModelLoadError, SamplingParams
 from structllm.cli import build_parser
 from structllm.config import EngineConfig, FrontendConfig, from_arguments
 from structllm.engine.async_llm import AsyncLLM
@@ -37,7 +37,7 @@ from structllm.errors import EngineConfigError, EngineCoreError
 from structllm.llm import LLM
 from structllm.model._paddle import paddle
 from structllm.model.checkpoint import write_random_checkpoint
-from tests.processes import wait_gone
+from tests.processes import consume_until_dead, wait_gone
 from tests.test_tensor_parallel_engine import CONFIGS, ENGINE, FRONT, PROMPTS
 
 pytestmark = [
@@ -49,7 +49,6 @@ pytestmark = [
 ]
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 #: rank 0 pings every 0.2 s; a follower silent-timed-out after 2 s
 BEAT = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0}
 
@@ -233,16 +232,9 @@ async def test_a_killed_connected_follower_fails_the_stream_loudly(
                 await llm.wait_statistics(lambda s: s.running > 0)
                 os.kill(first.pid, signal.SIGKILL)
 
-            async def consume() -> EngineDeadError:
-                with pytest.raises(EngineDeadError) as info:
-                    async with llm.stream("Hello", LONG) as s:
-                        async for _ in s:
-                            pass
-                return info.value
-
             async with anyio.create_task_group() as tg:
                 tg.start_soon(killer)
-                err = await consume()
+                err, _ = await consume_until_dead(llm)
             cause = err.__cause__
             assert isinstance(cause, EngineCoreError), cause
             assert f"tensor-parallel rank 1 (pid {first.pid} on " in str(cause)

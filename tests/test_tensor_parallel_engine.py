@@ -28,7 +28,7 @@ from structllm.llm import LLM
 from structllm.model._paddle import paddle
 from structllm.model.checkpoint import write_random_checkpoint
 from structllm.model.config import ModelConfig
-from tests.processes import wait_gone
+from tests.processes import LONG, consume_until_dead, wait_gone
 
 pytestmark = [
     pytest.mark.anyio,
@@ -76,7 +76,6 @@ PROMPTS = [
     "tensor parallel",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -169,16 +168,9 @@ async def test_sigkill_of_rank_1_mid_stream_restarts_the_group() -> None:
             killed_at = time.monotonic()
             os.kill(rank1, signal.SIGKILL)
 
-        async def consume() -> EngineDeadError:
-            with pytest.raises(EngineDeadError) as info:
-                async with llm.stream("Hello", LONG) as s:
-                    async for _ in s:
-                        pass
-            return info.value
-
         async with anyio.create_task_group() as tg:
             tg.start_soon(killer)
-            err = await consume()
+            err, _ = await consume_until_dead(llm)
         assert time.monotonic() - killed_at < 5.0  # within the heartbeat timeout
         # the step's collective broke, or the watch on rank 1's socket saw
         # it first: either way rank 0 says whose death it was, and exits

@@ -215,3 +215,20 @@ def test_a_bfloat16_kv_cache_stays_near_the_reference(name: str) -> None:
     err = np.abs(got - expected).max()
     assert err < 0.2
     assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.9
+
+
+@pytest.mark.parametrize("attention", ["kernels", "ops"])
+def test_a_position_past_the_rope_tables_is_refused(attention: str) -> None:
+    # neither the kernels nor Paddle's indexing of the tables on CPU check
+    # a position: the step's positions are checked once, before any layer
+    model = _model(tiny_random_config(), block_size=4, attention=attention)
+    caches = model.allocate_kv_cache(2)
+    meta = model.attention.build_metadata([SequenceSlice(0, 1, [0])])
+    limit = model._rope.cos.shape[0]
+    with pytest.raises(IndexError, match="position out of range"):
+        model.forward(
+            paddle.to_tensor(np.array([1], dtype=np.int64)),
+            paddle.to_tensor(np.array([limit], dtype=np.int64)),
+            caches,
+            meta,
+        )

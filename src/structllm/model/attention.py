@@ -92,13 +92,10 @@ class AttentionMetadata:
     decode_tables: np.ndarray | None = None
     decode_lens: np.ndarray | None = None
     use_kernels: bool = False  # write (and attend decode rows) with them
-    #: (T,) int64 each token's position (for the kernels' RoPE)
-    positions: np.ndarray | None = None
-    #: the highest slot any kernel of this step touches, and the highest
-    #: position: checked against the cache and RoPE tables once a layer (an
-    #: int compare) rather than by a scan of the arrays a kernel call
+    #: the highest slot any kernel of this step touches: checked against the
+    #: cache once a layer (an int compare) rather than by a scan of the
+    #: slots a kernel call
     max_slot: int = -1
-    max_position: int = -1
 
 
 class PortableAttention:
@@ -194,14 +191,10 @@ class PortableAttention:
                 _Prefill(start=row, stop=row + s.query_len, kv_slots=kv, masks=masks)
             )
             row += s.query_len
-        positions = max_slot = max_position = None
+        max_slot = None
         if self.use_kernels and seqs:
             if slot_mapping.min() < 0:
                 raise IndexError("slot out of range: negative")
-            positions = np.concatenate(
-                [np.arange(s.context_len, s.context_len + s.query_len) for s in seqs]
-            )
-            max_position = int(positions.max())
             max_slot = int(slot_mapping.max())
             if decode_tables is not None:
                 if decode_tables.min() < 0:
@@ -219,9 +212,7 @@ class PortableAttention:
             decode_tables=decode_tables,
             decode_lens=decode_lens,
             use_kernels=self.use_kernels,
-            positions=positions,
             max_slot=-1 if max_slot is None else max_slot,
-            max_position=-1 if max_position is None else max_position,
         )
 
     def _mask(self, seen: np.ndarray) -> paddle.Tensor:
@@ -278,6 +269,7 @@ class PortableAttention:
         k_cache: paddle.Tensor,  # (num_kv_heads, num_slots, head_dim)
         v_cache: paddle.Tensor,
         meta: AttentionMetadata,
+        positions: np.ndarray,  # (T,) int64, each inside the RoPE tables
         rope: RopeTables,
         window: int | None = None,
         q_norm: paddle.Tensor | None = None,  # (d,) Qwen3
@@ -288,23 +280,21 @@ class PortableAttention:
 
         One pass does Qwen3's q/k norm, RoPE and the cache writes
         (``kernels.rope_and_write``); decode rows are attended in place,
-        prefill rows as in :meth:`forward`. Needs ``meta.use_kernels``.
+        prefill rows as in :meth:`forward`. Needs ``meta.use_kernels``, and
+        ``positions`` checked against ``rope`` by the caller (once a step:
+        the kernel reads the tables unchecked).
 
         A step of decode rows alone returns a tensor whose memory the next
         call reuses (a Paddle op per layer saved; the o projection reads it
         at once): use it before attending the next layer.
         """
-        assert meta.use_kernels and meta.positions is not None
+        assert meta.use_kernels
         t = meta.num_tokens
         k_host, v_host = self._host_cache(k_cache, v_cache, meta)
-        if meta.max_position >= len(rope.cos):
-            raise IndexError(
-                f"position out of range for a RoPE table of {len(rope.cos)}"
-            )
         q_host = self._rotated_q.array((t, self.num_heads, self.head_dim))
         kernels.rope_and_write(
             _host(qkv),
-            meta.positions,
+            positions,
             rope.cos,
             rope.sin,
             self.num_heads,

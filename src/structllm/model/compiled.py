@@ -335,6 +335,7 @@ class CompiledLlamaForCausalLM(LlamaForCausalLM):
     ) -> paddle.Tensor:  # (T, H), before the final norm
         if input_ids.shape[0] < SMALL_STEP:
             return self.residual_stream(input_ids, positions, kv_caches, meta)
+        self.checked_positions(positions)
         cos, sin = self.rope_tables(positions)
         acts = {"cos": cos.contiguous(), "sin": sin.contiguous()}
         acts["x"] = paddle.nn.functional.embedding(input_ids, self.weights.embed)

@@ -199,6 +199,17 @@ class LlamaForCausalLM:
         elem = 4 if full else 2
         return 2 * c.num_hidden_layers * self.attention.block_size * c.kv_size * elem
 
+    def checked_positions(self, positions: paddle.Tensor) -> np.ndarray:
+        """``positions`` on the host, each inside the RoPE tables (once a
+        step: neither Paddle's indexing of the tables on CPU nor the kernels
+        check it; past the tables they would read other memory)."""
+        host: np.ndarray = positions.numpy()
+        if host.size and not (host.min() >= 0 and host.max() < len(self._rope.cos)):
+            raise IndexError(
+                f"position out of range for a RoPE table of {len(self._rope.cos)}"
+            )
+        return host
+
     def rope_tables(
         self, positions: paddle.Tensor
     ) -> tuple[paddle.Tensor, paddle.Tensor]:
@@ -236,7 +247,8 @@ class LlamaForCausalLM:
         w = self.weights
         x = paddle.nn.functional.embedding(input_ids, w.embed)  # (T, H)
         if meta.use_kernels:
-            return self._residual_stream_kernels(x, kv_caches, meta)
+            return self._residual_stream_kernels(x, positions, kv_caches, meta)
+        self.checked_positions(positions)
         cos, sin = self.rope_tables(positions)
         for i, layer in enumerate(w.layers):
             q, k, v = attention_inputs(c, layer, x, cos, sin)
@@ -250,6 +262,7 @@ class LlamaForCausalLM:
     def _residual_stream_kernels(
         self,
         x: paddle.Tensor,  # (T, H) the embeddings
+        positions: paddle.Tensor,  # (T,) int64
         kv_caches: Sequence[tuple[paddle.Tensor, paddle.Tensor]],
         meta: AttentionMetadata,
     ) -> paddle.Tensor:  # (T, H)
@@ -259,6 +272,7 @@ class LlamaForCausalLM:
         1 every op costs 10-20 us in the middle of a step."""
         c = self.config
         layers = self.weights.layers
+        host_positions = self.checked_positions(positions)
         h = _rms_norm(x, layers[0].input_norm, c.rms_norm_eps)
         for i, layer in enumerate(layers):
             qkv = paddle.matmul(h, layer.qkv)  # (T, q_size + 2 kv_size)
@@ -270,6 +284,7 @@ class LlamaForCausalLM:
                 k_cache,
                 v_cache,
                 meta,
+                host_positions,
                 self._rope,
                 self._windows[i],
                 layer.q_norm,

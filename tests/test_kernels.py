@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import attrs
 import numpy as np
 import pytest
@@ -198,3 +204,63 @@ def test_host_views_of_a_freed_cache_are_dropped() -> None:
     assert len(views) == 2 * len(caches)
     del caches
     assert not views
+
+
+def _python(code: str, **env: str) -> str:
+    """Run ``code`` in a fresh interpreter; its last line of output."""
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_the_threaded_decode_is_not_served_the_serial_ones_cached_code(
+    tmp_path: Path,
+) -> None:
+    # numba's disk cache keys code by function and signature, not by compile
+    # options: when both entry points compiled one function, the threaded
+    # one loaded the serial code the other had cached, and ran on one thread
+    call = """
+        import numpy as np
+        from structllm.model import kernels
+        q = np.ones((2, 2, 4), np.float32); cache = np.ones((2, 8, 4), np.float32)
+        args = (q, cache, cache, np.zeros((2, 2), np.int64), np.full(2, 3, np.int64),
+                0, 1.0, 4, np.empty_like(q))
+        kernel = kernels.{}
+        kernel(*args)
+        print(sum(kernel.stats.cache_hits.values()))
+        """
+    cache = {"NUMBA_CACHE_DIR": str(tmp_path)}
+    assert _python(call.format("_decode_attention"), **cache) == "0"  # compiled
+    assert _python(call.format("_decode_attention"), **cache) == "1"  # cached
+    assert _python(call.format("_decode_attention_parallel"), **cache) == "0"
+
+
+@pytest.mark.skipif(not kernels.SHARED_OPENMP, reason="Paddle ships no libiomp5")
+def test_threaded_kernels_run_on_the_threads_paddles_matmuls_use() -> None:
+    # a second OpenMP runtime puts a thread of its own on the core where
+    # MKL's worker spins after each matmul: no faster than one thread
+    layer, before, after = _python(
+        """
+        import os
+        import numba, numpy as np
+        from structllm.model import kernels
+        from structllm.model._paddle import paddle, set_num_threads
+        set_num_threads(2)
+        x = paddle.ones([256, 256])
+        paddle.matmul(x, x)  # MKL's threads start
+        before = len(os.listdir("/proc/self/task"))
+        kernels._PARALLEL_MIN_WORK = 0
+        q = np.ones((4, 2, 8), np.float32); cache = np.ones((2, 16, 8), np.float32)
+        kernels.decode_attention(q, cache, cache, np.zeros((4, 4), np.int64),
+                                 np.full(4, 3, np.int64), None, 1.0, 4)
+        print(numba.threading_layer(), before, len(os.listdir("/proc/self/task")))
+        """
+    ).split()
+    assert layer == "omp"
+    assert after == before

@@ -17,7 +17,10 @@ imported; without it the portable Paddle-op path in ``attention.py`` runs.
 They release the GIL, so the server's event loop runs meanwhile, and
 decode attention spreads its (sequence, kv head) pairs over the threads
 Paddle was given (:func:`set_num_threads`) when the batch is big enough to
-pay for the hand-off. Compiled code is cached on disk (numba's
+pay for the hand-off, on the OpenMP threads of Paddle's matmuls (see
+:func:`_share_paddles_openmp`). Keys and values are requested a block
+ahead of their reading (a page of one head each: the CPU's own prefetcher
+stops at page boundaries). Compiled code is cached on disk (numba's
 ``cache=True``: next to this file, or in numba's user cache directory when
 that is read-only), so a new process loads it (~0.1 s) instead of
 compiling again (a few seconds, once per install).
@@ -29,8 +32,11 @@ BLAS libraries do. The softmax subtracts each row's maximum first.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
+import importlib.util
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -51,16 +57,48 @@ try:
     numba = importlib.import_module("numba")
 except ImportError:  # pragma: no cover - numba comes with the cpu extra
     numba = None
+
+
+def _share_paddles_openmp() -> bool:
+    """Put Paddle's OpenMP runtime (Intel's ``libiomp5``, which MKL's
+    matmuls run on) in the process's global symbol scope, so that numba's
+    OpenMP layer, linked against GNU's ABI, which ``libiomp5`` also
+    exports, runs its loops on the same threads.
+
+    With two runtimes the kernels' second thread lands on the core where
+    MKL's worker spins for 200 ms after every matmul, and a threaded decode
+    was no faster than a serial one inside a step (docs/benchmarks.md).
+    """
+    if sys.platform != "linux":  # pragma: no cover
+        return False
+    spec = importlib.util.find_spec("paddle")
+    for location in (spec and spec.submodule_search_locations) or ():
+        path = os.path.join(location, "libs", "libiomp5.so")
+        if os.path.exists(path):
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError:  # pragma: no cover
+                return False
+            return True
+    return False  # pragma: no cover - Paddle's CPU wheels ship it
+
+
+#: whether the kernels' threads are MKL's (see _share_paddles_openmp)
+SHARED_OPENMP = False
 if numba is not None and "NUMBA_THREADING_LAYER" not in os.environ:
+    SHARED_OPENMP = _share_paddles_openmp()
     # Several engines may step in threads of one process (inline executors):
-    # only thread pools that take concurrent launches (TBB, OpenMP), never
+    # only thread pools that take concurrent launches (OpenMP, TBB), never
     # numba's fallback workqueue, which aborts the process on them.
-    numba.config.THREADING_LAYER = "threadsafe"
+    numba.config.THREADING_LAYER = "omp" if SHARED_OPENMP else "threadsafe"
 
 #: below this many (sequence, kv head) pairs times keys, decode attention
-#: runs on the calling thread: waking a second one costs more than it saves
-#: (a single stream of a few hundred tokens; docs/benchmarks.md)
-_PARALLEL_MIN_WORK = 8192
+#: runs on the calling thread: handing half to a second thread costs more
+#: than it saves. On MKL's spinning threads the hand-off is a few us, and
+#: a single stream of 32 tokens already gains; on a pool of numba's own,
+#: which must first get a core back from MKL's, only large batches do
+#: (docs/benchmarks.md).
+_PARALLEL_MIN_WORK = 256 if SHARED_OPENMP else 8192
 _threads = 1
 
 
@@ -142,6 +180,56 @@ if numba is not None:  # the compiled kernels call _load/_store as these
     numba.extending.overload(_store, jit_options={"fastmath": True})(_store_overload)
 
 
+def _prefetch(cache: np.ndarray, index: int) -> None:  # pragma: no cover
+    """Ask the CPU to bring ``cache.flat[index]``'s line into its caches
+    (LLVM's prefetch; compiled code only, a no-op in Python)."""
+
+
+def _prefetch_intrinsic(typingctx: Any, cache: Any, index: Any) -> Any:
+    ir = importlib.import_module("llvmlite.ir")
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        byte_ptr = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = numba.core.cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]),
+            "llvm.prefetch.p0i8",
+        )
+        address = builder.bitcast(builder.gep(array.data, [args[1]]), byte_ptr)
+        # read, keep in every cache level, data
+        builder.call(fn, [address, i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return numba.types.void(cache, index), codegen
+
+
+if numba is not None:
+    _prefetch = numba.extending.intrinsic(_prefetch_intrinsic)
+
+#: blocks of keys and values requested ahead of the one being read: a
+#: block of one head is 4 KB (16 slots x 64 float32), a page, and the CPU's
+#: own prefetcher stops at page boundaries (docs/benchmarks.md)
+_AHEAD = 2
+
+
+@_jit()
+def _prefetch_block(
+    k_cache: np.ndarray,  # (kvh, S, d)
+    v_cache: np.ndarray,
+    h: int,
+    block: int,  # the block's number in the cache
+    block_size: int,
+) -> None:  # pragma: no cover - compiled
+    d = k_cache.shape[2]
+    base = (h * k_cache.shape[1] + block * block_size) * d
+    step = 64 // k_cache.itemsize  # elements a cache line
+    for offset in range(0, block_size * d, step):
+        _prefetch(k_cache, base + offset)
+        _prefetch(v_cache, base + offset)
+
+
 @_jit()
 def _write_kv(
     k: np.ndarray,  # (T, kvh, d)
@@ -211,7 +299,9 @@ def _rope_and_write(
                 v_cache[h, s, e] = _store(qkv[t, base + e], v_cache)
 
 
-def _decode_attention_py(
+@_jit()
+def _attend_one(
+    bh: int,  # row b = bh // kvh, kv head h = bh % kvh
     q: np.ndarray,  # (B, nh, d)
     k_cache: np.ndarray,  # (kvh, S, d)
     v_cache: np.ndarray,
@@ -222,55 +312,99 @@ def _decode_attention_py(
     block_size: int,
     out: np.ndarray,  # (B, nh, d)
 ) -> None:  # pragma: no cover - compiled
-    b_len, nh, d = q.shape
+    """One row's queries of one kv head (its GQA group) over that head's
+    cached keys and values."""
+    nh, d = q.shape[1], q.shape[2]
     kvh = k_cache.shape[0]
     g_len = nh // kvh
-    for bh in _prange(b_len * kvh):
-        b = bh // kvh
-        h = bh - b * kvh
-        n = lens[b]
-        start = n - window if 0 < window < n else 0
-        keys = n - start
-        qs = np.empty((g_len, d), np.float32)
+    b = bh // kvh
+    h = bh - b * kvh
+    n = lens[b]
+    start = n - window if 0 < window < n else 0
+    keys = n - start
+    first, last = start // block_size, (n - 1) // block_size
+    for blk in range(first, min(first + _AHEAD, last + 1)):
+        _prefetch_block(k_cache, v_cache, h, tables[b, blk], block_size)
+    qs = np.empty((g_len, d), np.float32)
+    for g in range(g_len):
+        for e in range(d):
+            qs[g, e] = q[b, h * g_len + g, e] * scale
+    scores = np.empty((g_len, keys), np.float32)
+    for j in range(keys):
+        pos = start + j
+        blk = pos // block_size
+        if pos % block_size == 0 and blk + _AHEAD <= last:
+            _prefetch_block(k_cache, v_cache, h, tables[b, blk + _AHEAD], block_size)
+        slot = tables[b, blk] * block_size + pos % block_size
         for g in range(g_len):
+            acc = np.float32(0.0)
             for e in range(d):
-                qs[g, e] = q[b, h * g_len + g, e] * scale
-        scores = np.empty((g_len, keys), np.float32)
+                acc += qs[g, e] * _load(k_cache[h, slot, e])
+            scores[g, j] = acc
+    for g in range(g_len):
+        top = scores[g, 0]
+        for j in range(1, keys):
+            top = max(top, scores[g, j])
+        total = np.float32(0.0)
         for j in range(keys):
-            pos = start + j
-            slot = tables[b, pos // block_size] * block_size + pos % block_size
-            for g in range(g_len):
-                acc = np.float32(0.0)
-                for e in range(d):
-                    acc += qs[g, e] * _load(k_cache[h, slot, e])
-                scores[g, j] = acc
-        for g in range(g_len):
-            top = scores[g, 0]
-            for j in range(1, keys):
-                top = max(top, scores[g, j])
-            total = np.float32(0.0)
-            for j in range(keys):
-                p = np.exp(scores[g, j] - top)
-                scores[g, j] = p
-                total += p
-            inv = np.float32(1.0) / total
-            for j in range(keys):
-                scores[g, j] *= inv
-        acc_out = np.zeros((g_len, d), np.float32)
+            p = np.exp(scores[g, j] - top)
+            scores[g, j] = p
+            total += p
+        inv = np.float32(1.0) / total
         for j in range(keys):
-            pos = start + j
-            slot = tables[b, pos // block_size] * block_size + pos % block_size
-            for g in range(g_len):
-                p = scores[g, j]
-                for e in range(d):
-                    acc_out[g, e] += p * _load(v_cache[h, slot, e])
+            scores[g, j] *= inv
+    acc_out = np.zeros((g_len, d), np.float32)
+    for j in range(keys):
+        pos = start + j
+        slot = tables[b, pos // block_size] * block_size + pos % block_size
         for g in range(g_len):
+            p = scores[g, j]
             for e in range(d):
-                out[b, h * g_len + g, e] = acc_out[g, e]
+                acc_out[g, e] += p * _load(v_cache[h, slot, e])
+    for g in range(g_len):
+        for e in range(d):
+            out[b, h * g_len + g, e] = acc_out[g, e]
 
 
-_decode_attention = _jit()(_decode_attention_py)
-_decode_attention_parallel = _jit(parallel=True)(_decode_attention_py)
+# Two entry points, each its own function: numba's disk cache keys compiled
+# code by function and signature, not by compile options, so a serial and a
+# parallel compile of one function would load each other's code.
+
+
+@_jit()
+def _decode_attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    tables: np.ndarray,
+    lens: np.ndarray,
+    window: int,
+    scale: float,
+    block_size: int,
+    out: np.ndarray,
+) -> None:  # pragma: no cover - compiled
+    for bh in range(q.shape[0] * k_cache.shape[0]):
+        _attend_one(
+            bh, q, k_cache, v_cache, tables, lens, window, scale, block_size, out
+        )
+
+
+@_jit(parallel=True)
+def _decode_attention_parallel(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    tables: np.ndarray,
+    lens: np.ndarray,
+    window: int,
+    scale: float,
+    block_size: int,
+    out: np.ndarray,
+) -> None:  # pragma: no cover - compiled
+    for bh in _prange(q.shape[0] * k_cache.shape[0]):
+        _attend_one(
+            bh, q, k_cache, v_cache, tables, lens, window, scale, block_size, out
+        )
 
 
 @_jit()

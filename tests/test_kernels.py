@@ -68,12 +68,17 @@ def test_decode_attention_matches_numpy(
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_rope_and_write_matches_the_paddle_ops(qk_norm: bool) -> None:
+@pytest.mark.parametrize(
+    "family", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM"]
+)
+def test_rope_and_write_matches_the_paddle_ops(family: str) -> None:
+    qk_norm = family == "Qwen3ForCausalLM"  # the q/k norm
+    qkv_bias = family == "Qwen2ForCausalLM"  # the bias, added by the kernel
     config = attrs.evolve(
         tiny_random_config(),
-        architecture="Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM",
+        architecture=family,
         qk_norm=qk_norm,
+        qkv_bias=qkv_bias,
         head_dim=24,
     )
     model = build_model(config, dict(random_hf_tensors(config, seed=1)), block_size=4)
@@ -105,12 +110,16 @@ def test_rope_and_write_matches_the_paddle_ops(qk_norm: bool) -> None:
         v_cache,
         slots,
         q_out,
+        bias=layer.qkv_bias.numpy() if qkv_bias else None,
     )
+    assert (layer.qkv_bias is not None) == qkv_bias
     np.testing.assert_allclose(q_out, q.numpy(), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(
         k_cache[:, slots].transpose(1, 0, 2), k.numpy(), atol=1e-5, rtol=1e-5
     )
-    np.testing.assert_array_equal(v_cache[:, slots].transpose(1, 0, 2), v.numpy())
+    np.testing.assert_allclose(
+        v_cache[:, slots].transpose(1, 0, 2), v.numpy(), atol=1e-6, rtol=1e-6
+    )
     untouched = np.setdiff1d(np.arange(40), slots)
     assert not k_cache[:, untouched].any() and not v_cache[:, untouched].any()
 

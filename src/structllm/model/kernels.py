@@ -37,6 +37,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,7 @@ __all__ = [
     "rope_and_write",
     "set_num_threads",
     "warm_up",
+    "worth_threading",
     "write_kv",
 ]
 
@@ -250,6 +252,7 @@ def _write_kv(
 @_jit()
 def _rope_and_write(
     qkv: np.ndarray,  # (T, (nh + 2 kvh) d): [q heads | k heads | v heads]
+    bias: np.ndarray,  # ((nh + 2 kvh) d,) or (0,): the projection's bias
     positions: np.ndarray,  # (T,) int64
     cos: np.ndarray,  # (max_len, d): [c | c]
     sin: np.ndarray,  # (max_len, d): [-s | s]
@@ -266,6 +269,7 @@ def _rope_and_write(
     kvh, _, d = k_cache.shape
     half = d // 2
     normed = q_norm.shape[0] > 0
+    biased = bias.shape[0] > 0
     head = np.empty(d, np.float32)
     for t in range(t_len):
         p = positions[t]
@@ -274,6 +278,9 @@ def _rope_and_write(
             base = hh * d
             for e in range(d):
                 head[e] = qkv[t, base + e]
+            if biased:
+                for e in range(d):
+                    head[e] += bias[base + e]
             if normed:
                 total = np.float32(0.0)
                 for e in range(d):
@@ -296,7 +303,10 @@ def _rope_and_write(
         for h in range(kvh):
             base = (num_heads + kvh + h) * d
             for e in range(d):
-                v_cache[h, s, e] = _store(qkv[t, base + e], v_cache)
+                value = (
+                    qkv[t, base + e] + bias[base + e] if biased else qkv[t, base + e]
+                )
+                v_cache[h, s, e] = _store(value, v_cache)
 
 
 @_jit()
@@ -467,23 +477,28 @@ def rope_and_write(
     slots: np.ndarray,
     q_out: np.ndarray,
     *,
+    bias: np.ndarray | None = None,
     checked: bool = False,
 ) -> None:
     """From the fused projection ``qkv (T, (nh + 2 kvh) d)``: the rotated
     queries into ``q_out (T, nh, d)``, and the rotated keys and the values
     into the caches at ``slots``.
 
-    ``cos`` and ``sin`` are full-width tables (``[c | c]``, ``[-s | s]``)
-    indexed by position; ``q_norm``/``k_norm`` (Qwen3) normalise each head
-    before it is rotated. ``checked``: the caller has range-checked
-    ``slots`` and ``positions`` (the kernel reads and writes unchecked).
+    ``bias`` (Qwen2) is the projection's, added first. ``cos`` and ``sin``
+    are full-width tables (``[c | c]``, ``[-s | s]``) indexed by position;
+    ``q_norm``/``k_norm`` (Qwen3) normalise each head before it is rotated.
+    ``checked``: the caller has range-checked ``slots`` and ``positions``
+    (the kernel reads and writes unchecked).
     """
     if not checked:
         _check_slots(slots, k_cache)
         if positions.size and not (positions.min() >= 0 and positions.max() < len(cos)):
             raise IndexError(f"position out of range for a RoPE table of {len(cos)}")
+    if bias is not None and bias.shape != qkv.shape[1:]:
+        raise ValueError(f"bias is {bias.shape}, not {qkv.shape[1:]}")
     _rope_and_write(
         qkv,
+        _NO_NORM if bias is None else bias,
         positions,
         cos,
         sin,
@@ -498,6 +513,16 @@ def rope_and_write(
     )
 
 
+def worth_threading(work: int) -> bool:
+    """Whether decode attention of ``work`` (rows x kv heads x keys) runs
+    threaded (see ``_PARALLEL_MIN_WORK``); a step decides once."""
+    return _threads > 1 and work >= _PARALLEL_MIN_WORK
+
+
+#: the thread count numba was last given on each calling thread
+_numba_threads = threading.local()
+
+
 def decode_attention(
     q: np.ndarray,
     k_cache: np.ndarray,
@@ -508,6 +533,8 @@ def decode_attention(
     scale: float,
     block_size: int,
     out: np.ndarray | None = None,
+    *,
+    threaded: bool | None = None,
 ) -> np.ndarray:
     """One query a row, ``q (B, nh, d)``, over its sequence's cached keys.
 
@@ -516,20 +543,25 @@ def decode_attention(
     table ``tables[b]``. Returns ``(B, nh, d)`` (written into ``out`` if
     given: float32, C-contiguous, of that shape). The caller checks that
     ``tables`` covers ``lens`` and stays inside the cache: the kernel reads
-    unchecked.
+    unchecked. ``threaded``: spread the rows over the threads, as
+    :func:`worth_threading` said for this step (None: decide here).
     """
     if out is None:
         out = np.empty(q.shape, np.float32)
     elif out.shape != q.shape:
         raise ValueError(f"out is {out.shape}, not {q.shape}")
     args = (q, k_cache, v_cache, tables, lens, window or 0, scale, block_size, out)
-    work = len(lens) * k_cache.shape[0] * int(lens.max(initial=0))
-    if _threads > 1 and work >= _PARALLEL_MIN_WORK:
-        if numba.get_num_threads() != _threads:
+    if threaded is None:
+        threaded = worth_threading(
+            len(lens) * k_cache.shape[0] * int(lens.max(initial=0))
+        )
+    if threaded and _threads > 1:
+        if getattr(_numba_threads, "n", 0) != _threads:
             numba.set_num_threads(_threads)  # per calling thread
+            _numba_threads.n = _threads
         try:
             _decode_attention_parallel(*args)
-        except ValueError as exc:  # pragma: no cover - neither TBB nor OpenMP
+        except ValueError as exc:  # pragma: no cover - no OpenMP, no TBB
             if "threading layer" not in str(exc):
                 raise
             set_num_threads(1)
@@ -559,7 +591,19 @@ def warm_up(kv_cache_dtype: str = "auto") -> None:
     _write_kv(q, q, cache, cache, slots)
     qkv = np.zeros((1, 6), np.float32)
     _rope_and_write(
-        qkv, slots, rope, rope, 1, _NO_NORM, _NO_NORM, 1e-6, cache, cache, slots, out
+        qkv,
+        _NO_NORM,
+        slots,
+        rope,
+        rope,
+        1,
+        _NO_NORM,
+        _NO_NORM,
+        1e-6,
+        cache,
+        cache,
+        slots,
+        out,
     )
     if bfloat16:  # prefill reads a float32 cache with np.take
         _gather(cache, slots, out)

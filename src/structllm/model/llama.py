@@ -274,10 +274,14 @@ class LlamaForCausalLM:
         layers = self.weights.layers
         host_positions = self.checked_positions(positions)
         h = _rms_norm(x, layers[0].input_norm, c.rms_norm_eps)
+        buffer = self.attention.qkv_buffer(meta, layers[0].qkv.shape[1])
         for i, layer in enumerate(layers):
-            qkv = paddle.matmul(h, layer.qkv)  # (T, q_size + 2 kv_size)
-            if layer.qkv_bias is not None:
-                qkv = qkv + layer.qkv_bias
+            # (T, q_size + 2 kv_size) on the host, the bias not yet added
+            if buffer is not None:
+                paddle.matmul(h, layer.qkv, out=buffer[0])
+                qkv = buffer[1]
+            else:
+                qkv = np.from_dlpack(paddle.matmul(h, layer.qkv))
             k_cache, v_cache = kv_caches[i]
             attn = self.attention.forward_qkv(
                 qkv,
@@ -290,6 +294,7 @@ class LlamaForCausalLM:
                 layer.q_norm,
                 layer.k_norm,
                 c.rms_norm_eps,
+                layer.qkv_bias,
             )  # (T, nh * d)
             out = _o_projection(layer, attn, self.all_reduce)
             h, x = _add_rms_norm(out, x, layer.post_attention_norm, c.rms_norm_eps)

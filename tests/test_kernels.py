@@ -68,6 +68,59 @@ def test_decode_attention_matches_numpy(
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
 
 
+def _to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    return paddle.cast(paddle.to_tensor(x), "bfloat16").numpy().view(np.uint16)
+
+
+def _from_bfloat16_bits(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("window", [None, 1, 5, 37])
+@pytest.mark.parametrize(("context", "n"), [(0, 1), (0, 37), (13, 20), (40, 3)])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
+def test_causal_softmax_is_the_masked_scaled_softmax(
+    heads: int,
+    kv_heads: int,
+    context: int,
+    n: int,
+    window: int | None,
+    threads: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kernels, "_threads", threads)
+    monkeypatch.setattr(kernels, "_PARALLEL_MIN_WORK", 0)
+    rng = np.random.default_rng(context * 100 + n)
+    g, keys = heads // kv_heads, context + n
+    scores = (rng.standard_normal((kv_heads, n * g, keys)) * 30).astype(np.float32)
+    # row r is query r // g, at position context + r // g
+    pos = context + np.arange(n * g)[:, None] // g
+    seen = np.arange(keys)[None, :] <= pos
+    if window is not None:
+        seen &= pos - np.arange(keys)[None, :] < window
+    logits = np.where(seen, scores.astype(np.float64) * 0.125, -np.inf)
+    want = np.exp(logits - logits.max(-1, keepdims=True))
+    want /= want.sum(-1, keepdims=True)
+    got = kernels.causal_softmax(scores, context, g, window, 0.125)
+    assert got is scores
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5)
+    assert not got[:, ~seen].any()
+
+
+def test_causal_softmax_refuses_scores_too_short_for_their_queries() -> None:
+    with pytest.raises(ValueError, match="do not hold the keys"):
+        kernels.causal_softmax(np.zeros((2, 6, 5), np.float32), 3, 2, None, 1.0)
+
+
+def test_the_exp_of_the_kernels_is_accurate_to_an_ulp() -> None:
+    x = -np.geomspace(1e-8, 87, 100_000).astype(np.float32)
+    x = np.concatenate([x, [np.float32(0.0)]])
+    got = np.array([kernels._exp(v) for v in x[::97]], np.float32)
+    want = np.exp(x[::97].astype(np.float64))
+    np.testing.assert_allclose(got, want, rtol=3e-7)
+
+
 @pytest.mark.parametrize(
     "family", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen2ForCausalLM"]
 )
@@ -162,7 +215,7 @@ def test_bfloat16_caches_round_as_paddle_casts_and_attend_on_those_values() -> N
     v_cache = np.zeros((1, 4096, 1), np.uint16)
     new = x.reshape(-1, 1, 1)
     kernels.write_kv(new, new, k_cache, v_cache, np.arange(4096))
-    want = paddle.cast(paddle.to_tensor(x), "bfloat16").numpy().view(np.uint16)
+    want = _to_bfloat16_bits(x)
     np.testing.assert_array_equal(k_cache.reshape(-1), want)
 
     # attention over a bfloat16 cache is attention over the rounded values
@@ -175,21 +228,25 @@ def test_bfloat16_caches_round_as_paddle_casts_and_attend_on_those_values() -> N
         k16.transpose(1, 0, 2), v16.transpose(1, 0, 2), k_bits, v_bits, flat
     )
 
-    def widen(bits: np.ndarray) -> np.ndarray:
-        return (bits.astype(np.uint32) << 16).view(np.float32)
-
     tables = np.array([[3, 1, 0, 2], [5, 7, 6, 4]], dtype=np.int64)
     lens = np.array([13, 16], dtype=np.int64)
     q = rng.standard_normal((2, 4, d)).astype(np.float32)
     got = kernels.decode_attention(q, k_bits, v_bits, tables, lens, None, 0.25, bs)
     want = _reference_decode(
-        q, widen(k_bits), widen(v_bits), tables, lens, None, 0.25, bs
+        q,
+        _from_bfloat16_bits(k_bits),
+        _from_bfloat16_bits(v_bits),
+        tables,
+        lens,
+        None,
+        0.25,
+        bs,
     )
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
     out = np.empty((kvh, 5, d), np.float32)
     slots = np.array([0, 31, 7, 7, 12])
     np.testing.assert_array_equal(
-        kernels.gather(k_bits, slots, out), widen(k_bits)[:, slots]
+        kernels.gather(k_bits, slots, out), _from_bfloat16_bits(k_bits)[:, slots]
     )
 
 

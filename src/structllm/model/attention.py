@@ -71,8 +71,11 @@ def slots_for(
 class _Prefill:
     start: int  # first row of this sequence in the flattened batch
     stop: int
-    kv_slots: np.ndarray  # (L,) int64, L = context_len + query_len
-    masks: Mapping[int | None, paddle.Tensor]  # window -> (q * group, L) additive
+    context: int  # tokens cached before the chunk: row start is at this position
+    kv_slots: np.ndarray  # (L,) int64, L = context + query_len
+    #: window -> (q * group, L) additive; empty with the kernels (their
+    #: softmax masks as it goes)
+    masks: Mapping[int | None, paddle.Tensor]
 
 
 @attrs.frozen
@@ -184,16 +187,24 @@ class PortableAttention:
         for s in seqs[num_decodes:]:
             total = s.context_len + s.query_len
             kv = slots_for(s.block_table, 0, total, bs)
-            # query i (absolute position context_len + i) sees keys 0..context_len+i
-            q_pos = s.context_len + np.arange(s.query_len)[:, None]
-            keys = np.arange(total)[None, :]
-            visible = keys <= q_pos  # (q, L)
             masks = {}
-            for window in self.windows:
-                seen = visible if window is None else visible & (q_pos - keys < window)
-                masks[window] = self._mask(seen).reshape([-1, total])  # (q g, L)
+            if not self.use_kernels:
+                # query i (at position context_len + i) sees keys 0..context_len+i
+                q_pos = s.context_len + np.arange(s.query_len)[:, None]
+                keys = np.arange(total)[None, :]
+                visible = keys <= q_pos  # (q, L)
+                for window in self.windows:
+                    near = q_pos - keys < window if window is not None else True
+                    seen = visible & near
+                    masks[window] = self._mask(seen).reshape([-1, total])  # (q g, L)
             prefills.append(
-                _Prefill(start=row, stop=row + s.query_len, kv_slots=kv, masks=masks)
+                _Prefill(
+                    start=row,
+                    stop=row + s.query_len,
+                    context=s.context_len,
+                    kv_slots=kv,
+                    masks=masks,
+                )
             )
             row += s.query_len
         max_slot = None
@@ -254,20 +265,20 @@ class PortableAttention:
         window: int | None = None,
     ) -> paddle.Tensor:  # (T, num_heads * head_dim)
         """Attend ``q`` over the cache (after writing ``k``/``v``) under ``window``."""
-        cache = _SlotIO(k_cache, v_cache, self._gathered, self._views, meta)
-        outs = []
         if meta.use_kernels:
             k_host, v_host = self._host_cache(k_cache, v_cache, meta)
-            # written before attending: each decode row's own key is its last
+            # written before attending: each row's own key is its last
             kernels.write_kv(
                 _host(k), _host(v), k_host, v_host, meta.slot_mapping, checked=True
             )
-            if meta.num_decodes:
-                outs.append(self._decode_kernel(q, k_host, v_host, meta, window))
-        else:
-            cache.write(meta.slot_mapping, k, v)
-            if meta.num_decodes:
-                outs.append(self._decode_ops(q, cache, meta, window))
+            return self._attend_kernels(
+                _host(q), (k_cache, v_cache), (k_host, v_host), meta, window
+            )
+        cache = _SlotIO(k_cache, v_cache, self._gathered, self._views, meta)
+        outs = []
+        cache.write(meta.slot_mapping, k, v)
+        if meta.num_decodes:
+            outs.append(self._decode_ops(q, cache, meta, window))
         outs.extend(self._prefill(q, p, cache, window) for p in meta.prefills)
         return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
 
@@ -336,14 +347,9 @@ class PortableAttention:
             bias=None if bias is None else views.get(bias),
             checked=True,
         )
-        outs = []
-        if meta.num_decodes:
-            outs.append(self._decode_kernel(q_host, k_host, v_host, meta, window))
-        if meta.prefills:
-            cache = _SlotIO(k_cache, v_cache, self._gathered, self._views, meta)
-            q = host_tensor(q_host)
-            outs.extend(self._prefill(q, p, cache, window) for p in meta.prefills)
-        return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
+        return self._attend_kernels(
+            q_host, (k_cache, v_cache), (k_host, v_host), meta, window
+        )
 
     def _host_cache(
         self, k_cache: paddle.Tensor, v_cache: paddle.Tensor, meta: AttentionMetadata
@@ -357,35 +363,51 @@ class PortableAttention:
             )
         return k_host, v_host
 
-    def _decode_kernel(
+    def _attend_kernels(
         self,
-        q: paddle.Tensor | np.ndarray,  # (T, nh, d)
-        k_cache: np.ndarray,  # (kvh, S, d)
-        v_cache: np.ndarray,
+        q: np.ndarray,  # (T, nh, d) rotated
+        caches: tuple[paddle.Tensor, paddle.Tensor],  # this step's keys written
+        host_caches: tuple[np.ndarray, np.ndarray],  # their host views
         meta: AttentionMetadata,
         window: int | None,
-    ) -> paddle.Tensor:  # (B, nh * d)
-        """The decode rows, by the compiled kernel reading the cache in place."""
-        assert meta.decode_tables is not None and meta.decode_lens is not None
+    ) -> paddle.Tensor:  # (T, nh * d)
+        """Every row, the kernels' way: decode rows in one call reading the
+        cache in place; each prefill chunk by Paddle's matmuls around the
+        kernels' masked softmax."""
+        nh, d = self.num_heads, self.head_dim
         b = meta.num_decodes
-        buffer = self._decode_out.get(b)
-        if buffer is None:
-            tensor = paddle.empty([b, self.num_heads * self.head_dim], "float32")
-            view = np.from_dlpack(tensor).reshape(b, self.num_heads, self.head_dim)
-            buffer = self._decode_out[b] = (tensor, view)
-        kernels.decode_attention(
-            q[:b] if isinstance(q, np.ndarray) else _host(q[:b]),
-            k_cache,
-            v_cache,
-            meta.decode_tables,
-            meta.decode_lens,
-            window,
-            self.scale,
-            self.block_size,
-            out=buffer[1],
-            threaded=meta.decode_threaded,
-        )  # (B, nh, d)
-        return buffer[0]
+        if not meta.prefills:  # the output's memory is reused (see forward_qkv)
+            buffer = self._decode_out.get(b)
+            if buffer is None:
+                tensor = paddle.empty([b, nh * d], "float32")
+                buffer = self._decode_out[b] = (
+                    tensor,
+                    np.from_dlpack(tensor).reshape(b, nh, d),
+                )
+            tensor, out = buffer
+        else:
+            tensor = paddle.empty([meta.num_tokens, nh * d], "float32")
+            out = np.from_dlpack(tensor).reshape(meta.num_tokens, nh, d)
+        if b:
+            assert meta.decode_tables is not None and meta.decode_lens is not None
+            kernels.decode_attention(
+                q[:b],
+                *host_caches,
+                meta.decode_tables,
+                meta.decode_lens,
+                window,
+                self.scale,
+                self.block_size,
+                out=out[:b],
+                threaded=meta.decode_threaded,
+            )
+        if meta.prefills:
+            cache = _SlotIO(*caches, self._gathered, self._views, meta)
+            queries = host_tensor(q)
+            for p in meta.prefills:
+                rows = np.from_dlpack(self._prefill(queries, p, cache, window))
+                out[p.start : p.stop] = rows.reshape(-1, nh, d)
+        return tensor
 
     def _decode_ops(
         self,
@@ -422,7 +444,15 @@ class PortableAttention:
         qp = q[p.start : p.stop].reshape([n, kvh, g * d]).transpose([1, 0, 2])
         # (kvh, q g, d) @ (kvh, L, d)^T -> (kvh, q g, L): one matmul a kv
         # head (a (kvh, q, g, d) @ (kvh, 1, L, d) broadcast is 6x slower)
-        out = self._attend(qp.reshape([kvh, n * g, d]), kp, vp, p.masks[window])
+        qp = qp.reshape([kvh, n * g, d])
+        if cache.meta.use_kernels:
+            scores = paddle.matmul(qp, kp, transpose_y=True)  # (kvh, n g, L)
+            kernels.causal_softmax(
+                np.from_dlpack(scores), p.context, g, window, self.scale
+            )
+            out = paddle.matmul(scores, vp)
+        else:
+            out = self._attend(qp, kp, vp, p.masks[window])
         out = out.reshape([kvh, n, g * d]).transpose([1, 0, 2])
         return out.reshape([n, kvh * g * d])
 
@@ -556,6 +586,7 @@ class _SlotIO:
         self.k_cache, self.v_cache = k_cache, v_cache
         self.scratch = scratch
         self.views = views
+        self.meta = meta
         # numpy reads a float32 cache; a bfloat16 one only through the
         # kernels (kv_cache_dtype), else Paddle ops as on an accelerator
         self.host = k_cache.place.is_cpu_place() and (

@@ -45,6 +45,7 @@ import numpy as np
 
 __all__ = [
     "available",
+    "causal_softmax",
     "decode_attention",
     "gather",
     "rope_and_write",
@@ -116,13 +117,13 @@ def set_num_threads(n: int) -> None:
         _threads = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
 
 
-def _jit(parallel: bool = False) -> Callable[[Any], Any]:
+def _jit(parallel: bool = False, fastmath: Any = True) -> Callable[[Any], Any]:
     def compile(f: Any) -> Any:
         if numba is None:  # pragma: no cover
             return f
         options = {
             "nogil": True,
-            "fastmath": True,
+            "fastmath": fastmath,
             "boundscheck": False,
             "parallel": parallel,
         }
@@ -352,17 +353,18 @@ def _attend_one(
                 acc += qs[g, e] * _load(k_cache[h, slot, e])
             scores[g, j] = acc
     for g in range(g_len):
-        top = scores[g, 0]
+        row = scores[g]
+        top = row[0]
         for j in range(1, keys):
-            top = max(top, scores[g, j])
+            top = max(top, row[j])
         total = np.float32(0.0)
         for j in range(keys):
-            p = np.exp(scores[g, j] - top)
-            scores[g, j] = p
+            p = _exp(row[j] - top)
+            row[j] = p
             total += p
         inv = np.float32(1.0) / total
         for j in range(keys):
-            scores[g, j] *= inv
+            row[j] *= inv
     acc_out = np.zeros((g_len, d), np.float32)
     for j in range(keys):
         pos = start + j
@@ -415,6 +417,78 @@ def _decode_attention_parallel(
         _attend_one(
             bh, q, k_cache, v_cache, tables, lens, window, scale, block_size, out
         )
+
+
+# every fast-math flag but reassociation, which would fold the two halves
+# of ln2 back into one and lose the reduction's precision
+@_jit(fastmath={"nnan", "ninf", "nsz", "arcp", "contract", "afn"})
+def _exp(x: float) -> Any:  # pragma: no cover - compiled
+    """``exp(x)`` in float32 for the softmax's ``x <= 0``, as arithmetic a
+    loop can vectorise (numba's ``np.exp`` is a libm call per element
+    without Intel's SVML). Cephes' ``expf``: ``x = n ln2 + r`` with ``ln2``
+    split in two (Cody and Waite), ``|r| <= ln2 / 2``, ``e^r`` by a degree-7
+    polynomial, times ``2^n`` built in the exponent bits; within 2 ulp. Below
+    -87 (near 2^-126, the smallest normal float) it returns ~1e-38."""
+    y = max(np.float32(x), np.float32(-87.0))
+    n = np.floor(y * np.float32(1.4426950408889634) + np.float32(0.5))
+    r = y - n * np.float32(0.693359375)
+    r = r - n * np.float32(-2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1.0)
+    return p * np.uint32((np.int32(n) + 127) << 23).view(np.float32)
+
+
+@_jit()
+def _softmax_row(
+    scores: np.ndarray,  # (kvh, rows, L): query row r of a chunk, key j
+    item: int,  # kv head item // rows, row item % rows
+    context: int,  # row r's query is at position context + r // group
+    group: int,
+    window: int,  # 0: all earlier keys; else the last `window` of them
+    scale: float,
+) -> None:  # pragma: no cover - compiled
+    rows, keys = scores.shape[1], scores.shape[2]
+    h, r = item // rows, item % rows
+    row = scores[h, r]
+    pos = context + r // group
+    lo = max(0, pos - window + 1) if window > 0 else 0
+    # loops over a slice from 0: numba's indexing with an index it cannot
+    # prove non-negative (lo + j) checks for wraparound, and blocks SIMD
+    seen = row[lo : min(pos + 1, keys)]
+    best = seen[0]
+    for j in range(1, seen.shape[0]):
+        best = max(best, seen[j])
+    total = np.float32(0.0)
+    for j in range(seen.shape[0]):
+        p = _exp((seen[j] - best) * np.float32(scale))
+        seen[j] = p
+        total += p
+    inv = np.float32(1.0) / total
+    for j in range(seen.shape[0]):
+        seen[j] *= inv
+    row[:lo] = 0.0
+    row[min(pos + 1, keys) :] = 0.0
+
+
+@_jit()
+def _causal_softmax(
+    scores: np.ndarray, context: int, group: int, window: int, scale: float
+) -> None:  # pragma: no cover - compiled
+    for item in range(scores.shape[0] * scores.shape[1]):
+        _softmax_row(scores, item, context, group, window, scale)
+
+
+@_jit(parallel=True)
+def _causal_softmax_parallel(
+    scores: np.ndarray, context: int, group: int, window: int, scale: float
+) -> None:  # pragma: no cover - compiled
+    for item in _prange(scores.shape[0] * scores.shape[1]):
+        _softmax_row(scores, item, context, group, window, scale)
 
 
 @_jit()
@@ -556,19 +630,53 @@ def decode_attention(
             len(lens) * k_cache.shape[0] * int(lens.max(initial=0))
         )
     if threaded and _threads > 1:
-        if getattr(_numba_threads, "n", 0) != _threads:
-            numba.set_num_threads(_threads)  # per calling thread
-            _numba_threads.n = _threads
-        try:
-            _decode_attention_parallel(*args)
-        except ValueError as exc:  # pragma: no cover - no OpenMP, no TBB
-            if "threading layer" not in str(exc):
-                raise
-            set_num_threads(1)
-            _decode_attention(*args)
+        _threaded(_decode_attention_parallel, _decode_attention, args)
     else:
         _decode_attention(*args)
     return out
+
+
+def _threaded(kernel: Any, serial: Any, args: tuple[Any, ...]) -> None:
+    """``kernel(*args)`` on ``_threads`` threads; ``serial(*args)`` where
+    numba has no thread pool that takes concurrent launches."""
+    if getattr(_numba_threads, "n", 0) != _threads:
+        numba.set_num_threads(_threads)  # per calling thread
+        _numba_threads.n = _threads
+    try:
+        kernel(*args)
+    except ValueError as exc:  # pragma: no cover - no OpenMP, no TBB
+        if "threading layer" not in str(exc):
+            raise
+        set_num_threads(1)
+        serial(*args)
+
+
+def causal_softmax(
+    scores: np.ndarray,
+    context: int,
+    group: int,
+    window: int | None,
+    scale: float,
+) -> np.ndarray:
+    """A prefill chunk's attention probabilities, in place: ``scores (kvh,
+    n * group, L)`` are its queries' dot products with its sequence's keys
+    (row ``r`` is the query at position ``context + r // group``). Each row
+    is scaled, softmaxed over the keys it sees (none past its position,
+    only the last ``window`` with one) and zero elsewhere: the mask, the
+    scale and Paddle's softmax in one pass. Threaded over the rows when
+    Paddle has threads. Returns ``scores``."""
+    kvh, rows, keys = scores.shape
+    if rows % group or context + rows // group > keys:
+        raise ValueError(
+            f"scores {scores.shape} do not hold the keys of {rows // group} queries"
+            f" after {context} cached tokens (group {group})"
+        )
+    args = (scores, context, group, window or 0, scale)
+    if _threads > 1 and kvh * rows * keys >= _PARALLEL_MIN_WORK:
+        _threaded(_causal_softmax_parallel, _causal_softmax, args)
+    else:
+        _causal_softmax(*args)
+    return scores
 
 
 def warm_up(kv_cache_dtype: str = "auto") -> None:

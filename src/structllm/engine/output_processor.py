@@ -70,9 +70,12 @@ class RequestOutputCollector:
         """The next output, or None at the end; raises the request's error.
 
         Always a checkpoint (as trio expects of every async call), so a
-        cancelled consumer stops here even when an output is ready.
+        cancelled consumer stops here even when an output is ready: a
+        checkpoint of its own when something is, else the wait for it (one
+        pass through the event loop a token, not two).
         """
-        await anyio.lowlevel.checkpoint()
+        if self._pending is not None or self.error is not None or self.closed:
+            await anyio.lowlevel.checkpoint()
         while True:
             if self._pending is not None:
                 out, self._pending = self._pending, None

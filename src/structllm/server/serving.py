@@ -238,28 +238,36 @@ class Serving:
         def running_usage() -> api.Usage | None:
             return usage() if fmt.continuous_usage else None
 
-        async def one(out: MemoryObjectSendStream[dict[str, Any]], job: Job) -> None:
+        async def one(job: Job, emit: Emit) -> None:
+            if (first := fmt.opening(job, running_usage())) is not None:
+                await emit(api.dump(first))
+
+            async def on_output(o: RequestOutput) -> None:
+                generated[job.index] = o.num_generated_tokens
+                cached[job.index] = o.num_cached_tokens or 0
+                await emit(api.dump(fmt.delta(job, o, running_usage())))
+
+            await self.observe(job, on_output)
+
+        async def one_of_several(
+            out: MemoryObjectSendStream[dict[str, Any]], job: Job
+        ) -> None:
+            async def send(event: dict[str, Any] | str) -> None:
+                assert not isinstance(event, str)
+                out.send_nowait(event)
+
             with out:
-                if (first := fmt.opening(job, running_usage())) is not None:
-                    out.send_nowait(api.dump(first))
-
-                def on_output(o: RequestOutput) -> None:
-                    generated[job.index] = o.num_generated_tokens
-                    cached[job.index] = o.num_cached_tokens or 0
-                    out.send_nowait(api.dump(fmt.delta(job, o, running_usage())))
-
-                await self.observe(job, on_output)
+                await one(job, send)
 
         async def produce(emit: Emit) -> None:
-            send, receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
             try:
-                with receive:
+                if len(jobs) == 1:
+                    # the job emits its events itself (a slow client slows
+                    # its reads; its mailbox merges what it has not read)
                     async with anyio.create_task_group() as tg:
-                        with send:  # each job holds a clone until it is done
-                            for job in jobs:
-                                tg.start_soon(one, send.clone(), job)
-                        async for event in receive:
-                            await emit(event)
+                        tg.start_soon(one, jobs[0], emit)
+                else:
+                    await produce_several(emit)
             except BaseExceptionGroup as group:
                 exc = _leaf(group)
                 if isinstance(exc, InvalidRequestError):
@@ -272,6 +280,16 @@ class Serving:
                 if fmt.include_usage:
                     await emit(api.dump(fmt.closing(usage())))
             await emit("[DONE]")
+
+        async def produce_several(emit: Emit) -> None:
+            send, receive = anyio.create_memory_object_stream[dict[str, Any]](math.inf)
+            with receive:
+                async with anyio.create_task_group() as tg:
+                    with send:  # each job holds a clone until it is done
+                        for job in jobs:
+                            tg.start_soon(one_of_several, send.clone(), job)
+                    async for event in receive:
+                        await emit(event)
 
         async def produce_with_deadline(emit: Emit) -> None:
             try:
@@ -286,7 +304,9 @@ class Serving:
         return EventStream(produce_with_deadline)
 
     async def observe(
-        self, job: Job, on_output: Callable[[RequestOutput], None] | None
+        self,
+        job: Job,
+        on_output: Callable[[RequestOutput], Awaitable[None]] | None,
     ) -> RequestOutput:
         """Run one job, recording latency metrics and, inside an HTTP request,
         its record (:mod:`~structllm.server.access`); its final output.
@@ -323,7 +343,7 @@ class Serving:
                         metrics.itl.observe(now - last)
                     last = now
                     if on_output is not None:
-                        on_output(out)
+                        await on_output(out)
         finally:
             # also when cancelled (client gone, timeout): synchronous, no await
             result = s.final_output

@@ -330,3 +330,50 @@ def test_threaded_kernels_run_on_the_threads_paddles_matmuls_use() -> None:
     ).split()
     assert layer == "omp"
     assert after == before
+
+
+def test_add_rms_norm_and_swiglu_match_paddles_ops() -> None:
+    from structllm.model.llama import _add_rms_norm, _rms_norm, _swiglu
+
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((5, 48)) * 3).astype(np.float32)
+    delta = rng.standard_normal((5, 48)).astype(np.float32)
+    weight = rng.standard_normal(48).astype(np.float32)
+    want_normed, want_x = _add_rms_norm(
+        paddle.to_tensor(delta), paddle.to_tensor(x), paddle.to_tensor(weight), 1e-5
+    )
+    normed = np.full_like(x, np.nan)
+    got_x = x.copy()
+    assert kernels.add_rms_norm(got_x, weight, 1e-5, normed, delta=delta) is normed
+    np.testing.assert_allclose(got_x, want_x.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(normed, want_normed.numpy(), rtol=1e-5, atol=1e-6)
+    # no delta: the norm alone, x untouched
+    alone = kernels.add_rms_norm(got_x.copy(), weight, 1e-5, np.empty_like(x))
+    want = _rms_norm(paddle.to_tensor(got_x), paddle.to_tensor(weight), 1e-5)
+    np.testing.assert_allclose(alone, want.numpy(), rtol=1e-5, atol=1e-6)
+
+    # gates far into both tails: the sigmoid neither overflows nor loses them
+    gate_up = (rng.standard_normal((3, 2 * 40)) * 30).astype(np.float32)
+    gate_up[0, :4] = [0.0, -100.0, 100.0, -1e-30]
+    out = np.full((3, 40), np.nan, np.float32)
+    assert kernels.swiglu(gate_up, out) is out
+    want = _swiglu(paddle.to_tensor(gate_up)).numpy()
+    np.testing.assert_allclose(out, want, rtol=2e-6, atol=1e-30)
+    with pytest.raises(ValueError, match="gate_up is"):
+        kernels.swiglu(gate_up[:, :-1], out)
+
+
+def test_step_buffers_keep_the_last_batch_sizes() -> None:
+    from structllm.model.attention import StepBuffers
+
+    buffers = StepBuffers(keep=2)
+    one, _ = buffers.get("x", (1, 8))
+    assert buffers.get("x", (1, 8))[0] is one  # reused
+    view = buffers.get("y", (1, 4))[1]
+    view[...] = 7.0
+    assert (buffers.get("y", (1, 4))[1] == 7.0).all()  # kept as left
+    buffers.get("x", (2, 8))
+    buffers.get("x", (1, 8))  # batch 1 is the most recent again
+    buffers.get("x", (3, 8))  # drops batch 2, the oldest
+    assert buffers.get("x", (1, 8))[0] is one
+    assert len(buffers._by_rows) == 2 and 2 not in buffers._by_rows

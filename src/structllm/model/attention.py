@@ -28,6 +28,7 @@ A GPU backend can replace :class:`PortableAttention` by providing the same
 
 from __future__ import annotations
 
+import collections
 import math
 import weakref
 from collections.abc import Collection, Mapping, Sequence
@@ -134,12 +135,9 @@ class PortableAttention:
         self._gathered = (_Scratch(), _Scratch())
         #: the kernels' rotated queries, reused likewise
         self._rotated_q = _Scratch()
-        #: decode rows -> the kernel's output tensor and its host view, reused
-        #: by every layer (see forward_qkv)
-        self._decode_out: dict[int, tuple[paddle.Tensor, np.ndarray]] = {}
-        #: (rows, width) -> a decode step's q/k/v projection and its host
-        #: view (see qkv_buffer)
-        self._qkv_out: dict[tuple[int, int], tuple[paddle.Tensor, np.ndarray]] = {}
+        #: a decode step's projection and attention outputs (and the
+        #: model's own, see llama.py), reused by every layer and step
+        self.buffers = StepBuffers()
         self._views = _HostViews()
 
     def build_metadata(self, seqs: Sequence[SequenceSlice]) -> AttentionMetadata:
@@ -282,22 +280,21 @@ class PortableAttention:
         outs.extend(self._prefill(q, p, cache, window) for p in meta.prefills)
         return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
 
+    def host_view(self, tensor: paddle.Tensor) -> np.ndarray:
+        """A long-lived host tensor's numpy view (a weight, a cache), made
+        once and dropped with the tensor."""
+        return self._views.get(tensor)
+
     def qkv_buffer(
         self, meta: AttentionMetadata, width: int
     ) -> tuple[paddle.Tensor, np.ndarray] | None:
         """A tensor for a decode step's fused q/k/v projection (a matmul's
         ``out=``) and its host view, reused by every layer and every step of
         that batch size; None for a step with prefill rows (their sizes vary
-        too much to keep a buffer each). Saves a host view a layer, 10-20 us
-        in the middle of a step."""
+        too much to keep a buffer each)."""
         if meta.num_decodes != meta.num_tokens:
             return None
-        key = (meta.num_tokens, width)
-        hit = self._qkv_out.get(key)
-        if hit is None:
-            tensor = paddle.empty([meta.num_tokens, width], "float32")
-            hit = self._qkv_out[key] = (tensor, np.from_dlpack(tensor))
-        return hit
+        return self.buffers.get("qkv", (meta.num_tokens, width))
 
     def forward_qkv(
         self,
@@ -330,21 +327,20 @@ class PortableAttention:
         t = meta.num_tokens
         k_host, v_host = self._host_cache(k_cache, v_cache, meta)
         q_host = self._rotated_q.array((t, self.num_heads, self.head_dim))
-        views = self._views
         kernels.rope_and_write(
             qkv,
             positions,
             rope.cos,
             rope.sin,
             self.num_heads,
-            None if q_norm is None else views.get(q_norm),
-            None if k_norm is None else views.get(k_norm),
+            None if q_norm is None else self.host_view(q_norm),
+            None if k_norm is None else self.host_view(k_norm),
             eps,
             k_host,
             v_host,
             meta.slot_mapping,
             q_host,
-            bias=None if bias is None else views.get(bias),
+            bias=None if bias is None else self.host_view(bias),
             checked=True,
         )
         return self._attend_kernels(
@@ -377,14 +373,8 @@ class PortableAttention:
         nh, d = self.num_heads, self.head_dim
         b = meta.num_decodes
         if not meta.prefills:  # the output's memory is reused (see forward_qkv)
-            buffer = self._decode_out.get(b)
-            if buffer is None:
-                tensor = paddle.empty([b, nh * d], "float32")
-                buffer = self._decode_out[b] = (
-                    tensor,
-                    np.from_dlpack(tensor).reshape(b, nh, d),
-                )
-            tensor, out = buffer
+            tensor, flat = self.buffers.get("attention", (b, nh * d))
+            out = flat.reshape(b, nh, d)
         else:
             tensor = paddle.empty([meta.num_tokens, nh * d], "float32")
             out = np.from_dlpack(tensor).reshape(meta.num_tokens, nh, d)
@@ -537,6 +527,41 @@ class _HostViews:
 
         self._views[key] = (weakref.ref(tensor, forget), view)
         return view
+
+
+class StepBuffers:
+    """Host tensors a decode step reuses, each with its numpy view, by name
+    and shape: the step's matmuls write into them (``out=``) and the
+    kernels read and write their views, so a layer makes no tensor and no
+    view (each costs 10-30 us in the middle of a step). Buffers of the last
+    ``keep`` batch sizes are kept (a server's batch changes a request at a
+    time); older ones are dropped."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self._keep = keep
+        #: rows -> (name, shape) -> tensor and view; most recent last
+        self._by_rows: collections.OrderedDict[
+            int, dict[tuple[str, tuple[int, ...]], tuple[paddle.Tensor, np.ndarray]]
+        ] = collections.OrderedDict()
+
+    def get(
+        self, name: str, shape: tuple[int, ...]
+    ) -> tuple[paddle.Tensor, np.ndarray]:
+        """The float32 buffer ``name`` of ``shape`` (rows first): uninitialised
+        when new, else as the last step left it."""
+        rows = shape[0]
+        entries = self._by_rows.get(rows)
+        if entries is None:
+            entries = self._by_rows[rows] = {}
+            while len(self._by_rows) > self._keep:
+                self._by_rows.popitem(last=False)
+        else:
+            self._by_rows.move_to_end(rows)
+        hit = entries.get((name, shape))
+        if hit is None:
+            tensor = paddle.empty(list(shape), "float32")
+            hit = entries[(name, shape)] = (tensor, np.from_dlpack(tensor))
+        return hit
 
 
 class _Scratch:

@@ -44,12 +44,14 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "add_rms_norm",
     "available",
     "causal_softmax",
     "decode_attention",
     "gather",
     "rope_and_write",
     "set_num_threads",
+    "swiglu",
     "warm_up",
     "worth_threading",
     "write_kv",
@@ -492,6 +494,45 @@ def _causal_softmax_parallel(
 
 
 @_jit()
+def _add_rms_norm(
+    delta: np.ndarray,  # (T, H) or (0, H): added to x first
+    x: np.ndarray,  # (T, H) the residual stream, updated in place
+    weight: np.ndarray,  # (H,)
+    eps: float,
+    normed: np.ndarray,  # (T, H)
+) -> None:  # pragma: no cover - compiled
+    t_len, hidden = x.shape
+    add = delta.shape[0] > 0
+    for t in range(t_len):
+        row, out = x[t], normed[t]
+        if add:
+            change = delta[t]
+            for e in range(hidden):
+                row[e] += change[e]
+        total = np.float32(0.0)
+        for e in range(hidden):
+            total += row[e] * row[e]
+        inv = np.float32(1.0) / np.sqrt(total / hidden + np.float32(eps))
+        for e in range(hidden):
+            out[e] = row[e] * inv * weight[e]
+
+
+@_jit()
+def _swiglu(
+    gate_up: np.ndarray,  # (T, 2 I): [gate | up]
+    out: np.ndarray,  # (T, I)
+) -> None:  # pragma: no cover - compiled
+    t_len, inner = out.shape
+    for t in range(t_len):
+        gate, up, row = gate_up[t, :inner], gate_up[t, inner:], out[t]
+        for e in range(inner):
+            g = gate[e]
+            z = _exp(-abs(g))  # e^-|g| <= 1: sigmoid without overflow
+            s = np.float32(1.0) / (np.float32(1.0) + z)
+            row[e] = g * (s if g >= 0 else z * s) * up[e]
+
+
+@_jit()
 def _gather(
     cache: np.ndarray,  # (kvh, S, d)
     slots: np.ndarray,  # (n,) int64
@@ -506,6 +547,7 @@ def _gather(
 
 
 _NO_NORM = np.zeros(0, np.float32)
+_NO_ROWS = np.zeros((0, 0), np.float32)
 
 
 def _check_slots(slots: np.ndarray, cache: np.ndarray) -> None:
@@ -679,6 +721,36 @@ def causal_softmax(
     return scores
 
 
+def add_rms_norm(
+    x: np.ndarray,
+    weight: np.ndarray,
+    eps: float,
+    normed: np.ndarray,
+    delta: np.ndarray | None = None,
+) -> np.ndarray:
+    """``x += delta`` in place (when given), then ``normed = x /
+    rms(x) * weight`` row by row (all ``(T, H)`` float32, C-contiguous):
+    the residual add and the RMSNorm after it, as Paddle's
+    ``fused_rms_norm(residual=)``. Returns ``normed``."""
+    if delta is not None and delta.shape != x.shape:
+        raise ValueError(f"delta is {delta.shape}, not {x.shape}")
+    if normed.shape != x.shape or weight.shape != x.shape[1:]:
+        raise ValueError(
+            f"normed {normed.shape} or weight {weight.shape} for {x.shape}"
+        )
+    _add_rms_norm(_NO_ROWS if delta is None else delta, x, weight, eps, normed)
+    return normed
+
+
+def swiglu(gate_up: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``silu(gate) * up`` of ``gate_up (T, 2 I) = [gate | up]`` into ``out
+    (T, I)``, as Paddle's ``swiglu`` of one input. Returns ``out``."""
+    if gate_up.shape != (out.shape[0], 2 * out.shape[1]):
+        raise ValueError(f"gate_up is {gate_up.shape}, out {out.shape}")
+    _swiglu(gate_up, out)
+    return out
+
+
 def warm_up(kv_cache_dtype: str = "auto") -> None:
     """Compile the kernels an engine will call, or load them from the disk
     cache: for its cache's dtype, and the threaded decode if it has more
@@ -713,5 +785,13 @@ def warm_up(kv_cache_dtype: str = "auto") -> None:
         slots,
         out,
     )
+    scores = np.zeros((1, 1, 1), np.float32)
+    _causal_softmax(scores, 0, 1, 0, 1.0)
+    if _threads > 1:
+        _causal_softmax_parallel(scores, 0, 1, 0, 1.0)
+    rows = np.zeros((1, 2), np.float32)
+    _add_rms_norm(_NO_ROWS, rows, rows[0], 1e-6, rows)
+    _add_rms_norm(rows, rows, rows[0], 1e-6, rows)
+    _swiglu(np.zeros((1, 4), np.float32), rows)
     if bfloat16:  # prefill reads a float32 cache with np.take
         _gather(cache, slots, out)

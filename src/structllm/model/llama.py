@@ -17,6 +17,7 @@ import attrs
 import numpy as np
 
 from structllm.errors import EngineConfigError
+from structllm.model import kernels
 from structllm.model._paddle import paddle
 from structllm.model.attention import AttentionMetadata, PortableAttention, RopeTables
 from structllm.model.config import ModelConfig, RopeScaling
@@ -149,6 +150,13 @@ class LlamaForCausalLM:
         self._windows = [
             config.layer_window(i) for i in range(config.num_hidden_layers)
         ]
+        #: no bias after the q/k/v projection (see _decode_layers)
+        self._unbiased = all(
+            layer.o_bias is None
+            and layer.gate_up_bias is None
+            and layer.down_bias is None
+            for layer in weights.layers
+        )
         # cos/sin for every position, float32: (max_model_len, head_dim / 2)
         freqs = np.outer(
             np.arange(max_model_len, dtype=np.float64), rope_inv_freq(config)
@@ -273,6 +281,12 @@ class LlamaForCausalLM:
         c = self.config
         layers = self.weights.layers
         host_positions = self.checked_positions(positions)
+        if (
+            meta.num_decodes == meta.num_tokens
+            and self._unbiased
+            and self.all_reduce is None
+        ):
+            return self._decode_layers(x, host_positions, kv_caches, meta)
         h = _rms_norm(x, layers[0].input_norm, c.rms_norm_eps)
         buffer = self.attention.qkv_buffer(meta, layers[0].qkv.shape[1])
         for i, layer in enumerate(layers):
@@ -305,6 +319,62 @@ class LlamaForCausalLM:
             else:
                 x = x + out
         return x
+
+    def _decode_layers(
+        self,
+        x: paddle.Tensor,  # (B, H) the embeddings
+        positions: np.ndarray,  # (B,) checked
+        kv_caches: Sequence[tuple[paddle.Tensor, paddle.Tensor]],
+        meta: AttentionMetadata,
+    ) -> paddle.Tensor:  # (B, H), before the final norm
+        """A step of decode rows alone: every matmul writes into a buffer
+        kept for this batch size and every other op is a compiled kernel on
+        those buffers' host views, so a layer makes no tensor. At batch 1 the
+        ops between the matmuls were a fifth of the step (docs/benchmarks.md)."""
+        c = self.config
+        layers = self.weights.layers
+        buffers = self.attention.buffers
+        rows, hidden = x.shape
+        inner = layers[0].down.shape[0]
+        x_t, x_h = buffers.get("residual", (rows, hidden))
+        h_t, h_h = buffers.get("normed", (rows, hidden))
+        out_t, out_h = buffers.get("out", (rows, hidden))
+        gate_up_t, gate_up_h = buffers.get("gate_up", (rows, 2 * inner))
+        act_t, act_h = buffers.get("act", (rows, inner))
+        qkv = self.attention.qkv_buffer(meta, layers[0].qkv.shape[1])
+        assert qkv is not None
+        views = self.attention.host_view
+        x_h[...] = np.from_dlpack(x)
+        eps = c.rms_norm_eps
+        kernels.add_rms_norm(x_h, views(layers[0].input_norm), eps, h_h)
+        for i, layer in enumerate(layers):
+            paddle.matmul(h_t, layer.qkv, out=qkv[0])
+            k_cache, v_cache = kv_caches[i]
+            attn = self.attention.forward_qkv(
+                qkv[1],
+                k_cache,
+                v_cache,
+                meta,
+                positions,
+                self._rope,
+                self._windows[i],
+                layer.q_norm,
+                layer.k_norm,
+                eps,
+                layer.qkv_bias,
+            )  # (B, nh * d)
+            paddle.matmul(attn, layer.o, out=out_t)
+            norm = views(layer.post_attention_norm)
+            kernels.add_rms_norm(x_h, norm, eps, h_h, delta=out_h)
+            paddle.matmul(h_t, layer.gate_up, out=gate_up_t)
+            kernels.swiglu(gate_up_h, act_h)
+            paddle.matmul(act_t, layer.down, out=out_t)
+            if i + 1 < len(layers):
+                norm = views(layers[i + 1].input_norm)
+                kernels.add_rms_norm(x_h, norm, eps, h_h, delta=out_h)
+            else:
+                x_h += out_h
+        return x_t
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:  # (N, V) float32
         w = self.weights

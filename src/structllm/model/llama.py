@@ -330,7 +330,8 @@ class LlamaForCausalLM:
         """A step of decode rows alone: every matmul writes into a buffer
         kept for this batch size and every other op is a compiled kernel on
         those buffers' host views, so a layer makes no tensor. At batch 1 the
-        ops between the matmuls were a fifth of the step (docs/benchmarks.md)."""
+        ops between the matmuls were a third of the step; this path is 6-8%
+        faster there (docs/benchmarks.md)."""
         c = self.config
         layers = self.weights.layers
         buffers = self.attention.buffers

@@ -377,3 +377,21 @@ def test_step_buffers_keep_the_last_batch_sizes() -> None:
     buffers.get("x", (3, 8))  # drops batch 2, the oldest
     assert buffers.get("x", (1, 8))[0] is one
     assert len(buffers._by_rows) == 2 and 2 not in buffers._by_rows
+
+
+@pytest.mark.skipif(not kernels.SHARED_OPENMP, reason="Paddle ships no libiomp5")
+def test_starting_the_kernels_threads_keeps_paddles_openmp_thread_count() -> None:
+    # numba's OpenMP layer sets the runtime's thread count to all of its
+    # threads when it starts: Paddle's own count must be set after that
+    threads = _python(
+        """
+        import ctypes
+        from structllm.model import kernels
+        from structllm.model._paddle import set_num_threads
+        set_num_threads(2)
+        kernels.warm_up()
+        print(ctypes.CDLL(None).omp_get_max_threads())
+        """,
+        NUMBA_NUM_THREADS="4",
+    )
+    assert threads == "2"

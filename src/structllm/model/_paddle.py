@@ -39,8 +39,8 @@ def set_num_threads(n: int | None = None) -> None:
     """Paddle runs CPU math on one thread unless told otherwise; the
     compiled attention kernels take the same number."""
     n = n or default_num_threads()
+    kernels.set_num_threads(n)  # first: see its docstring
     paddle.base.core.set_num_threads(n)
-    kernels.set_num_threads(n)
 
 
 @functools.cache

@@ -82,7 +82,9 @@ def _share_paddles_openmp() -> bool:
         if os.path.exists(path):
             try:
                 ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            except OSError:  # pragma: no cover
+                # numba's OpenMP layer itself needs GNU's libgomp to load
+                importlib.import_module("numba.np.ufunc.omppool")
+            except (OSError, ImportError):  # pragma: no cover
                 return False
             return True
     return False  # pragma: no cover - Paddle's CPU wheels ship it
@@ -113,10 +115,25 @@ def available() -> bool:
 
 
 def set_num_threads(n: int) -> None:
-    """Threads for :func:`decode_attention` (Paddle's share of the cores)."""
+    """Threads for the threaded kernels (Paddle's share of the cores).
+
+    Starts numba's thread pool now when there is one to start: on the
+    shared OpenMP runtime its start sets the process's OpenMP thread count
+    to numba's (all the cores), so it must come before Paddle sets its own
+    (``_paddle.set_num_threads`` calls this first). Where numba has no pool
+    that takes concurrent launches, the kernels stay on one thread.
+    """
     global _threads
-    if numba is not None:
-        _threads = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+    if numba is None:  # pragma: no cover
+        return
+    _threads = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+    if _threads > 1:
+        try:
+            numba.get_num_threads()  # starts the pool
+        except ValueError as exc:  # pragma: no cover - no OpenMP, no TBB
+            if "threading layer" not in str(exc):
+                raise
+            _threads = 1
 
 
 def _jit(parallel: bool = False, fastmath: Any = True) -> Callable[[Any], Any]:
@@ -346,7 +363,7 @@ def _attend_one(
     for j in range(keys):
         pos = start + j
         blk = pos // block_size
-        if pos % block_size == 0 and blk + _AHEAD <= last:
+        if (pos % block_size == 0 or j == 0) and blk + _AHEAD <= last:
             _prefetch_block(k_cache, v_cache, h, tables[b, blk + _AHEAD], block_size)
         slot = tables[b, blk] * block_size + pos % block_size
         for g in range(g_len):
@@ -681,10 +698,10 @@ def decode_attention(
 def _threaded(kernel: Any, serial: Any, args: tuple[Any, ...]) -> None:
     """``kernel(*args)`` on ``_threads`` threads; ``serial(*args)`` where
     numba has no thread pool that takes concurrent launches."""
-    if getattr(_numba_threads, "n", 0) != _threads:
-        numba.set_num_threads(_threads)  # per calling thread
-        _numba_threads.n = _threads
     try:
+        if getattr(_numba_threads, "n", 0) != _threads:
+            numba.set_num_threads(_threads)  # per calling thread
+            _numba_threads.n = _threads
         kernel(*args)
     except ValueError as exc:  # pragma: no cover - no OpenMP, no TBB
         if "threading layer" not in str(exc):
@@ -767,7 +784,8 @@ def warm_up(kv_cache_dtype: str = "auto") -> None:
     out = np.empty_like(q)
     _decode_attention(q, cache, cache, tables, lens, 0, 1.0, 4, out)
     if _threads > 1:
-        _decode_attention_parallel(q, cache, cache, tables, lens, 0, 1.0, 4, out)
+        args = (q, cache, cache, tables, lens, 0, 1.0, 4, out)
+        _threaded(_decode_attention_parallel, _decode_attention, args)
     _write_kv(q, q, cache, cache, slots)
     qkv = np.zeros((1, 6), np.float32)
     _rope_and_write(
@@ -788,7 +806,7 @@ def warm_up(kv_cache_dtype: str = "auto") -> None:
     scores = np.zeros((1, 1, 1), np.float32)
     _causal_softmax(scores, 0, 1, 0, 1.0)
     if _threads > 1:
-        _causal_softmax_parallel(scores, 0, 1, 0, 1.0)
+        _threaded(_causal_softmax_parallel, _causal_softmax, (scores, 0, 1, 0, 1.0))
     rows = np.zeros((1, 2), np.float32)
     _add_rms_norm(_NO_ROWS, rows, rows[0], 1e-6, rows)
     _add_rms_norm(rows, rows, rows[0], 1e-6, rows)

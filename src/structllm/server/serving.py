@@ -341,9 +341,11 @@ class Serving:
                             record.token()
                     else:
                         metrics.itl.observe(now - last)
-                    last = now
                     if on_output is not None:
                         await on_output(out)
+                    # from the end of this send: a slow client's writes are
+                    # not the engine's latency
+                    last = time.monotonic()
         finally:
             # also when cancelled (client gone, timeout): synchronous, no await
             result = s.final_output

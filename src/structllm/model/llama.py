@@ -296,20 +296,7 @@ class LlamaForCausalLM:
                 qkv = buffer[1]
             else:
                 qkv = np.from_dlpack(paddle.matmul(h, layer.qkv))
-            k_cache, v_cache = kv_caches[i]
-            attn = self.attention.forward_qkv(
-                qkv,
-                k_cache,
-                v_cache,
-                meta,
-                host_positions,
-                self._rope,
-                self._windows[i],
-                layer.q_norm,
-                layer.k_norm,
-                c.rms_norm_eps,
-                layer.qkv_bias,
-            )  # (T, nh * d)
+            attn = self._attention(i, qkv, kv_caches, meta, host_positions)
             out = _o_projection(layer, attn, self.all_reduce)
             h, x = _add_rms_norm(out, x, layer.post_attention_norm, c.rms_norm_eps)
             out = _mlp(layer, h, self.all_reduce)
@@ -319,6 +306,31 @@ class LlamaForCausalLM:
             else:
                 x = x + out
         return x
+
+    def _attention(
+        self,
+        i: int,  # the layer
+        qkv: np.ndarray,  # (T, q_size + 2 kv_size) on the host, before the bias
+        kv_caches: Sequence[tuple[paddle.Tensor, paddle.Tensor]],
+        meta: AttentionMetadata,
+        positions: np.ndarray,  # (T,) checked
+    ) -> paddle.Tensor:  # (T, nh * d)
+        """Layer ``i``'s attention from its q/k/v projection, by the kernels."""
+        layer = self.weights.layers[i]
+        k_cache, v_cache = kv_caches[i]
+        return self.attention.forward_qkv(
+            qkv,
+            k_cache,
+            v_cache,
+            meta,
+            positions,
+            self._rope,
+            self._windows[i],
+            layer.q_norm,
+            layer.k_norm,
+            self.config.rms_norm_eps,
+            layer.qkv_bias,
+        )
 
     def _decode_layers(
         self,
@@ -350,20 +362,7 @@ class LlamaForCausalLM:
         kernels.add_rms_norm(x_h, views(layers[0].input_norm), eps, h_h)
         for i, layer in enumerate(layers):
             paddle.matmul(h_t, layer.qkv, out=qkv[0])
-            k_cache, v_cache = kv_caches[i]
-            attn = self.attention.forward_qkv(
-                qkv[1],
-                k_cache,
-                v_cache,
-                meta,
-                positions,
-                self._rope,
-                self._windows[i],
-                layer.q_norm,
-                layer.k_norm,
-                eps,
-                layer.qkv_bias,
-            )  # (B, nh * d)
+            attn = self._attention(i, qkv[1], kv_caches, meta, positions)
             paddle.matmul(attn, layer.o, out=out_t)
             norm = views(layer.post_attention_norm)
             kernels.add_rms_norm(x_h, norm, eps, h_h, delta=out_h)

@@ -68,6 +68,21 @@ def peer_suites(session: nox.Session) -> None:
     session.run("pytest", "peer", *session.posargs)
 
 
+@nox.session(python=PYTHON, name="bench-peers")
+def bench_peers(session: nox.Session) -> None:
+    """structllm (asyncio and trio) side by side with llama.cpp's llama-server.
+
+    Builds llama-server from the llama-cpp-python source distribution,
+    converts the bench checkpoint to GGUF, and runs `structllm bench serve`
+    with every server launched in turn (tools/bench_peers.py; its flags pass
+    through). Writes docs/results/peers_{c16,single}.{json,png}.
+    """
+    _install(session, "plot")
+    # llama.cpp's checkpoint converter
+    session.install("torch==2.13.0", "transformers", "pyyaml", "requests")
+    session.run("python", "tools/bench_peers.py", *session.posargs)
+
+
 @nox.session(python=PYTHON)
 def load(session: nox.Session) -> None:
     """1,000 concurrent streaming clients against `structllm serve` on both loops.

@@ -28,6 +28,7 @@ from structllm.config import EngineConfig
 from structllm.core.engine_core import EngineCore
 from structllm.core.request import CoreRequest
 from structllm.engine.async_llm import AsyncLLM
+from structllm.model.config import tiny_random_config
 
 pytestmark = pytest.mark.anyio
 
@@ -288,6 +289,24 @@ async def test_nothing_left_behind(executor: str) -> None:
             assert engine_threads() == ["structllm-inline-core"]
     assert engine_threads() == []
     assert child_pids() == children
+
+
+async def test_statistics_report_the_cores_memory() -> None:
+    """The KV cache's bytes from its shape; the core's peak RSS from its own
+    ``getrusage``, which a process that loaded Paddle and a model exceeds
+    the cache by far."""
+    c = tiny_random_config()
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+    async with open_llm(executor="process") as llm:
+        await llm.complete("x", GREEDY)
+        await all_blocks_free(llm)
+        stats = llm.statistics()
+        assert stats.kv_cache_bytes == 64 * 16 * per_token
+        status = await anyio.Path(f"/proc/{stats.core_pid}/status").read_text()
+        (hwm,) = [ln for ln in status.splitlines() if ln.startswith("VmHWM:")]
+        kib = int(hwm.split()[1])
+        # the report is the core's peak as of its last idle heartbeat
+        assert 100 * 2**20 < stats.core_peak_rss_bytes <= 1024 * kib
 
 
 async def test_reusing_an_id_at_once_never_mixes_requests() -> None:

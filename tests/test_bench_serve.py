@@ -45,6 +45,8 @@ class FakeServer:
     tokens_per_chunk: int = 1
     usage: bool = True
     fail: Callable[[int], str | None] = lambda n: None
+    #: what GET /metrics answers (404 when None)
+    metrics: str | None = None
     url: str = ""
     bodies: list[dict[str, Any]] = attrs.Factory(list)
     in_flight: int = 0
@@ -70,6 +72,11 @@ class FakeServer:
         body = json.loads(await reader.receive_exactly(n)) if n else {}
         if (method, path) == ("GET", "/v1/models"):
             await self._send_json(stream, 200, {"data": [{"id": "fake-model"}]})
+            return
+        if method == "GET":
+            found = path == "/metrics" and self.metrics is not None
+            text = self.metrics if found else "not found"
+            await self._send(stream, 200 if found else 404, "text/plain", text or "")
             return
         number = len(self.bodies)
         self.bodies.append(body)
@@ -119,13 +126,19 @@ class FakeServer:
     async def _event(stream: anyio.abc.SocketStream, obj: object) -> None:
         await stream.send(f"data: {json.dumps(obj)}\n\n".encode())
 
-    @staticmethod
+    @classmethod
     async def _send_json(
-        stream: anyio.abc.SocketStream, status: int, obj: object
+        cls, stream: anyio.abc.SocketStream, status: int, obj: object
     ) -> None:
-        payload = json.dumps(obj).encode()
+        await cls._send(stream, status, "application/json", json.dumps(obj))
+
+    @staticmethod
+    async def _send(
+        stream: anyio.abc.SocketStream, status: int, kind: str, text: str
+    ) -> None:
+        payload = text.encode()
         await stream.send(
-            f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\n"
+            f"HTTP/1.1 {status} X\r\nContent-Type: {kind}\r\n"
             f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n".encode()
             + payload
         )

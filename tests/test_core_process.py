@@ -139,7 +139,11 @@ def test_start_serve_refuse_abort_and_shut_down() -> None:
 
         # idle: heartbeats keep coming
         beat = peer.until(lambda m: isinstance(m, Heartbeat))[-1]
-        assert beat == Heartbeat(0, 0, 0)
+        assert isinstance(beat, Heartbeat)
+        assert (beat.num_running, beat.num_waiting, beat.blocks_used) == (0, 0, 0)
+        # the process's own peak memory: Paddle and the model at least
+        assert beat.peak_rss_bytes >= ready.peak_rss_bytes > 100 * 2**20
+        assert ready.kv_cache_bytes > 0
 
         peer.send(Shutdown())
         with pytest.raises(AssertionError, match="closed"):

@@ -6,6 +6,7 @@ one per --loop value, shared by the tests of this module.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -427,6 +429,36 @@ def test_health_is_503_while_loading_then_200(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
         proc.stdout.close()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_engine_that_cannot_start_stops_the_server_cleanly(loop: str) -> None:
+    """A client polling over a kept-alive connection while the engine fails
+    to start: exit 1 with the reason, and no traceback from the HTTP server
+    (it was once cancelled mid-way through closing such connections)."""
+    cmd = [sys.executable, "-m", "structllm.cli", "serve", "tiny", "--port", "0"]
+    cmd += ["--loop", loop, "--num-blocks", "4"]  # fewer than one sequence needs
+    with tempfile.TemporaryFile("w+") as stderr:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        try:
+            assert proc.stdout is not None
+            url = re.search(r"listening on (http://\S+)", proc.stdout.readline())
+            assert url is not None
+            deadline = time.monotonic() + 60
+            with httpx.Client(base_url=url.group(1)) as http:
+                while proc.poll() is None and time.monotonic() < deadline:
+                    with contextlib.suppress(httpx.TransportError):
+                        assert http.get("/health").status_code == 503
+            out = proc.communicate(timeout=30)[0]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        stderr.seek(0)
+        err = stderr.read()
+    assert proc.returncode == 1
+    assert "the engine failed to start" in err and "num_blocks" in err
+    assert "Traceback" not in err and "Error" not in out
 
 
 def test_graceful_shutdown_exits_zero() -> None:

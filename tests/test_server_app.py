@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -195,6 +196,12 @@ async def test_models_health_and_metrics() -> None:
         assert await s.metric("structllm_generation_tokens_total") == 3
         assert await s.metric("structllm_e2e_request_latency_seconds_count") == 1
         assert await s.metric("structllm_engine_healthy") == 1
+        assert s.slot.llm is not None
+        stats = s.slot.llm.statistics()
+        assert await s.metric("structllm_kv_cache_bytes") == stats.kv_cache_bytes > 0
+        assert await s.metric("structllm_engine_core_peak_rss_bytes") > 0
+        if sys.platform == "linux":  # the server process's own
+            assert await s.metric("process_resident_memory_bytes") > 0
         assert "_created" not in r.text
 
 

@@ -6,6 +6,8 @@ test checks what a Prometheus server would read, not string details.
 
 from __future__ import annotations
 
+import sys
+
 import prometheus_client
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -48,6 +50,11 @@ def test_families_and_types() -> None:
     m = Metrics(lambda: GAUGES)
     families = {f.name: f.type for f in text_string_to_metric_families(m.render())}
     p = "structllm_"
+    # the server process's own, where /proc has them
+    process = {k: families.pop(k) for k in list(families) if k.startswith("process_")}
+    if sys.platform == "linux":
+        assert process["process_resident_memory_bytes"] == "gauge"
+        assert process["process_cpu_seconds"] == "counter"
     assert families == {
         p + "num_requests_running": "gauge",
         p + "kv_cache_usage_perc": "gauge",

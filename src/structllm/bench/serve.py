@@ -210,6 +210,47 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", default=None, metavar="PATH", help="write the results")
     p.add_argument("--plot", default=None, metavar="PATH.png", help="draw a figure")
+    g = p.add_argument_group(
+        "comparing servers",
+        "The same workload against several servers, one at a time, in one table "
+        "(instead of --url); see docs/benchmarks.md.",
+    )
+    g.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="a running server to compare (repeatable)",
+    )
+    g.add_argument(
+        "--launch",
+        action="append",
+        default=[],
+        metavar="NAME=COMMAND",
+        help="a server command line to start for each run and stop after it, "
+        "{port} replaced by a free port (repeatable); its processes' memory is "
+        "measured",
+    )
+    g.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of every target, rotating who goes first (round r: seed + r)",
+    )
+    g.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        metavar="N",
+        help="short requests, not measured, before each run",
+    )
+    g.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds a launched server may take to list its model",
+    )
 
 
 # -- workload: pure and seeded ------------------------------------------------
@@ -323,6 +364,10 @@ def run_serve(ns: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if ns.server or ns.launch:
+        from structllm.bench.serve_compare import run_compare
+
+        return run_compare(ns, config)
     rate = "inf" if math.isinf(config.request_rate) else f"{config.request_rate:g}"
     print(
         f"{config.num_prompts} requests to {config.url}{config.endpoint} at "

@@ -160,6 +160,8 @@ class EngineCore:
                 else "kv_cache_memory",
             )
         self.pool = BlockPool(num_blocks, config.block_size)
+        #: the KV cache's bytes, over every layer and every rank's heads
+        self.kv_cache_bytes = loaded.model.kv_cache_bytes_per_block() * num_blocks * tp
         try:
             scheduler_config = SchedulerConfig(
                 max_model_len=self.max_model_len,

@@ -101,6 +101,9 @@ class CoreClient:
     restarts: int = 0
     counts: Heartbeat = attrs.Factory(Heartbeat)
     total_preemptions: int = 0
+    #: the running core's peak resident memory, from its handshake and its
+    #: idle heartbeats (so current after a burst of work has ended)
+    peak_rss_bytes: int = 0
     #: prefix-cache (queries, hits) over every core, and the running core's
     prefix_cache: tuple[int, int] = (0, 0)
     _core_prefix_cache: tuple[int, int] = (0, 0)
@@ -181,6 +184,8 @@ class CoreClient:
             ready=client.ready,
             dead=client.dead is not None,
             core_pid=None if info is None else info.pid,
+            kv_cache_bytes=0 if info is None else info.kv_cache_bytes,
+            core_peak_rss_bytes=client.peak_rss_bytes,
             silent_for=silent,
             healthy=healthy,
             prefix_cache_queries=client.prefix_cache[0],
@@ -241,6 +246,7 @@ class CoreClient:
                         show_progress=self.config.show_progress,
                     )
                     self.last_heard = anyio.current_time()
+                    self.peak_rss_bytes = self.info.peak_rss_bytes
                     send, receive = anyio.create_memory_object_stream[bytes](math.inf)
                     self._outgoing = send
                     self.ready = True
@@ -352,6 +358,7 @@ class CoreClient:
                 self.events.on_statistics()
             elif isinstance(msg, Heartbeat):
                 self.counts = msg
+                self.peak_rss_bytes = max(self.peak_rss_bytes, msg.peak_rss_bytes)
                 self.events.on_statistics()
             elif isinstance(msg, AddFailed):
                 self.events.on_add_failed(msg)

@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import functools
 import os
+import resource
 import select
 import signal
 import socket
@@ -204,6 +205,8 @@ def _load(start: Start, send: Send, group: RankGroup | None) -> EngineCore | Non
             block_size=core.pool.block_size,
             eos_token_ids=list(core.model_config.eos_token_ids),
             pid=os.getpid(),
+            kv_cache_bytes=core.kv_cache_bytes,
+            peak_rss_bytes=peak_rss_bytes(),
         )
     )
     return core
@@ -303,7 +306,24 @@ def _add(core: EngineCore, request: CoreRequest, send: Send) -> None:
 
 def _heartbeat(core: EngineCore) -> Heartbeat:
     s = core.scheduler
-    return Heartbeat(len(s.running), len(s.waiting), core.pool.num_used)
+    return Heartbeat(
+        len(s.running), len(s.waiting), core.pool.num_used, peak_rss_bytes()
+    )
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory.
+
+    Linux's ``VmHWM``, of this program's memory only: ``getrusage``'s
+    ``ru_maxrss`` would also count the parent's, which a fork had shared
+    before the exec. Elsewhere ``ru_maxrss`` (macOS counts it in bytes).
+    """
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/status") as f:
+            line = next(ln for ln in f if ln.startswith("VmHWM:"))
+        return 1024 * int(line.split()[1])  # "VmHWM:  437320 kB"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else 1024 * peak
 
 
 def _inject(kind: str, step: int) -> None:

@@ -98,6 +98,10 @@ class Ready(msgspec.Struct, tag=True):
     block_size: int
     eos_token_ids: list[int]
     pid: int
+    #: the KV cache's size in bytes, every layer and rank
+    kv_cache_bytes: int = 0
+    #: the core process's peak resident memory so far (model and cache loaded)
+    peak_rss_bytes: int = 0
 
 
 class AddFailed(msgspec.Struct, tag=True):
@@ -112,6 +116,8 @@ class Heartbeat(msgspec.Struct, tag=True):
     num_running: int = 0
     num_waiting: int = 0
     blocks_used: int = 0
+    #: the core process's peak resident memory so far (0: unknown)
+    peak_rss_bytes: int = 0
 
 
 class Fatal(msgspec.Struct, tag=True):

@@ -293,6 +293,8 @@ class ReplicaSet:
             waiting=sum(s.waiting for s in each),
             blocks_used=sum(s.blocks_used for s in each),
             num_blocks=sum(s.num_blocks for s in each),
+            kv_cache_bytes=sum(s.kv_cache_bytes for s in each),
+            core_peak_rss_bytes=sum(s.core_peak_rss_bytes for s in each),
             total_preemptions=sum(s.total_preemptions for s in each),
             restarts=sum(s.restarts for s in each),
             ready=any(s.ready for s in each),

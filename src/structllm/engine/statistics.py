@@ -25,6 +25,12 @@ class EngineStatistics:
     #: the pid of the core process (this process's, for the inline executor;
     #: replica 0's with data parallelism: see ``replicas``)
     core_pid: int | None
+    #: the KV cache's size in bytes (0 before a core is up)
+    kv_cache_bytes: int = 0
+    #: the core process's peak resident memory in bytes, as of its latest
+    #: idle heartbeat (model, KV cache, buffers); with tensor parallelism,
+    #: rank 0's process only. 0 before a core is up.
+    core_peak_rss_bytes: int = 0
     #: seconds since the core was last heard from (None: no core)
     silent_for: float | None = None
     #: ready, not dead, and heard from within the health timeout

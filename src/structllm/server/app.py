@@ -122,6 +122,11 @@ def _gauges(slot: EngineSlot) -> Gauges:
                 s.restarts,
             ),
             "engine_healthy": ("1 when the engine serves, else 0.", float(s.healthy)),
+            "kv_cache_bytes": ("Bytes of the KV cache.", s.kv_cache_bytes),
+            "engine_core_peak_rss_bytes": (
+                "Peak resident memory of the engine core process(es), in bytes.",
+                s.core_peak_rss_bytes,
+            ),
             "prefix_cache_queries_total": (
                 "Prompt tokens looked up in the prefix cache.",
                 s.prefix_cache_queries,

@@ -4,8 +4,9 @@ Each server builds its own :class:`Metrics` with a fresh
 ``CollectorRegistry`` (never the process-global one, so two servers, or
 tests, in one process do not share counts). Latency histograms and token
 counters are updated as requests run; the engine gauges are sampled from
-``gauges()`` at scrape time by a collector. ``render()`` is the text
-exposition for ``GET /metrics``.
+``gauges()`` at scrape time by a collector, and the server process's own
+(``process_resident_memory_bytes``, CPU seconds, ...) by prometheus-client's
+process collector. ``render()`` is the text exposition for ``GET /metrics``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
+    ProcessCollector,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -116,6 +118,9 @@ class Metrics:
             f"{p}_generation_tokens_total", "Generated tokens.", registry=r
         )
         r.register(_GaugeCollector(self.gauges, p))
+        # this (the server's) process: process_resident_memory_bytes, CPU
+        # seconds, open fds, as Prometheus' clients name them (Linux only)
+        ProcessCollector(registry=r)
 
     def record_finished(self, result: RequestOutput, e2e: float) -> None:
         """Count one finished request (``e2e``: seconds since it arrived)."""

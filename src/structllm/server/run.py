@@ -153,6 +153,11 @@ async def _serve(
                 print(f"structllm: the engine failed to start: {exc}", file=sys.stderr)
                 status = 1
                 shutdown.set()
+            # hypercorn closes its open connections (clients polling /health
+            # while the model loaded) itself; cancelling it mid-way would
+            # leave its asyncio tasks to log tracebacks
+            with anyio.move_on_after(config.graceful_timeout + 1.0):
+                await served.wait()
             tg.cancel_scope.cancel()
     finally:
         if sock.fileno() != -1:

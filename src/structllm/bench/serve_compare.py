@@ -1,0 +1,425 @@
+"""``structllm bench serve --server/--launch``: one workload, several servers.
+
+Each target gets the same workload (:class:`~structllm.bench.serve.ServeConfig`
+with its url, and its model unless ``--model`` names one), one target at a
+time, in ``--rounds`` rounds. Round ``r`` (from 0) sends the workload of
+seed ``seed + r`` to every target, starting with target ``r mod n``: a
+slow drift of the machine's speed then falls on every target alike, and no
+server sees a prompt twice (a prefix cache would make a repeat cheap).
+Before each run a target gets ``--warmup`` short requests that are not
+counted. A launched target is started for its run and stopped after it
+(:mod:`structllm.bench.serve_targets`, which also measures memory).
+
+The table gives, per target, each figure's median over the rounds, then the
+ratios to the first target: in each round a figure over the first target's
+in that round, the median of those. ``--json`` writes::
+
+    {"config":  ServeConfig fields but url and model (they are per run),
+     "rounds":  R,
+     "targets": [{"name", "url", "command"}],
+     "runs":    [{"target", "round", "url", "model", "seed", "summary",
+                  "memory", "requests"}],
+     "median":  {target: {figure: value}},
+     "ratio":   {target: {figure: ratio to the first target}}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import attrs
+import httpx
+import numpy as np
+
+from structllm.bench.serve import (
+    ServeConfig,
+    make_requests,
+    request_body,
+    run_benchmark,
+)
+from structllm.bench.serve_client import (
+    Progress,
+    discover_model,
+    open_client,
+    stream_request,
+)
+from structllm.bench.serve_results import BenchmarkResult
+from structllm.bench.serve_targets import (
+    LaunchError,
+    MemoryReport,
+    Target,
+    open_target,
+)
+
+__all__ = [
+    "FIGURES",
+    "Comparison",
+    "Run",
+    "plot_comparison",
+    "run_compare",
+    "run_comparison",
+]
+
+_MIB = 2**20
+
+#: figure -> (label, compared): what the table shows, in its order; ratios
+#: only for the compared ones
+FIGURES: dict[str, tuple[str, bool]] = {
+    "completed": ("Successful requests", False),
+    "failed": ("Failed requests", False),
+    "request_throughput": ("Request throughput (req/s)", True),
+    "output_throughput": ("Output token throughput (tok/s)", True),
+    "median_ttft_ms": ("Median TTFT (ms)", True),
+    "p99_ttft_ms": ("P99 TTFT (ms)", True),
+    "median_tpot_ms": ("Median TPOT (ms)", True),
+    "p99_tpot_ms": ("P99 TPOT (ms)", True),
+    "median_itl_ms": ("Median ITL (ms)", True),
+    "p99_itl_ms": ("P99 ITL (ms)", True),
+    "median_e2el_ms": ("Median E2EL (ms)", True),
+    "peak_rss_mib": ("Peak RSS, its processes (MiB)", True),
+    "rss_mib": ("RSS after the run (MiB)", True),
+    "engine_core_peak_rss_mib": ("Engine core peak RSS (MiB)", True),
+    "kv_cache_mib": ("KV cache (MiB)", True),
+}
+
+
+def _mib(value: float | None) -> float | None:
+    return None if value is None else value / _MIB
+
+
+@attrs.frozen
+class Run:
+    """One target's run in one round."""
+
+    target: str
+    round: int
+    result: BenchmarkResult
+    memory: MemoryReport
+
+    def figures(self) -> dict[str, float | None]:
+        s, m = self.result.summary.to_json(), self.memory
+        out: dict[str, float | None] = {k: s[k] for k in FIGURES if k in s}
+        out["peak_rss_mib"] = _mib(m.peak_rss_bytes)
+        out["rss_mib"] = _mib(m.rss_bytes)
+        out["engine_core_peak_rss_mib"] = _mib(m.engine_core_peak_rss_bytes)
+        out["kv_cache_mib"] = _mib(m.kv_cache_bytes)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        c = self.result.config
+        return {
+            "target": self.target,
+            "round": self.round,
+            "url": c.url,
+            "model": c.model,
+            "seed": c.seed,
+            "summary": self.result.summary.to_json(),
+            "memory": self.memory.to_json(),
+            "requests": [r.to_json() for r in self.result.requests],
+        }
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+@attrs.frozen
+class Comparison:
+    """Every run of every target; the table's figures are computed from them."""
+
+    targets: tuple[Target, ...]
+    rounds: int
+    runs: tuple[Run, ...]
+
+    def runs_of(self, name: str) -> list[Run]:
+        return [r for r in self.runs if r.target == name]
+
+    def median(self) -> dict[str, dict[str, float | None]]:
+        """Each target's figures, the median over its rounds."""
+        out = {}
+        for t in self.targets:
+            each = [r.figures() for r in self.runs_of(t.name)]
+            out[t.name] = {k: _median([f[k] for f in each]) for k in FIGURES}
+        return out
+
+    def ratio(self) -> dict[str, dict[str, float | None]]:
+        """Each compared figure over the first target's in the same round,
+        the median over the rounds (None where either is unknown or 0)."""
+        base = {r.round: r.figures() for r in self.runs_of(self.targets[0].name)}
+        out = {}
+        for t in self.targets:
+            per_round: dict[str, list[float | None]] = {}
+            for run in self.runs_of(t.name):
+                mine, theirs = run.figures(), base.get(run.round, {})
+                for k, (_, compared) in FIGURES.items():
+                    a, b = mine.get(k), theirs.get(k)
+                    if compared:
+                        q = a / b if a is not None and b else None
+                        per_round.setdefault(k, []).append(q)
+            out[t.name] = {k: _median(v) for k, v in per_round.items()}
+        return out
+
+    def format(self) -> str:
+        names = [t.name for t in self.targets]
+        width = max(10, *(len(n) for n in names)) + 2
+        label_width = max(len(label) for label, _ in FIGURES.values()) + 2
+        rule = "=" * (label_width + width * len(names))
+        median, ratio = self.median(), self.ratio()
+        head = " ".join(f"{n:>{width - 1}}" for n in names)
+
+        def table(title: str, rows: list[tuple[str, list[str]]]) -> list[str]:
+            lines = [f"{f' {title} ':=^{len(rule)}}", f"{'':<{label_width}}{head}"]
+            for label, cells in rows:
+                lines.append(
+                    f"{label:<{label_width}}" + "".join(f"{c:>{width}}" for c in cells)
+                )
+            return lines
+
+        def cell(value: float | None, key: str) -> str:
+            if value is None:
+                return "n/a"
+            return f"{value:.0f}" if key in ("completed", "failed") else f"{value:.2f}"
+
+        values = [
+            (label, [cell(median[n][k], k) for n in names])
+            for k, (label, _) in FIGURES.items()
+        ]
+        ratios = [
+            (
+                label,
+                [
+                    "n/a" if (v := ratio[n].get(k)) is None else f"{v:.2f}x"
+                    for n in names
+                ],
+            )
+            for k, (label, compared) in FIGURES.items()
+            if compared
+        ]
+        rounds = "1 round" if self.rounds == 1 else f"median of {self.rounds} rounds"
+        return "\n".join(
+            [
+                *table(f"Serving Benchmark Comparison ({rounds})", values),
+                *table(f"Ratio to {names[0]} (median of per-round ratios)", ratios),
+                rule,
+            ]
+        )
+
+    def to_json(self, config: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "config": {k: v for k, v in config.items() if k not in ("url", "model")},
+            "rounds": self.rounds,
+            "targets": [t.to_json() for t in self.targets],
+            "runs": [r.to_json() for r in self.runs],
+            "median": self.median(),
+            "ratio": self.ratio(),
+        }
+
+
+# -- running --------------------------------------------------------------------
+
+
+async def _warm_up(
+    client: httpx.AsyncClient, config: ServeConfig, model: str, count: int
+) -> str | None:
+    """``count`` short requests (prompts of their own seed), not measured;
+    the first error, if any."""
+    warm = attrs.evolve(config, num_prompts=count, seed=config.seed + 2**31)
+    for spec in make_requests(warm):
+        body = request_body(attrs.evolve(spec, max_tokens=4), config, model)
+        seen = Progress()
+        await stream_request(client, config.url + config.endpoint, body, 0.0, seen)
+        if seen.error is not None:
+            return seen.error
+    return None
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+async def run_comparison(
+    config: ServeConfig,
+    targets: Sequence[Target],
+    *,
+    rounds: int = 1,
+    warmup: int = 1,
+    startup_timeout: float = 600.0,
+    log: Callable[[str], None] = _log,
+) -> Comparison:
+    """Run ``config``'s workload against every target, ``rounds`` times.
+
+    Request failures are counted in the runs; a launched target that does
+    not come up raises :class:`~structllm.bench.serve_targets.LaunchError`.
+    """
+    if not targets or len({t.name for t in targets}) != len(targets):
+        raise ValueError(f"targets need distinct names: {[t.name for t in targets]}")
+    runs: list[Run] = []
+    n = len(targets)
+    async with open_client() as client:
+        for r in range(rounds):
+            order = [*targets[r % n :], *targets[: r % n]]
+            for target in order:
+                where = target.url or target.command
+                log(f"round {r + 1}/{rounds}: {target.name} ({where})")
+                started = time.perf_counter()
+                async with open_target(
+                    target, client, startup_timeout=startup_timeout
+                ) as up:
+                    cfg = attrs.evolve(config, url=up.url, seed=config.seed + r)
+                    model = cfg.model or await discover_model(client, up.url)
+                    cfg = attrs.evolve(cfg, model=model)
+                    if warmup and (error := await _warm_up(client, cfg, model, warmup)):
+                        log(f"  warm-up request failed: {error}")
+                    result = await run_benchmark(cfg)
+                    memory = await up.memory(client)
+                s = result.summary
+                log(
+                    f"  {s.completed} ok, {s.failed} failed, "
+                    f"{s.output_throughput:.1f} output tok/s "
+                    f"({time.perf_counter() - started:.0f} s with start and stop)"
+                )
+                runs.append(Run(target.name, r, result, memory))
+    return Comparison(tuple(targets), rounds, tuple(runs))
+
+
+# -- the command ----------------------------------------------------------------
+
+
+def _targets(ns: argparse.Namespace) -> list[Target]:
+    targets = [Target.parse(t, launch=False) for t in ns.server]
+    targets += [Target.parse(t, launch=True) for t in ns.launch]
+    if ns.url != ServeConfig().url:
+        raise ValueError("--url is one server; name each with --server NAME=URL")
+    for flag, value, low in (
+        ("--rounds", ns.rounds, 1),
+        ("--warmup", ns.warmup, 0),
+        ("--startup-timeout", ns.startup_timeout, 0),
+    ):
+        if not value >= low or (flag == "--startup-timeout" and value == 0):
+            raise ValueError(f"{flag} must be at least {low}: {value}")
+    return targets
+
+
+def run_compare(ns: argparse.Namespace, config: ServeConfig) -> int:
+    """``bench serve`` with ``--server``/``--launch``: print the table, write
+    ``--json`` and ``--plot``; 0 when every run completed a request."""
+    try:
+        targets = _targets(ns)
+        if len({t.name for t in targets}) != len(targets):
+            raise ValueError(
+                f"targets need distinct names: {[t.name for t in targets]}"
+            )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    rate = "inf" if math.isinf(config.request_rate) else f"{config.request_rate:g}"
+    _log(
+        f"{len(targets)} servers, {ns.rounds} round(s) of {config.num_prompts} "
+        f"requests to {config.endpoint} at {rate} req/s, max concurrency "
+        f"{config.max_concurrency or 'unbounded'}"
+    )
+    try:
+        comparison = anyio.run(
+            functools.partial(
+                run_comparison,
+                config,
+                targets,
+                rounds=ns.rounds,
+                warmup=ns.warmup,
+                startup_timeout=ns.startup_timeout,
+            ),
+            backend="asyncio",
+        )
+    except (LaunchError, httpx.HTTPError, ValueError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(comparison.format())
+    if ns.json:
+        Path(ns.json).write_text(
+            json.dumps(comparison.to_json(config.to_json()), indent=2)
+        )
+    if ns.plot:
+        plot_comparison(comparison, ns.plot)
+    return 0 if all(r.result.summary.completed for r in comparison.runs) else 1
+
+
+# -- the figure -----------------------------------------------------------------
+
+
+def plot_comparison(comparison: Comparison, path: str | Path) -> None:
+    """Throughput per target and round, TTFT and ITL CDFs, memory; one PNG."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names = [t.name for t in comparison.targets]
+    fig = Figure(figsize=(13, 9), layout="constrained")
+    FigureCanvasAgg(fig)
+    (ax_tput, ax_ttft), (ax_itl, ax_mem) = fig.subplots(2, 2)
+    fig.suptitle(
+        f"{len(names)} servers, {comparison.rounds} round(s), one at a time "
+        "(bars: median over rounds; dots: each round)"
+    )
+    median = comparison.median()
+    x = np.arange(len(names))
+    ax_tput.bar(x, [median[n]["output_throughput"] or 0 for n in names], alpha=0.7)
+    for i, n in enumerate(names):
+        ys = [r.result.summary.output_throughput for r in comparison.runs_of(n)]
+        ax_tput.scatter([i] * len(ys), ys, color="black", s=12, zorder=3)
+    ax_tput.set_xticks(x, names)
+    ax_tput.set_ylabel("output tok/s")
+    ax_tput.set_title("Output token throughput")
+
+    for ax, title, values_of in (
+        (ax_ttft, "Time to first token (CDF)", _ttfts),
+        (ax_itl, "Inter-token latency (CDF)", _itls),
+    ):
+        for n in names:
+            v = np.sort([y for r in comparison.runs_of(n) for y in values_of(r)])
+            v = v[v > 0]
+            if v.size:
+                ax.step(v, np.arange(1, v.size + 1) / v.size, label=n)
+        ax.set_title(title)
+        ax.set_xlabel("ms (log scale)")
+        ax.set_ylabel("fraction of samples")
+        if ax.lines:
+            ax.set_xscale("log")
+            ax.legend(loc="lower right")
+        ax.grid(True, which="both", alpha=0.3)
+
+    kinds = [
+        ("peak_rss_mib", "peak RSS, its processes"),
+        ("engine_core_peak_rss_mib", "engine core peak RSS"),
+        ("kv_cache_mib", "KV cache"),
+    ]
+    w = 0.8 / len(kinds)
+    for j, (key, label) in enumerate(kinds):
+        known = [median[n][key] for n in names]
+        if any(y is not None for y in known):
+            heights = [0.0 if y is None else y for y in known]
+            ax_mem.bar(x + (j - 1) * w, heights, w, label=label)
+    ax_mem.set_xticks(x, names)
+    ax_mem.set_ylabel("MiB")
+    ax_mem.set_title("Memory (n/a: not measured)")
+    if ax_mem.patches:
+        ax_mem.legend(loc="upper right")
+    fig.savefig(path, dpi=100)
+
+
+def _ttfts(run: Run) -> list[float]:
+    ok = (r for r in run.result.requests if r.success)
+    return [1e3 * t for r in ok if (t := r.ttft) is not None]
+
+
+def _itls(run: Run) -> list[float]:
+    return [1e3 * x for r in run.result.requests if r.success for x in r.itl]

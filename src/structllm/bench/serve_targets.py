@@ -1,0 +1,312 @@
+"""The servers ``structllm bench serve`` compares: running ones and launched ones.
+
+A target is ``NAME=URL`` (``--server``: a server already running) or
+``NAME=COMMAND`` (``--launch``: the benchmark starts it, one at a time).
+A launched command is split like a shell line (no shell runs it) and
+``{port}`` in it becomes a free port on 127.0.0.1; its output goes to a log
+file, whose tail is shown if it fails to start. It counts as up once
+``GET /v1/models`` lists a model. It is stopped with SIGTERM (SIGKILL to its
+whole session after a grace period) before the next target starts.
+
+Memory, measured after each run:
+
+- of a launched server, every process of its tree (the command and its
+  descendants) from ``/proc``: each one's peak (``VmHWM``) and current
+  (``VmRSS``) resident memory; so llama.cpp and structllm's core process are
+  measured the same way. Linux only; elsewhere the figures are absent.
+- of any server, what its ``/metrics`` says: structllm's
+  ``structllm_kv_cache_bytes`` and ``structllm_engine_core_peak_rss_bytes``,
+  and the ``process_resident_memory_bytes`` that Prometheus clients export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import IO, Any
+
+import anyio
+import anyio.abc
+import attrs
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+__all__ = [
+    "LaunchError",
+    "MemoryReport",
+    "ProcessMemory",
+    "Target",
+    "open_target",
+    "process_tree",
+    "scrape_memory",
+    "tree_memory",
+]
+
+#: the /metrics samples read into :class:`MemoryReport`, and their fields
+_SCRAPED = {
+    "structllm_kv_cache_bytes": "kv_cache_bytes",
+    "structllm_engine_core_peak_rss_bytes": "engine_core_peak_rss_bytes",
+    "process_resident_memory_bytes": "server_rss_bytes",
+}
+
+
+class LaunchError(Exception):
+    """A launched server exited, or did not come up in time."""
+
+
+def _check_name(self: Target, attribute: attrs.Attribute[str], name: str) -> None:
+    if not name or name != name.strip():
+        raise ValueError(f"a target needs a name: NAME=URL or NAME=COMMAND, {name!r}")
+
+
+@attrs.frozen
+class Target:
+    """A server to benchmark: at ``url``, or started by ``command``."""
+
+    name: str = attrs.field(validator=_check_name)
+    url: str | None = None
+    command: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if (self.url is None) == (self.command is None):
+            raise ValueError(f"target {self.name!r} needs a url or a command, not both")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"target {self.name!r}: {self.url!r} is not an http URL")
+        if self.command is not None:
+            if "{port}" not in self.command:
+                raise ValueError(
+                    f"target {self.name!r}: the command must contain {{port}}, where "
+                    "the benchmark puts the port it listens on"
+                )
+            shlex.split(self.command)  # ValueError on unbalanced quotes
+
+    @classmethod
+    def parse(cls, text: str, *, launch: bool) -> Target:
+        """``NAME=URL`` (``launch=False``) or ``NAME=COMMAND``."""
+        name, sep, value = text.partition("=")
+        if not sep or not value.strip():
+            what = "COMMAND" if launch else "URL"
+            raise ValueError(f"expected NAME={what}, got {text!r}")
+        if launch:
+            return cls(name, command=value.strip())
+        return cls(name, url=value.strip().rstrip("/"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "url": self.url, "command": self.command}
+
+
+@attrs.frozen
+class ProcessMemory:
+    pid: int
+    name: str  # the kernel's short name (/proc/PID/comm)
+    peak_rss_bytes: int  # VmHWM
+    rss_bytes: int  # VmRSS when read
+
+
+@attrs.frozen
+class MemoryReport:
+    """A server's memory after a run; ``None`` where it could not be known."""
+
+    #: a launched server's processes (empty for a running one, or off Linux)
+    processes: tuple[ProcessMemory, ...] = ()
+    kv_cache_bytes: float | None = None
+    engine_core_peak_rss_bytes: float | None = None
+    server_rss_bytes: float | None = None
+
+    @property
+    def peak_rss_bytes(self) -> int | None:
+        """The sum of the processes' peaks: at least the tree's peak."""
+        return sum(p.peak_rss_bytes for p in self.processes) or None
+
+    @property
+    def rss_bytes(self) -> int | None:
+        return sum(p.rss_bytes for p in self.processes) or None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "rss_bytes": self.rss_bytes,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "engine_core_peak_rss_bytes": self.engine_core_peak_rss_bytes,
+            "server_rss_bytes": self.server_rss_bytes,
+            "processes": [attrs.asdict(p) for p in self.processes],
+        }
+
+
+# -- memory -------------------------------------------------------------------
+
+
+def process_tree(pid: int, proc: Path = Path("/proc")) -> list[int]:
+    """``pid`` and its living descendants, parents first (empty if it is gone)."""
+    children: dict[int, list[int]] = {}
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # exited while we looked
+            continue
+        # "PID (COMM) STATE PPID ...": COMM may hold spaces and parentheses
+        ppid = int(text[text.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    if not (proc / str(pid)).exists():
+        return []
+    order, i = [pid], 0
+    while i < len(order):
+        order += sorted(children.get(order[i], ()))
+        i += 1
+    return order
+
+
+def _status(pid: int, proc: Path) -> ProcessMemory | None:
+    try:
+        lines = (proc / str(pid) / "status").read_text().splitlines()
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)
+
+    def kib(key: str) -> int:  # "  1234 kB"; absent for a zombie
+        return 1024 * int(fields.get(key, "0 kB").split()[0])
+
+    return ProcessMemory(
+        pid, fields.get("Name", "?").strip(), kib("VmHWM"), kib("VmRSS")
+    )
+
+
+def tree_memory(pid: int, proc: Path = Path("/proc")) -> tuple[ProcessMemory, ...]:
+    """Every living process of ``pid``'s tree, with its peak and current RSS."""
+    if not proc.is_dir():
+        return ()
+    found = (_status(p, proc) for p in process_tree(pid, proc))
+    return tuple(m for m in found if m is not None)
+
+
+def _scraped(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in _SCRAPED:
+                    out[_SCRAPED[sample.name]] = sample.value
+    except (ValueError, IndexError):  # not Prometheus text
+        return {}
+    return out
+
+
+async def scrape_memory(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """The memory figures ``GET {url}/metrics`` gives (none if it has none)."""
+    try:
+        resp = await client.get(f"{url}/metrics")
+    except httpx.HTTPError:
+        return {}
+    return _scraped(resp.text) if resp.status_code == 200 else {}
+
+
+# -- launching ------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _tail(log: IO[bytes], lines: int = 20) -> str:
+    log.flush()
+    log.seek(0)
+    return "\n".join(log.read().decode(errors="replace").splitlines()[-lines:])
+
+
+async def _wait_up(
+    client: httpx.AsyncClient, url: str, process: anyio.abc.Process
+) -> None:
+    """Poll ``GET /v1/models`` until it lists a model; raise if the process exits."""
+    while True:
+        if process.returncode is not None:
+            raise LaunchError(f"exited with code {process.returncode} before serving")
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            resp = await client.get(f"{url}/v1/models", timeout=5.0)
+            if resp.status_code == 200 and resp.json().get("data"):
+                return
+        await anyio.sleep(0.2)
+
+
+def _kill_session(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+async def _stop(process: anyio.abc.Process, grace: float) -> None:
+    """SIGTERM, then SIGKILL to the whole session; shielded, it always runs."""
+    with anyio.CancelScope(shield=True):
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.terminate()
+            with anyio.move_on_after(grace):
+                await process.wait()
+        _kill_session(process.pid)  # stragglers of the tree, and a hung leader
+        with anyio.move_on_after(10.0):
+            await process.wait()
+
+
+@attrs.frozen
+class Running:
+    """A target that is up: where to send, and its process when launched."""
+
+    target: Target
+    url: str
+    process: anyio.abc.Process | None = None
+
+    async def memory(self, client: httpx.AsyncClient) -> MemoryReport:
+        processes = () if self.process is None else tree_memory(self.process.pid)
+        scraped = await scrape_memory(client, self.url)
+        return MemoryReport(processes, **scraped)
+
+
+@contextlib.asynccontextmanager
+async def open_target(
+    target: Target,
+    client: httpx.AsyncClient,
+    *,
+    startup_timeout: float,
+    grace: float = 30.0,
+) -> AsyncIterator[Running]:
+    """``target`` up and serving for the block; a launched one stops after it."""
+    if target.command is None:
+        assert target.url is not None
+        yield Running(target, target.url)
+        return
+    port = _free_port()
+    argv = [a.replace("{port}", str(port)) for a in shlex.split(target.command)]
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryFile(prefix="structllm-bench-") as log:
+        try:
+            process = await anyio.open_process(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its tree can be killed as one
+            )
+        except OSError as exc:
+            raise LaunchError(
+                f"{target.name}: cannot start {argv[0]!r}: {exc}"
+            ) from exc
+        try:
+            try:
+                with anyio.fail_after(startup_timeout):
+                    await _wait_up(client, url, process)
+            except (LaunchError, TimeoutError) as exc:
+                why = str(exc) or f"not serving after {startup_timeout:g} s"
+                raise LaunchError(
+                    f"{target.name}: {why}; the end of its output:\n{_tail(log)}"
+                ) from None
+            yield Running(target, url, process)
+        finally:
+            await _stop(process, grace)

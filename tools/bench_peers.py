@@ -1,0 +1,145 @@
+"""structllm side by side with llama.cpp, on one checkpoint, in one command.
+
+    python tools/bench_peers.py [--work DIR] [--rounds 3] [--threads 2]
+        [--num-prompts 80] [--out docs/results/peers] [--skip llama.cpp]
+
+``nox -s bench-peers`` runs it. llama.cpp is a comparison here, never a
+dependency; the steps:
+
+1. ``pip download`` the source distribution of ``llama-cpp-python``
+   (``--llama-cpp-python``, default 0.3.36) and build its vendored
+   llama.cpp's ``llama-server`` (cmake, ``GGML_NATIVE=ON``, Release).
+2. Write the 27.8M-parameter bench checkpoint (``write_bench_checkpoint``:
+   hidden 512, 8 layers, float32) and convert it with that llama.cpp's
+   ``convert_hf_to_gguf.py --outtype f32`` (it needs torch and
+   transformers). The bench tokenizer is a random byte-level BPE whose
+   pre-tokenizer the converter does not know: it is told "gpt-2".
+3. Two ``structllm bench serve`` comparisons of three launched servers,
+   one at a time, ``--rounds`` rounds: llama.cpp (``-np 16``, its default
+   float16 KV cache), ``structllm serve`` under asyncio, and under trio
+   (float32 KV cache, its default), all with ``--threads`` threads.
+   First 16 concurrent clients (``--num-prompts`` requests), then one
+   stream (10 requests). Each writes ``OUT_c16.json/png`` and
+   ``OUT_single.json/png``.
+
+Every step is skipped when its output is already in ``--work`` (default
+``~/.cache/structllm-peers``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+
+def run(*cmd: str | Path, **kw: object) -> None:
+    print("+", " ".join(map(str, cmd)), flush=True)
+    subprocess.run([str(c) for c in cmd], check=True, **kw)  # type: ignore[call-overload]
+
+
+def build_llama_server(work: Path, version: str) -> Path:
+    source = work / f"llama_cpp_python-{version}"
+    llama = source / "vendor" / "llama.cpp"
+    binary = llama / "build" / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    sdist = work / f"llama_cpp_python-{version}.tar.gz"
+    if not sdist.exists():
+        run(
+            sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+            ":all:", f"llama-cpp-python=={version}", "-d", work,
+        )  # fmt: skip
+    with tarfile.open(sdist) as tar:
+        tar.extractall(work, filter="data")
+    build = llama / "build"
+    run(
+        "cmake", "-S", llama, "-B", build, "-DCMAKE_BUILD_TYPE=Release",
+        "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+    )  # fmt: skip
+    run(
+        "cmake", "--build", build, "--target", "llama-server", "-j", str(os.cpu_count())
+    )
+    return binary
+
+
+def convert(llama: Path, model: Path, gguf: Path) -> None:
+    """``convert_hf_to_gguf.py --outtype f32``, told what the bench tokenizer is."""
+    sys.path[:0] = [str(llama / "gguf-py"), str(llama)]
+    import conversion.base as base  # type: ignore[import-not-found]
+    import conversion.llama as llama_model  # type: ignore[import-not-found]
+
+    # a byte-level BPE (tokenizer.json) with an unknown pre-tokenizer hash
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+    llama_model.LlamaModel.set_vocab = lambda self: self._set_vocab_gpt2()
+    sys.argv = ["convert_hf_to_gguf.py", str(model), "--outtype", "f32"]
+    sys.argv += ["--outfile", str(gguf)]
+    runpy.run_path(str(llama / "convert_hf_to_gguf.py"), run_name="__main__")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    default_work = Path.home() / ".cache" / "structllm-peers"
+    p.add_argument("--work", type=Path, default=default_work)
+    p.add_argument("--llama-cpp-python", default="0.3.36", metavar="VERSION")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--num-prompts", type=int, default=80)
+    p.add_argument("--out", default="docs/results/peers", metavar="PREFIX")
+    p.add_argument(
+        "--skip",
+        action="append",
+        default=[],
+        choices=["llama.cpp", "asyncio", "trio"],
+        help="leave a server out",
+    )
+    ns = p.parse_args()
+    work: Path = ns.work.expanduser()
+    work.mkdir(parents=True, exist_ok=True)
+    model, gguf = work / "bench-model", work / "bench-f32.gguf"
+    if not (model / "model.safetensors").exists():
+        from structllm.bench.model import write_bench_checkpoint
+
+        write_bench_checkpoint(model)
+    t = str(ns.threads)
+    launch: dict[str, str] = {}
+    if "llama.cpp" not in ns.skip:
+        binary = build_llama_server(work, ns.llama_cpp_python)
+        if not gguf.exists():
+            # in a child process: the converter imports torch
+            run(sys.executable, __file__, "--convert", binary, model, gguf)
+        launch["llama.cpp"] = (
+            f"{binary} -m {gguf} -t {t} -tb {t} -np 16 -c 8192 --port {{port}}"
+        )
+    serve = (
+        f"{sys.executable} -m structllm.cli serve {model} --port {{port}} "
+        f"--max-num-seqs 16 --max-model-len 4096 --num-threads {t}"
+    )
+    for loop in ("asyncio", "trio"):
+        if loop not in ns.skip:
+            launch[f"structllm-{loop}"] = f"{serve} --loop {loop}"
+    workload = ["--input-len", "16", "256", "--output-len", "16", "128"]
+    workload += ["--vocab-size", "512", "--seed", "0", "--rounds", str(ns.rounds)]
+    for name, flags in (
+        ("c16", ["--num-prompts", str(ns.num_prompts), "--max-concurrency", "16"]),
+        ("single", ["--num-prompts", "10", "--max-concurrency", "1"]),
+    ):
+        targets = [a for item in launch.items() for a in ("--launch", "=".join(item))]
+        out = f"{ns.out}_{name}"
+        run(
+            sys.executable, "-m", "structllm.cli", "bench", "serve", *targets,
+            *workload, *flags, "--json", f"{out}.json", "--plot", f"{out}.png",
+        )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--convert"]:
+        binary, model, gguf = map(Path, sys.argv[2:5])
+        convert(binary.parents[2], model, gguf)
+        sys.exit(0)
+    sys.exit(main())

@@ -20,7 +20,8 @@ dependency; the steps:
    (float32 KV cache, its default), all with ``--threads`` threads.
    First 16 concurrent clients (``--num-prompts`` requests), then one
    stream (10 requests). Each writes ``OUT_c16.json/png`` and
-   ``OUT_single.json/png``.
+   ``OUT_single.json/png`` (the JSON without its per-request records,
+   which stay in ``--work``).
 
 Every step is skipped when its output is already in ``--work`` (default
 ``~/.cache/structllm-peers``).
@@ -29,6 +30,7 @@ Every step is skipped when its output is already in ``--work`` (default
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import runpy
 import subprocess
@@ -129,12 +131,22 @@ def main() -> int:
         ("single", ["--num-prompts", "10", "--max-concurrency", "1"]),
     ):
         targets = [a for item in launch.items() for a in ("--launch", "=".join(item))]
-        out = f"{ns.out}_{name}"
+        full, out = work / f"peers_{name}.json", f"{ns.out}_{name}"
         run(
             sys.executable, "-m", "structllm.cli", "bench", "serve", *targets,
-            *workload, *flags, "--json", f"{out}.json", "--plot", f"{out}.png",
+            *workload, *flags, "--json", full, "--plot", f"{out}.png",
         )  # fmt: skip
+        write_summary(full, Path(f"{out}.json"))
     return 0
+
+
+def write_summary(full: Path, out: Path) -> None:
+    """The comparison without its per-request records (those stay in ``full``)."""
+    data = json.loads(full.read_text())
+    for run_ in data["runs"]:
+        del run_["requests"]
+    out.write_text(json.dumps(data, indent=2))
+    print(f"wrote {out} (every request: {full})", flush=True)
 
 
 if __name__ == "__main__":

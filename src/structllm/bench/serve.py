@@ -33,6 +33,10 @@ stream with no text, or ``--timeout``; failures are counted, not raised.
 ``--plot PATH.png`` draws the TTFT and e2e histograms, ITL over time and the
 latency CDFs (matplotlib, imported only then).
 
+``--server NAME=URL`` and ``--launch NAME=COMMAND`` (instead of ``--url``)
+send the same workload to several servers, one at a time, and print one
+table with their memory: :mod:`structllm.bench.serve_compare`.
+
 The client is httpx with no connection cap of its own (``--max-concurrency``
 is the only one) and ``trust_env=False``: no proxy sits between the benchmark
 and the server.

@@ -297,17 +297,20 @@ async def run_comparison(
 
 
 def _targets(ns: argparse.Namespace) -> list[Target]:
+    """The targets the flags name; ValueError naming the flag if they cannot work."""
     targets = [Target.parse(t, launch=False) for t in ns.server]
     targets += [Target.parse(t, launch=True) for t in ns.launch]
+    names = [t.name for t in targets]
+    if len(set(names)) != len(names):
+        raise ValueError(f"targets need distinct names: {names}")
     if ns.url != ServeConfig().url:
         raise ValueError("--url is one server; name each with --server NAME=URL")
-    for flag, value, low in (
-        ("--rounds", ns.rounds, 1),
-        ("--warmup", ns.warmup, 0),
-        ("--startup-timeout", ns.startup_timeout, 0),
-    ):
-        if not value >= low or (flag == "--startup-timeout" and value == 0):
-            raise ValueError(f"{flag} must be at least {low}: {value}")
+    if ns.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1: {ns.rounds}")
+    if ns.warmup < 0:
+        raise ValueError(f"--warmup must be at least 0: {ns.warmup}")
+    if not ns.startup_timeout > 0:
+        raise ValueError(f"--startup-timeout must be positive: {ns.startup_timeout}")
     return targets
 
 
@@ -316,10 +319,6 @@ def run_compare(ns: argparse.Namespace, config: ServeConfig) -> int:
     ``--json`` and ``--plot``; 0 when every run completed a request."""
     try:
         targets = _targets(ns)
-        if len({t.name for t in targets}) != len(targets):
-            raise ValueError(
-                f"targets need distinct names: {[t.name for t in targets]}"
-            )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -68,6 +68,21 @@ def test_lazy_names_load_on_first_use_and_unknown_ones_raise() -> None:
         structllm.structured.nope  # noqa: B018
 
 
+def test_the_front_end_never_imports_paddle() -> None:
+    """``AsyncLLM``, the server and the command line (its parser included)
+    import no Paddle and no numba: the model loads in the engine's process."""
+    code = """
+import sys
+import structllm
+from structllm import AsyncLLM, EngineStatistics, SamplingParams
+import structllm.cli, structllm.server.run, structllm.bench.serve_compare
+structllm.cli.build_parser().parse_args(["serve", "tiny"])
+heavy = sorted({m.split(".")[0] for m in sys.modules} & {"paddle", "numba"})
+assert not heavy, heavy
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_errors_tree() -> None:
     assert issubclass(structllm.InvalidRequestError, ValueError)
     assert issubclass(structllm.InvalidRequestError, structllm.RequestError)

@@ -464,6 +464,12 @@ def test_engine_that_cannot_start_stops_the_server_cleanly(loop: str) -> None:
 def test_graceful_shutdown_exits_zero() -> None:
     with run_server(*ENGINE) as (url, proc):
         assert httpx.get(f"{url}/health").status_code == 200
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200
+        # the model runs in the engine process: the server never loads Paddle
+        # (or numba), which would cost it ~300 MiB of resident memory
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()
+        assert "paddle" not in maps and "numba" not in maps
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
 

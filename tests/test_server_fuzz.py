@@ -162,7 +162,7 @@ def wait_idle(http: httpx.Client, url: str) -> None:
             line.split(" ")[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
             if line.startswith("structllm_num_requests")
-            or line.startswith("structllm_kv_cache")
+            or line.startswith("structllm_kv_cache_usage_perc")
         }
         if not any(values.values()):
             return

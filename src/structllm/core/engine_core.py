@@ -14,7 +14,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
@@ -26,7 +26,6 @@ from structllm.core.request import (
     RequestStepOutput,
     StepOutput,
 )
-from structllm.core.runner import ModelInput, ModelRunner
 from structllm.core.scheduler import (
     Scheduler,
     SchedulerConfig,
@@ -39,11 +38,15 @@ from structllm.core.structured import (
     grammar_vocabulary,
 )
 from structllm.errors import EngineConfigError, InvalidRequestError
-from structllm.model._paddle import set_num_threads
 from structllm.model.config import ModelConfig
-from structllm.model.loader import LoadedModel, LoadProgress, load_model
 from structllm.model.sampler import TokenLogprobs, make_generator
 from structllm.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    # Paddle loads with the model, never before: the front end (AsyncLLM,
+    # the server) imports this module for the structs of the wire
+    from structllm.core.runner import ModelInput
+    from structllm.model.loader import LoadedModel, LoadProgress
 
 __all__ = [
     "EngineCore",
@@ -122,6 +125,9 @@ class EngineCore:
     ) -> None:
         self.config = config
         tp = config.tensor_parallel_size
+        from structllm.core.runner import ModelRunner
+        from structllm.model._paddle import set_num_threads
+
         set_num_threads(config.cpu_threads())  # ranks of one machine share its cores
         if tp > 1 and (tp_group is None or tp_group.size != tp):
             raise EngineConfigError(
@@ -402,6 +408,8 @@ def load_engine_model(
     }
     tp = config.tensor_parallel_size
     if tp == 1:
+        from structllm.model.loader import load_model
+
         loaded = load_model(config.model, num_threads=config.cpu_threads(), **common)
     else:
         from structllm.model.parallel import load_model_shard

@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 
 from structllm.model.config import ModelConfig
-from structllm.model.loader import random_hf_tensors
 
 __all__ = ["write_random_checkpoint"]
 
@@ -36,6 +35,8 @@ def write_random_checkpoint(
     hf = config.to_hf(legacy=legacy_config)
     hf["torch_dtype" if legacy_config else "dtype"] = dtype
     (directory / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    from structllm.model.loader import random_hf_tensors  # Paddle: only when used
+
     tensors = dict(random_hf_tensors(config, seed))
     names = list(tensors)
     if shards < 1:

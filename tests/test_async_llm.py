@@ -7,6 +7,8 @@ over a socketpair, no process start-up); test_faults.py covers the process.
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -289,6 +291,30 @@ async def test_nothing_left_behind(executor: str) -> None:
             assert engine_threads() == ["structllm-inline-core"]
     assert engine_threads() == []
     assert child_pids() == children
+
+
+def test_inline_cores_one_after_another_in_a_fresh_process() -> None:
+    """The first inline core imports Paddle in its own thread (the front end
+    never does); the next core's thread must still run Paddle eagerly."""
+    code = """
+import anyio, sys
+from structllm import AsyncLLM, SamplingParams
+
+async def main() -> None:
+    for _ in range(2):
+        async with AsyncLLM.open(
+            "tiny-random", executor="inline", show_progress=False,
+            max_model_len=64, num_blocks=16,
+        ) as llm:
+            out = await llm.complete("hi", SamplingParams(max_tokens=3))
+            assert len(out.token_ids) == 3, out
+
+assert "paddle" not in sys.modules
+anyio.run(main, backend=sys.argv[1])
+"""
+    for backend in ("asyncio", "trio"):
+        cmd = [sys.executable, "-W", "error", "-c", code, backend]
+        subprocess.run(cmd, check=True, timeout=300)
 
 
 async def test_statistics_report_the_cores_memory() -> None:

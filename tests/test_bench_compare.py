@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -247,8 +250,8 @@ async def test_a_server_that_never_comes_up_is_killed() -> None:
     code = "import os, time; print(os.getpid(), flush=True); time.sleep(60)"
     target = Target("slow", command=python(code))
     async with open_client() as client:
-        with pytest.raises(LaunchError, match=r"not serving after 0\.5 s") as info:
-            async with open_target(target, client, startup_timeout=0.5, grace=0.5):
+        with pytest.raises(LaunchError, match=r"not serving after 5 s") as info:
+            async with open_target(target, client, startup_timeout=5, grace=0.5):
                 pytest.fail("it never came up")
     pid = int(str(info.value).splitlines()[-1])
     assert not alive(pid)
@@ -274,6 +277,36 @@ async def test_launched_structllm_is_measured_and_stopped() -> None:
     assert mem.engine_core_peak_rss_bytes > 100 * 2**20
     wait_gone(*pids, timeout=10)
     assert only.result.config.model == "tiny"  # from its /v1/models
+
+
+def test_sigterm_stops_the_benchmark_and_its_launched_server() -> None:
+    """A launched server runs in a session of its own, out of reach of the
+    signals a CI runner or a closed terminal sends the benchmark: SIGTERM
+    must still stop it."""
+    serve = f"{sys.executable} -m structllm.cli serve tiny --port {{port}}"
+    cmd = [sys.executable, "-m", "structllm.cli", "bench", "serve"]
+    cmd += ["--launch", f"s={serve} --max-model-len 256", "--num-prompts", "5000"]
+    cmd += ["--max-concurrency", "1", "--output-len", "100", "128"]
+    bench = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert bench.stderr is not None
+        assert "round 1/1" in bench.stderr.readline() + bench.stderr.readline()
+        deadline = time.monotonic() + 60
+        while len(process_tree(bench.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the server and its engine core start
+        tree = process_tree(bench.pid)
+        assert len(tree) >= 3, tree
+        bench.send_signal(signal.SIGTERM)
+        err = bench.communicate(timeout=60)[1]
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.communicate()
+    assert bench.returncode == 1
+    assert "SIGTERM: stopping" in err and "interrupted" in err
+    wait_gone(*tree, timeout=30)
 
 
 def test_json_config_keeps_the_workload(tmp_path: Path) -> None:

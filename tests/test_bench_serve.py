@@ -55,7 +55,10 @@ class FakeServer:
     async def handle(self, stream: anyio.abc.SocketStream) -> None:
         async with stream:
             with contextlib.suppress(
-                anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.EndOfStream
+                anyio.BrokenResourceError,
+                anyio.ClosedResourceError,
+                anyio.EndOfStream,
+                anyio.IncompleteRead,  # a client that left mid-request
             ):
                 await self._handle(stream)
 

@@ -64,7 +64,9 @@ class Peer:
 
 @contextmanager
 def core_loop(
-    config: EngineConfig = CONFIG, fault: str | None = None
+    config: EngineConfig = CONFIG,
+    fault: str | None = None,
+    heartbeat_interval: float = 0.05,
 ) -> Iterator[tuple[Peer, list[int]]]:
     ours, theirs = socket.socketpair()
     ours.settimeout(60)
@@ -80,7 +82,7 @@ def core_loop(
     thread.start()
     try:
         peer = Peer(ours)
-        peer.send(Start(config, heartbeat_interval=0.05, fault=fault))
+        peer.send(Start(config, heartbeat_interval=heartbeat_interval, fault=fault))
         yield peer, codes
     finally:
         ours.close()  # EOF: the loop ends by itself
@@ -104,6 +106,18 @@ def finished(rid: str) -> Callable[[Message], bool]:
         isinstance(m, StepOutput)
         and any(o.request_id == rid and o.finish_reason is not None for o in m.outputs)
     )
+
+
+def test_going_idle_reports_at_once() -> None:
+    """The step that leaves the core idle is followed by a heartbeat (its peak
+    memory and free blocks), not one a heartbeat interval later."""
+    with core_loop(heartbeat_interval=3600) as (peer, _):
+        peer.until(lambda m: isinstance(m, Ready))
+        peer.send(CoreRequest(request_id="a", prompt_token_ids=(1, 2), params=GREEDY))
+        peer.until(finished("a"))
+        beat = peer.receive()  # the socket's timeout is 60 s, the interval 1 h
+        assert isinstance(beat, Heartbeat)
+        assert beat.blocks_used == 0 and beat.peak_rss_bytes > 100 * 2**20
 
 
 def test_start_serve_refuse_abort_and_shut_down() -> None:

@@ -449,6 +449,7 @@ def test_engine_that_cannot_start_stops_the_server_cleanly(loop: str) -> None:
                 while proc.poll() is None and time.monotonic() < deadline:
                     with contextlib.suppress(httpx.TransportError):
                         assert http.get("/health").status_code == 503
+                    time.sleep(0.05)  # leave the cores to the loading engine
             out = proc.communicate(timeout=30)[0]
         finally:
             if proc.poll() is None:

@@ -33,10 +33,16 @@ import argparse
 import json
 import os
 import runpy
+import shlex
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
+
+
+def q(path: str | Path) -> str:
+    """A path as one word of a command line that ``bench serve`` splits."""
+    return shlex.quote(str(path))
 
 
 def run(*cmd: str | Path, **kw: object) -> None:
@@ -115,10 +121,10 @@ def main() -> int:
             # in a child process: the converter imports torch
             run(sys.executable, __file__, "--convert", binary, model, gguf)
         launch["llama.cpp"] = (
-            f"{binary} -m {gguf} -t {t} -tb {t} -np 16 -c 8192 --port {{port}}"
+            f"{q(binary)} -m {q(gguf)} -t {t} -tb {t} -np 16 -c 8192 --port {{port}}"
         )
     serve = (
-        f"{sys.executable} -m structllm.cli serve {model} --port {{port}} "
+        f"{q(sys.executable)} -m structllm.cli serve {q(model)} --port {{port}} "
         f"--max-num-seqs 16 --max-model-len 4096 --num-threads {t}"
     )
     for loop in ("asyncio", "trio"):

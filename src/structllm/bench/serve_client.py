@@ -140,7 +140,7 @@ def open_client() -> httpx.AsyncClient:
 
 async def discover_model(client: httpx.AsyncClient, url: str) -> str:
     """The first model id of ``GET {url}/v1/models``."""
-    resp = await client.get(f"{url}/v1/models")
+    resp = await client.get(f"{url}/v1/models", timeout=30.0)
     resp.raise_for_status()
     data = resp.json().get("data") or []
     if not data:

@@ -29,10 +29,12 @@ import argparse
 import functools
 import json
 import math
+import signal
 import statistics
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -279,8 +281,12 @@ async def run_comparison(
                     cfg = attrs.evolve(config, url=up.url, seed=config.seed + r)
                     model = cfg.model or await discover_model(client, up.url)
                     cfg = attrs.evolve(cfg, model=model)
-                    if warmup and (error := await _warm_up(client, cfg, model, warmup)):
-                        log(f"  warm-up request failed: {error}")
+                    if warmup:
+                        error: str | None = f"timed out after {cfg.timeout:g} s"
+                        with anyio.move_on_after(cfg.timeout):
+                            error = await _warm_up(client, cfg, model, warmup)
+                        if error:
+                            log(f"  warm-up request failed: {error}")
                     result = await run_benchmark(cfg)
                     memory = await up.memory(client)
                 s = result.summary
@@ -314,6 +320,30 @@ def _targets(ns: argparse.Namespace) -> list[Target]:
     return targets
 
 
+async def _until_signalled(
+    run: Callable[[], Awaitable[Comparison]],
+) -> Comparison | None:
+    """``run()``, cancelled by SIGTERM or SIGHUP (None then) as Ctrl-C cancels
+    it: a launched server runs in a session of its own, which a terminal's or
+    a CI runner's signals do not reach, so only our cleanup stops it."""
+    if threading.current_thread() is not threading.main_thread():
+        return await run()  # only the main thread receives signals
+    done: list[Comparison] = []
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP) as signals:
+                async for signum in signals:
+                    _log(f"{signal.Signals(signum).name}: stopping")
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(watch)
+        done.append(await run())
+        tg.cancel_scope.cancel()
+    return done[0] if done else None
+
+
 def run_compare(ns: argparse.Namespace, config: ServeConfig) -> int:
     """``bench serve`` with ``--server``/``--launch``: print the table, write
     ``--json`` and ``--plot``; 0 when every run completed a request."""
@@ -328,20 +358,21 @@ def run_compare(ns: argparse.Namespace, config: ServeConfig) -> int:
         f"requests to {config.endpoint} at {rate} req/s, max concurrency "
         f"{config.max_concurrency or 'unbounded'}"
     )
+    run = functools.partial(
+        run_comparison,
+        config,
+        targets,
+        rounds=ns.rounds,
+        warmup=ns.warmup,
+        startup_timeout=ns.startup_timeout,
+    )
     try:
-        comparison = anyio.run(
-            functools.partial(
-                run_comparison,
-                config,
-                targets,
-                rounds=ns.rounds,
-                warmup=ns.warmup,
-                startup_timeout=ns.startup_timeout,
-            ),
-            backend="asyncio",
-        )
+        comparison = anyio.run(_until_signalled, run, backend="asyncio")
     except (LaunchError, httpx.HTTPError, ValueError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if comparison is None:
+        print("error: interrupted; the launched servers are stopped", file=sys.stderr)
         return 1
     print(comparison.format())
     if ns.json:

@@ -3,10 +3,11 @@
 A target is ``NAME=URL`` (``--server``: a server already running) or
 ``NAME=COMMAND`` (``--launch``: the benchmark starts it, one at a time).
 A launched command is split like a shell line (no shell runs it) and
-``{port}`` in it becomes a free port on 127.0.0.1; its output goes to a log
-file, whose tail is shown if it fails to start. It counts as up once
-``GET /v1/models`` lists a model. It is stopped with SIGTERM (SIGKILL to its
-whole session after a grace period) before the next target starts.
+``{port}`` in it becomes a free port on 127.0.0.1; it runs in a session of
+its own, its output goes to a log file, whose tail is shown if it fails to
+start. It counts as up once ``GET /v1/models`` lists a model. It is stopped
+with SIGTERM (then SIGKILL to its process group, after a grace period)
+before the next target starts.
 
 Memory, measured after each run:
 
@@ -55,6 +56,10 @@ _SCRAPED = {
     "structllm_engine_core_peak_rss_bytes": "engine_core_peak_rss_bytes",
     "process_resident_memory_bytes": "server_rss_bytes",
 }
+
+
+#: seconds for a GET of /metrics or /v1/models (the client has no timeout)
+_GET_TIMEOUT = 30.0
 
 
 class LaunchError(Exception):
@@ -201,7 +206,7 @@ def _scraped(text: str) -> dict[str, float]:
 async def scrape_memory(client: httpx.AsyncClient, url: str) -> dict[str, float]:
     """The memory figures ``GET {url}/metrics`` gives (none if it has none)."""
     try:
-        resp = await client.get(f"{url}/metrics")
+        resp = await client.get(f"{url}/metrics", timeout=_GET_TIMEOUT)
     except httpx.HTTPError:
         return {}
     return _scraped(resp.text) if resp.status_code == 200 else {}
@@ -218,9 +223,12 @@ def _free_port() -> int:
 
 
 def _tail(log: IO[bytes], lines: int = 20) -> str:
-    log.flush()
-    log.seek(0)
-    return "\n".join(log.read().decode(errors="replace").splitlines()[-lines:])
+    """The log's last lines; read with ``pread``, since the server may still be
+    writing through the file offset it shares with us."""
+    size = os.fstat(log.fileno()).st_size
+    start = max(0, size - 65536)
+    text = os.pread(log.fileno(), size - start, start).decode(errors="replace")
+    return "\n".join(text.splitlines()[-lines:])
 
 
 async def _wait_up(
@@ -232,7 +240,8 @@ async def _wait_up(
             raise LaunchError(f"exited with code {process.returncode} before serving")
         with contextlib.suppress(httpx.HTTPError, ValueError):
             resp = await client.get(f"{url}/v1/models", timeout=5.0)
-            if resp.status_code == 200 and resp.json().get("data"):
+            models = resp.json() if resp.status_code == 200 else None
+            if isinstance(models, dict) and models.get("data"):
                 return
         await anyio.sleep(0.2)
 
@@ -243,7 +252,8 @@ def _kill_session(pid: int) -> None:
 
 
 async def _stop(process: anyio.abc.Process, grace: float) -> None:
-    """SIGTERM, then SIGKILL to the whole session; shielded, it always runs."""
+    """SIGTERM to the server (it stops its own children), then SIGKILL to its
+    process group for whatever is left; shielded, it always runs."""
     with anyio.CancelScope(shield=True):
         if process.returncode is None:
             with contextlib.suppress(ProcessLookupError):

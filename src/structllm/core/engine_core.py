@@ -126,8 +126,9 @@ class EngineCore:
         self.config = config
         tp = config.tensor_parallel_size
         from structllm.core.runner import ModelRunner
-        from structllm.model._paddle import set_num_threads
+        from structllm.model._paddle import eager_mode_here, set_num_threads
 
+        eager_mode_here()  # this thread steps the model (an inline core's own)
         set_num_threads(config.cpu_threads())  # ranks of one machine share its cores
         if tp > 1 and (tp_group is None or tp_group.size != tp):
             raise EngineConfigError(

@@ -12,7 +12,7 @@ import numpy as np
 from structllm.core.request import Request
 from structllm.core.scheduler import SchedulerOutput
 from structllm.core.structured import StructuredOutputManager
-from structllm.model._paddle import host_tensor, paddle
+from structllm.model._paddle import eager_mode_here, host_tensor, paddle
 from structllm.model.attention import SequenceSlice
 from structllm.model.llama import LlamaForCausalLM
 from structllm.model.sampler import (
@@ -53,6 +53,7 @@ def run_forward(
     step: ModelInput,
 ) -> paddle.Tensor:
     """The step's hidden states ``(T, H)``, its keys and values written."""
+    eager_mode_here()  # the step may run on a thread that has not used Paddle
     meta = model.attention.build_metadata(
         [SequenceSlice(c, n, table) for c, n, table in step.seqs]
     )

@@ -102,7 +102,8 @@ class CoreClient:
     counts: Heartbeat = attrs.Factory(Heartbeat)
     total_preemptions: int = 0
     #: the running core's peak resident memory, from its handshake and its
-    #: idle heartbeats (so current after a burst of work has ended)
+    #: heartbeats (one follows the step that leaves it idle, so the figure
+    #: is current once a burst of work has ended)
     peak_rss_bytes: int = 0
     #: prefix-cache (queries, hits) over every core, and the running core's
     prefix_cache: tuple[int, int] = (0, 0)

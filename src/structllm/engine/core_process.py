@@ -291,6 +291,9 @@ def _loop(
         steps += 1
         last_sent = time.monotonic()
         send(out)
+        if not core.has_unfinished_requests():
+            # gone idle: the burst's peak memory now, not an interval later
+            send(_heartbeat(core))
 
 
 def _add(core: EngineCore, request: CoreRequest, send: Send) -> None:

@@ -24,10 +24,25 @@ with warnings.catch_warnings():
 __all__ = [
     "cpu_vendor",
     "default_num_threads",
+    "eager_mode_here",
     "host_tensor",
     "paddle",
     "set_num_threads",
 ]
+
+
+def eager_mode_here() -> None:
+    """Paddle's eager (dynamic-graph) mode in the calling thread.
+
+    Paddle keeps its mode per thread, and when it was first imported in a
+    thread other than the main one, threads that touch it later start in
+    static-graph mode, where the model's ops build a program instead of
+    running. The front end never imports Paddle, so an inline core imports
+    it in its own thread, and the next inline core (a restart) would start
+    in static mode.
+    """
+    if not paddle.in_dynamic_mode():
+        paddle.disable_static()
 
 
 def default_num_threads() -> int:

@@ -210,6 +210,31 @@ def test_command_line_table_json_and_plot(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_server_that_cannot_start_keeps_the_runs_before_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "c.json"
+    bad = python("print('bad config'); exit(2)")
+
+    async def main() -> int:
+        async with open_fake_server() as one:
+            argv = ["--server", f"one={one.url}", "--launch", f"bad={bad}"]
+            argv += ["--num-prompts", "3", "--output-len", "3", "4", "--rounds", "2"]
+            argv += ["--json", str(out)]
+            from structllm.bench.serve import run_serve
+
+            return await anyio.to_thread.run_sync(run_serve, parse(argv))
+
+    assert anyio.run(main) == 1
+    captured = capsys.readouterr()
+    assert "bad: exited with code 2" in captured.err and "bad config" in captured.err
+    assert "the 1 run(s) finished before it" in captured.err
+    assert "Serving Benchmark Comparison" in captured.out
+    data = json.loads(out.read_text())
+    assert [(r["target"], r["round"]) for r in data["runs"]] == [("one", 0)]
+    assert data["median"]["bad"]["output_throughput"] is None
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -8,7 +8,9 @@ slow drift of the machine's speed then falls on every target alike, and no
 server sees a prompt twice (a prefix cache would make a repeat cheap).
 Before each run a target gets ``--warmup`` short requests that are not
 counted. A launched target is started for its run and stopped after it
-(:mod:`structllm.bench.serve_targets`, which also measures memory).
+(:mod:`structllm.bench.serve_targets`, which also measures memory); one
+that does not come up ends the comparison, whose finished runs are still
+printed and written.
 
 The table gives, per target, each figure's median over the rounds, then the
 ratios to the first target: in each round a figure over the first target's
@@ -66,6 +68,7 @@ from structllm.bench.serve_targets import (
 __all__ = [
     "FIGURES",
     "Comparison",
+    "ComparisonStopped",
     "Run",
     "plot_comparison",
     "run_compare",
@@ -250,6 +253,14 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+class ComparisonStopped(Exception):
+    """The comparison could not go on; ``partial`` holds the runs it finished."""
+
+    def __init__(self, message: str, partial: Comparison) -> None:
+        super().__init__(message)
+        self.partial = partial
+
+
 async def run_comparison(
     config: ServeConfig,
     targets: Sequence[Target],
@@ -261,12 +272,31 @@ async def run_comparison(
 ) -> Comparison:
     """Run ``config``'s workload against every target, ``rounds`` times.
 
-    Request failures are counted in the runs; a launched target that does
-    not come up raises :class:`~structllm.bench.serve_targets.LaunchError`.
+    Request failures are counted in the runs. A launched target that does
+    not come up, or a server whose model cannot be found, stops the
+    comparison: :class:`ComparisonStopped`, with the runs finished so far.
     """
     if not targets or len({t.name for t in targets}) != len(targets):
         raise ValueError(f"targets need distinct names: {[t.name for t in targets]}")
     runs: list[Run] = []
+    try:
+        await _run_rounds(config, targets, runs, rounds, warmup, startup_timeout, log)
+    except (LaunchError, httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        partial = Comparison(tuple(targets), rounds, tuple(runs))
+        raise ComparisonStopped(str(exc) or repr(exc), partial) from exc
+    return Comparison(tuple(targets), rounds, tuple(runs))
+
+
+async def _run_rounds(
+    config: ServeConfig,
+    targets: Sequence[Target],
+    runs: list[Run],
+    rounds: int,
+    warmup: int,
+    startup_timeout: float,
+    log: Callable[[str], None],
+) -> None:
+    """Every round's runs, appended to ``runs`` as each one ends."""
     n = len(targets)
     async with open_client() as client:
         for r in range(rounds):
@@ -296,7 +326,6 @@ async def run_comparison(
                     f"({time.perf_counter() - started:.0f} s with start and stop)"
                 )
                 runs.append(Run(target.name, r, result, memory))
-    return Comparison(tuple(targets), rounds, tuple(runs))
 
 
 # -- the command ----------------------------------------------------------------
@@ -368,12 +397,19 @@ def run_compare(ns: argparse.Namespace, config: ServeConfig) -> int:
     )
     try:
         comparison = anyio.run(_until_signalled, run, backend="asyncio")
-    except (LaunchError, httpx.HTTPError, ValueError, KeyError) as exc:
+    except ComparisonStopped as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if comparison is None:
-        print("error: interrupted; the launched servers are stopped", file=sys.stderr)
-        return 1
+        if not exc.partial.runs:
+            return 1
+        _log(f"the {len(exc.partial.runs)} run(s) finished before it:")
+        comparison, status = exc.partial, 1
+    else:
+        if comparison is None:
+            print(
+                "error: interrupted; the launched servers are stopped", file=sys.stderr
+            )
+            return 1
+        status = 0 if all(r.result.summary.completed for r in comparison.runs) else 1
     print(comparison.format())
     if ns.json:
         Path(ns.json).write_text(
@@ -381,7 +417,7 @@ def run_compare(ns: argparse.Namespace, config: ServeConfig) -> int:
         )
     if ns.plot:
         plot_comparison(comparison, ns.plot)
-    return 0 if all(r.result.summary.completed for r in comparison.runs) else 1
+    return status
 
 
 # -- the figure -----------------------------------------------------------------

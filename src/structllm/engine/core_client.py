@@ -101,9 +101,9 @@ class CoreClient:
     restarts: int = 0
     counts: Heartbeat = attrs.Factory(Heartbeat)
     total_preemptions: int = 0
-    #: the running core's peak resident memory, from its handshake and its
-    #: heartbeats (one follows the step that leaves it idle, so the figure
-    #: is current once a burst of work has ended)
+    #: the running core's peak resident memory, from its handshake, its
+    #: heartbeats and the step that leaves it idle (so the figure is current
+    #: once a burst of work has ended)
     peak_rss_bytes: int = 0
     #: prefix-cache (queries, hits) over every core, and the running core's
     prefix_cache: tuple[int, int] = (0, 0)
@@ -354,6 +354,7 @@ class CoreClient:
                     msg.num_running, msg.num_waiting, msg.blocks_used
                 )
                 self.total_preemptions = msg.total_preemptions
+                self.peak_rss_bytes = max(self.peak_rss_bytes, msg.peak_rss_bytes)
                 self._count_prefix_cache(msg)
                 self.events.on_step(msg)
                 self.events.on_statistics()

@@ -37,6 +37,8 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from structllm.engine.protocol import (
     AbortRequests,
     AddFailed,
@@ -290,10 +292,10 @@ def _loop(
             return 1
         steps += 1
         last_sent = time.monotonic()
-        send(out)
         if not core.has_unfinished_requests():
-            # gone idle: the burst's peak memory now, not an interval later
-            send(_heartbeat(core))
+            # gone idle: the burst's peak memory now, not a heartbeat later
+            out = msgspec.structs.replace(out, peak_rss_bytes=peak_rss_bytes())
+        send(out)
 
 
 def _add(core: EngineCore, request: CoreRequest, send: Send) -> None:

@@ -11,11 +11,15 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import anyio
+import anyio.abc
 import pytest
+from anyio.lowlevel import checkpoint
 
 from structllm.config import EngineConfig
 from structllm.core.engine_core import StepOutput
 from structllm.core.request import CoreRequest
+from structllm.engine.core_connection import CoreConnection
 from structllm.engine.core_process import serve
 from structllm.engine.protocol import (
     AbortRequests,
@@ -192,3 +196,32 @@ def test_a_failing_step_is_fatal() -> None:
         assert "injected fault at step 1" in fatal.message
         assert "Traceback" in fatal.traceback
     assert codes == [1]
+
+
+@pytest.mark.anyio
+async def test_a_read_cancelled_as_its_data_arrives_leaves_no_error() -> None:
+    """The socket turns readable in the loop iteration that cancels the read.
+
+    anyio 4.16's asyncio UNIX stream then set a cancelled future from its
+    reader callback: ``InvalidStateError`` in the event loop, which the test
+    runner raises at the end of the test.
+    """
+    ours, theirs = socket.socketpair()
+    stream = await anyio.abc.UNIXSocketStream.from_socket(ours)
+    conn = CoreConnection(stream)
+    with theirs:
+        async with stream:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(conn.receive)
+                await anyio.wait_all_tasks_blocked()  # the read waits on the socket
+                theirs.sendall(encode(Heartbeat()))
+                # the next iteration runs this task, then the readable
+                # socket's callback: cancel the read in between
+                await checkpoint()
+                tg.cancel_scope.cancel()
+            # the connection still works (the first heartbeat may have been
+            # read by the cancelled task, as its wake-up raced the cancel)
+            theirs.sendall(encode(Heartbeat(num_running=7)))
+            with anyio.fail_after(5):
+                while (msg := await conn.receive()) != Heartbeat(num_running=7):
+                    assert msg == Heartbeat()

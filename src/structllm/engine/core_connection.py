@@ -36,6 +36,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import anyio.to_thread
 import attrs
 
@@ -79,9 +80,26 @@ class CoreConnection:
     _backlog: deque[Message] = attrs.Factory(deque)
 
     async def receive(self) -> Message:
-        """The next message; raises anyio.EndOfStream when the core is gone."""
+        """The next message; raises anyio.EndOfStream when the core is gone.
+
+        A checkpoint, like a stream's ``receive()``, but the socket is read
+        here: anyio 4.16's asyncio UNIX stream waits with a reader callback
+        that sets a future, which raises ``InvalidStateError`` in the event
+        loop when the socket turns readable in the same loop iteration that
+        cancels the read. ``anyio.wait_readable`` has no such race.
+        """
+        if self._backlog:
+            return self._backlog.popleft()
+        sock = self.stream.extra(anyio.abc.SocketAttribute.raw_socket)
+        await anyio.lowlevel.checkpoint()
         while not self._backlog:
-            data = await self.stream.receive()
+            try:
+                data = sock.recv(1 << 16)
+            except BlockingIOError:
+                await anyio.wait_readable(sock)
+                continue
+            if not data:
+                raise anyio.EndOfStream
             self._backlog.extend(self._reader.feed(data))
         return self._backlog.popleft()
 

@@ -78,6 +78,10 @@ class CoreConnection:
     process: anyio.abc.Process | None = None
     _reader: FrameReader = attrs.Factory(FrameReader)
     _backlog: deque[Message] = attrs.Factory(deque)
+    _socket: socket.socket = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._socket = self.stream.extra(anyio.abc.SocketAttribute.raw_socket)
 
     async def receive(self) -> Message:
         """The next message; raises anyio.EndOfStream when the core is gone.
@@ -90,7 +94,7 @@ class CoreConnection:
         """
         if self._backlog:
             return self._backlog.popleft()
-        sock = self.stream.extra(anyio.abc.SocketAttribute.raw_socket)
+        sock = self._socket
         await anyio.lowlevel.checkpoint()
         while not self._backlog:
             try:

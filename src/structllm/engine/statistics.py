@@ -27,9 +27,9 @@ class EngineStatistics:
     core_pid: int | None
     #: the KV cache's size in bytes (0 before a core is up)
     kv_cache_bytes: int = 0
-    #: the core process's peak resident memory in bytes, as of its latest
-    #: idle heartbeat (model, KV cache, buffers); with tensor parallelism,
-    #: rank 0's process only. 0 before a core is up.
+    #: the core process's peak resident memory in bytes (model, KV cache,
+    #: buffers), as of its last heartbeat or the step that left it idle;
+    #: with tensor parallelism, rank 0's process only. 0 before a core is up.
     core_peak_rss_bytes: int = 0
     #: seconds since the core was last heard from (None: no core)
     silent_for: float | None = None

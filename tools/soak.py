@@ -54,6 +54,8 @@ from typing import Any
 
 import httpx
 
+from structllm.bench.serve_targets import tree_memory
+
 ENGINE = ["--max-model-len", "2048", "--num-blocks", "1024", "--max-num-seqs", "64"]
 
 
@@ -177,15 +179,9 @@ def trace_compare(first: Path, last: Path, top: int = 12) -> dict[str, Any]:
 
 def rss_mib(pid: int) -> dict[str, float]:
     """Resident memory of the server ``pid`` and of its engine process, MiB."""
-    kids = children(pid)
-
-    def rss(p: int) -> float:
-        for line in Path(f"/proc/{p}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return 0.0
-
-    server, engine = rss(pid), sum(rss(k) for k in kids)
+    tree = tree_memory(pid)  # the server first, then its descendants
+    server = sum(m.rss_bytes for m in tree[:1]) / 2**20
+    engine = sum(m.rss_bytes for m in tree[1:]) / 2**20
     return {
         "server": round(server, 1),
         "engine": round(engine, 1),

@@ -15,7 +15,7 @@ from structllm import LLM, SamplingParams
 from structllm.model._paddle import paddle
 from structllm.model.loader import load_model
 from structllm.model.training import causal_lm_loss
-from structllm.models import TINY, TINY_RANDOM, model_directory
+from structllm.models import TINY, TINY_RANDOM, resolve_model
 from structllm.text import ByteTokenizer, HFTokenizer, load_tokenizer
 
 #: MIT licence text, as the trained model learned it
@@ -24,11 +24,11 @@ MIT_NEXT = ", free of charge, to any person obtaining a copy"
 
 
 def test_names_resolve() -> None:
-    tiny = model_directory(TINY)
+    tiny = resolve_model(TINY)
     assert tiny is not None and (tiny / "model.safetensors").is_file()
     assert (tiny / "tokenizer.json").is_file()
-    assert model_directory(TINY_RANDOM) is None
-    assert model_directory("some/dir") == Path("some/dir")
+    assert resolve_model(TINY_RANDOM) is None
+    assert resolve_model("./some/dir") == Path("some/dir")
 
 
 def test_each_name_has_its_own_tokenizer() -> None:
@@ -103,7 +103,7 @@ def test_held_out_perplexity_matches_training_json() -> None:
     """The shipped weights score the held-out documents as training recorded."""
     train_tiny = _train_tiny_module()
     _, held_out, digest = train_tiny.documents()  # type: ignore[attr-defined]
-    directory = model_directory(TINY)
+    directory = resolve_model(TINY)
     assert directory is not None
     record = json.loads((directory / "training.json").read_text())
     assert digest == record["corpus_sha256"]

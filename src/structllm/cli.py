@@ -202,16 +202,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _inspect(ns: argparse.Namespace) -> int:
     """Read config.json only (no weights) and print how it will run."""
     from structllm.errors import StructLLMError
-    from structllm.model.config import ModelConfig, tiny_random_config
-    from structllm.models import model_directory
+    from structllm.model.config import ModelConfig
+    from structllm.models import resolve_model
 
     try:
-        directory = model_directory(ns.model)
-        config = (
-            tiny_random_config()
-            if directory is None
-            else ModelConfig.from_directory(directory)
-        )
+        config = ModelConfig.from_path(resolve_model(ns.model))
     except StructLLMError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -75,15 +75,19 @@ class EngineConfig:
     """How to build an engine core. Every field but ``model`` has a working default."""
 
     model: str = setting(
-        help="a model directory, or a built-in name (see structllm.builtin)", cli=False
+        help="a model directory, a .gguf file, a Hugging Face Hub repo id "
+        "(owner/name[@revision]), or a built-in name (see structllm.models)",
+        cli=False,
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
         "auto",
         help="compute dtype; auto: float32 on CPU, else the checkpoint's",
         topic="model",
     )
-    load_format: Literal["auto", "safetensors", "dummy"] = setting(
-        "auto", help="dummy: random weights from config.json alone", topic="model"
+    load_format: Literal["auto", "safetensors", "gguf", "dummy"] = setting(
+        "auto",
+        help="auto: by the model's files; dummy: random weights from its config alone",
+        topic="model",
     )
     seed: int = setting(0, help="seed for dummy weights", cli=False)
     block_size: int = setting(

@@ -438,6 +438,51 @@ class ModelConfig:
             raise ModelLoadError(f"{file} is not valid JSON: {exc}") from exc
         return cls.from_hf(data)
 
+    @classmethod
+    def from_gguf(cls, path: Path) -> ModelConfig:
+        """The config of a GGUF file's model, from its metadata (mapped to
+        config.json fields by :mod:`structllm.model.gguf_config`)."""
+        from structllm.formats.gguf import GGUFFile
+
+        with GGUFFile.open(path) as f:
+            return cls.from_gguf_file(f)
+
+    @classmethod
+    def from_gguf_file(cls, f: Any) -> ModelConfig:
+        """:meth:`from_gguf` on an open ``structllm.formats.gguf.GGUFFile``."""
+        from structllm.model.gguf_config import hf_config_from_gguf
+
+        source = Path(f.path).name
+        freqs = (
+            f.dequantize("rope_freqs.weight")
+            if "rope_freqs.weight" in f.tensors
+            else None
+        )
+        d = hf_config_from_gguf(
+            f.metadata,
+            {name: t.shape for name, t in f.tensors.items()},
+            source=source,
+            rope_freqs=freqs,
+        )
+        try:
+            return cls.from_hf(d)
+        except UnsupportedModelError as exc:
+            raise UnsupportedModelError(f"{source} (GGUF metadata): {exc}") from exc
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"{source} (GGUF metadata): {exc}") from exc
+
+    @classmethod
+    def from_path(cls, path: Path | None) -> ModelConfig:
+        """The config of resolved model files (``structllm.models.resolve_model``):
+        a checkpoint directory, a GGUF file, or None for ``"tiny-random"``."""
+        if path is None:
+            return tiny_random_config()
+        if path.is_dir():
+            return cls.from_directory(path)
+        if path.is_file():
+            return cls.from_gguf(path)
+        raise ModelLoadError(f"model {str(path)!r} does not exist")
+
     def to_hf(self, *, legacy: bool = False) -> dict[str, Any]:
         """The ``config.json`` a checkpoint with this config carries.
 

@@ -1,7 +1,9 @@
 """Load a Llama-family checkpoint (HF layout) into a :class:`LlamaForCausalLM`.
 
 Sources: a directory with ``config.json`` and ``model.safetensors`` (or shards
-listed in ``model.safetensors.index.json``); ``load_format="dummy"`` for
+listed in ``model.safetensors.index.json``); a GGUF file (llama.cpp's format:
+config from its metadata, weights dequantized to float32 by
+:mod:`structllm.model.gguf_loader`); ``load_format="dummy"`` for
 random weights from the directory's config alone; the built-in names of
 :mod:`structllm.models` (``"tiny-random"`` needs no files at all).
 
@@ -21,9 +23,9 @@ import numpy as np
 
 from structllm.errors import ModelLoadError
 from structllm.model._paddle import cpu_vendor, paddle
-from structllm.model.config import ModelConfig, tiny_random_config
+from structllm.model.config import ModelConfig
 from structllm.model.llama import DecoderLayerWeights, LlamaForCausalLM, ModelWeights
-from structllm.models import model_directory
+from structllm.models import resolve_model
 
 __all__ = [
     "LoadProgress",
@@ -39,7 +41,7 @@ __all__ = [
 #: ``model_backend="auto"`` uses oneDNN predictors from this size up
 AUTO_INFERENCE_MIN_PARAMETERS = 10_000_000
 
-LoadFormat = Literal["auto", "safetensors", "dummy"]
+LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
 
 
 @attrs.frozen
@@ -158,14 +160,11 @@ def load_model(
     num_threads: int | None = None,
 ) -> LoadedModel:
     """Load ``model`` (a directory, or a built-in name) ready to run."""
-    path = model_directory(model)
+    path = resolve_model(model)
     if path is None:
-        config = tiny_random_config()
         load_format = "dummy"
-    else:
-        if not path.is_dir():
-            raise ModelLoadError(f"model directory {str(path)!r} does not exist")
-        config = ModelConfig.from_directory(path)
+    config = ModelConfig.from_path(path)
+    gguf = path is not None and path.is_file()
     compute_dtype = resolve_dtype(dtype, config)
     shapes = hf_tensor_shapes(config)
     total = len(shapes)
@@ -180,14 +179,24 @@ def load_model(
         for n, (name, array) in enumerate(random_hf_tensors(config, seed), 1):
             tensors[name] = paddle.to_tensor(array)
             report(n)
-    elif load_format in ("auto", "safetensors"):
+    elif gguf and load_format in ("auto", "gguf"):
+        assert path is not None
+        from structllm.formats.gguf import GGUFFile
+        from structllm.model.gguf_loader import read_gguf_tensors
+
+        with GGUFFile.open(path) as f:
+            for n, (name, array) in enumerate(read_gguf_tensors(f, config, shapes), 1):
+                tensors[name] = paddle.to_tensor(array)
+                report(n)
+    elif not gguf and load_format in ("auto", "safetensors"):
         assert path is not None
         for n, (name, tensor) in enumerate(_read_safetensors(path, shapes), 1):
             tensors[name] = tensor
             report(n)
     else:
         raise ModelLoadError(
-            f"load_format must be auto, safetensors or dummy, got {load_format!r}"
+            f"load_format {load_format!r} does not read {path}: auto, "
+            "safetensors (a directory), gguf (a .gguf file) or dummy"
         )
     llm = build_model(
         config,

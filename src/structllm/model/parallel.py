@@ -50,7 +50,7 @@ from structllm.model.loader import (
     resolve_backend,
     resolve_dtype,
 )
-from structllm.models import model_directory
+from structllm.models import resolve_model
 
 __all__ = [
     "ShardPlan",
@@ -263,7 +263,7 @@ def build_shard(
 
 
 def _model_config(model: str | Path) -> tuple[ModelConfig, Path | None]:
-    path = model_directory(model)
+    path = resolve_model(model)
     if path is None:
         return tiny_random_config(), None
     if not path.is_dir():

@@ -331,13 +331,20 @@ class HFTokenizer(Tokenizer):
 
 
 def load_tokenizer(path_or_name: str | Path) -> Tokenizer:
-    """The tokenizer of a model: a directory read by
-    :meth:`HFTokenizer.from_directory`, or a built-in name
-    (``"tiny-random"`` has the byte tokenizer; see structllm.models)."""
-    from structllm.models import model_directory
+    """The tokenizer of a model reference (see ``structllm.models.resolve_model``):
+    a directory read by :meth:`HFTokenizer.from_directory`, a GGUF file's
+    own (``structllm.text.gguf_tokenizer``), or a built-in name
+    (``"tiny-random"`` has the byte tokenizer)."""
+    from structllm.models import resolve_model
     from structllm.text.byte_tokenizer import ByteTokenizer
 
-    directory = model_directory(path_or_name)
-    if directory is None:
+    path = resolve_model(path_or_name)
+    if path is None:
         return ByteTokenizer()
-    return HFTokenizer.from_directory(directory)
+    if path.is_file():
+        from structllm.formats.gguf import GGUFFile
+        from structllm.text.gguf_tokenizer import tokenizer_from_gguf
+
+        with GGUFFile.open(path) as f:
+            return tokenizer_from_gguf(f.metadata, source=path.name)
+    return HFTokenizer.from_directory(path)

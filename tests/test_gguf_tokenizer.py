@@ -452,3 +452,13 @@ def test_a_control_token_outside_the_byte_alphabet_is_matched_whole() -> None:
     assert tok.decode(ids, skip_special_tokens=False) == f"hi{end}"
     assert tok.decode(ids) == "hi"
     assert end_id in tok.eos_token_ids
+
+
+@pytest.mark.parametrize("metadata", [BPE, SPM], ids=["bpe", "spm"])
+def test_structured_output_reads_its_vocabulary(metadata: dict[str, Any]) -> None:
+    from structllm.structured.vocabulary import GrammarVocabulary
+
+    tok = tokenizer_from_gguf(metadata, source="x.gguf")
+    vocabulary = GrammarVocabulary.from_tokenizer(tok)
+    assert vocabulary.vocab_size == tok.vocab_size
+    assert vocabulary.eos_token_ids == tok.eos_token_ids

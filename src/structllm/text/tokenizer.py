@@ -278,6 +278,17 @@ class HFTokenizer(Tokenizer):
             extra_eos_token_ids=_eos_ids_from_generation_config(generation_config),
         )
 
+    @classmethod
+    def from_gguf_metadata(
+        cls, metadata: Mapping[str, Any], *, source: str
+    ) -> HFTokenizer:
+        """The tokenizer a GGUF file's ``tokenizer.*`` metadata describes
+        (:func:`~structllm.text.gguf_tokenizer.tokenizer_from_gguf`); *source*
+        names the file in error messages."""
+        from structllm.text.gguf_tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(metadata, source=source)
+
     @property
     def vocab_size(self) -> int:
         return self._vocab_size

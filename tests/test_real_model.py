@@ -96,15 +96,15 @@ def test_greedy_tokens_match_transformers(llm: LLM) -> None:
     for record, out in zip(RECORDS, outputs, strict=True):
         ours, theirs = list(out.token_ids), record["tokens"]
         same = next(
-            (i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+            (i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b),
             min(len(ours), len(theirs)),
         )
         if same < len(theirs):
             # the first difference must be a near-tie in transformers' logits;
             # after it the two continuations are different texts
             assert record["margins"][same] < NEAR_TIE, (
-                f"{record['prompt']!r}: token {same} differs ({ours[same:same + 3]} "
-                f"vs {theirs[same:same + 3]}) with a margin of "
+                f"{record['prompt']!r}: token {same} differs ({ours[same : same + 3]} "
+                f"vs {theirs[same : same + 3]}) with a margin of "
                 f"{record['margins'][same]:.4f}"
             )
             near_ties += 1

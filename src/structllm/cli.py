@@ -7,6 +7,7 @@ import inspect
 import sys
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -206,14 +207,32 @@ def _inspect(ns: argparse.Namespace) -> int:
     from structllm.models import resolve_model
 
     try:
-        config = ModelConfig.from_path(resolve_model(ns.model))
+        path = resolve_model(ns.model)
+        config = ModelConfig.from_path(path)
+        described = config.describe("float32")
+        if path is not None and path.is_file():
+            described["weights"] = _gguf_weights(path)
     except StructLLMError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     # CPU compute is float32 (Paddle has no CPU half-precision matmul)
-    for label, value in config.describe("float32").items():
+    for label, value in described.items():
         print(f"{label + ':':<24}{value}")
     return 0
+
+
+def _gguf_weights(path: Path) -> str:
+    """A GGUF file's tensor types, most numerous first, and its size."""
+    from collections import Counter
+
+    from structllm.formats import GGUFFile
+
+    with GGUFFile.open(path) as f:
+        types = Counter(t.type.name for t in f.tensors.values())
+        version = f.version
+    kinds = ", ".join(f"{n} x{k}" for n, k in types.most_common())
+    size = path.stat().st_size / 1e6
+    return f"GGUF v{version}, {size:.1f} MB: {kinds} (dequantized to float32 on load)"
 
 
 def _generate(ns: argparse.Namespace) -> int:

@@ -177,6 +177,7 @@ def hf_config_from_gguf(
         scaling = _llama3_from_factors(
             np.asarray(rope_freqs, np.float64), d["rope_theta"], head_dim, source
         )
+    if scaling is not None:
         d["rope_scaling"] = scaling
     window = get("attention.sliding_window")
     if arch == "llama":

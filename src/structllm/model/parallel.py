@@ -20,7 +20,11 @@ So a rank's shard is exactly the checkpoint of a narrower model
 (:attr:`ShardPlan.local`: ``nh/tp`` heads, its kv heads, ``I/tp``
 intermediate), which :class:`~structllm.model.llama.LlamaForCausalLM` runs
 unchanged, with an ``all_reduce`` hook, over a KV cache of its own kv heads.
-Each rank reads only its slices from safetensors (``get_slice``).
+Each rank reads only its slices from safetensors (``get_slice``); which
+slices is said by each projection's loader
+(:class:`~structllm.model.linear.ColumnParallelLoader`,
+:class:`~structllm.model.linear.RowParallelLoader`), given the rank's heads
+and intermediate columns.
 
 Collectives are ``paddle.distributed.all_reduce`` on the default group: the
 caller starts the ranks and calls ``paddle.distributed.init_parallel_env()``
@@ -37,6 +41,7 @@ import attrs
 from structllm.errors import EngineConfigError, ModelLoadError
 from structllm.model._paddle import paddle
 from structllm.model.config import ModelConfig, tiny_random_config
+from structllm.model.linear import Index
 from structllm.model.llama import LlamaForCausalLM
 from structllm.model.loader import (
     LoadedModel,
@@ -46,10 +51,12 @@ from structllm.model.loader import (
     _read_safetensors,
     build_model,
     hf_tensor_shapes,
+    projection_loaders,
     random_hf_tensors,
     resolve_backend,
     resolve_dtype,
 )
+from structllm.model.protocol import CausalLM
 from structllm.models import model_directory
 
 __all__ = [
@@ -61,9 +68,6 @@ __all__ = [
     "load_shard",
     "plan_shards",
 ]
-
-#: an HF tensor's rows (and columns) a rank keeps, in ``(out, in)`` layout
-Index = tuple[slice, ...]
 
 
 @attrs.frozen
@@ -85,27 +89,20 @@ class ShardPlan:
         return self.config.num_key_value_heads < self.tp_size
 
     def slices(self) -> dict[str, Index]:
-        """HF tensor name -> the rank's slice of it (replicated ones: whole)."""
-        c, d = self.config, self.config.head_dim
-        q = slice(self.q_heads.start * d, self.q_heads.stop * d)
-        kv = slice(self.kv_heads.start * d, self.kv_heads.stop * d)
-        i = slice(self.intermediate.start, self.intermediate.stop)
-        every = slice(None)
-        out: dict[str, Index] = {}
-        for name, shape in hf_tensor_shapes(c).items():
-            part = name.rsplit(".", 2)
-            module, kind = part[-2], part[-1]
-            rows = {"q_proj": q, "k_proj": kv, "v_proj": kv}.get(module)
-            if module in ("gate_proj", "up_proj"):
-                rows = i
-            if rows is not None:
-                out[name] = (rows, every) if kind == "weight" else (rows,)
-            elif module == "o_proj" and kind == "weight":
-                out[name] = (every, q)
-            elif module == "down_proj" and kind == "weight":
-                out[name] = (every, i)
-            else:  # norms, embedding, head, o/down biases: whole
-                out[name] = tuple(every for _ in shape)
+        """HF tensor name -> the rank's slice of it: the projections' as their
+        loaders cut them; the rest (norms, embedding) whole."""
+        out = {
+            name: tuple(slice(None) for _ in shape)
+            for name, shape in hf_tensor_shapes(self.config).items()
+        }
+        loaders = projection_loaders(
+            self.config,
+            q_heads=self.q_heads,
+            kv_heads=self.kv_heads,
+            intermediate=self.intermediate,
+        )
+        for loader in loaders.values():
+            out.update(loader.slices())
         return out
 
     def shard_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -188,7 +185,7 @@ def load_shard(
     max_model_len: int | None = None,
     backend: str = "eager",
     all_reduce: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """The rank's shard of the checkpoint in ``path``, ready to run.
 
     Reads only the rank's slices. A group of one gets :func:`build_model`'s
@@ -239,7 +236,7 @@ def build_shard(
     block_size: int = 16,
     max_model_len: int | None = None,
     all_reduce: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """A rank's model from its HF-named slices (as :meth:`ShardPlan.slices`
     cuts them; consumed), checked against :meth:`ShardPlan.shard_shapes`."""
     expected = plan.shard_shapes()

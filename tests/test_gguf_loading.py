@@ -23,6 +23,7 @@ from structllm.model.attention import SequenceSlice
 from structllm.model.config import ModelConfig
 from structllm.model.gguf_config import hf_config_from_gguf
 from structllm.model.loader import build_model, load_model
+from structllm.model.parallel import load_shard, plan_shards
 from structllm.models import make_tiny_model
 from tests.gguf_convert import convert
 
@@ -324,3 +325,28 @@ def test_neutral_values_of_foreign_keys_pass() -> None:
     assert _config({**BASE, "llama.expert_count": 0}).num_hidden_layers == 2
     with pytest.raises(UnsupportedModelError, match=r"llama.expert_count=8"):
         _config({**BASE, "llama.expert_count": 8})
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tensor_parallel_rank_reads_its_slices_of_a_gguf_file(
+    tmp_path: Path, rank: int
+) -> None:
+    directory = _checkpoint(tmp_path, "llama")  # 4 q heads, 2 kv heads
+    convert(directory, tmp_path / "m.gguf")
+    ours = load_shard(
+        tmp_path / "m.gguf",
+        plan_shards(ModelConfig.from_gguf(tmp_path / "m.gguf"), 2, rank),
+        block_size=4,
+        all_reduce=lambda x: x,
+    )
+    theirs = load_shard(
+        directory,
+        plan_shards(ModelConfig.from_directory(directory), 2, rank),
+        block_size=4,
+        all_reduce=lambda x: x,
+    )
+    for mine, other in zip(ours.weights.layers, theirs.weights.layers, strict=True):
+        for name in ("qkv", "o", "gate_up", "down"):
+            np.testing.assert_array_equal(
+                getattr(mine, name).weight.numpy(), getattr(other, name).weight.numpy()
+            )

@@ -145,7 +145,7 @@ def test_rope_and_write_matches_the_paddle_ops(family: str) -> None:
     from structllm.model.llama import _rms_norm
 
     h = _rms_norm(x, layer.input_norm, config.rms_norm_eps)
-    qkv = paddle.matmul(h, layer.qkv).numpy()
+    qkv = layer.qkv(h).numpy()  # without the bias: the kernel adds it
     k_cache, v_cache = (np.zeros((config.num_key_value_heads, 40, 24), "float32"),) * 2
     k_cache, v_cache = k_cache.copy(), v_cache.copy()
     slots = np.array([7, 3, 20, 0, 39, 11], dtype=np.int64)
@@ -163,9 +163,9 @@ def test_rope_and_write_matches_the_paddle_ops(family: str) -> None:
         v_cache,
         slots,
         q_out,
-        bias=layer.qkv_bias.numpy() if qkv_bias else None,
+        bias=layer.qkv.bias.numpy() if qkv_bias else None,
     )
-    assert (layer.qkv_bias is not None) == qkv_bias
+    assert (layer.qkv.bias is not None) == qkv_bias
     np.testing.assert_allclose(q_out, q.numpy(), atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(
         k_cache[:, slots].transpose(1, 0, 2), k.numpy(), atol=1e-5, rtol=1e-5

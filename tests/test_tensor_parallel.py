@@ -168,22 +168,29 @@ def test_shard_loads_its_slices_into_a_narrow_model(
     plan = plan_shards(c, 2, 1)
     model = load_shard(tmp_path, plan, block_size=4, all_reduce=lambda x: x)
     layer = model.weights.layers[0]
-    assert tuple(layer.qkv.shape) == (64, 32 + 16 + 16)  # 2 q heads, 1 kv, 1 kv
-    assert tuple(layer.o.shape) == (32, 64) and tuple(layer.down.shape) == (64, 64)
-    assert layer.o_bias is not None and tuple(layer.o_bias.shape) == (64,)
+    qkv, o, gate_up, down = (
+        layer.qkv.weight,
+        layer.o.weight,
+        layer.gate_up.weight,
+        layer.down.weight,
+    )
+    assert tuple(qkv.shape) == (64, 32 + 16 + 16)  # 2 q heads, 1 kv, 1 kv
+    assert tuple(o.shape) == (32, 64) and tuple(down.shape) == (64, 64)
+    assert layer.o.bias is not None and tuple(layer.o.bias.shape) == (64,)
     k_cache, _ = model.allocate_kv_cache(3)[0]
     assert tuple(k_cache.shape) == (1, 12, 16)  # the rank's one kv head
     whole = load_model(tmp_path, backend="eager").model.weights.layers[0]
     np.testing.assert_array_equal(  # q heads 2-3: columns 32-63 of the fused qkv
-        layer.qkv[:, :32].numpy(), whole.qkv[:, 32:64].numpy()
+        qkv[:, :32].numpy(), whole.qkv.weight[:, 32:64].numpy()
     )
-    np.testing.assert_array_equal(layer.o.numpy(), whole.o[32:].numpy())
+    np.testing.assert_array_equal(o.numpy(), whole.o.weight[32:].numpy())
+    whole_gate_up = whole.gate_up.weight
     np.testing.assert_array_equal(  # gate columns 64-127 of 128, then up's
-        layer.gate_up.numpy(),
-        np.concatenate([whole.gate_up[:, 64:128], whole.gate_up[:, 192:]], axis=1),
+        gate_up.numpy(),
+        np.concatenate([whole_gate_up[:, 64:128], whole_gate_up[:, 192:]], axis=1),
     )
-    np.testing.assert_array_equal(layer.down.numpy(), whole.down[64:].numpy())
-    assert layer.qkv.dtype == paddle.float32  # half checkpoints: float32 on CPU
+    np.testing.assert_array_equal(down.numpy(), whole.down.weight[64:].numpy())
+    assert qkv.dtype == paddle.float32  # half checkpoints: float32 on CPU
 
 
 def test_inference_backend_refuses_tensor_parallel(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from structllm.core.scheduler import SchedulerOutput
 from structllm.core.structured import StructuredOutputManager
 from structllm.model._paddle import eager_mode_here, host_tensor, paddle
 from structllm.model.attention import SequenceSlice
-from structllm.model.llama import LlamaForCausalLM
+from structllm.model.protocol import CausalLM
 from structllm.model.sampler import (
     Sampler,
     SamplingRow,
@@ -48,7 +48,7 @@ class ModelInput(msgspec.Struct, frozen=True, array_like=True):
 
 
 def run_forward(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     kv_caches: list[tuple[paddle.Tensor, paddle.Tensor]],
     step: ModelInput,
 ) -> paddle.Tensor:
@@ -88,7 +88,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         num_blocks: int,
         structured: StructuredOutputManager | None = None,
         broadcast: Callable[[ModelInput], None] | None = None,

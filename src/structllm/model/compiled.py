@@ -13,8 +13,10 @@ whole MLP block runs 2.6x (16 tokens) to 3.5x (256 tokens) faster
 and four programs cover the dense stretches: the first input half, the
 work between two attentions (layer i's output half and layer i+1's input
 half), the last output half, and the final norm with the LM head. Weights
-are *inputs* of the programs, fed from the eager model's own tensors without
-a copy (``share_external_data``): one copy of the weights, four traced
+are *inputs* of the programs, fed from the eager model's own tensors (each
+:class:`~structllm.model.linear.DenseLinear`'s weight and bias; other kinds
+of Linear are refused when the model is built) without a copy
+(``share_external_data``): one copy of the weights, four traced
 programs whatever the depth, L + 2 predictors and calls a step. Each use
 site has its own predictor and is always fed the same weights: oneDNN keeps
 what it derives from the weights of its first run (shared across layers, a
@@ -45,6 +47,7 @@ from structllm.errors import ModelLoadError
 from structllm.model._paddle import host_tensor, paddle
 from structllm.model.attention import AttentionMetadata
 from structllm.model.config import ModelConfig
+from structllm.model.linear import DenseLinear, check_backend
 from structllm.model.llama import (
     DecoderLayerWeights,
     LlamaForCausalLM,
@@ -60,20 +63,11 @@ __all__ = ["SMALL_STEP", "CompiledLlamaForCausalLM", "inference_available"]
 SMALL_STEP = 8
 #: oneDNN primitives cached per predictor, one per input shape seen
 _ONEDNN_CACHE = 64
-_LAYER_FIELDS = (
-    "input_norm",
-    "qkv",
-    "qkv_bias",
-    "o",
-    "post_attention_norm",
-    "gate_up",
-    "down",
-    "o_bias",
-    "gate_up_bias",
-    "down_bias",
-    "q_norm",
-    "k_norm",
-)
+#: a layer's weights as program inputs: its tensors, and each projection's
+#: weight (``qkv``, (in, out)) and bias (``qkv_bias``)
+_NORMS = ("input_norm", "post_attention_norm", "q_norm", "k_norm")
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+_LAYER_FIELDS = (*_NORMS, *_PROJECTIONS, *(p + "_bias" for p in _PROJECTIONS))
 
 #: the weights each half of a layer reads (a program may take no unused input)
 _IN_FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm")
@@ -166,15 +160,25 @@ def _program_dir() -> Path:
 
 
 def _layer_feeds(layer: DecoderLayerWeights, prefix: str) -> dict[str, paddle.Tensor]:
-    return {
-        prefix + n: getattr(layer, n).contiguous()
-        for n in _LAYER_FIELDS
-        if getattr(layer, n) is not None
-    }
+    """The layer's weights by input name (its Linears dense: checked)."""
+    feeds = {prefix + n: getattr(layer, n) for n in _NORMS}
+    for n in _PROJECTIONS:
+        linear = getattr(layer, n)
+        assert isinstance(linear, DenseLinear)
+        feeds[prefix + n] = linear.in_out_weight()
+        feeds[prefix + n + "_bias"] = linear.bias
+    return {n: t.contiguous() for n, t in feeds.items() if t is not None}
 
 
 def _as_layer(w: Mapping[str, paddle.Tensor], prefix: str) -> DecoderLayerWeights:
-    return DecoderLayerWeights(**{n: w.get(prefix + n) for n in _LAYER_FIELDS})
+    """A layer over a program's weight inputs (a half-layer program has only
+    its half's: the others are None, and never read)."""
+    fields: dict[str, Any] = {n: w.get(prefix + n) for n in _NORMS}
+    for n in _PROJECTIONS:
+        weight = w.get(prefix + n)
+        bias = w.get(prefix + n + "_bias")
+        fields[n] = None if weight is None else DenseLinear(weight, bias)
+    return DecoderLayerWeights(**fields)
 
 
 class CompiledLlamaForCausalLM(LlamaForCausalLM):
@@ -196,6 +200,7 @@ class CompiledLlamaForCausalLM(LlamaForCausalLM):
     ) -> None:
         if weights.embed.dtype != paddle.float32:
             raise ModelLoadError("the inference backend runs float32 only")
+        check_backend(weights.linears(), "inference")
         super().__init__(
             config, weights, block_size=block_size, max_model_len=max_model_len
         )
@@ -205,12 +210,9 @@ class CompiledLlamaForCausalLM(LlamaForCausalLM):
             {**_layer_feeds(a, "a_"), **_layer_feeds(b, "b_")}
             for a, b in zip(weights.layers, weights.layers[1:], strict=False)
         ]
-        head = (
-            weights.embed.transpose([1, 0])
-            if weights.lm_head is None
-            else weights.lm_head
-        )
-        self._head_feeds = {"norm": weights.norm, "head": head.contiguous()}
+        assert isinstance(weights.lm_head, DenseLinear)
+        head = weights.lm_head.in_out_weight()  # (H, V)
+        self._head_feeds = {"norm": weights.norm, "head": head}
 
         def first(acts: list[Any], w: Feeds) -> Any:
             x, cos, sin = acts

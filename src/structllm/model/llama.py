@@ -1,9 +1,9 @@
 """Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) in plain Paddle ops.
 
-Weights are held as Paddle tensors in ``(in, out)`` layout with fused
-projections: ``qkv`` is ``[q | k | v]`` and ``gate_up`` is ``[gate | up]``.
-Every projection is a bare ``paddle.matmul`` (an ``nn.Linear`` call costs
-several times more on CPU). The forward takes a step's flattened tokens from
+Every projection is a :class:`~structllm.model.linear.Linear` (dense: one
+``paddle.matmul``; an ``nn.Linear`` call costs several times more on CPU),
+fused: ``qkv`` is ``[q | k | v]`` and ``gate_up`` is ``[gate | up]``. Their
+biases are added here, where each path puts them. The forward takes a step's flattened tokens from
 many sequences and attends through the paged KV cache; it has no Python
 control flow per token.
 """
@@ -11,7 +11,7 @@ control flow per token.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 import numpy as np
@@ -21,8 +21,10 @@ from structllm.model import kernels
 from structllm.model._paddle import paddle
 from structllm.model.attention import AttentionMetadata, PortableAttention, RopeTables
 from structllm.model.config import ModelConfig, RopeScaling
+from structllm.model.linear import Linear
 
 __all__ = [
+    "LAYER_PROJECTIONS",
     "DecoderLayerWeights",
     "LlamaForCausalLM",
     "ModelWeights",
@@ -36,18 +38,24 @@ _FUSED_RMS_NORM = paddle.is_compiled_with_cuda() or paddle.base.core.supports_av
 _swiglu = paddle.nn.functional.swiglu
 
 
+#: a layer's projections: field of :class:`DecoderLayerWeights` -> module
+#: name under ``model.layers.N.`` (HF's, fused as vLLM names them)
+LAYER_PROJECTIONS = {
+    "qkv": "self_attn.qkv_proj",
+    "o": "self_attn.o_proj",
+    "gate_up": "mlp.gate_up_proj",
+    "down": "mlp.down_proj",
+}
+
+
 @attrs.define(eq=False)
 class DecoderLayerWeights:
     input_norm: paddle.Tensor  # (H,)
-    qkv: paddle.Tensor  # (H, q_size + 2 * kv_size)
-    qkv_bias: paddle.Tensor | None  # (q_size + 2 * kv_size,)
-    o: paddle.Tensor  # (q_size, H)
+    qkv: Linear  # H -> q_size + 2 * kv_size; its bias added with RoPE
+    o: Linear  # q_size -> H; its bias after the all-reduce
     post_attention_norm: paddle.Tensor  # (H,)
-    gate_up: paddle.Tensor  # (H, 2 * I)
-    down: paddle.Tensor  # (I, H)
-    o_bias: paddle.Tensor | None = None  # (H,)
-    gate_up_bias: paddle.Tensor | None = None  # (2 * I,)
-    down_bias: paddle.Tensor | None = None  # (H,)
+    gate_up: Linear  # H -> 2 * I
+    down: Linear  # I -> H; its bias after the all-reduce
     q_norm: paddle.Tensor | None = None  # (head_dim,) Qwen3
     k_norm: paddle.Tensor | None = None  # (head_dim,)
 
@@ -57,7 +65,16 @@ class ModelWeights:
     embed: paddle.Tensor  # (V, H)
     layers: list[DecoderLayerWeights]
     norm: paddle.Tensor  # (H,)
-    lm_head: paddle.Tensor | None  # (H, V); None when tied to embed
+    #: H -> V; a tied head reads ``embed`` (``DenseLinear(embed, transposed=True)``)
+    lm_head: Linear
+
+    def linears(self) -> Iterator[tuple[str, Linear]]:
+        """Every projection with its module name (``model.layers.0.self_attn.qkv_proj``,
+        ``lm_head``)."""
+        for n, layer in enumerate(self.layers):
+            for field, module in LAYER_PROJECTIONS.items():
+                yield f"model.layers.{n}.{module}", getattr(layer, field)
+        yield "lm_head", self.lm_head
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -152,9 +169,9 @@ class LlamaForCausalLM:
         ]
         #: no bias after the q/k/v projection (see _decode_layers)
         self._unbiased = all(
-            layer.o_bias is None
-            and layer.gate_up_bias is None
-            and layer.down_bias is None
+            layer.o.bias is None
+            and layer.gate_up.bias is None
+            and layer.down.bias is None
             for layer in weights.layers
         )
         # cos/sin for every position, float32: (max_model_len, head_dim / 2)
@@ -288,14 +305,14 @@ class LlamaForCausalLM:
         ):
             return self._decode_layers(x, host_positions, kv_caches, meta)
         h = _rms_norm(x, layers[0].input_norm, c.rms_norm_eps)
-        buffer = self.attention.qkv_buffer(meta, layers[0].qkv.shape[1])
+        buffer = self.attention.qkv_buffer(meta, layers[0].qkv.out_features)
         for i, layer in enumerate(layers):
             # (T, q_size + 2 kv_size) on the host, the bias not yet added
             if buffer is not None:
-                paddle.matmul(h, layer.qkv, out=buffer[0])
+                layer.qkv(h, out=buffer[0])
                 qkv = buffer[1]
             else:
-                qkv = np.from_dlpack(paddle.matmul(h, layer.qkv))
+                qkv = np.from_dlpack(layer.qkv(h))
             attn = self._attention(i, qkv, kv_caches, meta, host_positions)
             out = _o_projection(layer, attn, self.all_reduce)
             h, x = _add_rms_norm(out, x, layer.post_attention_norm, c.rms_norm_eps)
@@ -329,7 +346,7 @@ class LlamaForCausalLM:
             layer.q_norm,
             layer.k_norm,
             self.config.rms_norm_eps,
-            layer.qkv_bias,
+            layer.qkv.bias,
         )
 
     def _decode_layers(
@@ -348,27 +365,27 @@ class LlamaForCausalLM:
         layers = self.weights.layers
         buffers = self.attention.buffers
         rows, hidden = x.shape
-        inner = layers[0].down.shape[0]
+        inner = layers[0].down.in_features
         x_t, x_h = buffers.get("residual", (rows, hidden))
         h_t, h_h = buffers.get("normed", (rows, hidden))
         out_t, out_h = buffers.get("out", (rows, hidden))
         gate_up_t, gate_up_h = buffers.get("gate_up", (rows, 2 * inner))
         act_t, act_h = buffers.get("act", (rows, inner))
-        qkv = self.attention.qkv_buffer(meta, layers[0].qkv.shape[1])
+        qkv = self.attention.qkv_buffer(meta, layers[0].qkv.out_features)
         assert qkv is not None
         views = self.attention.host_view
         x_h[...] = np.from_dlpack(x)
         eps = c.rms_norm_eps
         kernels.add_rms_norm(x_h, views(layers[0].input_norm), eps, h_h)
         for i, layer in enumerate(layers):
-            paddle.matmul(h_t, layer.qkv, out=qkv[0])
+            layer.qkv(h_t, out=qkv[0])
             attn = self._attention(i, qkv[1], kv_caches, meta, positions)
-            paddle.matmul(attn, layer.o, out=out_t)
+            layer.o(attn, out=out_t)
             norm = views(layer.post_attention_norm)
             kernels.add_rms_norm(x_h, norm, eps, h_h, delta=out_h)
-            paddle.matmul(h_t, layer.gate_up, out=gate_up_t)
+            layer.gate_up(h_t, out=gate_up_t)
             kernels.swiglu(gate_up_h, act_h)
-            paddle.matmul(act_t, layer.down, out=out_t)
+            layer.down(act_t, out=out_t)
             if i + 1 < len(layers):
                 norm = views(layers[i + 1].input_norm)
                 kernels.add_rms_norm(x_h, norm, eps, h_h, delta=out_h)
@@ -377,11 +394,7 @@ class LlamaForCausalLM:
         return x_t
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:  # (N, V) float32
-        w = self.weights
-        if w.lm_head is None:
-            logits = paddle.matmul(hidden, w.embed, transpose_y=True)
-        else:
-            logits = paddle.matmul(hidden, w.lm_head)
+        logits = self.weights.lm_head(hidden)
         return (
             logits.astype(paddle.float32) if logits.dtype != paddle.float32 else logits
         )
@@ -400,9 +413,9 @@ def attention_inputs(
     """
     nh, kvh, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
-    qkv = paddle.matmul(h, layer.qkv)  # (T, q_size + 2 kv_size)
-    if layer.qkv_bias is not None:
-        qkv = qkv + layer.qkv_bias
+    qkv = layer.qkv(h)  # (T, q_size + 2 kv_size)
+    if layer.qkv.bias is not None:
+        qkv = qkv + layer.qkv.bias
     qk = qkv[:, : c.q_size + c.kv_size].reshape([-1, nh + kvh, d])
     if layer.q_norm is not None:
         # Qwen3: RMSNorm over each head's head_dim, q and k apart
@@ -436,11 +449,11 @@ def _o_projection(
     attn: paddle.Tensor,  # (T, nh * d)
     all_reduce: Callable[[paddle.Tensor], paddle.Tensor] | None,
 ) -> paddle.Tensor:  # (T, H)
-    out = paddle.matmul(attn, layer.o)
+    out = layer.o(attn)
     if all_reduce is not None:
         out = all_reduce(out)
-    if layer.o_bias is not None:
-        out = out + layer.o_bias
+    if layer.o.bias is not None:
+        out = out + layer.o.bias
     return out
 
 
@@ -449,14 +462,14 @@ def _mlp(
     h: paddle.Tensor,  # (T, H) normed
     all_reduce: Callable[[paddle.Tensor], paddle.Tensor] | None,
 ) -> paddle.Tensor:  # (T, H)
-    gate_up = paddle.matmul(h, layer.gate_up)  # (T, 2 I)
-    if layer.gate_up_bias is not None:
-        gate_up = gate_up + layer.gate_up_bias
-    out = paddle.matmul(_swiglu(gate_up), layer.down)
+    gate_up = layer.gate_up(h)  # (T, 2 I)
+    if layer.gate_up.bias is not None:
+        gate_up = gate_up + layer.gate_up.bias
+    out = layer.down(_swiglu(gate_up))
     if all_reduce is not None:
         out = all_reduce(out)
-    if layer.down_bias is not None:
-        out = out + layer.down_bias
+    if layer.down.bias is not None:
+        out = out + layer.down.bias
     return out
 
 

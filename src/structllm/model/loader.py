@@ -24,7 +24,21 @@ import numpy as np
 from structllm.errors import ModelLoadError
 from structllm.model._paddle import cpu_vendor, paddle
 from structllm.model.config import ModelConfig
-from structllm.model.llama import DecoderLayerWeights, LlamaForCausalLM, ModelWeights
+from structllm.model.linear import (
+    ColumnParallelLoader,
+    DenseLinear,
+    Linear,
+    LinearLoader,
+    RowParallelLoader,
+    unsupported,
+)
+from structllm.model.llama import (
+    LAYER_PROJECTIONS,
+    DecoderLayerWeights,
+    LlamaForCausalLM,
+    ModelWeights,
+)
+from structllm.model.protocol import CausalLM
 from structllm.models import resolve_model
 
 __all__ = [
@@ -33,6 +47,7 @@ __all__ = [
     "build_model",
     "hf_tensor_shapes",
     "load_model",
+    "projection_loaders",
     "random_hf_tensors",
     "resolve_backend",
     "resolve_dtype",
@@ -56,7 +71,7 @@ class LoadProgress:
 @attrs.frozen
 class LoadedModel:
     config: ModelConfig
-    model: LlamaForCausalLM
+    model: CausalLM
     #: the checkpoint directory; None for the built-in "tiny-random"
     path: Path | None
 
@@ -96,6 +111,50 @@ def hf_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, h)
     return shapes
+
+
+def projection_loaders(
+    config: ModelConfig,
+    *,
+    q_heads: range | None = None,
+    kv_heads: range | None = None,
+    intermediate: range | None = None,
+) -> dict[str, LinearLoader]:
+    """Every projection's loader, by module name (``build_model``'s
+    ``linears`` keys: ``model.layers.N.self_attn.qkv_proj``, ``...o_proj``,
+    ``model.layers.N.mlp.gate_up_proj``, ``...down_proj``, and ``lm_head``
+    unless the head is tied), for a tensor-parallel rank that keeps
+    ``q_heads``, ``kv_heads`` and ``intermediate`` columns (by default all:
+    the whole model)."""
+    c, d = config, config.head_dim
+    q_heads = q_heads or range(c.num_attention_heads)
+    kv_heads = kv_heads or range(c.num_key_value_heads)
+    i = intermediate or range(c.intermediate_size)
+    q = range(q_heads.start * d, q_heads.stop * d)  # rows of q_proj
+    kv = range(kv_heads.start * d, kv_heads.stop * d)  # rows of k_proj, v_proj
+    out: dict[str, LinearLoader] = {}
+    for n in range(c.num_hidden_layers):
+        p = f"model.layers.{n}."
+        a, m = p + "self_attn.", p + "mlp."
+        loaders = {
+            "qkv": ColumnParallelLoader(
+                (a + "q_proj", a + "k_proj", a + "v_proj"),
+                has_bias=c.qkv_bias,
+                rows=(q, kv, kv),
+            ),
+            "o": RowParallelLoader((a + "o_proj",), has_bias=c.o_bias, columns=q),
+            "gate_up": ColumnParallelLoader(
+                (m + "gate_proj", m + "up_proj"), has_bias=c.mlp_bias, rows=(i, i)
+            ),
+            "down": RowParallelLoader(
+                (m + "down_proj",), has_bias=c.mlp_bias, columns=i
+            ),
+        }
+        for field, module in LAYER_PROJECTIONS.items():
+            out[p + module] = loaders[field]
+    if not c.tie_word_embeddings:
+        out["lm_head"] = LinearLoader(("lm_head",))
+    return out
 
 
 def random_hf_tensors(
@@ -219,16 +278,30 @@ def build_model(
     max_model_len: int | None = None,
     backend: str = "eager",
     num_threads: int | None = None,
+    linears: Mapping[str, Linear] | None = None,
 ) -> LlamaForCausalLM:
-    """A model from HF-named tensors (consumed; HF ``(out, in)`` layout)."""
+    """A model from HF-named tensors (consumed; HF ``(out, in)`` layout; numpy
+    or Paddle, any float dtype: cast to ``dtype``).
+
+    ``linears`` supplies projections already built (a quantized format's
+    :class:`Linear`, with its own bias), by the module names of
+    :func:`projection_loaders` (``model.layers.0.self_attn.qkv_proj``:
+    q, k and v fused along the output; ``lm_head``, which a tied model may
+    supply too); ``tensors`` then lacks that projection's HF pieces. A
+    backend that cannot run one refuses it here (``"auto"`` picks one that
+    can). Tensors the model does not use are refused.
+    """
     t = {
         n: x if isinstance(x, paddle.Tensor) else paddle.to_tensor(x)
         for n, x in tensors.items()
     }
-    weights = _fuse(config, t, dtype)
+    weights = _fuse(config, t, dtype, linears)
     limit = config.max_context_len
     max_len = min(max_model_len or limit, limit)
-    if resolve_backend(backend, dtype, config) == "inference":
+    resolved = resolve_backend(backend, dtype, config)
+    if backend == "auto" and unsupported(weights.linears(), "inference"):
+        resolved = "eager"
+    if resolved == "inference":
         from structllm.model.compiled import CompiledLlamaForCausalLM
 
         return CompiledLlamaForCausalLM(
@@ -362,53 +435,77 @@ def _ignorable(name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight"
 
 
-def _fuse(config: ModelConfig, t: dict[str, paddle.Tensor], dtype: str) -> ModelWeights:
-    """HF tensors -> fused, ``(in, out)`` tensors in ``dtype``."""
+def _fuse(
+    config: ModelConfig,
+    t: dict[str, paddle.Tensor],
+    dtype: str,
+    linears: Mapping[str, Linear] | None = None,
+) -> ModelWeights:
+    """HF tensors (taken out of ``t``) -> the model's weights in ``dtype``:
+    a :class:`DenseLinear` for each projection ``linears`` does not supply."""
+    supplied = dict(linears or {})
+    loaders = projection_loaders(config)
+    unknown = sorted(set(supplied) - {*loaders, "lm_head"})
+    if unknown:
+        raise ModelLoadError(
+            f"linears names {unknown[:3]}, not projections of this model: "
+            f"those are {list(loaders)[:4]}... and lm_head"
+        )
 
     def cast(x: paddle.Tensor) -> paddle.Tensor:
         return x if x.dtype == getattr(paddle, dtype) else x.astype(dtype)
 
-    def linear(*names: str) -> paddle.Tensor:
-        # HF Linear weights are (out, in); concatenate along out, store (in, out)
-        w = (
-            paddle.concat([t.pop(n) for n in names], axis=0)
-            if len(names) > 1
-            else t.pop(names[0])
-        )
-        return cast(w).transpose([1, 0]).contiguous()
+    def take(name: str) -> paddle.Tensor:
+        if name not in t:
+            raise ModelLoadError(f"the weights lack {name}")
+        return cast(t.pop(name))
 
-    def optional(*names: str) -> paddle.Tensor | None:
-        if names[0] not in t:
-            return None
-        return cast(paddle.concat([t.pop(n) for n in names]))
+    def linear(module: str, in_features: int, out_features: int) -> Linear:
+        loader = loaders.get(module)
+        if module not in supplied:
+            assert loader is not None
+            return loader.build(t, dtype)
+        given = supplied[module]
+        doubled = [n for n in (loader.slices() if loader else ()) if n in t]
+        if doubled:
+            raise ModelLoadError(
+                f"{module} is given as a Linear and as tensors ({doubled[0]})"
+            )
+        shape = (given.in_features, given.out_features)
+        if shape != (in_features, out_features):
+            raise ModelLoadError(
+                f"the {given.kind} Linear given for {module} maps {shape[0]} "
+                f"features to {shape[1]}; the model's maps {in_features} to "
+                f"{out_features}"
+            )
+        return given
 
+    c, h, inner = config, config.hidden_size, config.intermediate_size
     layers = []
-    for n in range(config.num_hidden_layers):
+    for n in range(c.num_hidden_layers):
         p = f"model.layers.{n}."
-        a, m = p + "self_attn.", p + "mlp."
+        a = p + "self_attn."
+        proj = {f: p + module for f, module in LAYER_PROJECTIONS.items()}
         layers.append(
             DecoderLayerWeights(
-                input_norm=cast(t.pop(p + "input_layernorm.weight")),
-                qkv=linear(
-                    a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"
-                ),
-                qkv_bias=optional(
-                    a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"
-                ),
-                o=linear(a + "o_proj.weight"),
-                post_attention_norm=cast(t.pop(p + "post_attention_layernorm.weight")),
-                gate_up=linear(m + "gate_proj.weight", m + "up_proj.weight"),
-                down=linear(m + "down_proj.weight"),
-                o_bias=optional(a + "o_proj.bias"),
-                gate_up_bias=optional(m + "gate_proj.bias", m + "up_proj.bias"),
-                down_bias=optional(m + "down_proj.bias"),
-                q_norm=optional(a + "q_norm.weight"),
-                k_norm=optional(a + "k_norm.weight"),
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv=linear(proj["qkv"], h, c.q_size + 2 * c.kv_size),
+                o=linear(proj["o"], c.q_size, h),
+                post_attention_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=linear(proj["gate_up"], h, 2 * inner),
+                down=linear(proj["down"], inner, h),
+                q_norm=take(a + "q_norm.weight") if c.qk_norm else None,
+                k_norm=take(a + "k_norm.weight") if c.qk_norm else None,
             )
         )
-    return ModelWeights(
-        embed=cast(t.pop("model.embed_tokens.weight")),
-        layers=layers,
-        norm=cast(t.pop("model.norm.weight")),
-        lm_head=None if config.tie_word_embeddings else linear("lm_head.weight"),
-    )
+    embed = take("model.embed_tokens.weight")
+    if c.tie_word_embeddings and "lm_head" not in supplied:
+        lm_head: Linear = DenseLinear(embed, transposed=True)  # (V, H)
+    else:
+        lm_head = linear("lm_head", h, c.vocab_size)
+    norm = take("model.norm.weight")
+    if t:
+        raise ModelLoadError(
+            f"{len(t)} tensors are not weights of this model, e.g. {sorted(t)[:3]}"
+        )
+    return ModelWeights(embed=embed, layers=layers, norm=norm, lm_head=lm_head)

@@ -20,7 +20,11 @@ So a rank's shard is exactly the checkpoint of a narrower model
 (:attr:`ShardPlan.local`: ``nh/tp`` heads, its kv heads, ``I/tp``
 intermediate), which :class:`~structllm.model.llama.LlamaForCausalLM` runs
 unchanged, with an ``all_reduce`` hook, over a KV cache of its own kv heads.
-Each rank reads only its slices from safetensors (``get_slice``).
+Each rank reads only its slices from safetensors (``get_slice``); which
+slices is said by each projection's loader
+(:class:`~structllm.model.linear.ColumnParallelLoader`,
+:class:`~structllm.model.linear.RowParallelLoader`), given the rank's heads
+and intermediate columns.
 
 Collectives are ``paddle.distributed.all_reduce`` on the default group: the
 caller starts the ranks and calls ``paddle.distributed.init_parallel_env()``
@@ -33,10 +37,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import attrs
+import numpy as np
 
 from structllm.errors import EngineConfigError, ModelLoadError
 from structllm.model._paddle import paddle
-from structllm.model.config import ModelConfig, tiny_random_config
+from structllm.model.config import ModelConfig
+from structllm.model.linear import Index
 from structllm.model.llama import LlamaForCausalLM
 from structllm.model.loader import (
     LoadedModel,
@@ -46,10 +52,12 @@ from structllm.model.loader import (
     _read_safetensors,
     build_model,
     hf_tensor_shapes,
+    projection_loaders,
     random_hf_tensors,
     resolve_backend,
     resolve_dtype,
 )
+from structllm.model.protocol import CausalLM
 from structllm.models import resolve_model
 
 __all__ = [
@@ -61,9 +69,6 @@ __all__ = [
     "load_shard",
     "plan_shards",
 ]
-
-#: an HF tensor's rows (and columns) a rank keeps, in ``(out, in)`` layout
-Index = tuple[slice, ...]
 
 
 @attrs.frozen
@@ -85,27 +90,20 @@ class ShardPlan:
         return self.config.num_key_value_heads < self.tp_size
 
     def slices(self) -> dict[str, Index]:
-        """HF tensor name -> the rank's slice of it (replicated ones: whole)."""
-        c, d = self.config, self.config.head_dim
-        q = slice(self.q_heads.start * d, self.q_heads.stop * d)
-        kv = slice(self.kv_heads.start * d, self.kv_heads.stop * d)
-        i = slice(self.intermediate.start, self.intermediate.stop)
-        every = slice(None)
-        out: dict[str, Index] = {}
-        for name, shape in hf_tensor_shapes(c).items():
-            part = name.rsplit(".", 2)
-            module, kind = part[-2], part[-1]
-            rows = {"q_proj": q, "k_proj": kv, "v_proj": kv}.get(module)
-            if module in ("gate_proj", "up_proj"):
-                rows = i
-            if rows is not None:
-                out[name] = (rows, every) if kind == "weight" else (rows,)
-            elif module == "o_proj" and kind == "weight":
-                out[name] = (every, q)
-            elif module == "down_proj" and kind == "weight":
-                out[name] = (every, i)
-            else:  # norms, embedding, head, o/down biases: whole
-                out[name] = tuple(every for _ in shape)
+        """HF tensor name -> the rank's slice of it: the projections' as their
+        loaders cut them; the rest (norms, embedding) whole."""
+        out = {
+            name: tuple(slice(None) for _ in shape)
+            for name, shape in hf_tensor_shapes(self.config).items()
+        }
+        loaders = projection_loaders(
+            self.config,
+            q_heads=self.q_heads,
+            kv_heads=self.kv_heads,
+            intermediate=self.intermediate,
+        )
+        for loader in loaders.values():
+            out.update(loader.slices())
         return out
 
     def shard_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -188,10 +186,11 @@ def load_shard(
     max_model_len: int | None = None,
     backend: str = "eager",
     all_reduce: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """The rank's shard of the checkpoint in ``path``, ready to run.
 
-    Reads only the rank's slices. A group of one gets :func:`build_model`'s
+    Reads only the rank's slices (of a GGUF file, each tensor is
+    dequantized and the rank's slice kept). A group of one gets :func:`build_model`'s
     whole model (any backend; ``all_reduce`` unused). A rank of a larger
     group runs eager (``"auto"`` means eager there; the oneDNN
     ``"inference"`` backend is refused), with ``model.config`` the rank's
@@ -201,7 +200,19 @@ def load_shard(
     _check_backend(plan, backend)
     compute_dtype = resolve_dtype(dtype, plan.config)
     slices = plan.slices()
-    tensors = dict(_read_safetensors(path, hf_tensor_shapes(plan.config), slices))
+    shapes = hf_tensor_shapes(plan.config)
+    if path.is_file():
+        # a GGUF file: each tensor dequantized whole, the rank keeps its slice
+        from structllm.formats.gguf import GGUFFile
+        from structllm.model.gguf_loader import read_gguf_tensors
+
+        with GGUFFile.open(path) as f:
+            tensors = {
+                name: paddle.to_tensor(np.ascontiguousarray(array[slices[name]]))
+                for name, array in read_gguf_tensors(f, plan.config, shapes)
+            }
+    else:
+        tensors = dict(_read_safetensors(path, shapes, slices))
     if plan.tp_size == 1:  # the whole model: every backend
         return build_model(
             plan.config,
@@ -239,7 +250,7 @@ def build_shard(
     block_size: int = 16,
     max_model_len: int | None = None,
     all_reduce: Callable[[paddle.Tensor], paddle.Tensor] | None = None,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """A rank's model from its HF-named slices (as :meth:`ShardPlan.slices`
     cuts them; consumed), checked against :meth:`ShardPlan.shard_shapes`."""
     expected = plan.shard_shapes()
@@ -264,11 +275,7 @@ def build_shard(
 
 def _model_config(model: str | Path) -> tuple[ModelConfig, Path | None]:
     path = resolve_model(model)
-    if path is None:
-        return tiny_random_config(), None
-    if not path.is_dir():
-        raise ModelLoadError(f"model directory {str(path)!r} does not exist")
-    return ModelConfig.from_directory(path), path
+    return ModelConfig.from_path(path), path
 
 
 def check_tensor_parallel(model: str | Path, tp_size: int) -> None:
@@ -303,9 +310,9 @@ def load_model_shard(
     config, path = _model_config(model)
     if path is None:
         load_format = "dummy"
-    if load_format not in ("auto", "safetensors", "dummy"):
+    if load_format not in ("auto", "safetensors", "gguf", "dummy"):
         raise ModelLoadError(
-            f"load_format must be auto, safetensors or dummy, got {load_format!r}"
+            f"load_format must be auto, safetensors, gguf or dummy, got {load_format!r}"
         )
     plan = plan_shards(config, tp_size, rank)
     if on_progress is not None:

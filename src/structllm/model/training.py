@@ -10,7 +10,8 @@ sequences, instead of paged over a KV cache. A test checks that both give
 the same logits on the same weights.
 
 :func:`hf_tensors` turns the fused, ``(in, out)`` weights back into Hugging
-Face tensors, so a trained model is saved as any checkpoint is.
+Face tensors, so a trained model is saved as any checkpoint is. Both train
+and save dense Linears only: another kind is refused by name.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 
 from structllm.model._paddle import paddle
 from structllm.model.config import ModelConfig
+from structllm.model.linear import DenseLinear, Linear, check_backend
 from structllm.model.llama import (
     LlamaForCausalLM,
     _rms_norm,
@@ -62,17 +64,27 @@ def initial_hf_tensors(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarr
 
 
 def trainable_weights(model: LlamaForCausalLM) -> list[paddle.Tensor]:
-    """Every weight tensor of ``model``, made to collect gradients."""
+    """Every weight tensor of ``model``, made to collect gradients (once
+    each: a tied head's is the embedding)."""
     w = model.weights
-    tensors = [w.embed, w.norm, *([w.lm_head] if w.lm_head is not None else [])]
+    check_backend(w.linears(), "training")
+    tensors = [w.embed, w.norm, *_parameters(w.lm_head)]
     for layer in w.layers:
         for name in _LAYER_FIELDS:
-            t = getattr(layer, name)
-            if t is not None:
-                tensors.append(t)
-    for t in tensors:
+            field = getattr(layer, name)
+            if isinstance(field, Linear):
+                tensors += _parameters(field)
+            elif field is not None:
+                tensors.append(field)
+    unique = list({id(t): t for t in tensors}.values())
+    for t in unique:
         t.stop_gradient = False
-    return tensors
+    return unique
+
+
+def _parameters(linear: Linear) -> list[paddle.Tensor]:
+    assert isinstance(linear, DenseLinear)  # check_backend: training's only kind
+    return [linear.weight, *([linear.bias] if linear.bias is not None else [])]
 
 
 def causal_lm_logits(model: LlamaForCausalLM, tokens: paddle.Tensor) -> paddle.Tensor:
@@ -113,14 +125,10 @@ def causal_lm_loss(model: LlamaForCausalLM, tokens: paddle.Tensor) -> paddle.Ten
 _LAYER_FIELDS = (
     "input_norm",
     "qkv",
-    "qkv_bias",
     "o",
-    "o_bias",
     "post_attention_norm",
     "gate_up",
-    "gate_up_bias",
     "down",
-    "down_bias",
     "q_norm",
     "k_norm",
 )
@@ -132,24 +140,21 @@ def hf_tensors(config: ModelConfig, model: LlamaForCausalLM) -> dict[str, np.nda
     def arr(t: paddle.Tensor) -> np.ndarray:
         return np.ascontiguousarray(t.detach().astype("float32").numpy())
 
-    def linear(prefix: str, fused: paddle.Tensor, *parts: tuple[str, int]) -> None:
-        w = arr(fused).T  # (out, in)
+    def linear(prefix: str, fused: Linear, *parts: tuple[str, int]) -> None:
+        assert isinstance(fused, DenseLinear)  # check_backend
+        w = arr(fused.in_out_weight()).T  # (out, in)
+        b = None if fused.bias is None else arr(fused.bias)  # (out,)
         start = 0
         for name, size in parts:
-            out[f"{prefix}.{name}.weight"] = np.ascontiguousarray(
+            out[f"{prefix}{name}.weight"] = np.ascontiguousarray(
                 w[start : start + size]
             )
-            start += size
-
-    def bias(prefix: str, fused: paddle.Tensor | None, *parts: tuple[str, int]) -> None:
-        if fused is None:
-            return
-        b, start = arr(fused), 0
-        for name, size in parts:
-            out[f"{prefix}.{name}.bias"] = b[start : start + size]
+            if b is not None:
+                out[f"{prefix}{name}.bias"] = b[start : start + size]
             start += size
 
     w = model.weights
+    check_backend(w.linears(), "training")
     out: dict[str, np.ndarray] = {"model.embed_tokens.weight": arr(w.embed)}
     kv, i_size = config.kv_size, config.intermediate_size
     qkv = (("q_proj", config.q_size), ("k_proj", kv), ("v_proj", kv))
@@ -158,18 +163,14 @@ def hf_tensors(config: ModelConfig, model: LlamaForCausalLM) -> dict[str, np.nda
         p = f"model.layers.{i}"
         out[f"{p}.input_layernorm.weight"] = arr(layer.input_norm)
         out[f"{p}.post_attention_layernorm.weight"] = arr(layer.post_attention_norm)
-        linear(f"{p}.self_attn", layer.qkv, *qkv)
-        bias(f"{p}.self_attn", layer.qkv_bias, *qkv)
-        linear(f"{p}.self_attn", layer.o, ("o_proj", config.hidden_size))
-        bias(f"{p}.self_attn", layer.o_bias, ("o_proj", config.hidden_size))
-        linear(f"{p}.mlp", layer.gate_up, *mlp)
-        bias(f"{p}.mlp", layer.gate_up_bias, *mlp)
-        linear(f"{p}.mlp", layer.down, ("down_proj", config.hidden_size))
-        bias(f"{p}.mlp", layer.down_bias, ("down_proj", config.hidden_size))
+        linear(f"{p}.self_attn.", layer.qkv, *qkv)
+        linear(f"{p}.self_attn.", layer.o, ("o_proj", config.hidden_size))
+        linear(f"{p}.mlp.", layer.gate_up, *mlp)
+        linear(f"{p}.mlp.", layer.down, ("down_proj", config.hidden_size))
         if layer.q_norm is not None and layer.k_norm is not None:
             out[f"{p}.self_attn.q_norm.weight"] = arr(layer.q_norm)
             out[f"{p}.self_attn.k_norm.weight"] = arr(layer.k_norm)
     out["model.norm.weight"] = arr(w.norm)
-    if w.lm_head is not None:
-        out["lm_head.weight"] = np.ascontiguousarray(arr(w.lm_head).T)
+    if not config.tie_word_embeddings:
+        linear("", w.lm_head, ("lm_head", config.vocab_size))
     return out

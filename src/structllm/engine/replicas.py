@@ -38,7 +38,13 @@ from structllm.config import EngineConfig, FrontendConfig
 from structllm.core.block_pool import BlockHash
 from structllm.core.engine_core import StepOutput
 from structllm.engine.core_client import CoreClient
-from structllm.engine.protocol import AbortRequests, AddFailed, Message, Ready
+from structllm.engine.protocol import (
+    AbortRequests,
+    AddFailed,
+    CoreState,
+    Message,
+    Ready,
+)
 from structllm.engine.routing import PrefixRouter, affinity_slack
 from structllm.engine.statistics import EngineStatistics
 from structllm.errors import EngineConfigError, EngineDeadError, dead_error
@@ -276,6 +282,14 @@ class ReplicaSet:
             if client.dead is None:
                 total += await client.reset_prefix_cache()
         return total
+
+    async def inspect(self) -> tuple[CoreState | None, ...]:
+        """Each replica's core record (None for one dead for good)."""
+        await self.wait_ready()
+        states: list[CoreState | None] = []
+        for client in self.clients:
+            states.append(None if client.dead is not None else await client.inspect())
+        return tuple(states)
 
     def statistics(self, *, live_requests: int) -> EngineStatistics:
         """Counts summed over replicas; each replica's own in ``replicas``."""

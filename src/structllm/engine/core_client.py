@@ -79,6 +79,18 @@ class _Question:
     done: anyio.Event = attrs.Factory(anyio.Event)
     answer: Message | BaseException | None = None
 
+    async def wait(self) -> Message:
+        await self.done.wait()
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        assert self.answer is not None
+        return self.answer
+
+    async def wait_state(self) -> CoreState:
+        answer = await self.wait()
+        assert isinstance(answer, CoreState)
+        return answer
+
 
 class CoreEvents(Protocol):
     """What the client tells the front end (called synchronously)."""
@@ -213,20 +225,26 @@ class CoreClient:
     async def inspect(self) -> CoreState:
         """The core's own record of its requests and blocks, as of every
         message sent before this call (see :class:`InspectCore`)."""
-        answer = await self._ask(InspectCore())
-        assert isinstance(answer, CoreState)
-        return answer
+        await self.wait_ready()
+        return await self.inspect_nowait().wait_state()
+
+    def inspect_nowait(self) -> _Question:
+        """Send InspectCore now (a running core); wait for its answer later."""
+        return self._ask_nowait(InspectCore())
 
     async def _ask(self, question: Message) -> Message:
         await self.wait_ready()
+        return await self._ask_nowait(question).wait()
+
+    def _ask_nowait(self, question: Message) -> _Question:
         asked = _Question()
+        if self._outgoing is None:
+            asked.answer = EngineDeadError("the engine core is restarting")
+            asked.done.set()
+            return asked
         self._questions.append(asked)
         self.send_nowait(question)
-        await asked.done.wait()
-        if isinstance(asked.answer, BaseException):
-            raise asked.answer
-        assert asked.answer is not None
-        return asked.answer
+        return asked
 
     @property
     def health_timeout(self) -> float:

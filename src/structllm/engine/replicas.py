@@ -284,11 +284,22 @@ class ReplicaSet:
         return total
 
     async def inspect(self) -> tuple[CoreState | None, ...]:
-        """Each replica's core record (None for one dead for good)."""
+        """Each replica's core record (None for one dead for good).
+
+        Every running replica is asked at once, before any answer is awaited,
+        so each question follows exactly the messages sent before the call;
+        one restarting is waited for and asked then.
+        """
         await self.wait_ready()
+        asked = [c.inspect_nowait() if c.ready else None for c in self.clients]
         states: list[CoreState | None] = []
-        for client in self.clients:
-            states.append(None if client.dead is not None else await client.inspect())
+        for client, question in zip(self.clients, asked, strict=True):
+            if client.dead is not None:
+                states.append(None)
+            elif question is None:
+                states.append(await client.inspect())
+            else:
+                states.append(await question.wait_state())
         return tuple(states)
 
     def statistics(self, *, live_requests: int) -> EngineStatistics:

@@ -148,6 +148,19 @@ def fuzz(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def mutants(session: nox.Session) -> None:
+    """Deliberate bugs the tests must catch: each of tools/mutants.toml alone.
+
+    Applies one small bug at a time to a copy of the tree and runs the test
+    files it names; fails if any passes them (a surviving mutant). Not part
+    of CI (minutes). ``nox -s mutants -- NAME ...`` runs some, ``-- --list``
+    lists them; how to add one: docs/testing.md.
+    """
+    _install(session)
+    session.run("python", "tools/mutants.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def soak(session: nox.Session) -> None:
     """1,000 concurrent streams, then 2,000 clients that hang up at random.
 

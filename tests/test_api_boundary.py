@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import httpx
 import pytest
 
@@ -508,9 +509,12 @@ def test_sigterm_drains_then_cuts_streams_with_done() -> None:
                     tg.start_soon(stream)
                     await started.wait()
                     proc.send_signal(signal.SIGTERM)
-                    await anyio.sleep(0.5)
-                    # draining: the listener is open, new requests get 503
+                    # draining (as /health says once the signal is handled):
+                    # the listener is open, new requests get 503
                     async with httpx.AsyncClient(base_url=url, timeout=10) as fresh:
+                        with anyio.fail_after(10):
+                            while (await fresh.get("/health")).status_code == 200:
+                                await anyio.lowlevel.checkpoint()
                         r = await fresh.post("/v1/completions", json={"prompt": "y"})
                         statuses.append(r.status_code)
                         assert r.json()["error"]["code"] == 503

@@ -31,6 +31,7 @@ from structllm.core.engine_core import EngineCore
 from structllm.core.request import CoreRequest
 from structllm.engine.async_llm import AsyncLLM
 from structllm.model.config import tiny_random_config
+from tests.core_record import assert_core_holds_nothing, core_state, user_ids
 
 pytestmark = pytest.mark.anyio
 
@@ -65,14 +66,6 @@ async def open_llm(**kw: object) -> AsyncIterator[AsyncLLM]:
         yield llm
 
 
-async def all_blocks_free(llm: AsyncLLM) -> None:
-    with anyio.fail_after(5):
-        stats = await llm.wait_statistics(
-            lambda s: s.blocks_used == 0 and s.running == 0 and s.waiting == 0
-        )
-    assert stats.live_requests == 0
-
-
 async def test_stream_matches_offline_engine() -> None:
     p = prompts(1)[0]
     async with open_llm() as llm:
@@ -81,7 +74,7 @@ async def test_stream_matches_offline_engine() -> None:
         assert s.finish_reason == "length"
         assert list(outs[-1].token_ids) == alone(p)
         assert outs[-1].finished and not any(o.finished for o in outs[:-1])
-        await all_blocks_free(llm)
+        await assert_core_holds_nothing(llm)
 
 
 async def test_64_concurrent_streams_equal_alone() -> None:
@@ -99,7 +92,7 @@ async def test_64_concurrent_streams_equal_alone() -> None:
             for i in range(64):
                 tg.start_soon(one, i)
         assert [got[i] for i in range(64)] == expected
-        await all_blocks_free(llm)
+        await assert_core_holds_nothing(llm)
 
 
 async def test_output_kinds_agree() -> None:
@@ -145,40 +138,73 @@ async def test_leaving_block_early_aborts_and_frees_blocks() -> None:
                 n += 1
                 if n == 3:
                     break
+        await assert_core_holds_nothing(llm)  # 197 tokens short of its end
         assert s.finish_reason == "abort"
-        await all_blocks_free(llm)
         # the id is free again and the engine still serves
         out = await llm.complete("Hello", GREEDY, request_id=s.request_id)
         assert out.finish_reason == "length"
 
 
-async def test_deadline_during_prefill() -> None:
-    # a 200-token prompt in 8-token chunks: prefill takes 25 steps
+async def wait_prefilling(llm: AsyncLLM, request_id: str, blocks: int) -> None:
+    """Until the core holds ``request_id`` with at least ``blocks`` KV blocks
+    (its prefill under way), by the core's own reports after each step."""
+    with anyio.fail_after(10):
+        await llm.wait_statistics(lambda s: s.running == 1 and s.blocks_used >= blocks)
+    state = await core_state(llm)
+    assert user_ids(state) == {request_id} and state.blocks_used >= blocks
+
+
+@pytest.mark.parametrize("how", ["deadline", "cancel"])
+async def test_deadline_during_prefill(how: str) -> None:
+    """A 240-token prompt in 8-token chunks: prefill takes 30 steps (15 blocks).
+
+    The deadline expires (or the scope is cancelled) once the core holds
+    4 blocks of it; asked right after, the core holds nothing: it did not
+    run another chunk of the abandoned prefill."""
     async with open_llm(max_num_batched_tokens=8) as llm:
-        with anyio.move_on_after(0.01) as scope:
-            async with llm.stream([7] * 200, GREEDY) as s:
-                async for _ in s:
-                    pass
+        with anyio.move_on_after(3600) as scope:
+            s = llm.stream([7] * 240, GREEDY, request_id="long")
+            async with anyio.create_task_group() as tg:
+
+                async def expire_mid_prefill() -> None:
+                    await wait_prefilling(llm, "long", blocks=4)
+                    if how == "deadline":
+                        scope.deadline = anyio.current_time()
+                    else:
+                        scope.cancel()
+
+                tg.start_soon(expire_mid_prefill)
+                async with s:
+                    async for _ in s:
+                        pytest.fail("a token came before the deadline")
         assert scope.cancelled_caught
         assert s.finish_reason == "abort"
-        await all_blocks_free(llm)
+        assert s.final_output is not None and s.final_output.token_ids == ()
+        await assert_core_holds_nothing(llm)
         assert (await llm.complete("x", GREEDY)).finish_reason == "length"
 
 
 async def test_cancelled_task() -> None:
     started = anyio.Event()
+    held: list[set[str]] = []
     async with open_llm() as llm:
 
         async def consumer() -> None:
-            async with llm.stream("Hi", SamplingParams(max_tokens=200)) as s:
-                async for _ in s:
-                    started.set()
+            params = SamplingParams(max_tokens=200, ignore_eos=True)
+            try:
+                async with llm.stream("Hi", params, request_id="mine") as s:
+                    async for _ in s:
+                        started.set()
+            finally:  # the moment the block is left, cancelled: ask the core
+                with anyio.CancelScope(shield=True):
+                    held.append(user_ids(await core_state(llm)))
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(consumer)
             await started.wait()
             tg.cancel_scope.cancel()
-        await all_blocks_free(llm)
+        assert held == [set()]
+        await assert_core_holds_nothing(llm)
 
 
 async def test_abort_from_another_task_ends_the_block() -> None:
@@ -200,20 +226,25 @@ async def test_abort_from_another_task_ends_the_block() -> None:
             await llm.abort(s.request_id)
             await llm.abort(s.request_id)  # idempotent
         assert s.finish_reason == "abort"
-        await all_blocks_free(llm)
+        await assert_core_holds_nothing(llm)
 
 
 async def test_stop_string_aborts_in_core() -> None:
+    """The front end finds the stop string; the core, which would run on to
+    200 tokens, drops the request before its next step."""
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     async with open_llm() as llm:
-        base = await llm.complete("Hello", SamplingParams(temperature=0, max_tokens=30))
+        base = await llm.complete("Hello", attrs.evolve(long, max_tokens=30))
         stop = base.text[5:7]
         assert stop
-        out = await llm.complete(
-            "Hello", SamplingParams(temperature=0, max_tokens=30, stop=[stop])
-        )
+        async with llm.stream("Hello", attrs.evolve(long, stop=[stop])) as s:
+            async for out in s:
+                if out.finished:  # asked at once: after the abort the stop sent
+                    assert user_ids(await core_state(llm)) == set()
+        await assert_core_holds_nothing(llm)
         assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
         assert out.text == base.text[: base.text.index(stop)]
-        await all_blocks_free(llm)
+        assert len(out.token_ids) < 30
 
 
 async def test_bad_input_names_the_field_and_engine_serves_on() -> None:
@@ -235,7 +266,7 @@ async def test_bad_input_names_the_field_and_engine_serves_on() -> None:
                     pass
             assert e.value.field == "request_id"
         assert (await llm.complete("x", GREEDY)).finish_reason == "length"
-        await all_blocks_free(llm)
+        await assert_core_holds_nothing(llm)
 
 
 async def test_overload() -> None:
@@ -325,7 +356,7 @@ async def test_statistics_report_the_cores_memory() -> None:
     per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
     async with open_llm(executor="process") as llm:
         await llm.complete("x", GREEDY)
-        await all_blocks_free(llm)
+        await assert_core_holds_nothing(llm)
         stats = llm.statistics()
         assert stats.kv_cache_bytes == 64 * 16 * per_token
         status = await anyio.Path(f"/proc/{stats.core_pid}/status").read_text()
@@ -348,14 +379,25 @@ async def test_reusing_an_id_at_once_never_mixes_requests() -> None:
 
 
 async def test_heartbeats_continue_under_submit_and_abort_churn() -> None:
-    """Requests aborted before their first step make no step results."""
-    async with open_llm(heartbeat_interval=0.2, heartbeat_timeout=1.0) as llm:
-        with anyio.move_on_after(3.0):
+    """Requests aborted before their first step make no step results, so
+    only heartbeats say the core lives: through 2 s of such churn it stays
+    healthy (heard from within 0.8 s, four intervals) and never restarts."""
+    front = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0}
+    async with open_llm(**front, health_timeout=0.8) as llm:
+        before = (await core_state(llm)).steps
+        churned = 0
+        with anyio.move_on_after(2.0):
             while True:
                 async with llm.stream("x", GREEDY):
                     pass  # registered and released without reading
-                await anyio.sleep(0.01)
+                churned += 1
+                assert llm.statistics().healthy, llm.statistics()
+                await anyio.sleep(0.01)  # pacing, not synchronisation
+        stepped = (await core_state(llm)).steps - before
+        # the case named: most requests never reached a step
+        assert churned > 20 and stepped < churned / 2, (churned, stepped)
         assert llm.statistics().restarts == 0
+        await assert_core_holds_nothing(llm)
 
 
 async def test_waiting_for_a_restart_ends_when_the_engine_closes() -> None:
@@ -393,7 +435,7 @@ async def test_cancelled_while_waiting_for_a_restart() -> None:
         with anyio.fail_after(30):  # the restarted engine serves, id free
             out = await llm.complete("y", GREEDY, request_id="waiting")
         assert out.finish_reason == "length"
-        await all_blocks_free(llm)
+        await assert_core_holds_nothing(llm)
 
 
 async def test_a_request_that_cannot_be_encoded_fails_alone(
@@ -432,7 +474,7 @@ async def test_a_request_that_cannot_be_encoded_fails_alone(
                     pytest.fail("a request that cannot be sent was admitted")
         assert results == {i: alone(p[i], long) for i in (0, 1)}
         assert (await llm.complete({"prompt_token_ids": p[2]}, GREEDY)).token_ids
-        await all_blocks_free(llm)
+        await assert_core_holds_nothing(llm)
 
 
 async def test_an_output_that_fails_to_process_fails_its_request_alone(
@@ -455,7 +497,7 @@ async def test_an_output_that_fails_to_process_fails_its_request_alone(
             await llm.complete({"prompt_token_ids": p[0]}, GREEDY, request_id="poison")
         out = await llm.complete({"prompt_token_ids": p[1]}, GREEDY)
         assert list(out.token_ids) == alone(p[1])
-        await all_blocks_free(llm)
+        await assert_core_holds_nothing(llm)
 
 
 async def test_cancelled_while_tokenising_off_the_loop_registers_nothing(
@@ -497,7 +539,7 @@ async def test_cancelled_while_tokenising_off_the_loop_registers_nothing(
         assert info.value.field == "prompt"
         out = await llm.complete({"prompt_token_ids": [1, 2, 3]}, GREEDY)
         assert list(out.token_ids) == alone([1, 2, 3])
-        await all_blocks_free(llm)
+        await assert_core_holds_nothing(llm)
 
 
 async def test_complete_with_n_samples_each_prompt_once_and_aborts_them_all() -> None:
@@ -509,7 +551,7 @@ async def test_complete_with_n_samples_each_prompt_once_and_aborts_them_all() ->
         for i, c in enumerate(out.outputs):  # sample i is the request seeded seed + i
             assert list(c.token_ids) == alone(prompt, sampled.for_choice(i))
         assert out.num_generated_tokens == 36 and out.finished
-        await all_blocks_free(llm)
+        await assert_core_holds_nothing(llm)
 
         long = SamplingParams(max_tokens=200, ignore_eos=True, n=2)
         done = anyio.Event()
@@ -526,7 +568,7 @@ async def test_complete_with_n_samples_each_prompt_once_and_aborts_them_all() ->
             await llm.abort("both")  # the id the caller knows ends every sample
             await done.wait()
         assert [c.finish_reason for c in result[0].outputs] == ["abort", "abort"]
-        await all_blocks_free(llm)
+        await assert_core_holds_nothing(llm)
 
 
 async def test_a_stream_refuses_n_samples() -> None:
@@ -541,7 +583,7 @@ async def test_a_stream_refuses_n_samples() -> None:
             ) as g:
                 async for _ in g:
                     pass  # pragma: no cover
-        await all_blocks_free(llm)
+        await assert_core_holds_nothing(llm)
 
 
 async def test_cancelling_complete_with_n_samples_frees_every_sample() -> None:
@@ -552,7 +594,7 @@ async def test_cancelling_complete_with_n_samples_frees_every_sample() -> None:
             with anyio.fail_after(10):
                 await llm.wait_statistics(lambda s: s.running == 3)
             tg.cancel_scope.cancel()  # the caller's scope, not an abort
-        await all_blocks_free(llm)
+        await assert_core_holds_nothing(llm)
         out = await llm.complete("Hi", SamplingParams(max_tokens=2, n=2))
         assert [len(c.token_ids) for c in out.outputs] == [2, 2]  # serving on
-        await all_blocks_free(llm)
+        await assert_core_holds_nothing(llm)

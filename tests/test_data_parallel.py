@@ -46,6 +46,7 @@ from structllm.model.checkpoint import write_random_checkpoint
 from structllm.model.config import tiny_random_config
 from structllm.server.app import build_app
 from structllm.server.serving import EngineSlot, ServerConfig
+from tests.core_record import user_ids
 from tests.processes import wait_gone
 from tests.test_tensor_parallel_engine import _BASE as TP_MODEL
 
@@ -206,7 +207,12 @@ async def test_abort_frees_the_blocks_of_its_own_replica() -> None:
                 assert all(r.blocks_used > 0 for r in mid.replicas)
                 with pytest.raises(EngineOverloadedError):
                     llm.check_admission([1, 2, 3])
-            # leaving the inner block aborted the request on replica 1 only
+            # leaving the inner block aborted the request on replica 1 only:
+            # asked at once, its core holds nothing, replica 0's the kept one
+            on0, on1 = await llm.inspect_cores()
+            assert on0 is not None and on1 is not None
+            assert user_ids(on0) == {kept.request_id} and on0.blocks_used > 0
+            assert on1.request_ids == [] and on1.blocks_used == 0
             with anyio.fail_after(10):
                 stats = await llm.wait_statistics(
                     lambda s: (

@@ -224,8 +224,16 @@ def test_a_bfloat16_kv_cache_holds_twice_the_blocks_and_serves() -> None:
     assert blocks[1] == min(2 * blocks[0], half.scheduler.config.max_num_seqs * 8)
     assert half.runner.kv_caches[0][0].dtype.name == "BFLOAT16"
     prompts = _prompts(6, seed=3)
-    tokens = _run(half, prompts, GREEDY)
-    assert all(len(t) == GREEDY.max_tokens for t in tokens.values())
+    tokens, exact = _run(half, prompts, GREEDY), _run(full, prompts, GREEDY)
+    # the tokens of a float32 cache, but where bfloat16's rounding tips a
+    # near tie (measured: 142 of 144 tokens, every request's first 22); a
+    # cache read wrongly gives other tokens from the second one on
+    for rid, want in exact.items():
+        got = tokens[rid]
+        assert len(got) == GREEDY.max_tokens
+        assert got[:16] == want[:16], rid
+    same = sum(a == b for t in exact for a, b in zip(exact[t], tokens[t], strict=True))
+    assert same >= 0.9 * 6 * GREEDY.max_tokens
 
 
 def test_a_bfloat16_kv_cache_needs_the_kernels() -> None:

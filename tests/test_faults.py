@@ -25,7 +25,15 @@ from structllm import EngineDeadError, ModelLoadError, SamplingParams
 from structllm.config import EngineConfig
 from structllm.engine.async_llm import AsyncLLM
 from structllm.engine.core_connection import core_process_command
-from structllm.engine.protocol import FrameReader, Ready, Start, encode
+from structllm.engine.protocol import (
+    CoreState,
+    FrameReader,
+    InspectCore,
+    Message,
+    Ready,
+    Start,
+    encode,
+)
 from structllm.errors import EngineCoreError
 from structllm.model.checkpoint import write_random_checkpoint
 from structllm.model.config import tiny_random_config
@@ -188,10 +196,17 @@ def test_worker_outlives_the_thread_that_started_it() -> None:
             assert data, "the worker exited during start-up"
             ready = any(isinstance(m, Ready) for m in reader.feed(data))
         release.set()
-        thread.join()  # the spawning thread is gone now
-        time.sleep(1.0)
+        thread.join()  # the spawning thread is gone now (a death signal tied
+        # to it is sent as it exits): a question still gets its answer
+        ours.sendall(encode(InspectCore()))
+        ours.settimeout(30)
+        answers: list[Message] = []
+        while not any(isinstance(m, CoreState) for m in answers):
+            data = ours.recv(1 << 16)
+            assert data, "the worker died with its spawning thread"
+            answers += reader.feed(data)
         (worker,) = procs
-        assert worker.poll() is None, "the worker died with its spawning thread"
+        assert worker.poll() is None
     finally:
         release.set()
         thread.join()

@@ -21,6 +21,20 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
 
 
+async def settled(pid: int) -> None:
+    """Until the worker's CPU time stops moving (its math threads' spin-wait
+    after a step has ended): read at the clock tick's resolution."""
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    with anyio.fail_after(10):
+        before = _cpu_seconds(pid)
+        while True:
+            await anyio.sleep(10 * tick)  # a sampling interval, not a guess
+            now = _cpu_seconds(pid)
+            if now == before:
+                return
+            before = now
+
+
 async def test_idle_cpu_is_negligible() -> None:
     async with AsyncLLM.open(
         "tiny-random", show_progress=False, heartbeat_interval=0.5
@@ -28,7 +42,7 @@ async def test_idle_cpu_is_negligible() -> None:
         await llm.complete("warm", SamplingParams(max_tokens=4))
         pid = llm.statistics().core_pid
         assert pid is not None
-        await anyio.sleep(0.5)  # math threads may spin briefly after work
+        await settled(pid)  # math threads may spin briefly after work
         front0 = resource.getrusage(resource.RUSAGE_SELF)
         worker0 = _cpu_seconds(pid)
         start = time.monotonic()

@@ -59,7 +59,7 @@ from structllm.engine.output_processor import (
     RequestOutputCollector,
     RequestState,
 )
-from structllm.engine.protocol import AbortRequests, AddFailed, Ready
+from structllm.engine.protocol import AbortRequests, AddFailed, CoreState, Ready
 from structllm.engine.replicas import ReplicaSet
 from structllm.engine.request_stream import RequestStream, complete
 from structllm.engine.statistics import EngineStatistics
@@ -243,6 +243,18 @@ class AsyncLLM:
         when freed). Raises EngineDeadError if the core dies first.
         """
         return await self._client.reset_prefix_cache()
+
+    async def inspect_cores(self) -> tuple[CoreState | None, ...]:
+        """Each replica core's own record of its requests and KV blocks.
+
+        Asked of the core in order with everything this front end sent it,
+        and answered before its next step: a request released before the
+        call is gone from ``request_ids`` (the core's ids, ``{request_id}#n``)
+        and its blocks are back in the answer, or the abort never reached
+        the core. None for a replica dead for good. For tests and debugging;
+        :meth:`statistics` is the cheap view.
+        """
+        return await self._client.inspect()
 
     @property
     def health_timeout(self) -> float:

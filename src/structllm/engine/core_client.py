@@ -40,8 +40,10 @@ from structllm.engine.core_connection import (
 )
 from structllm.engine.protocol import (
     AddFailed,
+    CoreState,
     Fatal,
     Heartbeat,
+    InspectCore,
     Message,
     PrefixCacheReset,
     Ready,
@@ -68,6 +70,26 @@ __all__ = [
 
 
 # --------------------------------------------------------------- supervisor
+
+
+@attrs.define(eq=False)
+class _Question:
+    """A question sent to the core; ``answer`` is set before ``done``."""
+
+    done: anyio.Event = attrs.Factory(anyio.Event)
+    answer: Message | BaseException | None = None
+
+    async def wait(self) -> Message:
+        await self.done.wait()
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        assert self.answer is not None
+        return self.answer
+
+    async def wait_state(self) -> CoreState:
+        answer = await self.wait()
+        assert isinstance(answer, CoreState)
+        return answer
 
 
 class CoreEvents(Protocol):
@@ -108,8 +130,9 @@ class CoreClient:
     #: prefix-cache (queries, hits) over every core, and the running core's
     prefix_cache: tuple[int, int] = (0, 0)
     _core_prefix_cache: tuple[int, int] = (0, 0)
-    #: reset_prefix_cache() calls waiting for their answer, oldest first
-    _resets: list[tuple[anyio.Event, list[int | BaseException]]] = attrs.Factory(list)
+    #: questions to the core (reset_prefix_cache(), inspect()) waiting for
+    #: their answers, oldest first: the core answers in the order it was asked
+    _questions: list[_Question] = attrs.Factory(list)
     #: when the core was last heard from (anyio.current_time())
     last_heard: float | None = None
     _outgoing: MemoryObjectSendStream[bytes] | None = None
@@ -195,15 +218,33 @@ class CoreClient:
 
     async def reset_prefix_cache(self) -> int:
         """Ask the core to forget its cached prefix blocks; how many it dropped."""
+        answer = await self._ask(ResetPrefixCache())
+        assert isinstance(answer, PrefixCacheReset)
+        return answer.num_blocks
+
+    async def inspect(self) -> CoreState:
+        """The core's own record of its requests and blocks, as of every
+        message sent before this call (see :class:`InspectCore`)."""
         await self.wait_ready()
-        done, answer = anyio.Event(), list[int | BaseException]()
-        self._resets.append((done, answer))
-        self.send_nowait(ResetPrefixCache())
-        await done.wait()
-        result = answer[0]
-        if isinstance(result, BaseException):
-            raise result
-        return result
+        return await self.inspect_nowait().wait_state()
+
+    def inspect_nowait(self) -> _Question:
+        """Send InspectCore now (a running core); wait for its answer later."""
+        return self._ask_nowait(InspectCore())
+
+    async def _ask(self, question: Message) -> Message:
+        await self.wait_ready()
+        return await self._ask_nowait(question).wait()
+
+    def _ask_nowait(self, question: Message) -> _Question:
+        asked = _Question()
+        if self._outgoing is None:
+            asked.answer = EngineDeadError("the engine core is restarting")
+            asked.done.set()
+            return asked
+        self._questions.append(asked)
+        self.send_nowait(question)
+        return asked
 
     @property
     def health_timeout(self) -> float:
@@ -302,10 +343,10 @@ class CoreClient:
     def _on_core_gone(self) -> None:
         self.events.on_statistics()
         self._core_prefix_cache = (0, 0)  # the next core counts from zero
-        for done, answer in self._resets:
-            answer.append(EngineDeadError("the engine core stopped before answering"))
-            done.set()
-        self._resets.clear()
+        for asked in self._questions:
+            asked.answer = EngineDeadError("the engine core stopped before answering")
+            asked.done.set()
+        self._questions.clear()
         self.ready = False
         self._ready_event = anyio.Event()
         if self._outgoing is not None:
@@ -364,9 +405,9 @@ class CoreClient:
                 self.events.on_statistics()
             elif isinstance(msg, AddFailed):
                 self.events.on_add_failed(msg)
-            elif isinstance(msg, PrefixCacheReset) and self._resets:
-                done, answer = self._resets.pop(0)
-                answer.append(msg.num_blocks)
-                done.set()
+            elif isinstance(msg, PrefixCacheReset | CoreState) and self._questions:
+                asked = self._questions.pop(0)
+                asked.answer = msg
+                asked.done.set()
             elif isinstance(msg, Fatal):
                 raise CoreLost(EngineCoreError(msg.kind, msg.message, msg.traceback))

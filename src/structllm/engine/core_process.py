@@ -43,9 +43,11 @@ from structllm.engine.protocol import (
     AbortRequests,
     AddFailed,
     CoreRequest,
+    CoreState,
     Fatal,
     FrameReader,
     Heartbeat,
+    InspectCore,
     LoadProgressMsg,
     Message,
     PrefixCacheReset,
@@ -272,6 +274,8 @@ def _loop(
                 core.abort_requests(msg.request_ids)
             elif isinstance(msg, ResetPrefixCache):
                 send(PrefixCacheReset(core.reset_prefix_cache()))
+            elif isinstance(msg, InspectCore):
+                send(_state(core))
             elif isinstance(msg, Shutdown):
                 return 0
         pending = []
@@ -313,6 +317,16 @@ def _heartbeat(core: EngineCore) -> Heartbeat:
     s = core.scheduler
     return Heartbeat(
         len(s.running), len(s.waiting), core.pool.num_used, peak_rss_bytes()
+    )
+
+
+def _state(core: EngineCore) -> CoreState:
+    return CoreState(
+        steps=core.steps,
+        request_ids=sorted(core.scheduler.requests),
+        blocks_used=core.pool.num_used,
+        num_blocks=core.pool.num_blocks,
+        grammars_compiling=core.structured.num_compiling,
     )
 
 

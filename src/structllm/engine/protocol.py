@@ -4,9 +4,16 @@ Frames are a 4-byte big-endian length followed by a msgpack-encoded message
 (a msgspec tagged union). The core process talks over a socket (never
 stdout), so whatever the model or Paddle print cannot corrupt the stream.
 
-    front -> core: Start (first), CoreRequest, AbortRequests, Shutdown
+    front -> core: Start (first), CoreRequest, AbortRequests,
+                   ResetPrefixCache, InspectCore, Shutdown
     core -> front: LoadProgressMsg*, Ready | Fatal (first answers),
-                   StepOutput, AddFailed, Heartbeat, Fatal
+                   StepOutput, AddFailed, Heartbeat, PrefixCacheReset,
+                   CoreState, Fatal
+
+The core reads the front end's messages in the order they were sent and
+handles every message it has read before its next step; a question
+(ResetPrefixCache, InspectCore) is answered there, so its answer reflects
+every message sent before it.
 
 A request and a step's outputs cross the wire as the core's own structs
 (:class:`~structllm.core.request.CoreRequest`,
@@ -31,10 +38,12 @@ __all__ = [
     "AbortRequests",
     "AddFailed",
     "CoreRequest",
+    "CoreState",
     "Fatal",
     "FrameError",
     "FrameReader",
     "Heartbeat",
+    "InspectCore",
     "LoadProgressMsg",
     "Message",
     "PrefixCacheReset",
@@ -79,6 +88,28 @@ class PrefixCacheReset(msgspec.Struct, tag=True):
     """The answer to ResetPrefixCache: how many cached blocks were dropped."""
 
     num_blocks: int
+
+
+class InspectCore(msgspec.Struct, tag=True):
+    """Ask for the core's own record of its requests and blocks; answered by
+    CoreState. Cheap (no step waits for it); tests use it to check that an
+    abort sent before it has taken effect in the core."""
+
+
+class CoreState(msgspec.Struct, tag=True):
+    """The answer to InspectCore: the core's record when it read the question,
+    after every message sent before it and before its next step."""
+
+    #: steps that ran a batch since this core started (its warm-up included)
+    steps: int
+    #: the ids (the core's) of every request it holds: waiting, running, or
+    #: waiting for its grammar
+    request_ids: list[str]
+    #: KV blocks held by requests (free prefix-cache blocks are not held)
+    blocks_used: int
+    num_blocks: int
+    #: structured-output grammars compiling or queued
+    grammars_compiling: int = 0
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -138,6 +169,8 @@ Message = (
     | AbortRequests
     | ResetPrefixCache
     | PrefixCacheReset
+    | InspectCore
+    | CoreState
     | Shutdown
     | LoadProgressMsg
     | Ready

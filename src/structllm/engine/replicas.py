@@ -38,7 +38,13 @@ from structllm.config import EngineConfig, FrontendConfig
 from structllm.core.block_pool import BlockHash
 from structllm.core.engine_core import StepOutput
 from structllm.engine.core_client import CoreClient
-from structllm.engine.protocol import AbortRequests, AddFailed, Message, Ready
+from structllm.engine.protocol import (
+    AbortRequests,
+    AddFailed,
+    CoreState,
+    Message,
+    Ready,
+)
 from structllm.engine.routing import PrefixRouter, affinity_slack
 from structllm.engine.statistics import EngineStatistics
 from structllm.errors import EngineConfigError, EngineDeadError, dead_error
@@ -276,6 +282,25 @@ class ReplicaSet:
             if client.dead is None:
                 total += await client.reset_prefix_cache()
         return total
+
+    async def inspect(self) -> tuple[CoreState | None, ...]:
+        """Each replica's core record (None for one dead for good).
+
+        Every running replica is asked at once, before any answer is awaited,
+        so each question follows exactly the messages sent before the call;
+        one restarting is waited for and asked then.
+        """
+        await self.wait_ready()
+        asked = [c.inspect_nowait() if c.ready else None for c in self.clients]
+        states: list[CoreState | None] = []
+        for client, question in zip(self.clients, asked, strict=True):
+            if client.dead is not None:
+                states.append(None)
+            elif question is None:
+                states.append(await client.inspect())
+            else:
+                states.append(await question.wait_state())
+        return tuple(states)
 
     def statistics(self, *, live_requests: int) -> EngineStatistics:
         """Counts summed over replicas; each replica's own in ``replicas``."""

@@ -17,10 +17,14 @@ activations ``x (T, in)`` by it without a float copy of the whole weight:
 - Rows are spread over the engine's threads (:func:`set_num_threads` of
   :mod:`structllm.model.kernels`, the same OpenMP pool as the attention
   kernels), in contiguous runs of whole row quads.
-- The same kernel serves decode (``T`` of 1 to 16: memory-bound, the limit
+- The same kernel serves decode (``T`` of 1 to 16: at batch 1 the limit
   is bytes of weight a token over bandwidth) and prefill (``T`` in the
-  hundreds: compute-bound). A dequantized tile of 256 rows through numpy's
-  BLAS measured slower at every size tried (``tools/bench_quant_kernels.py``).
+  hundreds: compute-bound). For prefill, dequantizing 256-row tiles into
+  numpy's BLAS measured 10-20% faster on one thread (its AVX-512 GEMM
+  against LLVM's 256-bit vectors here) and even on two, and float32 BLAS
+  on float weights 30% faster than either (``tools/bench_quant_kernels.py
+  --prefill 256``); the kernel stays the one path for now: no Python loop
+  over tiles, and its threads are the engine's OpenMP pool.
 - Activations stay float32: ``x`` is never quantized, so the result is the
   float32 product with the dequantized weight, to rounding.
 
@@ -241,11 +245,9 @@ def _dq_q8_0(
 ) -> None:  # pragma: no cover
     src = row[b0 * 34 : b1 * 34]
     for b in range(b1 - b0):
-        block = src[b * 34 : b * 34 + 34]
-        out = dst[b * 32 : b * 32 + 32]
-        d = _f16_at(block, 0)
+        d = _f16_at(src, 34 * b)
         for j in range(lanes):  # 32
-            out[j] = np.float32(np.int8(block[2 + j])) * d
+            dst[32 * b + j] = np.float32(np.int8(src[34 * b + 2 + j])) * d
 
 
 @_jit(fastmath=_EXACT)
@@ -255,13 +257,11 @@ def _dq_q4_0(
     src = row[b0 * 18 : b1 * 18]
     half = lanes // 2
     for b in range(b1 - b0):
-        block = src[b * 18 : b * 18 + 18]
-        out = dst[b * 32 : b * 32 + 32]
-        d = _f16_at(block, 0)
+        d = _f16_at(src, 18 * b)
         for j in range(half):  # 16: low nibbles are values 0..15, high 16..31
-            q = block[2 + j]
-            out[j] = d * np.float32(np.int32(q & 15) - 8)
-            out[16 + j] = d * np.float32(np.int32(q >> 4) - 8)
+            q = src[18 * b + 2 + j]
+            dst[32 * b + j] = d * np.float32(np.int32(q & 15) - 8)
+            dst[32 * b + 16 + j] = d * np.float32(np.int32(q >> 4) - 8)
 
 
 @_jit(fastmath=_EXACT)
@@ -271,14 +271,12 @@ def _dq_q4_1(
     src = row[b0 * 20 : b1 * 20]
     half = lanes // 2
     for b in range(b1 - b0):
-        block = src[b * 20 : b * 20 + 20]
-        out = dst[b * 32 : b * 32 + 32]
-        d = _f16_at(block, 0)
-        m = _f16_at(block, 2)
+        d = _f16_at(src, 20 * b)
+        m = _f16_at(src, 20 * b + 2)
         for j in range(half):
-            q = block[4 + j]
-            out[j] = d * np.float32(q & 15) + m
-            out[16 + j] = d * np.float32(q >> 4) + m
+            q = src[20 * b + 4 + j]
+            dst[32 * b + j] = d * np.float32(q & 15) + m
+            dst[32 * b + 16 + j] = d * np.float32(q >> 4) + m
 
 
 @_jit(fastmath=_EXACT)
@@ -288,16 +286,14 @@ def _dq_q5_0(
     src = row[b0 * 22 : b1 * 22]
     half = lanes // 2
     for b in range(b1 - b0):
-        block = src[b * 22 : b * 22 + 22]
-        out = dst[b * 32 : b * 32 + 32]
-        d = _f16_at(block, 0)
-        qh = _u32_at(block, 2)  # bit j: the fifth bit of value j
+        d = _f16_at(src, 22 * b)
+        qh = _u32_at(src, 22 * b + 2)  # bit j: the fifth bit of value j
         for j in range(half):
-            q = block[6 + j]
+            q = src[22 * b + 6 + j]
             lo = np.int32(q & 15) | np.int32(((qh >> j) & 1) << 4)
             hi = np.int32(q >> 4) | np.int32(((qh >> (j + 16)) & 1) << 4)
-            out[j] = d * np.float32(lo - 16)
-            out[16 + j] = d * np.float32(hi - 16)
+            dst[32 * b + j] = d * np.float32(lo - 16)
+            dst[32 * b + 16 + j] = d * np.float32(hi - 16)
 
 
 @_jit(fastmath=_EXACT)
@@ -307,17 +303,15 @@ def _dq_q5_1(
     src = row[b0 * 24 : b1 * 24]
     half = lanes // 2
     for b in range(b1 - b0):
-        block = src[b * 24 : b * 24 + 24]
-        out = dst[b * 32 : b * 32 + 32]
-        d = _f16_at(block, 0)
-        m = _f16_at(block, 2)
-        qh = _u32_at(block, 4)
+        d = _f16_at(src, 24 * b)
+        m = _f16_at(src, 24 * b + 2)
+        qh = _u32_at(src, 24 * b + 4)
         for j in range(half):
-            q = block[8 + j]
+            q = src[24 * b + 8 + j]
             lo = np.uint32(q & 15) | (((qh >> j) & 1) << 4)
             hi = np.uint32(q >> 4) | (((qh >> (j + 16)) & 1) << 4)
-            out[j] = d * np.float32(lo) + m
-            out[16 + j] = d * np.float32(hi) + m
+            dst[32 * b + j] = d * np.float32(lo) + m
+            dst[32 * b + 16 + j] = d * np.float32(hi) + m
 
 
 @_jit(fastmath=_EXACT)
@@ -336,22 +330,21 @@ def _dq_q4_k(
 ) -> None:  # pragma: no cover
     src = row[b0 * 144 : b1 * 144]
     for b in range(b1 - b0):
-        block = src[b * 144 : b * 144 + 144]
-        d = _f16_at(block, 0)
-        dmin = _f16_at(block, 2)
-        scales = block[4:16]
+        o = 144 * b
+        d = _f16_at(src, o)
+        dmin = _f16_at(src, o + 2)
+        scales = src[o + 4 : o + 16]
         for p in range(4):  # 64 values: 32 low nibbles, then 32 high
-            qs = block[16 + 32 * p : 48 + 32 * p]
+            qs = o + 16 + 32 * p
+            e = 256 * b + 64 * p
             sc, m = _scale_min_k4(2 * p, scales)
             d1, m1 = d * np.float32(sc), dmin * np.float32(m)
             sc, m = _scale_min_k4(2 * p + 1, scales)
             d2, m2 = d * np.float32(sc), dmin * np.float32(m)
-            lo = dst[b * 256 + 64 * p : b * 256 + 64 * p + 32]
-            hi = dst[b * 256 + 64 * p + 32 : b * 256 + 64 * p + 64]
             for j in range(lanes):  # 32
-                lo[j] = d1 * np.float32(qs[j] & 15) - m1
+                dst[e + j] = d1 * np.float32(src[qs + j] & 15) - m1
             for j in range(lanes):
-                hi[j] = d2 * np.float32(qs[j] >> 4) - m2
+                dst[e + 32 + j] = d2 * np.float32(src[qs + j] >> 4) - m2
 
 
 @_jit(fastmath=_EXACT)
@@ -360,26 +353,25 @@ def _dq_q5_k(
 ) -> None:  # pragma: no cover
     src = row[b0 * 176 : b1 * 176]
     for b in range(b1 - b0):
-        block = src[b * 176 : b * 176 + 176]
-        d = _f16_at(block, 0)
-        dmin = _f16_at(block, 2)
-        scales = block[4:16]
-        qh = block[16:48]  # bit i of byte j: the fifth bit of value 32 i + j
+        o = 176 * b
+        d = _f16_at(src, o)
+        dmin = _f16_at(src, o + 2)
+        scales = src[o + 4 : o + 16]
+        qh = o + 16  # bit i of byte j: the fifth bit of value 32 i + j
         for p in range(4):
-            qs = block[48 + 32 * p : 80 + 32 * p]
+            qs = o + 48 + 32 * p
+            e = 256 * b + 64 * p
             sc, m = _scale_min_k4(2 * p, scales)
             d1, m1 = d * np.float32(sc), dmin * np.float32(m)
             sc, m = _scale_min_k4(2 * p + 1, scales)
             d2, m2 = d * np.float32(sc), dmin * np.float32(m)
-            lo = dst[b * 256 + 64 * p : b * 256 + 64 * p + 32]
-            hi = dst[b * 256 + 64 * p + 32 : b * 256 + 64 * p + 64]
             s1, s2 = 2 * p, 2 * p + 1
             for j in range(lanes):  # 32
-                q = (qs[j] & 15) | (((qh[j] >> s1) & 1) << 4)
-                lo[j] = d1 * np.float32(q) - m1
+                q = (src[qs + j] & 15) | (((src[qh + j] >> s1) & 1) << 4)
+                dst[e + j] = d1 * np.float32(q) - m1
             for j in range(lanes):
-                q = (qs[j] >> 4) | (((qh[j] >> s2) & 1) << 4)
-                hi[j] = d2 * np.float32(q) - m2
+                q = (src[qs + j] >> 4) | (((src[qh + j] >> s2) & 1) << 4)
+                dst[e + 32 + j] = d2 * np.float32(q) - m2
 
 
 @_jit(fastmath=_EXACT)
@@ -389,25 +381,21 @@ def _dq_q6_k(
     src = row[b0 * 210 : b1 * 210]
     half = lanes // 2
     for b in range(b1 - b0):
-        block = src[b * 210 : b * 210 + 210]
-        d = _f16_at(block, 208)
+        o = 210 * b
+        d = _f16_at(src, o + 208)
         for h in range(2):  # two halves of 128 values
-            ql = block[64 * h : 64 * h + 64]
-            qh = block[128 + 32 * h : 160 + 32 * h]
             for k in range(4):  # 32 values: ql nibble k // 2, qh bits 2 k
-                lows = ql[32 * (k % 2) : 32 * (k % 2) + 32]
+                ql = o + 64 * h + 32 * (k % 2)
+                qh = o + 128 + 32 * h
                 shift = 4 * (k // 2)
                 for g in range(2):  # 16 values share a scale
                     e = 128 * h + 32 * k + 16 * g
-                    scale = d * np.float32(np.int8(block[192 + e // 16]))
-                    out = dst[b * 256 + e : b * 256 + e + 16]
-                    low = lows[16 * g : 16 * g + 16]
-                    high = qh[16 * g : 16 * g + 16]
+                    scale = d * np.float32(np.int8(src[o + 192 + e // 16]))
                     for j in range(half):  # 16
-                        q = np.int32((low[j] >> shift) & 15) | np.int32(
-                            ((high[j] >> (2 * k)) & 3) << 4
-                        )
-                        out[j] = scale * np.float32(q - 32)
+                        low = (src[ql + 16 * g + j] >> shift) & 15
+                        high = (src[qh + 16 * g + j] >> (2 * k)) & 3
+                        q = np.int32(low) | np.int32(high << 4)
+                        dst[256 * b + e + j] = scale * np.float32(q - 32)
 
 
 @_jit(fastmath=_EXACT)
@@ -460,22 +448,26 @@ _ROWS = 4
 
 @_jit()
 def _micro(
-    x: np.ndarray,  # (T, kn): the chunk's inputs
-    buf: np.ndarray,  # (4, >= kn): 4 dequantized weight rows
+    x: np.ndarray,  # (T, in)
+    k0: int,  # the chunk: inputs k0..k0+kn-1
     kn: int,
+    buf: np.ndarray,  # (4, >= kn): 4 dequantized weight rows
     out: np.ndarray,  # (T, out_features)
     r0: int,  # the first row's output column
     nrows: int,  # how many of the 4 are real rows
     accumulate: bool,  # add to out (a later chunk) or write it (the first)
+    sums: np.ndarray,  # (4, 4) float32 scratch
 ) -> None:  # pragma: no cover - compiled
-    """``out[:, r0:r0 + nrows] (+)= x @ buf[:nrows, :kn].T``: 4 rows x 4
-    tokens a pass, 16 sums vectorised along the inputs."""
+    """``out[:, r0:r0 + nrows] (+)= x[:, k0:k0 + kn] @ buf[:nrows, :kn].T``:
+    4 rows x 4 tokens a pass, 16 sums vectorised along the inputs (each
+    row of ``x`` is sliced on its own: a 2-D column slice would not be
+    contiguous, and numba reads it element by element)."""
     t_len = x.shape[0]
     w0, w1, w2, w3 = buf[0, :kn], buf[1, :kn], buf[2, :kn], buf[3, :kn]
-    sums = np.empty((4, 4), np.float32)  # (token, row)
     for tq in range(t_len // 4):
         t = 4 * tq
-        x0, x1, x2, x3 = x[t, :kn], x[t + 1, :kn], x[t + 2, :kn], x[t + 3, :kn]
+        x0, x1 = x[t, k0 : k0 + kn], x[t + 1, k0 : k0 + kn]
+        x2, x3 = x[t + 2, k0 : k0 + kn], x[t + 3, k0 : k0 + kn]
         s00 = s01 = s02 = s03 = np.float32(0.0)
         s10 = s11 = s12 = s13 = np.float32(0.0)
         s20 = s21 = s22 = s23 = np.float32(0.0)
@@ -508,7 +500,7 @@ def _micro(
             for r in range(nrows):
                 dst[r] = dst[r] + sums[i, r] if accumulate else sums[i, r]
     for t in range(t_len - t_len % 4, t_len):
-        xt = x[t, :kn]
+        xt = x[t, k0 : k0 + kn]
         s0 = s1 = s2 = s3 = np.float32(0.0)
         for k in range(kn):
             a = xt[k]
@@ -536,6 +528,7 @@ def _matmul_rows(
     n = x.shape[1]
     chunk = min(n, _CHUNK)
     buf = np.zeros((_ROWS, chunk), np.float32)
+    sums = np.empty((4, _ROWS), np.float32)  # (token, row)
     for quad in range((stop - start + _ROWS - 1) // _ROWS):
         r0 = start + _ROWS * quad
         nrows = min(_ROWS, stop - r0)
@@ -546,7 +539,7 @@ def _matmul_rows(
                 _dequantize_blocks(
                     qtype, w[r0 + i], k0 // values, (k0 + kn) // values, buf[i], lanes
                 )
-            _micro(x[:, k0 : k0 + kn], buf, kn, out, r0, nrows, c > 0)
+            _micro(x, k0, kn, buf, out, r0, nrows, c > 0, sums)
         if nrows < _ROWS:  # the last rows: no stale weights in later calls
             buf[:] = 0.0
 

@@ -1,0 +1,808 @@
+"""CPU matmul kernels for weights kept in llama.cpp's GGUF block layout.
+
+A weight of Hugging Face shape ``(out, in)`` stays as ``out`` rows of raw
+bytes, ``np.uint8 (out, row_bytes(qtype, in))``: each row ``in /
+values_per_block`` blocks of a scale (and a min) and packed integers, as
+``ggml-common.h`` lays them out (a zero-copy view of a GGUF file's mmap, or
+what :func:`quantize` returns). :func:`matmul` multiplies float32
+activations ``x (T, in)`` by it without a float copy of the whole weight:
+
+- Four rows at a time are dequantized into a small float32 buffer (a
+  thread's own, 4 x 1024 values, 16 KB, in L1), a chunk of 1024 inputs at a
+  time, and every row of ``x`` is multiplied against them by a
+  register-blocked micro-kernel: 4 weight rows x 4 tokens, 16 running sums
+  that LLVM vectorises along the inputs. The weight's bytes are read once a
+  call whatever ``T`` is (batch 16 reads them once, not 16 times) and each
+  value is dequantized once; tokens come in fours, the rest one by one.
+- Rows are spread over the engine's threads (:func:`set_num_threads` of
+  :mod:`structllm.model.kernels`, the same OpenMP pool as the attention
+  kernels), in contiguous runs of whole row quads.
+- The same kernel serves decode (``T`` of 1 to 16: at batch 1 the limit
+  is bytes of weight a token over bandwidth) and prefill (``T`` in the
+  hundreds: compute-bound). For prefill, dequantizing 256-row tiles into
+  numpy's BLAS measured 10-20% faster on one thread (its AVX-512 GEMM
+  against LLVM's 256-bit vectors here) and even on two, and float32 BLAS
+  on float weights 30% faster than either (``tools/bench_quant_kernels.py
+  --prefill 256``); the kernel stays the one path for now: no Python loop
+  over tiles, and its threads are the engine's OpenMP pool.
+- Activations stay float32: ``x`` is never quantized, so the result is the
+  float32 product with the dequantized weight, to rounding.
+
+How the loops are written decides whether LLVM vectorises them, and each
+rule below was measured (``inspect_asm``) rather than assumed:
+
+- Dequantizing loops run over a trip count passed in at run time
+  (``lanes``, always the format's group of 16 or 32 values), never a
+  literal: with a literal LLVM unrolls the loop whole before its loop
+  vectoriser sees it, and the SLP vectoriser that gets the unrolled code
+  cannot tell the float buffer from the weight bytes, so it stays scalar
+  (2.3 GB/s against 9 GB/s).
+- Indices inside hot loops are built from ``range`` variables over slices
+  taken outside: an index numba cannot prove non-negative gets a
+  wraparound select on every access, which blocks SIMD.
+- An f16 scale is one ``vcvtph2ps`` (an LLVM ``fpext`` from ``half``,
+  :func:`_f16_at`); converting it with integer bit tricks cost more than
+  the 32 values it scales.
+- Sums are float32 with reassociation allowed (``fastmath``), so results
+  differ from numpy's matmul in the last bits, as two BLAS libraries do.
+  Dequantizing itself is compiled without fastmath: :func:`dequantize_rows`
+  equals ``gguf.quants.dequantize`` exactly.
+
+Nothing here is CPU-specific: numba compiles for the host (AVX2 or
+AVX-512), and its on-disk cache is keyed by the host CPU. Compiled code is
+cached like the attention kernels' (``cache=True``).
+
+Type numbers are GGML's (:class:`GGMLType`), as GGUF files store them.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+from typing import Any
+
+import numpy as np
+
+from structllm.model import kernels
+
+__all__ = [
+    "MATMUL_TYPES",
+    "QUANTIZE_TYPES",
+    "GGMLType",
+    "available",
+    "block_layout",
+    "dequantize_rows",
+    "matmul",
+    "quantize",
+    "row_bytes",
+    "warm_up",
+]
+
+numba: Any = kernels.numba
+
+
+class GGMLType(enum.IntEnum):
+    """A tensor's type number in GGML (``ggml.h``'s ``enum ggml_type``)."""
+
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
+    Q8_0 = 8
+    Q2_K = 10
+    Q3_K = 11
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    BF16 = 30
+
+
+#: (values a block, bytes a block), as ``ggml-common.h`` lays them out
+_LAYOUTS: dict[GGMLType, tuple[int, int]] = {
+    GGMLType.F32: (1, 4),
+    GGMLType.F16: (1, 2),
+    GGMLType.BF16: (1, 2),
+    GGMLType.Q4_0: (32, 18),  # f16 d, 16 bytes of nibbles
+    GGMLType.Q4_1: (32, 20),  # f16 d, f16 m, 16 bytes of nibbles
+    GGMLType.Q5_0: (32, 22),  # f16 d, 4 bytes of high bits, 16 of nibbles
+    GGMLType.Q5_1: (32, 24),  # f16 d, f16 m, high bits, nibbles
+    GGMLType.Q8_0: (32, 34),  # f16 d, 32 int8
+    GGMLType.Q2_K: (256, 84),
+    GGMLType.Q3_K: (256, 110),
+    GGMLType.Q4_K: (256, 144),  # f16 d, f16 dmin, 12 bytes scales, 128 nibbles
+    GGMLType.Q5_K: (256, 176),  # as Q4_K, then 32 bytes of high bits
+    GGMLType.Q6_K: (256, 210),  # 128 ql, 64 qh, 16 int8 scales, f16 d
+}
+
+#: types :func:`matmul` and :func:`dequantize_rows` read
+MATMUL_TYPES = frozenset(
+    {
+        GGMLType.F32,
+        GGMLType.F16,
+        GGMLType.BF16,
+        GGMLType.Q4_0,
+        GGMLType.Q4_1,
+        GGMLType.Q5_0,
+        GGMLType.Q5_1,
+        GGMLType.Q8_0,
+        GGMLType.Q4_K,
+        GGMLType.Q5_K,
+        GGMLType.Q6_K,
+    }
+)
+
+#: types :func:`quantize` writes
+QUANTIZE_TYPES = frozenset({GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1})
+
+
+def available() -> bool:
+    """Whether the compiled kernels can run (numba imported)."""
+    return numba is not None
+
+
+def block_layout(qtype: int) -> tuple[int, int]:
+    """``(values_per_block, bytes_per_block)`` of a GGML type."""
+    try:
+        return _LAYOUTS[GGMLType(qtype)]
+    except (ValueError, KeyError):
+        raise ValueError(
+            f"qtype {qtype!r} is not a GGML type this module knows"
+        ) from None
+
+
+def row_bytes(qtype: int, in_features: int) -> int:
+    """Bytes of one row of ``in_features`` values of type ``qtype``."""
+    values, size = block_layout(qtype)
+    if in_features <= 0 or in_features % values:
+        raise ValueError(
+            f"in_features {in_features} is not a positive multiple of"
+            f" {GGMLType(qtype).name}'s {values} values a block"
+        )
+    return in_features // values * size
+
+
+# -- compiled helpers ---------------------------------------------------------
+
+
+def _f16_at(row: np.ndarray, index: int) -> float:  # pragma: no cover
+    """The IEEE half at bytes ``row[index:index + 2]`` as float32 (compiled
+    code: one ``vcvtph2ps`` through LLVM's ``fpext``)."""
+    return float(row[index : index + 2].view(np.float16)[0])
+
+
+def _f16_at_intrinsic(typingctx: Any, row: Any, index: Any) -> Any:
+    ir = importlib.import_module("llvmlite.ir")
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        address = builder.gep(array.data, [args[1]])
+        bits = builder.load(
+            builder.bitcast(address, ir.IntType(16).as_pointer()), align=1
+        )
+        return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
+
+    return numba.types.float32(row, index), codegen
+
+
+if numba is not None:
+    _f16_at = numba.extending.intrinsic(_f16_at_intrinsic)
+
+_jit = kernels._jit
+_prange = kernels._prange
+
+#: exact float32 arithmetic (no fused multiply-add): the dequantizers
+_EXACT = False
+
+
+@_jit(fastmath=_EXACT)
+def _u32_at(row: np.ndarray, index: int) -> Any:  # pragma: no cover - compiled
+    return (
+        np.uint32(row[index])
+        | (np.uint32(row[index + 1]) << 8)
+        | (np.uint32(row[index + 2]) << 16)
+        | (np.uint32(row[index + 3]) << 24)
+    )
+
+
+# Each _dq_* writes blocks b0..b1-1 of one row (its bytes, ``row``) into
+# ``dst[0 : (b1 - b0) * values_per_block]``, in the order and with the float32
+# arithmetic of gguf-py's dequantize_blocks (llama.cpp's dequantize_row_*).
+
+
+@_jit(fastmath=_EXACT)
+def _dq_f32(
+    row: np.ndarray, b0: int, b1: int, dst: np.ndarray, lanes: int
+) -> None:  # pragma: no cover
+    src = row[b0 * 4 : b1 * 4]
+    for i in range(b1 - b0):
+        dst[i] = np.uint32(_u32_at(src, 4 * i)).view(np.float32)
+
+
+@_jit(fastmath=_EXACT)
+def _dq_f16(
+    row: np.ndarray, b0: int, b1: int, dst: np.ndarray, lanes: int
+) -> None:  # pragma: no cover
+    src = row[b0 * 2 : b1 * 2]
+    for i in range(b1 - b0):
+        dst[i] = _f16_at(src, 2 * i)
+
+
+@_jit(fastmath=_EXACT)
+def _dq_bf16(
+    row: np.ndarray, b0: int, b1: int, dst: np.ndarray, lanes: int
+) -> None:  # pragma: no cover
+    src = row[b0 * 2 : b1 * 2]
+    for i in range(b1 - b0):
+        bits = (np.uint32(src[2 * i]) << 16) | (np.uint32(src[2 * i + 1]) << 24)
+        dst[i] = np.uint32(bits).view(np.float32)
+
+
+@_jit(fastmath=_EXACT)
+def _dq_q8_0(
+    row: np.ndarray, b0: int, b1: int, dst: np.ndarray, lanes: int
+) -> None:  # pragma: no cover
+    src = row[b0 * 34 : b1 * 34]
+    for b in range(b1 - b0):
+        d = _f16_at(src, 34 * b)
+        for j in range(lanes):  # 32
+            dst[32 * b + j] = np.float32(np.int8(src[34 * b + 2 + j])) * d
+
+
+@_jit(fastmath=_EXACT)
+def _dq_q4_0(
+    row: np.ndarray, b0: int, b1: int, dst: np.ndarray, lanes: int
+) -> None:  # pragma: no cover
+    src = row[b0 * 18 : b1 * 18]
+    half = lanes // 2
+    for b in range(b1 - b0):
+        d = _f16_at(src, 18 * b)
+        for j in range(half):  # 16: low nibbles are values 0..15, high 16..31
+            q = src[18 * b + 2 + j]
+            dst[32 * b + j] = d * np.float32(np.int32(q & 15) - 8)
+            dst[32 * b + 16 + j] = d * np.float32(np.int32(q >> 4) - 8)
+
+
+@_jit(fastmath=_EXACT)
+def _dq_q4_1(
+    row: np.ndarray, b0: int, b1: int, dst: np.ndarray, lanes: int
+) -> None:  # pragma: no cover
+    src = row[b0 * 20 : b1 * 20]
+    half = lanes // 2
+    for b in range(b1 - b0):
+        d = _f16_at(src, 20 * b)
+        m = _f16_at(src, 20 * b + 2)
+        for j in range(half):
+            q = src[20 * b + 4 + j]
+            dst[32 * b + j] = d * np.float32(q & 15) + m
+            dst[32 * b + 16 + j] = d * np.float32(q >> 4) + m
+
+
+@_jit(fastmath=_EXACT)
+def _dq_q5_0(
+    row: np.ndarray, b0: int, b1: int, dst: np.ndarray, lanes: int
+) -> None:  # pragma: no cover
+    src = row[b0 * 22 : b1 * 22]
+    half = lanes // 2
+    for b in range(b1 - b0):
+        d = _f16_at(src, 22 * b)
+        qh = _u32_at(src, 22 * b + 2)  # bit j: the fifth bit of value j
+        for j in range(half):
+            q = src[22 * b + 6 + j]
+            lo = np.int32(q & 15) | np.int32(((qh >> j) & 1) << 4)
+            hi = np.int32(q >> 4) | np.int32(((qh >> (j + 16)) & 1) << 4)
+            dst[32 * b + j] = d * np.float32(lo - 16)
+            dst[32 * b + 16 + j] = d * np.float32(hi - 16)
+
+
+@_jit(fastmath=_EXACT)
+def _dq_q5_1(
+    row: np.ndarray, b0: int, b1: int, dst: np.ndarray, lanes: int
+) -> None:  # pragma: no cover
+    src = row[b0 * 24 : b1 * 24]
+    half = lanes // 2
+    for b in range(b1 - b0):
+        d = _f16_at(src, 24 * b)
+        m = _f16_at(src, 24 * b + 2)
+        qh = _u32_at(src, 24 * b + 4)
+        for j in range(half):
+            q = src[24 * b + 8 + j]
+            lo = np.uint32(q & 15) | (((qh >> j) & 1) << 4)
+            hi = np.uint32(q >> 4) | (((qh >> (j + 16)) & 1) << 4)
+            dst[32 * b + j] = d * np.float32(lo) + m
+            dst[32 * b + 16 + j] = d * np.float32(hi) + m
+
+
+@_jit(fastmath=_EXACT)
+def _scale_min_k4(j: int, scales: np.ndarray) -> Any:  # pragma: no cover
+    """Sub-block ``j``'s 6-bit scale and min from Q4_K/Q5_K's 12 bytes."""
+    if j < 4:
+        return np.int32(scales[j] & 63), np.int32(scales[j + 4] & 63)
+    sc = (scales[j + 4] & 15) | ((scales[j - 4] >> 6) << 4)
+    m = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4)
+    return np.int32(sc), np.int32(m)
+
+
+@_jit(fastmath=_EXACT)
+def _dq_q4_k(
+    row: np.ndarray, b0: int, b1: int, dst: np.ndarray, lanes: int
+) -> None:  # pragma: no cover
+    src = row[b0 * 144 : b1 * 144]
+    for b in range(b1 - b0):
+        o = 144 * b
+        d = _f16_at(src, o)
+        dmin = _f16_at(src, o + 2)
+        scales = src[o + 4 : o + 16]
+        for p in range(4):  # 64 values: 32 low nibbles, then 32 high
+            qs = o + 16 + 32 * p
+            e = 256 * b + 64 * p
+            sc, m = _scale_min_k4(2 * p, scales)
+            d1, m1 = d * np.float32(sc), dmin * np.float32(m)
+            sc, m = _scale_min_k4(2 * p + 1, scales)
+            d2, m2 = d * np.float32(sc), dmin * np.float32(m)
+            for j in range(lanes):  # 32
+                dst[e + j] = d1 * np.float32(src[qs + j] & 15) - m1
+            for j in range(lanes):
+                dst[e + 32 + j] = d2 * np.float32(src[qs + j] >> 4) - m2
+
+
+@_jit(fastmath=_EXACT)
+def _dq_q5_k(
+    row: np.ndarray, b0: int, b1: int, dst: np.ndarray, lanes: int
+) -> None:  # pragma: no cover
+    src = row[b0 * 176 : b1 * 176]
+    for b in range(b1 - b0):
+        o = 176 * b
+        d = _f16_at(src, o)
+        dmin = _f16_at(src, o + 2)
+        scales = src[o + 4 : o + 16]
+        qh = o + 16  # bit i of byte j: the fifth bit of value 32 i + j
+        for p in range(4):
+            qs = o + 48 + 32 * p
+            e = 256 * b + 64 * p
+            sc, m = _scale_min_k4(2 * p, scales)
+            d1, m1 = d * np.float32(sc), dmin * np.float32(m)
+            sc, m = _scale_min_k4(2 * p + 1, scales)
+            d2, m2 = d * np.float32(sc), dmin * np.float32(m)
+            s1, s2 = 2 * p, 2 * p + 1
+            for j in range(lanes):  # 32
+                q = (src[qs + j] & 15) | (((src[qh + j] >> s1) & 1) << 4)
+                dst[e + j] = d1 * np.float32(q) - m1
+            for j in range(lanes):
+                q = (src[qs + j] >> 4) | (((src[qh + j] >> s2) & 1) << 4)
+                dst[e + 32 + j] = d2 * np.float32(q) - m2
+
+
+@_jit(fastmath=_EXACT)
+def _dq_q6_k(
+    row: np.ndarray, b0: int, b1: int, dst: np.ndarray, lanes: int
+) -> None:  # pragma: no cover
+    src = row[b0 * 210 : b1 * 210]
+    half = lanes // 2
+    for b in range(b1 - b0):
+        o = 210 * b
+        d = _f16_at(src, o + 208)
+        for h in range(2):  # two halves of 128 values
+            for k in range(4):  # 32 values: ql nibble k // 2, qh bits 2 k
+                ql = o + 64 * h + 32 * (k % 2)
+                qh = o + 128 + 32 * h
+                shift = 4 * (k // 2)
+                for g in range(2):  # 16 values share a scale
+                    e = 128 * h + 32 * k + 16 * g
+                    scale = d * np.float32(np.int8(src[o + 192 + e // 16]))
+                    for j in range(half):  # 16
+                        low = (src[ql + 16 * g + j] >> shift) & 15
+                        high = (src[qh + 16 * g + j] >> (2 * k)) & 3
+                        q = np.int32(low) | np.int32(high << 4)
+                        dst[256 * b + e + j] = scale * np.float32(q - 32)
+
+
+@_jit(fastmath=_EXACT)
+def _dequantize_blocks(
+    qtype: int, row: np.ndarray, b0: int, b1: int, dst: np.ndarray, lanes: int
+) -> None:  # pragma: no cover - compiled
+    """Blocks ``b0..b1-1`` of ``row`` (a row's bytes) into ``dst``."""
+    if qtype == 8:
+        _dq_q8_0(row, b0, b1, dst, lanes)
+    elif qtype == 2:
+        _dq_q4_0(row, b0, b1, dst, lanes)
+    elif qtype == 3:
+        _dq_q4_1(row, b0, b1, dst, lanes)
+    elif qtype == 12:
+        _dq_q4_k(row, b0, b1, dst, lanes)
+    elif qtype == 14:
+        _dq_q6_k(row, b0, b1, dst, lanes)
+    elif qtype == 13:
+        _dq_q5_k(row, b0, b1, dst, lanes)
+    elif qtype == 6:
+        _dq_q5_0(row, b0, b1, dst, lanes)
+    elif qtype == 7:
+        _dq_q5_1(row, b0, b1, dst, lanes)
+    elif qtype == 1:
+        _dq_f16(row, b0, b1, dst, lanes)
+    elif qtype == 30:
+        _dq_bf16(row, b0, b1, dst, lanes)
+    else:
+        _dq_f32(row, b0, b1, dst, lanes)
+
+
+@_jit(fastmath=_EXACT)
+def _dequantize_rows(
+    w: np.ndarray,  # (rows, row_bytes) uint8
+    qtype: int,
+    values: int,  # a block's
+    out: np.ndarray,  # (rows, in) float32
+    lanes: int,
+) -> None:  # pragma: no cover - compiled
+    nb = out.shape[1] // values
+    for r in range(w.shape[0]):
+        _dequantize_blocks(qtype, w[r], 0, nb, out[r], lanes)
+
+
+@_jit(fastmath=_EXACT)
+def _dequantize_quad(
+    qtype: int,
+    w: np.ndarray,  # (out_features, row_bytes)
+    r0: int,
+    nrows: int,
+    b0: int,
+    b1: int,
+    buf: np.ndarray,  # (4, >= values in b0..b1-1)
+    lanes: int,
+) -> None:  # pragma: no cover - compiled
+    """Blocks ``b0..b1-1`` of rows ``r0..r0+nrows-1`` into ``buf``'s rows:
+    one branch on the type for the four (a branch a row cost 12%)."""
+    if qtype == 8:
+        for i in range(nrows):
+            _dq_q8_0(w[r0 + i], b0, b1, buf[i], lanes)
+    elif qtype == 2:
+        for i in range(nrows):
+            _dq_q4_0(w[r0 + i], b0, b1, buf[i], lanes)
+    elif qtype == 3:
+        for i in range(nrows):
+            _dq_q4_1(w[r0 + i], b0, b1, buf[i], lanes)
+    elif qtype == 12:
+        for i in range(nrows):
+            _dq_q4_k(w[r0 + i], b0, b1, buf[i], lanes)
+    elif qtype == 14:
+        for i in range(nrows):
+            _dq_q6_k(w[r0 + i], b0, b1, buf[i], lanes)
+    else:
+        for i in range(nrows):
+            _dequantize_blocks(qtype, w[r0 + i], b0, b1, buf[i], lanes)
+
+
+#: inputs dequantized at a time: 4 rows of it are a thread's 16 KB buffer
+_CHUNK = 1024
+#: weight rows the micro-kernel reads at once
+_ROWS = 4
+
+
+@_jit()
+def _micro(
+    x: np.ndarray,  # (T, in)
+    k0: int,  # the chunk: inputs k0..k0+kn-1
+    kn: int,
+    buf: np.ndarray,  # (4, >= kn): 4 dequantized weight rows
+    out: np.ndarray,  # (T, out_features)
+    r0: int,  # the first row's output column
+    nrows: int,  # how many of the 4 are real rows
+    accumulate: bool,  # add to out (a later chunk) or write it (the first)
+    sums: np.ndarray,  # (4, 4) float32 scratch
+) -> None:  # pragma: no cover - compiled
+    """``out[:, r0:r0 + nrows] (+)= x[:, k0:k0 + kn] @ buf[:nrows, :kn].T``:
+    4 rows x 4 tokens a pass, 16 sums vectorised along the inputs (each
+    row of ``x`` is sliced on its own: a 2-D column slice would not be
+    contiguous, and numba reads it element by element)."""
+    t_len = x.shape[0]
+    w0, w1, w2, w3 = buf[0, :kn], buf[1, :kn], buf[2, :kn], buf[3, :kn]
+    for tq in range(t_len // 4):
+        t = 4 * tq
+        x0, x1 = x[t, k0 : k0 + kn], x[t + 1, k0 : k0 + kn]
+        x2, x3 = x[t + 2, k0 : k0 + kn], x[t + 3, k0 : k0 + kn]
+        s00 = s01 = s02 = s03 = np.float32(0.0)
+        s10 = s11 = s12 = s13 = np.float32(0.0)
+        s20 = s21 = s22 = s23 = np.float32(0.0)
+        s30 = s31 = s32 = s33 = np.float32(0.0)
+        for k in range(kn):
+            a0, a1, a2, a3 = x0[k], x1[k], x2[k], x3[k]
+            v0, v1, v2, v3 = w0[k], w1[k], w2[k], w3[k]
+            s00 += a0 * v0
+            s01 += a0 * v1
+            s02 += a0 * v2
+            s03 += a0 * v3
+            s10 += a1 * v0
+            s11 += a1 * v1
+            s12 += a1 * v2
+            s13 += a1 * v3
+            s20 += a2 * v0
+            s21 += a2 * v1
+            s22 += a2 * v2
+            s23 += a2 * v3
+            s30 += a3 * v0
+            s31 += a3 * v1
+            s32 += a3 * v2
+            s33 += a3 * v3
+        sums[0, 0], sums[0, 1], sums[0, 2], sums[0, 3] = s00, s01, s02, s03
+        sums[1, 0], sums[1, 1], sums[1, 2], sums[1, 3] = s10, s11, s12, s13
+        sums[2, 0], sums[2, 1], sums[2, 2], sums[2, 3] = s20, s21, s22, s23
+        sums[3, 0], sums[3, 1], sums[3, 2], sums[3, 3] = s30, s31, s32, s33
+        for i in range(4):
+            dst = out[t + i, r0 : r0 + nrows]
+            for r in range(nrows):
+                dst[r] = dst[r] + sums[i, r] if accumulate else sums[i, r]
+    for t in range(t_len - t_len % 4, t_len):
+        xt = x[t, k0 : k0 + kn]
+        s0 = s1 = s2 = s3 = np.float32(0.0)
+        for k in range(kn):
+            a = xt[k]
+            s0 += a * w0[k]
+            s1 += a * w1[k]
+            s2 += a * w2[k]
+            s3 += a * w3[k]
+        sums[0, 0], sums[0, 1], sums[0, 2], sums[0, 3] = s0, s1, s2, s3
+        dst = out[t, r0 : r0 + nrows]
+        for r in range(nrows):
+            dst[r] = dst[r] + sums[0, r] if accumulate else sums[0, r]
+
+
+@_jit()
+def _matmul_rows(
+    x: np.ndarray,  # (T, in) float32
+    w: np.ndarray,  # (out_features, row_bytes) uint8
+    qtype: int,
+    values: int,  # a block's
+    out: np.ndarray,  # (T, out_features)
+    start: int,  # rows start..stop-1, start a multiple of 4
+    stop: int,
+    lanes: int,
+) -> None:  # pragma: no cover - compiled
+    n = x.shape[1]
+    chunk = min(n, _CHUNK)
+    buf = np.zeros((_ROWS, chunk), np.float32)
+    sums = np.empty((4, _ROWS), np.float32)  # (token, row)
+    for quad in range((stop - start + _ROWS - 1) // _ROWS):
+        r0 = start + _ROWS * quad
+        nrows = min(_ROWS, stop - r0)
+        for c in range((n + chunk - 1) // chunk):
+            k0 = c * chunk
+            kn = min(chunk, n - k0)
+            _dequantize_quad(
+                qtype, w, r0, nrows, k0 // values, (k0 + kn) // values, buf, lanes
+            )
+            _micro(x, k0, kn, buf, out, r0, nrows, c > 0, sums)
+        if nrows < _ROWS:  # the last rows: no stale weights in later calls
+            buf[:] = 0.0
+
+
+@_jit()
+def _matmul(
+    x: np.ndarray, w: np.ndarray, qtype: int, values: int, out: np.ndarray, lanes: int
+) -> None:  # pragma: no cover - compiled
+    _matmul_rows(x, w, qtype, values, out, 0, w.shape[0], lanes)
+
+
+@_jit(parallel=True)
+def _matmul_parallel(
+    x: np.ndarray,
+    w: np.ndarray,
+    qtype: int,
+    values: int,
+    out: np.ndarray,
+    lanes: int,
+    parts: int,
+) -> None:  # pragma: no cover - compiled
+    rows = w.shape[0]
+    quads = (rows + _ROWS - 1) // _ROWS
+    for p in _prange(parts):
+        start = _ROWS * (p * quads // parts)
+        stop = min(rows, _ROWS * ((p + 1) * quads // parts))
+        _matmul_rows(x, w, qtype, values, out, start, stop, lanes)
+
+
+# -- Python API -----------------------------------------------------------------
+
+#: the dequantizers' inner trip count, given at run time (see the module doc)
+_LANES = 32
+#: below this many multiply-adds a call runs on the calling thread: the
+#: hand-off to a second thread costs a few microseconds
+_PARALLEL_MIN_WORK = 1 << 16
+
+
+def _check_weight(
+    w_raw: np.ndarray, qtype: int, out_features: int, in_features: int
+) -> GGMLType:
+    try:
+        kind = GGMLType(qtype)
+    except ValueError:
+        raise ValueError(f"qtype {qtype!r} is not a GGML type") from None
+    if kind not in MATMUL_TYPES:
+        raise ValueError(f"qtype {kind.name} has no kernel here")
+    size = row_bytes(kind, in_features)
+    if not isinstance(w_raw, np.ndarray) or w_raw.dtype != np.uint8:
+        raise ValueError(f"w_raw must be a np.uint8 array, not {_describe(w_raw)}")
+    if w_raw.shape != (out_features, size):
+        raise ValueError(
+            f"w_raw is {w_raw.shape}, not (out_features, row bytes) ="
+            f" {(out_features, size)} for {kind.name} rows of {in_features}"
+        )
+    if not w_raw.flags.c_contiguous:
+        raise ValueError("w_raw must be C-contiguous")
+    return kind
+
+
+def _describe(a: object) -> str:
+    if isinstance(a, np.ndarray):
+        return f"{a.dtype} {a.shape}"
+    return type(a).__name__
+
+
+def _check_floats(name: str, a: object, shape: tuple[int, ...] | None) -> np.ndarray:
+    if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.ndim != 2:
+        raise ValueError(f"{name} must be a 2-D float32 array, not {_describe(a)}")
+    if shape is not None and a.shape != shape:
+        raise ValueError(f"{name} is {a.shape}, not {shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+    return a
+
+
+def matmul(
+    x: np.ndarray,
+    w_raw: np.ndarray,
+    qtype: int,
+    out_features: int,
+    in_features: int,
+    out: np.ndarray | None = None,
+    *,
+    threaded: bool | None = None,
+) -> np.ndarray:
+    """``x @ W.T`` for ``W`` the ``(out_features, in_features)`` weight that
+    ``w_raw`` holds in GGML type ``qtype`` (its raw rows, ``np.uint8
+    (out_features, row_bytes(qtype, in_features))``, C-contiguous).
+
+    ``x`` is float32 ``(T, in_features)``, C-contiguous; the result is
+    float32 ``(T, out_features)``, written into ``out`` when given (same
+    rules). Any ``T``: decode steps and prefill chunks run the same kernel.
+    The rows are spread over the threads of :func:`kernels.set_num_threads`
+    when the call is big enough to pay for the hand-off; ``threaded``
+    forces the choice. Releases the GIL. Raises ValueError, naming the
+    argument, for a wrong dtype, shape or layout.
+    """
+    kind = _check_weight(w_raw, qtype, out_features, in_features)
+    _check_floats("x", x, None)
+    if x.shape[1] != in_features:
+        raise ValueError(f"x has {x.shape[1]} columns, not in_features {in_features}")
+    shape = (x.shape[0], out_features)
+    if out is None:
+        out = np.empty(shape, np.float32)
+    else:
+        _check_floats("out", out, shape)
+    if x.shape[0] == 0:
+        return out
+    values = _LAYOUTS[kind][0]
+    args = (x, w_raw, int(kind), values, out, _LANES)
+    threads = kernels._threads
+    if threaded is None:
+        threaded = x.size * out_features >= _PARALLEL_MIN_WORK
+    if threaded and threads > 1 and out_features > _ROWS:
+        parts = min(threads, (out_features + _ROWS - 1) // _ROWS)
+        kernels._threaded(_matmul_parallel, _matmul_serial, (*args, parts))
+    else:
+        _matmul(*args)
+    return out
+
+
+def _matmul_serial(*args: Any) -> None:
+    """The parallel kernel's arguments, run on the calling thread."""
+    _matmul(*args[:-1])
+
+
+def dequantize_rows(
+    w_raw: np.ndarray,
+    qtype: int,
+    in_features: int,
+    start: int = 0,
+    stop: int | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Rows ``start..stop-1`` of the weight ``w_raw`` holds (raw rows of
+    GGML type ``qtype``, ``np.uint8 (rows, row_bytes)``) as float32 ``(stop -
+    start, in_features)``, into ``out`` when given. Exactly gguf-py's
+    ``gguf.quants.dequantize`` (llama.cpp's ``dequantize_row_*``)."""
+    rows = w_raw.shape[0] if isinstance(w_raw, np.ndarray) and w_raw.ndim == 2 else 0
+    kind = _check_weight(w_raw, qtype, rows, in_features)
+    stop = rows if stop is None else stop
+    if not 0 <= start <= stop <= rows:
+        raise ValueError(f"rows {start}..{stop} out of 0..{rows}")
+    shape = (stop - start, in_features)
+    if out is None:
+        out = np.empty(shape, np.float32)
+    else:
+        _check_floats("out", out, shape)
+    _dequantize_rows(w_raw[start:stop], int(kind), _LAYOUTS[kind][0], out, _LANES)
+    return out
+
+
+# -- quantizers (llama.cpp's quantize_row_*_ref, vectorised in numpy) ------------
+
+
+def _round_away(v: np.ndarray) -> np.ndarray:
+    """C's ``roundf`` (halves away from zero) in float32, exactly: the
+    whole part plus one if the fraction is at least a half."""
+    a = np.abs(v)
+    whole = np.floor(a)
+    rounded: np.ndarray = np.copysign(whole + np.floor(2 * (a - whole)), v)
+    return rounded
+
+
+def _inverse(d: np.ndarray) -> np.ndarray:
+    safe = np.where(d == 0, np.float32(1.0), d)
+    inverse: np.ndarray = np.where(d == 0, np.float32(0.0), np.float32(1.0) / safe)
+    return inverse.astype(np.float32)
+
+
+def _halves(d: np.ndarray) -> np.ndarray:
+    """float32 ``(n, 1)`` as ``(n, 2)`` bytes of IEEE halves."""
+    halves: np.ndarray = d.astype(np.float16).view(np.uint8)
+    return halves
+
+
+def _nibbles(q: np.ndarray) -> np.ndarray:
+    """``(n, 32)`` values 0..15 as 16 bytes: value j low, value j + 16 high."""
+    q = q.astype(np.uint8)
+    packed: np.ndarray = q[:, :16] | (q[:, 16:] << np.uint8(4))
+    return packed
+
+
+def quantize(w: np.ndarray, qtype: int) -> np.ndarray:
+    """A float32 weight ``(out, in)`` as raw rows of GGML type ``qtype``
+    (one of :data:`QUANTIZE_TYPES`): ``np.uint8 (out, row_bytes)``, the
+    bytes llama.cpp's ``quantize_row_*_ref`` writes (and gguf-py's
+    ``gguf.quants.quantize``)."""
+    try:
+        kind = GGMLType(qtype)
+    except ValueError:
+        raise ValueError(f"qtype {qtype!r} is not a GGML type") from None
+    if kind not in QUANTIZE_TYPES:
+        raise ValueError(f"qtype {kind.name} has no quantizer here")
+    if not isinstance(w, np.ndarray) or w.ndim != 2 or w.dtype != np.float32:
+        raise ValueError(f"w must be a 2-D float32 array, not {_describe(w)}")
+    rows, n = w.shape
+    size = row_bytes(kind, n)
+    blocks = np.ascontiguousarray(w).reshape(-1, 32)
+    if kind == GGMLType.Q8_0:
+        d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
+        q = _round_away(blocks * _inverse(d)).astype(np.int8).view(np.uint8)
+        raw = np.concatenate([_halves(d), q], axis=1)
+    elif kind == GGMLType.Q4_0:
+        at = np.abs(blocks).argmax(axis=1)[:, None]  # the first of the largest
+        d = np.take_along_axis(blocks, at, axis=1) / np.float32(-8)
+        q = np.trunc(blocks * _inverse(d) + np.float32(8.5))
+        raw = np.concatenate([_halves(d), _nibbles(np.minimum(q, 15))], axis=1)
+    else:  # Q4_1
+        lo = blocks.min(axis=1, keepdims=True)
+        d = (blocks.max(axis=1, keepdims=True) - lo) / np.float32(15)
+        q = np.trunc((blocks - lo) * _inverse(d) + np.float32(0.5))
+        raw = np.concatenate(
+            [_halves(d), _halves(lo), _nibbles(np.minimum(q, 15))], axis=1
+        )
+    return raw.reshape(rows, size)
+
+
+def warm_up() -> None:
+    """Compile the kernels (or load them from numba's disk cache) for a
+    writable and a read-only (mmap) weight, threaded too when the engine
+    has threads, so a first step never pauses to compile."""
+    if numba is None:  # pragma: no cover
+        return
+    x = np.zeros((1, 32), np.float32)
+    w = np.zeros((8, 34), np.uint8)
+    frozen = w.copy()
+    frozen.flags.writeable = False
+    for weight in (w, frozen):
+        matmul(x, weight, GGMLType.Q8_0, 8, 32, threaded=False)
+        if kernels._threads > 1:
+            matmul(x, weight, GGMLType.Q8_0, 8, 32, threaded=True)
+        dequantize_rows(weight, GGMLType.Q8_0, 32)

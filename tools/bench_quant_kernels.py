@@ -1,0 +1,278 @@
+"""Quantized matmul kernels (model/quant_kernels.py) against numpy float32.
+
+SmolLM2-135M's projections for one decode step: 30 layers of qkv (576 ->
+960), o (576 -> 576), gate_up (576 -> 3072) and down (1536 -> 576), and the
+tied head (576 -> 49152, Q8_0 as in the published GGUF files), at batch 1
+and 16. For each weight type: time a token, GB/s of weight bytes read (a
+step reads the weights once whatever the batch), and the same step as
+numpy's float32 ``x @ W.T`` on the dequantized weights, timed in turns with
+it (best of N each: the machine is shared). Each thread count runs in its
+own process, numpy's OpenBLAS limited to the same count.
+
+``--prefill T`` compares, for T tokens through gate_up and down, the
+kernel with dequantizing 256-row tiles into numpy's BLAS and with float32.
+
+Usage:
+  PYTHONPATH=src python tools/bench_quant_kernels.py [--threads 1 2]
+      [--types Q8_0 Q4_0 Q4_1 Q4_K Q6_K] [--repeats 10] [--gguf FILE.gguf]
+  PYTHONPATH=src python tools/bench_quant_kernels.py --prefill 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+
+import numpy as np
+
+HIDDEN, INTER, LAYERS, VOCAB = 576, 1536, 30, 49152
+SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+
+
+def _random_raw(qk, kind, rows, n, rng):  # type: ignore[no-untyped-def]
+    """Weights of ``kind``: quantized from normal floats where this module
+    quantizes, else random bytes with small finite f16 scales."""
+    if kind in qk.QUANTIZE_TYPES:
+        return qk.quantize(rng.standard_normal((rows, n), dtype=np.float32), kind)
+    values, size = qk.block_layout(kind)
+    raw = rng.integers(0, 256, (rows, n // values, size), dtype=np.uint8)
+    halves = {qk.GGMLType.Q4_K: (0, 2), qk.GGMLType.Q5_K: (0, 2)}
+    for at in halves.get(kind, (208,) if kind == qk.GGMLType.Q6_K else (0,)):
+        d = (rng.standard_normal((rows, n // values)) * 0.01).astype(np.float16)
+        raw[:, :, at : at + 2] = d.view(np.uint8).reshape(rows, -1, 2)
+    return raw.reshape(rows, -1)
+
+
+def _model(qk, kind, gguf_path):  # type: ignore[no-untyped-def]
+    """[(raw, qtype, out, in)] of one decode step's projections."""
+    rng = np.random.default_rng(0)
+    if gguf_path:
+        import gguf
+
+        reader = gguf.GGUFReader(gguf_path)
+        t = {x.name: x for x in reader.tensors}
+
+        def raw(name: str) -> np.ndarray:
+            return np.ascontiguousarray(t[name].data)
+
+        kind = qk.GGMLType(int(t["blk.0.attn_q.weight"].tensor_type))
+        weights = []
+        for i in range(LAYERS):
+            p = f"blk.{i}."
+            qkv = np.concatenate(
+                [
+                    raw(p + "attn_q.weight"),
+                    raw(p + "attn_k.weight"),
+                    raw(p + "attn_v.weight"),
+                ]
+            )
+            up = np.concatenate([raw(p + "ffn_gate.weight"), raw(p + "ffn_up.weight")])
+            for w, (o, n) in zip(
+                (qkv, raw(p + "attn_output.weight"), up, raw(p + "ffn_down.weight")),
+                SHAPES,
+                strict=True,
+            ):
+                weights.append((w, kind, o, n))
+        head = t["token_embd.weight"]
+        weights.append(
+            (raw(head.name), qk.GGMLType(int(head.tensor_type)), VOCAB, HIDDEN)
+        )
+        return kind.name + " (file)", weights
+    # rows of a size a K-quant's 256 does not divide take llama-quantize's
+    # fallback type (llama.cpp's tensor_type_fallback): SmolLM2's 576
+    fallback = {
+        qk.GGMLType.Q4_K: qk.GGMLType.Q5_0,
+        qk.GGMLType.Q5_K: qk.GGMLType.Q5_1,
+        qk.GGMLType.Q6_K: qk.GGMLType.Q8_0,
+    }
+    weights = []
+    for _ in range(LAYERS):
+        for o, n in SHAPES:
+            t = kind if n % qk.block_layout(kind)[0] == 0 else fallback[kind]
+            weights.append((_random_raw(qk, t, o, n, rng), t, o, n))
+    head = _random_raw(qk, qk.GGMLType.Q8_0, VOCAB, HIDDEN, rng)
+    weights.append((head, qk.GGMLType.Q8_0, VOCAB, HIDDEN))
+    label = (
+        kind.name
+        if kind not in fallback
+        else f"{kind.name} (down; rest {fallback[kind].name})"
+    )
+    return label, weights
+
+
+def _best_in_turns(fns: list[Callable[[], None]], repeats: int) -> list[float]:
+    for f in fns:
+        f()  # compile, fault the pages in
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, f in enumerate(fns):
+            # the other library's idle threads spin for a while after a call
+            # (OpenBLAS ~0.1 s, Intel's OpenMP 0.2 s), holding a core
+            time.sleep(0.25)
+            start = time.perf_counter()
+            f()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
+def _quantized_step(qk, weights, xs, outs) -> None:  # type: ignore[no-untyped-def]
+    for (w, t, o, n), y in zip(weights, outs, strict=True):
+        qk.matmul(xs[n], w, t, o, n, out=y)
+
+
+def _dense_step(weights, floats, xs, outs) -> None:  # type: ignore[no-untyped-def]
+    for (_, _, _, n), f, y in zip(weights, floats, outs, strict=True):
+        np.matmul(xs[n], f.T, out=y)
+
+
+def _tiles(qk, x, w, kind, o, n, y, rows=256) -> None:  # type: ignore[no-untyped-def]
+    """Prefill the other way: 256-row tiles dequantized into numpy's BLAS."""
+    tile = np.empty((rows, n), np.float32)
+    for r0 in range(0, o, rows):
+        r1 = min(o, r0 + rows)
+        qk.dequantize_rows(w, kind, n, r0, r1, out=tile[: r1 - r0])
+        y[:, r0:r1] = x @ tile[: r1 - r0].T
+
+
+def child(args: argparse.Namespace) -> None:
+    from structllm.model import kernels
+    from structllm.model import quant_kernels as qk
+
+    kernels.set_num_threads(args.threads)
+    qk.warm_up()
+    sources = [(qk.GGMLType[name], None) for name in args.types]
+    if args.gguf:
+        sources.append((None, args.gguf))
+    for kind, path in sources:
+        name, weights = _model(qk, kind, path)
+        floats = [qk.dequantize_rows(w, t, n) for w, t, _, n in weights]
+        nbytes = sum(w.nbytes for w, *_ in weights)
+        rng = np.random.default_rng(1)
+        for batch in args.batches:
+            xs = {
+                n: rng.standard_normal((batch, n), dtype=np.float32)
+                for n in (HIDDEN, INTER)
+            }
+            outs = [np.empty((batch, o), np.float32) for _, _, o, _ in weights]
+
+            quantized = partial(_quantized_step, qk, weights, xs, outs)
+            dense = partial(_dense_step, weights, floats, xs, outs)
+            tq, tf = _best_in_turns([quantized, dense], args.repeats)
+            print(
+                json.dumps(
+                    {
+                        "type": name,
+                        "threads": args.threads,
+                        "batch": batch,
+                        "ms_token": tq / batch * 1e3,
+                        "gbs": nbytes / tq / 1e9,
+                        "mb": nbytes / 1e6,
+                        "f32_ms_token": tf / batch * 1e3,
+                        "f32_gbs": sum(f.nbytes for f in floats) / tf / 1e9,
+                    }
+                ),
+                flush=True,
+            )
+
+
+def prefill(args: argparse.Namespace) -> None:
+    from structllm.model import kernels
+    from structllm.model import quant_kernels as qk
+
+    kernels.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    t_len = args.prefill
+    for kind in (qk.GGMLType[name] for name in args.types):
+        for o, n in [(2 * INTER, 1024), (HIDDEN, INTER)]:  # gate_up: 256 | n
+            w = _random_raw(qk, kind, o, n, rng)
+            f = qk.dequantize_rows(w, kind, n)
+            x = rng.standard_normal((t_len, n), dtype=np.float32)
+            y = np.empty((t_len, o), np.float32)
+
+            fns = [
+                partial(qk.matmul, x, w, kind, o, n, out=y),
+                partial(_tiles, qk, x, w, kind, o, n, y),
+                partial(np.matmul, x, f.T, out=y),
+            ]
+            tk, tt, tf = _best_in_turns(fns, args.repeats)
+            gflop = 2 * t_len * o * n / 1e9
+            print(
+                f"{kind.name} T={t_len} {n}->{o} threads={args.threads}: kernel"
+                f" {tk * 1e3:.2f} ms ({gflop / tk:.0f} GFLOP/s), tiles+BLAS"
+                f" {tt * 1e3:.2f} ms, numpy f32 {tf * 1e3:.2f} ms",
+                flush=True,
+            )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument(
+        "--types", nargs="+", default=["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
+    )
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--gguf", help="also time this GGUF file's own weights")
+    p.add_argument("--prefill", type=int, help="tokens: compare prefill paths")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        args.threads = args.threads[0]
+        (prefill if args.prefill else child)(args)
+        return
+    rows = []
+    for threads in args.threads:
+        env = dict(
+            os.environ,
+            OPENBLAS_NUM_THREADS=str(threads),
+            OMP_NUM_THREADS=str(threads),
+            MKL_NUM_THREADS=str(threads),
+        )
+        argv = [
+            sys.executable,
+            __file__,
+            "--child",
+            "--threads",
+            str(threads),
+            "--types",
+            *args.types,
+            "--batches",
+            *map(str, args.batches),
+            "--repeats",
+            str(args.repeats),
+        ]
+        if args.gguf:
+            argv += ["--gguf", args.gguf]
+        if args.prefill:
+            argv += ["--prefill", str(args.prefill)]
+        run = subprocess.run(
+            argv, env=env, check=True, stdout=subprocess.PIPE, text=True
+        )
+        for line in run.stdout.splitlines():
+            if line.startswith("{"):
+                rows.append(json.loads(line))
+            else:
+                print(line)
+    if not rows:
+        return
+    print(
+        "| type | threads | batch | weights MB | ms/token | GB/s | f32 ms/token"
+        " | f32 GB/s | speed-up vs f32 |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['type']} | {r['threads']} | {r['batch']} | {r['mb']:.0f} |"
+            f" {r['ms_token']:.3f} | {r['gbs']:.1f} | {r['f32_ms_token']:.3f} |"
+            f" {r['f32_gbs']:.1f} | {r['f32_ms_token'] / r['ms_token']:.2f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -66,8 +66,10 @@ def convert(
     metadata: Mapping[str, Any] | None = None,
     drop: tuple[str, ...] = (),
     arch: str | None = None,
+    types: Mapping[str, str] | None = None,
 ) -> dict[str, np.ndarray]:
-    """``directory`` as ``out`` (``arch``: say another general.architecture)."""
+    """``directory`` as ``out`` (``arch``: say another general.architecture;
+    ``types``: the type of particular HF tensors, overriding ``qtype``)."""
     config = json.loads((directory / "config.json").read_text())
     arch = arch or {"mistral": "llama"}.get(config["model_type"], config["model_type"])
     tensors: dict[str, np.ndarray] = {}
@@ -115,8 +117,9 @@ def convert(
             stored = permute(array, heads)
         elif permuted and ".k_proj." in hf:
             stored = permute(array, kv_heads)
-        if array.ndim == 2 and qtype != "F32":
-            kind = gguf.GGMLQuantizationType[qtype]
+        tensor_type = (types or {}).get(hf, qtype)
+        if array.ndim == 2 and tensor_type != "F32":
+            kind = gguf.GGMLQuantizationType[tensor_type]
             data = gguf.quants.quantize(stored, kind)
             w.add_tensor(gguf_name(hf), data, raw_dtype=kind)
             # quantization is per row: what the file holds, in HF row order

@@ -232,7 +232,7 @@ def _gguf_weights(path: Path) -> str:
         version = f.version
     kinds = ", ".join(f"{n} x{k}" for n, k in types.most_common())
     size = path.stat().st_size / 1e6
-    return f"GGUF v{version}, {size:.1f} MB: {kinds} (dequantized to float32 on load)"
+    return f"GGUF v{version}, {size:.1f} MB: {kinds}"
 
 
 def _generate(ns: argparse.Namespace) -> int:

@@ -89,6 +89,13 @@ class EngineConfig:
         help="auto: by the model's files; dummy: random weights from its config alone",
         topic="model",
     )
+    quantization: Literal["auto", "none", "q8_0", "q4_0", "q4_1", "q4_k"] = setting(
+        "auto",
+        help="auto: a GGUF file's weights stay in their quantized blocks, a float "
+        "checkpoint's in float32; none: dequantize a GGUF file to float32; "
+        "q8_0/q4_0/q4_1/q4_k: quantize a float checkpoint's projections at load",
+        topic="model",
+    )
     seed: int = setting(0, help="seed for dummy weights", cli=False)
     block_size: int = setting(
         16, help="tokens per KV block", validator=_ONE, topic="engine"

@@ -405,6 +405,7 @@ def load_engine_model(
         "max_model_len": config.max_model_len,
         "seed": config.seed,
         "backend": config.model_backend,
+        "quantization": config.quantization,
         "on_progress": on_progress,
     }
     tp = config.tensor_parallel_size

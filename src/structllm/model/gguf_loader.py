@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,7 +23,10 @@ from structllm.errors import ModelLoadError
 from structllm.formats.gguf import GGUFFile
 from structllm.model.config import ModelConfig
 
-__all__ = ["gguf_to_hf_name", "read_gguf_tensors"]
+if TYPE_CHECKING:
+    from structllm.model.linear import Linear
+
+__all__ = ["gguf_to_hf_name", "read_gguf_quantized", "read_gguf_tensors"]
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -78,6 +82,99 @@ def read_gguf_tensors(
     loader insists: an unused tensor means config and weights disagree), and
     every tensor the config needs must be there with its shape.
     """
+    names = _tensor_names(file, config, shapes)
+    for hf in shapes:
+        yield hf, _dequantized(file, config, hf, names[hf])
+
+
+def read_gguf_quantized(
+    file: GGUFFile,
+    config: ModelConfig,
+    shapes: Mapping[str, tuple[int, ...]],
+) -> tuple[dict[str, np.ndarray], dict[str, Linear]]:
+    """The weights of ``file`` with its projections kept in their blocks:
+    ``(tensors, linears)`` for :func:`~structllm.model.loader.build_model`.
+
+    Each projection whose pieces are all of a type the quantized kernels
+    multiply (``quant_kernels.MATMUL_TYPES`` but F32) becomes a
+    :class:`QuantizedLinear` over the file's own rows (q/k rows of a Llama
+    file put back in Hugging Face order, row by row); a tied head reads the
+    embedding's rows. Everything else (norms, biases, the embedding the
+    lookup reads, projections of other types) is float32 in ``tensors``.
+    """
+    from structllm.model import quant_kernels
+    from structllm.model.loader import projection_loaders
+    from structllm.model.quantized import QuantizedLinear, QuantizedPart
+
+    names = _tensor_names(file, config, shapes)
+    loaders: dict[str, Any] = dict(projection_loaders(config))
+    if config.tie_word_embeddings:
+        loaders["lm_head"] = None  # the embedding's rows
+    kept = {int(t) for t in quant_kernels.MATMUL_TYPES} - {0}  # not F32
+    linears: dict[str, Linear] = {}
+    consumed: set[str] = set()
+    for module, loader in loaders.items():
+        pieces = ("model.embed_tokens",) if loader is None else tuple(loader.pieces)
+        infos = [file.tensors[names[p + ".weight"]] for p in pieces]
+        if not all(int(info.type) in kept for info in infos):
+            continue
+        in_features = infos[0].shape[1]
+        parts = []
+        for piece, info in zip(pieces, infos, strict=True):
+            raw = file.raw(info.name).reshape(info.shape[0], -1)
+            parts.append(
+                QuantizedPart(_in_hf_order(config, piece, raw), int(info.type))
+            )
+        bias = None
+        if loader is not None and loader.has_bias:
+            biases = [p + ".bias" for p in pieces]
+            bias = _paddle_tensor(
+                np.concatenate(
+                    [_dequantized(file, config, b, names[b]) for b in biases]
+                )
+            )
+            consumed.update(biases)
+        linears[module] = QuantizedLinear.fuse(parts, in_features, bias)
+        if loader is not None:
+            consumed.update(p + ".weight" for p in pieces)
+    tensors = {
+        hf: _dequantized(file, config, hf, names[hf])
+        for hf in shapes
+        if hf not in consumed
+    }
+    return tensors, linears
+
+
+def _paddle_tensor(array: np.ndarray) -> Any:
+    from structllm.model._paddle import paddle
+
+    return paddle.to_tensor(array)
+
+
+def _in_hf_order(config: ModelConfig, piece: str, rows: np.ndarray) -> np.ndarray:
+    """Rows of ``piece``'s weight (any row layout: floats or raw blocks) in
+    Hugging Face's order: a Llama file's q and k rows are interleaved."""
+    if config.model_type not in ("llama", "mistral"):
+        return rows
+    if piece.endswith("q_proj"):
+        return _unpermute(rows, config.num_attention_heads)
+    if piece.endswith("k_proj"):
+        return _unpermute(rows, config.num_key_value_heads)
+    return rows
+
+
+def _dequantized(file: GGUFFile, config: ModelConfig, hf: str, name: str) -> np.ndarray:
+    return _in_hf_order(config, hf.rsplit(".", 1)[0], file.dequantize(name))
+
+
+def _tensor_names(
+    file: GGUFFile,
+    config: ModelConfig,
+    shapes: Mapping[str, tuple[int, ...]],
+) -> dict[str, str]:
+    """HF name -> the file's tensor name, for every tensor of ``shapes``,
+    each checked: present, with the shape the config implies, and none of
+    the file's left over."""
     source = Path(file.path).name
     by_hf: dict[str, str] = {}
     for name in file.tensors:
@@ -85,8 +182,6 @@ def read_gguf_tensors(
             continue
         hf = gguf_to_hf_name(name)
         if hf is None or hf not in shapes:
-            if hf == "lm_head.weight" and config.tie_word_embeddings:
-                continue  # pragma: no cover - the config unties when it exists
             raise ModelLoadError(
                 f"{source}: tensor {name} is not a weight structllm's "
                 f"{config.model_type} with this metadata uses"
@@ -98,25 +193,20 @@ def read_gguf_tensors(
             f"{source} lacks {len(missing)} tensors the metadata implies, e.g. "
             + ", ".join(missing[:3])
         )
-    permuted = config.model_type in ("llama", "mistral")
-    for hf, name in ((hf, by_hf[hf]) for hf in shapes):
+    for hf, name in by_hf.items():
         info = file.tensors[name]
         if tuple(info.shape) != shapes[hf]:
             raise ModelLoadError(
                 f"{source}: tensor {name} at offset {info.offset} has shape "
                 f"{tuple(info.shape)}, the metadata implies {shapes[hf]}"
             )
-        array = file.dequantize(name)
-        if permuted and hf.endswith(("q_proj.weight", "q_proj.bias")):
-            array = _unpermute(array, config.num_attention_heads)
-        elif permuted and hf.endswith(("k_proj.weight", "k_proj.bias")):
-            array = _unpermute(array, config.num_key_value_heads)
-        yield hf, array
+    return by_hf
 
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row order: within each head, rows ``(2, d/2)``
-    were stored as ``(d/2, 2)`` (pairs interleaved for its RoPE)."""
+    were stored as ``(d/2, 2)`` (pairs interleaved for its RoPE). Rows may
+    be floats or a quantized weight's raw block rows: whole rows move."""
     rows = w.shape[0]
     # (heads, d/2, 2, ...) -> (heads, 2, d/2, ...) -> (rows, ...)
     return np.ascontiguousarray(

@@ -21,7 +21,7 @@ from typing import Literal
 import attrs
 import numpy as np
 
-from structllm.errors import ModelLoadError
+from structllm.errors import EngineConfigError, ModelLoadError
 from structllm.model._paddle import cpu_vendor, paddle
 from structllm.model.config import ModelConfig
 from structllm.model.linear import (
@@ -217,14 +217,25 @@ def load_model(
     on_progress: Callable[[LoadProgress], None] | None = None,
     backend: str = "auto",
     num_threads: int | None = None,
+    quantization: str = "auto",
 ) -> LoadedModel:
-    """Load ``model`` (a directory, or a built-in name) ready to run."""
+    """Load ``model`` (any reference ``structllm.models.resolve_model`` takes)
+    ready to run.
+
+    ``quantization``: ``auto`` keeps a GGUF file's projections in their
+    blocks (:class:`~structllm.model.quantized.QuantizedLinear`) and a
+    float checkpoint's in float; ``none`` dequantizes a GGUF file to
+    float32; ``q8_0``, ``q4_0``, ``q4_1``, ``q4_k`` quantize a float
+    checkpoint's projections at load, as llama.cpp's ``llama-quantize``
+    would (the embedding lookup, norms and biases stay float32).
+    """
     path = resolve_model(model)
     if path is None:
         load_format = "dummy"
     config = ModelConfig.from_path(path)
     gguf = path is not None and path.is_file()
     compute_dtype = resolve_dtype(dtype, config)
+    quantize = check_quantization(quantization, gguf=gguf, dtype=compute_dtype)
     shapes = hf_tensor_shapes(config)
     total = len(shapes)
 
@@ -232,21 +243,28 @@ def load_model(
         if on_progress is not None:
             on_progress(LoadProgress("weights", done, total))
 
-    tensors: dict[str, paddle.Tensor] = {}
+    tensors: dict[str, paddle.Tensor | np.ndarray] = {}
+    linears: dict[str, Linear] = {}
     report(0)
     if load_format == "dummy":
         for n, (name, array) in enumerate(random_hf_tensors(config, seed), 1):
-            tensors[name] = paddle.to_tensor(array)
+            tensors[name] = array
             report(n)
     elif gguf and load_format in ("auto", "gguf"):
         assert path is not None
         from structllm.formats.gguf import GGUFFile
-        from structllm.model.gguf_loader import read_gguf_tensors
+        from structllm.model.gguf_loader import read_gguf_quantized, read_gguf_tensors
 
         with GGUFFile.open(path) as f:
-            for n, (name, array) in enumerate(read_gguf_tensors(f, config, shapes), 1):
-                tensors[name] = paddle.to_tensor(array)
-                report(n)
+            if quantization == "auto":
+                tensors, linears = read_gguf_quantized(f, config, shapes)
+                report(total)
+            else:
+                for n, (name, array) in enumerate(
+                    read_gguf_tensors(f, config, shapes), 1
+                ):
+                    tensors[name] = array
+                    report(n)
     elif not gguf and load_format in ("auto", "safetensors"):
         assert path is not None
         for n, (name, tensor) in enumerate(_read_safetensors(path, shapes), 1):
@@ -257,6 +275,10 @@ def load_model(
             f"load_format {load_format!r} does not read {path}: auto, "
             "safetensors (a directory), gguf (a .gguf file) or dummy"
         )
+    if quantize is not None:
+        from structllm.model.quantized import quantize_projections
+
+        linears = quantize_projections(config, tensors, quantize)
     llm = build_model(
         config,
         tensors,
@@ -265,8 +287,40 @@ def load_model(
         max_model_len=max_model_len,
         backend=backend,
         num_threads=num_threads,
+        linears=linears,
     )
     return LoadedModel(config=config, model=llm, path=path)
+
+
+#: ``quantization`` values that quantize a float checkpoint at load
+QUANTIZE_AT_LOAD = ("q8_0", "q4_0", "q4_1", "q4_k")
+
+
+def check_quantization(quantization: str, *, gguf: bool, dtype: str) -> str | None:
+    """The GGML type name to quantize a float checkpoint to, or None; refuses
+    (:class:`EngineConfigError` on ``quantization``) what cannot be done."""
+    choices = ("auto", "none", *QUANTIZE_AT_LOAD)
+    if quantization not in choices:
+        raise EngineConfigError(
+            f"quantization must be one of {', '.join(choices)}, not {quantization!r}",
+            field="quantization",
+        )
+    if quantization in ("auto", "none"):
+        return None
+    if gguf:
+        raise EngineConfigError(
+            f"quantization={quantization} quantizes a float checkpoint at load; a "
+            "GGUF file's weights are already quantized (auto keeps them, none "
+            "dequantizes them)",
+            field="quantization",
+        )
+    if dtype != "float32":
+        raise EngineConfigError(
+            f"quantization={quantization} runs on the CPU kernels (float32 "
+            f"activations), not with dtype {dtype}",
+            field="quantization",
+        )
+    return quantization.upper()
 
 
 def build_model(

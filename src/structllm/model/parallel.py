@@ -296,9 +296,15 @@ def load_model_shard(
     seed: int = 0,
     backend: str = "auto",
     on_progress: Callable[[LoadProgress], None] | None = None,
+    quantization: str = "auto",
 ) -> LoadedModel:
     """Rank ``rank``'s shard of ``model`` (a directory or a built-in name),
     as :func:`~structllm.model.loader.load_model` takes its arguments.
+
+    Shards are float32: a GGUF file's quantized weights are dequantized and
+    each rank keeps its slice (``quantization`` auto or none); quantizing a
+    shard at load (q8_0...) is refused by name, as is any quantized format
+    the ranks cannot split.
 
     ``load_format="dummy"`` (and ``"tiny-random"``) draws the whole model's
     random weights from ``seed`` and keeps the rank's slices, so every rank
@@ -307,6 +313,12 @@ def load_model_shard(
     :func:`load_shard` (only the rank's slices). ``LoadedModel.config`` is
     the whole model's; ``LoadedModel.model.config`` the shard's.
     """
+    if quantization not in ("auto", "none"):
+        raise EngineConfigError(
+            f"quantization={quantization} with tensor_parallel_size {tp_size}: "
+            "tensor-parallel ranks hold float32 shards",
+            field="quantization",
+        )
     config, path = _model_config(model)
     if path is None:
         load_format = "dummy"

@@ -1,0 +1,186 @@
+"""Quantized projections: :class:`QuantizedLinear` keeps a weight in llama.cpp's
+block layout and multiplies from it (``model/quant_kernels.py``).
+
+A GGUF file's projection weights (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+Q6_K, F16, BF16) stay as the file holds them: rows of blocks, a scale (and
+a min) and packed integers, never a float32 copy. The fused projections
+structllm runs (q/k/v, gate/up) are their pieces' rows one after another:
+rows of one type are concatenated into one weight (a row is independent of
+the others, so a fused weight's rows are its pieces' rows), and pieces of
+different types (a Q4_K_M file keeps some ``attn_v`` in Q6_K) are one
+kernel call each into their columns of the output.
+
+Runs in the eager backend only (the oneDNN predictors take dense weights as
+program inputs; training needs a float weight): ``check_backend`` refuses
+the others by name when the model is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping, Sequence
+from typing import Any, ClassVar
+
+import attrs
+import numpy as np
+
+from structllm.errors import EngineConfigError, ModelLoadError
+from structllm.model import quant_kernels
+from structllm.model._paddle import paddle
+from structllm.model.linear import Backend, Linear
+
+__all__ = ["QuantizedLinear", "QuantizedPart", "quantize_projections"]
+
+
+@attrs.frozen
+class QuantizedPart:
+    """Output rows ``(rows, row_bytes)`` of one GGML type."""
+
+    raw: np.ndarray  # uint8 (rows, row_bytes), C-contiguous
+    qtype: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.raw.shape[0])
+
+
+@attrs.define(eq=False)
+class QuantizedLinear(Linear):
+    """A weight of HF shape ``(out, in)`` kept in GGML block rows."""
+
+    kind: ClassVar[str] = "quantized"
+    backends: ClassVar[frozenset[Backend]] = frozenset(("eager",))
+
+    parts: tuple[QuantizedPart, ...]
+    _in_features: int
+    bias: paddle.Tensor | None = None  # (out,)
+    _out_features: int = attrs.field(init=False)
+    _columns: tuple[tuple[int, int], ...] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        columns, start = [], 0
+        for part in self.parts:
+            quant_kernels.row_bytes(part.qtype, self._in_features)  # checks type
+            if part.raw.dtype != np.uint8 or part.raw.ndim != 2:
+                raise ModelLoadError(
+                    f"a quantized part must be uint8 rows, not {part.raw.dtype} "
+                    f"{part.raw.shape}"
+                )
+            columns.append((start, start + part.rows))
+            start += part.rows
+        self._out_features = start
+        self._columns = tuple(columns)
+
+    @classmethod
+    def fuse(
+        cls,
+        pieces: Sequence[QuantizedPart],
+        in_features: int,
+        bias: paddle.Tensor | None = None,
+    ) -> QuantizedLinear:
+        """One Linear from pieces stacked along the output (q, k, v): runs of
+        the same type become one weight (their rows copied together)."""
+        merged: list[QuantizedPart] = []
+        for piece in pieces:
+            if merged and merged[-1].qtype == piece.qtype:
+                raw = np.concatenate([merged[-1].raw, piece.raw])
+                merged[-1] = QuantizedPart(raw, piece.qtype)
+            else:
+                merged.append(
+                    QuantizedPart(np.ascontiguousarray(piece.raw), piece.qtype)
+                )
+        return cls(tuple(merged), in_features, bias)
+
+    @property
+    def in_features(self) -> int:
+        return self._in_features
+
+    @property
+    def out_features(self) -> int:
+        return self._out_features
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight a call reads."""
+        return sum(int(p.raw.nbytes) for p in self.parts)
+
+    @property
+    def types(self) -> tuple[str, ...]:
+        return tuple(quant_kernels.GGMLType(p.qtype).name for p in self.parts)
+
+    def __call__(
+        self, x: paddle.Tensor, out: paddle.Tensor | None = None
+    ) -> paddle.Tensor:
+        xh = np.from_dlpack(x)  # (T, in)
+        if not xh.flags.c_contiguous:
+            xh = np.ascontiguousarray(xh)
+        if out is None:
+            out = paddle.empty([xh.shape[0], self._out_features], dtype="float32")
+        oh = np.from_dlpack(out)  # (T, out), written in place
+        if len(self.parts) == 1:
+            part = self.parts[0]
+            quant_kernels.matmul(
+                xh, part.raw, part.qtype, part.rows, self._in_features, out=oh
+            )
+            return out
+        for part, (a, b) in zip(self.parts, self._columns, strict=True):
+            oh[:, a:b] = quant_kernels.matmul(
+                xh, part.raw, part.qtype, part.rows, self._in_features
+            )
+        return out
+
+
+def quantize_projections(
+    config: Any,
+    tensors: MutableMapping[str, Any],
+    qtype_name: str,
+) -> dict[str, Linear]:
+    """Every projection of a float checkpoint quantized to ``qtype_name``
+    (``"Q8_0"``...), as ``build_model``'s ``linears``: the HF weights and
+    biases of each projection are taken out of ``tensors``; a tied head
+    quantizes the embedding's rows (the lookup keeps the float embedding).
+    Refuses (:class:`EngineConfigError` on ``quantization``) a type the
+    kernels cannot quantize to, and a weight whose rows are not whole blocks.
+    """
+    from structllm.model.loader import projection_loaders
+
+    qtype = int(quant_kernels.GGMLType[qtype_name])
+    if qtype not in {int(t) for t in quant_kernels.QUANTIZE_TYPES}:
+        raise EngineConfigError(
+            f"quantization={qtype_name.lower()} is not one the CPU kernels quantize to",
+            field="quantization",
+        )
+    per_block = quant_kernels.block_layout(qtype)[0]
+    loaders: dict[str, Any] = dict(projection_loaders(config))
+    if config.tie_word_embeddings:
+        loaders["lm_head"] = None
+    out: dict[str, Linear] = {}
+    for module, loader in loaders.items():
+        pieces = ("model.embed_tokens",) if loader is None else tuple(loader.pieces)
+        parts = []
+        in_features = 0
+        for piece in pieces:
+            name = piece + ".weight"
+            w = tensors[name] if loader is None else tensors.pop(name)
+            w = _float32(w)  # (out, in)
+            in_features = w.shape[1]
+            if w.shape[1] % per_block:
+                raise EngineConfigError(
+                    f"quantization={qtype_name.lower()}: {name} has {w.shape[1]} "
+                    f"inputs, not a multiple of the {per_block}-value block",
+                    field="quantization",
+                )
+            parts.append(QuantizedPart(quant_kernels.quantize(w, qtype), qtype))
+        bias = None
+        if loader is not None and loader.has_bias:
+            bias = paddle.to_tensor(
+                np.concatenate([_float32(tensors.pop(p + ".bias")) for p in pieces])
+            )
+        out[module] = QuantizedLinear.fuse(parts, in_features, bias)
+    return out
+
+
+def _float32(x: Any) -> np.ndarray:
+    """A float32 numpy copy of a Paddle tensor or array (any float dtype)."""
+    if isinstance(x, paddle.Tensor):
+        x = x.astype("float32").numpy()
+    return np.ascontiguousarray(x, dtype=np.float32)

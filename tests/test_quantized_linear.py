@@ -1,0 +1,156 @@
+"""Quantized projections: GGUF weights kept in their blocks, float checkpoints
+quantized at load, and where they may not run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from structllm.errors import EngineConfigError, ModelLoadError
+from structllm.formats import GGUFFile
+from structllm.model import quant_kernels
+from structllm.model._paddle import paddle
+from structllm.model.linear import DenseLinear
+from structllm.model.loader import build_model, load_model
+from structllm.model.parallel import load_model_shard
+from structllm.model.quantized import QuantizedLinear
+from structllm.models import make_tiny_model
+from tests.gguf_convert import convert
+from tests.test_gguf_loading import _logits
+
+pytestmark = pytest.mark.skipif(
+    not quant_kernels.available(), reason="the quantized kernels need numba"
+)
+
+
+def _checkpoint(tmp_path: Path, arch: str, **kw: Any) -> Path:
+    directory = tmp_path / arch
+    make_tiny_model(directory, arch=arch, seed=11, **kw)  # type: ignore[arg-type]
+    return directory
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> None:
+    """Equal up to float32 sums in another order (the kernels reassociate)."""
+    scale = float(np.abs(b).max())
+    np.testing.assert_allclose(a, b, atol=2e-5 * scale, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("arch", "qtype", "kw"),
+    [
+        ("llama", "Q4_1", {}),  # q/k rows permuted in the file
+        ("llama", "Q8_0", {"tie_word_embeddings": True}),  # the head reads token_embd
+        ("qwen2", "Q4_0", {}),  # biases beside quantized q/k/v
+        ("qwen3", "Q8_0", {}),
+        ("mistral", "F16", {}),
+    ],
+)
+def test_kept_blocks_compute_the_dequantized_model(
+    tmp_path: Path, arch: str, qtype: str, kw: dict[str, Any]
+) -> None:
+    directory = _checkpoint(tmp_path, arch, **kw)
+    convert(directory, tmp_path / "m.gguf", qtype=qtype)
+    kept = load_model(tmp_path / "m.gguf").model
+    dense = load_model(tmp_path / "m.gguf", quantization="none").model
+    layer = kept.weights.layers[0]
+    assert isinstance(layer.qkv, QuantizedLinear) and isinstance(
+        layer.down, QuantizedLinear
+    )
+    assert isinstance(kept.weights.lm_head, QuantizedLinear)
+    _close(_logits(kept), _logits(dense))
+
+
+def test_pieces_of_different_types_fuse(tmp_path: Path) -> None:
+    """A Q4_K_M file keeps some attn_v in another type than attn_q and attn_k."""
+    directory = _checkpoint(tmp_path, "llama")
+    types = {"model.layers.0.self_attn.v_proj.weight": "Q8_0"}
+    convert(directory, tmp_path / "m.gguf", qtype="Q4_1", types=types)
+    kept = load_model(tmp_path / "m.gguf").model
+    qkv = kept.weights.layers[0].qkv
+    assert isinstance(qkv, QuantizedLinear) and qkv.types == ("Q4_1", "Q8_0")
+    assert kept.weights.layers[1].qkv.types == ("Q4_1",)  # one weight, one call
+    _close(
+        _logits(kept),
+        _logits(load_model(tmp_path / "m.gguf", quantization="none").model),
+    )
+
+
+def test_the_weights_stay_as_small_as_the_file(tmp_path: Path) -> None:
+    directory = _checkpoint(tmp_path, "llama", tie_word_embeddings=True)
+    convert(directory, tmp_path / "m.gguf", qtype="Q4_0")
+    model = load_model(tmp_path / "m.gguf").model
+    with GGUFFile.open(tmp_path / "m.gguf") as f:
+        projections = sum(
+            t.nbytes
+            for name, t in f.tensors.items()
+            if t.type.name == "Q4_0" and name != "token_embd.weight"
+        )
+        head = f.tensors["token_embd.weight"].nbytes
+    kept = sum(
+        lin.nbytes
+        for _, lin in model.weights.linears()
+        if isinstance(lin, QuantizedLinear)
+    )
+    assert kept == projections + head
+
+
+def test_the_predictors_refuse_quantized_weights_by_name(tmp_path: Path) -> None:
+    directory = _checkpoint(tmp_path, "llama")
+    convert(directory, tmp_path / "m.gguf", qtype="Q8_0")
+    with pytest.raises(
+        ModelLoadError, match=r"inference backend does not run quantized"
+    ):
+        load_model(tmp_path / "m.gguf", backend="inference")
+    # auto picks eager for them
+    assert isinstance(
+        load_model(tmp_path / "m.gguf", backend="auto").model.weights.lm_head,
+        QuantizedLinear,
+    )
+
+
+@pytest.mark.parametrize("quantization", ["q8_0", "q4_0", "q4_1"])
+def test_a_float_checkpoint_is_quantized_at_load(
+    tmp_path: Path, quantization: str
+) -> None:
+    directory = _checkpoint(tmp_path, "qwen2")
+    loaded = load_model(directory, quantization=quantization)
+    qtype = int(quant_kernels.GGMLType[quantization.upper()])
+    # the expectation: every projection's weight through quantize + dequantize
+    plain = load_model(directory, quantization="none")
+    tensors = dict(load_file(directory / "model.safetensors"))
+    for name, w in list(tensors.items()):
+        if w.ndim == 2 and name != "model.embed_tokens.weight":
+            raw = quant_kernels.quantize(np.ascontiguousarray(w, np.float32), qtype)
+            tensors[name] = quant_kernels.dequantize_rows(raw, qtype, w.shape[1])
+    linears: dict[str, Any] = {}
+    if plain.config.tie_word_embeddings:
+        # the head quantizes the embedding's rows; the lookup keeps floats
+        embed = np.ascontiguousarray(tensors["model.embed_tokens.weight"], np.float32)
+        raw = quant_kernels.quantize(embed, qtype)
+        head = quant_kernels.dequantize_rows(raw, qtype, embed.shape[1])
+        linears["lm_head"] = DenseLinear(paddle.to_tensor(head), transposed=True)
+    expected = build_model(plain.config, tensors, linears=linears)
+    assert all(
+        isinstance(lin, QuantizedLinear) for _, lin in loaded.model.weights.linears()
+    )
+    _close(_logits(loaded.model), _logits(expected))
+
+
+def test_quantizing_at_load_is_refused_where_it_cannot_be(tmp_path: Path) -> None:
+    directory = _checkpoint(tmp_path, "llama", hidden_size=48, num_heads=4)
+    with pytest.raises(
+        EngineConfigError, match=r"48 inputs, not a multiple of the 32"
+    ) as info:
+        load_model(directory, quantization="q8_0")
+    assert info.value.field == "quantization"
+    convert(_checkpoint(tmp_path, "qwen3"), tmp_path / "m.gguf", qtype="Q8_0")
+    with pytest.raises(EngineConfigError, match="already quantized"):
+        load_model(tmp_path / "m.gguf", quantization="q4_0")
+    with pytest.raises(EngineConfigError, match="tensor-parallel ranks hold float32"):
+        load_model_shard(tmp_path / "m.gguf", 2, 0, quantization="q8_0")
+    with pytest.raises(EngineConfigError, match="must be one of"):
+        load_model(tmp_path / "m.gguf", quantization="int3")

@@ -25,6 +25,15 @@ dependency; the steps:
 
 Every step is skipped when its output is already in ``--work`` (default
 ``~/.cache/structllm-peers``).
+
+``--real TYPE`` (repeatable; ``nox -s bench-peers -- --real Q4_1 --real
+Q8_0 --real Q4_K_M``) compares on the real model instead: SmolLM2-135M-
+Instruct's shipped Q4_1 GGUF (the built-in ``smollm2``), and other types
+made from it by the same llama.cpp's ``llama-quantize
+--allow-requantize``; both engines serve the same file, the workload is
+random words (``--prompt-kind text``). llama.cpp is built with
+``GGML_NATIVE=OFF`` and the ISA flags of /proc/cpuinfo, AMX off (these VMs
+report AMX and kill its code with SIGILL).
 """
 
 from __future__ import annotations
@@ -67,12 +76,40 @@ def build_llama_server(work: Path, version: str) -> Path:
     build = llama / "build"
     run(
         "cmake", "-S", llama, "-B", build, "-DCMAKE_BUILD_TYPE=Release",
-        "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+        "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", *cpu_flags(),
     )  # fmt: skip
     run(
-        "cmake", "--build", build, "--target", "llama-server", "-j", str(os.cpu_count())
-    )
+        "cmake", "--build", build, "--target", "llama-server", "llama-quantize",
+        "-j", str(os.cpu_count()),
+    )  # fmt: skip
     return binary
+
+
+def cpu_flags() -> list[str]:
+    """llama.cpp's ISA switches from /proc/cpuinfo, AMX off: these VMs report
+    AMX but kill AMX code with SIGILL (seen on a Q4_1 file with
+    ``GGML_NATIVE=ON``), so the build names what it may use instead."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = set(text.split("flags", 1)[1].split("\n", 1)[0].split())
+    except (OSError, IndexError):
+        flags = set()
+    want = {
+        "GGML_AVX": "avx",
+        "GGML_AVX2": "avx2",
+        "GGML_FMA": "fma",
+        "GGML_F16C": "f16c",
+        "GGML_BMI2": "bmi2",
+        "GGML_AVX512": "avx512f",
+        "GGML_AVX512_VBMI": "avx512vbmi",
+        "GGML_AVX512_VNNI": "avx512_vnni",
+        "GGML_AVX512_BF16": "avx512_bf16",
+        "GGML_AVX_VNNI": "avx_vnni",
+    }
+    out = ["-DGGML_NATIVE=OFF"]
+    out += [f"-D{opt}={'ON' if flag in flags else 'OFF'}" for opt, flag in want.items()]
+    out += ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    return out
 
 
 def convert(llama: Path, model: Path, gguf: Path) -> None:
@@ -105,9 +142,20 @@ def main() -> int:
         choices=["llama.cpp", "asyncio", "trio"],
         help="leave a server out",
     )
+    p.add_argument(
+        "--real",
+        action="append",
+        default=[],
+        metavar="TYPE",
+        help="the real model instead (smollm2's GGUF, fetched once): Q4_1 as "
+        "shipped, other types (Q8_0, Q4_K_M) made with llama.cpp's "
+        "llama-quantize from it; repeatable",
+    )
     ns = p.parse_args()
     work: Path = ns.work.expanduser()
     work.mkdir(parents=True, exist_ok=True)
+    if ns.real:
+        return real_model(ns, work)
     model, gguf = work / "bench-model", work / "bench-f32.gguf"
     if not (model / "model.safetensors").exists():
         from structllm.bench.model import write_bench_checkpoint
@@ -143,6 +191,51 @@ def main() -> int:
             *workload, *flags, "--json", full, "--plot", f"{out}.png",
         )  # fmt: skip
         write_summary(full, Path(f"{out}.json"))
+    return 0
+
+
+def real_model(ns: argparse.Namespace, work: Path) -> int:
+    """SmolLM2-135M-Instruct, the same GGUF file for both engines, per type."""
+    from structllm.models import SMOLLM2, resolve_model
+
+    shipped = resolve_model(SMOLLM2)
+    assert shipped is not None
+    binary = build_llama_server(work, ns.llama_cpp_python)
+    quantize = binary.with_name("llama-quantize")
+    t = str(ns.threads)
+    for kind in ns.real:
+        gguf = shipped if kind == "Q4_1" else work / f"smollm2-{kind}.gguf"
+        if not gguf.exists():
+            # from the shipped Q4_1 (the only file there is): a speed and
+            # memory comparison on the file both engines then read
+            run(quantize, "--allow-requantize", shipped, gguf, kind)
+        launch: dict[str, str] = {}
+        if "llama.cpp" not in ns.skip:
+            launch["llama.cpp"] = (
+                f"{q(binary)} -m {q(gguf)} -t {t} -tb {t} -np 16 -c 8192 "
+                "--port {port}"
+            )
+        serve = (
+            f"{q(sys.executable)} -m structllm.cli serve {q(gguf)} --port {{port}} "
+            f"--max-num-seqs 16 --max-model-len 4096 --num-threads {t}"
+        )
+        for loop in ("asyncio", "trio"):
+            if loop not in ns.skip:
+                launch[f"structllm-{loop}"] = f"{serve} --loop {loop}"
+        workload = ["--input-len", "16", "256", "--output-len", "16", "128"]
+        workload += ["--prompt-kind", "text", "--seed", "0", "--rounds", str(ns.rounds)]
+        for name, flags in (
+            ("c16", ["--num-prompts", str(ns.num_prompts), "--max-concurrency", "16"]),
+            ("single", ["--num-prompts", "10", "--max-concurrency", "1"]),
+        ):
+            targets = [a for item in launch.items() for a in ("--launch", "=".join(item))]
+            full = work / f"real_{kind}_{name}.json"
+            out = f"{ns.out}_smollm2_{kind}_{name}"
+            run(
+                sys.executable, "-m", "structllm.cli", "bench", "serve", *targets,
+                *workload, *flags, "--json", full, "--plot", f"{out}.png",
+            )  # fmt: skip
+            write_summary(full, Path(f"{out}.json"))
     return 0
 
 

@@ -15,7 +15,7 @@ import attrs
 import numpy as np
 import pytest
 
-from structllm import LLM, SamplingParams
+from structllm import LLM, AsyncLLM, SamplingParams
 from structllm.cli import main as cli_main
 from structllm.errors import ModelLoadError, UnsupportedModelError
 from structllm.model._paddle import paddle
@@ -351,3 +351,18 @@ def test_a_tensor_parallel_rank_reads_its_slices_of_a_gguf_file(
             np.testing.assert_array_equal(
                 getattr(mine, name).weight.numpy(), getattr(other, name).weight.numpy()
             )
+
+
+@pytest.mark.anyio
+async def test_async_llm_serves_a_gguf_file(tmp_path: Path) -> None:
+    """The core process loads the file (kept quantized), the front end
+    tokenizes with the file's own tokenizer."""
+    directory = _checkpoint(tmp_path, "llama")
+    convert(directory, tmp_path / "m.gguf", qtype="Q8_0")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    [expected] = LLM(str(tmp_path / "m.gguf"), show_progress=False).generate(
+        ["The cat sat"], params
+    )
+    async with AsyncLLM.open(str(tmp_path / "m.gguf")) as llm:
+        out = await llm.complete("The cat sat", params)
+    assert out.token_ids == expected.token_ids and out.text == expected.text

@@ -18,9 +18,10 @@ activations ``x (T, in)`` by it without a float copy of the whole weight:
   kernels instead, one a type: each row's blocks are dequantized into
   vector registers and multiplied with ``x`` there, 16 lanes at a time,
   into running sums that stay in registers to the end of the row (no float
-  buffer; 1.3-1.8x the buffered kernel's speed on SmolLM2's step). At
-  ``T`` of 2 they would dequantize each block twice: the buffered kernel
-  is as fast there, and faster from 3.
+  buffer; 1.3-1.8x the buffered kernel's speed on SmolLM2's step). Run
+  a token at a time at ``T`` of 2 they dequantize each block twice and
+  measured 0.8-1.07x the buffered kernel's speed, slower from 3: ``T`` of
+  2 and more stays buffered.
 - Rows are spread over the engine's threads (:func:`set_num_threads` of
   :mod:`structllm.model.kernels`, the same OpenMP pool as the attention
   kernels), in contiguous runs of whole row quads.

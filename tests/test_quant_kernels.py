@@ -160,3 +160,15 @@ def test_bad_arguments_raise_value_errors_naming_them() -> None:
 
 def test_warm_up_compiles_without_error() -> None:
     qk.warm_up()
+
+
+@pytest.mark.parametrize(
+    "kind", [GGMLType.F32, GGMLType.F16, GGMLType.BF16], ids=lambda k: k.name
+)
+def test_one_token_float_rows_of_any_length(kind: GGMLType) -> None:
+    """The GEMV takes float rows 32 values a step and the rest one by one."""
+    rng = np.random.default_rng(int(kind))
+    for n in (1, 31, 37, 101):
+        raw = random_raw(kind, 5, n, seed=n)
+        x = rng.standard_normal((1, n), dtype=np.float32)
+        _assert_close(qk.matmul(x, raw, kind, 5, n), x, reference(raw, kind))

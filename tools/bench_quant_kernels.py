@@ -9,12 +9,18 @@ numpy's float32 ``x @ W.T`` on the dequantized weights, timed in turns with
 it (best of N each: the machine is shared). Each thread count runs in its
 own process, numpy's OpenBLAS limited to the same count.
 
+``--baseline FILE`` also times another copy of quant_kernels.py (say
+``git show main:src/structllm/model/quant_kernels.py > /tmp/old.py``) in
+the same turns, so a kernel change is measured against the old one side by
+side; the load average is printed with each row.
+
 ``--prefill T`` compares, for T tokens through gate_up and down, the
 kernel with dequantizing 256-row tiles into numpy's BLAS and with float32.
 
 Usage:
   PYTHONPATH=src python tools/bench_quant_kernels.py [--threads 1 2]
       [--types Q8_0 Q4_0 Q4_1 Q4_K Q6_K] [--repeats 10] [--gguf FILE.gguf]
+      [--baseline OLD_quant_kernels.py]
   PYTHONPATH=src python tools/bench_quant_kernels.py --prefill 256
 """
 
@@ -146,6 +152,7 @@ def child(args: argparse.Namespace) -> None:
 
     kernels.set_num_threads(args.threads)
     qk.warm_up()
+    base = _baseline(args.baseline)
     sources = [(qk.GGMLType[name], None) for name in args.types]
     if args.gguf:
         sources.append((None, args.gguf))
@@ -163,7 +170,10 @@ def child(args: argparse.Namespace) -> None:
 
             quantized = partial(_quantized_step, qk, weights, xs, outs)
             dense = partial(_dense_step, weights, floats, xs, outs)
-            tq, tf = _best_in_turns([quantized, dense], args.repeats)
+            steps = [quantized, dense]
+            if base is not None:
+                steps.append(partial(_quantized_step, base, weights, xs, outs))
+            tq, tf, *tb = _best_in_turns(steps, args.repeats)
             print(
                 json.dumps(
                     {
@@ -175,10 +185,34 @@ def child(args: argparse.Namespace) -> None:
                         "mb": nbytes / 1e6,
                         "f32_ms_token": tf / batch * 1e3,
                         "f32_gbs": sum(f.nbytes for f in floats) / tf / 1e9,
+                        "base_ms_token": tb[0] / batch * 1e3 if tb else None,
+                        "load": _load(),
                     }
                 ),
                 flush=True,
             )
+
+
+def _baseline(path: str | None):  # type: ignore[no-untyped-def]
+    """Another copy of quant_kernels.py, imported under its own name."""
+    if not path:
+        return None
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quant_kernels_baseline", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # numba's cache finds its globals by name
+    spec.loader.exec_module(module)
+    module.warm_up()
+    return module
+
+
+def _load() -> str:
+    """The 1-minute load average and the cores this process may use."""
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[0]
+    return f"{load} on {len(os.sched_getaffinity(0))} cores"
 
 
 def prefill(args: argparse.Namespace) -> None:
@@ -220,6 +254,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--gguf", help="also time this GGUF file's own weights")
     p.add_argument("--prefill", type=int, help="tokens: compare prefill paths")
+    p.add_argument("--baseline", help="an older quant_kernels.py to time alongside")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -251,6 +286,8 @@ def main() -> None:
             argv += ["--gguf", args.gguf]
         if args.prefill:
             argv += ["--prefill", str(args.prefill)]
+        if args.baseline:
+            argv += ["--baseline", args.baseline]
         run = subprocess.run(
             argv, env=env, check=True, stdout=subprocess.PIPE, text=True
         )
@@ -261,16 +298,27 @@ def main() -> None:
                 print(line)
     if not rows:
         return
+    base = args.baseline is not None
     print(
         "| type | threads | batch | weights MB | ms/token | GB/s | f32 ms/token"
         " | f32 GB/s | speed-up vs f32 |"
+        + (" baseline ms/token | speed-up vs baseline |" if base else "")
+        + " load |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|---:|" * base + "---|"
+    )
     for r in rows:
+        extra = ""
+        if base:
+            b = r["base_ms_token"]
+            extra = f" {b:.3f} | {b / r['ms_token']:.2f}x |"
         print(
             f"| {r['type']} | {r['threads']} | {r['batch']} | {r['mb']:.0f} |"
             f" {r['ms_token']:.3f} | {r['gbs']:.1f} | {r['f32_ms_token']:.3f} |"
             f" {r['f32_gbs']:.1f} | {r['f32_ms_token'] / r['ms_token']:.2f}x |"
+            + extra
+            + f" {r['load']} |"
         )
 
 

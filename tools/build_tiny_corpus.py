@@ -25,7 +25,79 @@ import sysconfig
 from pathlib import Path
 
 COMMON = ("Apache-2.0", "Artistic", "BSD", "CC0-1.0", "MPL-2.0")
-STDLIB = ["abc", "argparse", "array", "asyncio", "base64", "bisect", "calendar", "collections", "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "email", "enum", "fractions", "functools", "glob", "gzip", "hashlib", "heapq", "hmac", "html", "http.client", "inspect", "io", "ipaddress", "itertools", "json", "logging", "math", "mimetypes", "operator", "os", "pathlib", "pickle", "pprint", "queue", "random", "re", "sched", "secrets", "selectors", "shelve", "shlex", "shutil", "signal", "socket", "sqlite3", "statistics", "string", "struct", "subprocess", "tarfile", "tempfile", "textwrap", "threading", "time", "timeit", "tokenize", "traceback", "typing", "unittest", "urllib.parse", "uuid", "warnings", "weakref", "zipfile", "zlib"]
+STDLIB = [
+    "abc",
+    "argparse",
+    "array",
+    "asyncio",
+    "base64",
+    "bisect",
+    "calendar",
+    "collections",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "email",
+    "enum",
+    "fractions",
+    "functools",
+    "glob",
+    "gzip",
+    "hashlib",
+    "heapq",
+    "hmac",
+    "html",
+    "http.client",
+    "inspect",
+    "io",
+    "ipaddress",
+    "itertools",
+    "json",
+    "logging",
+    "math",
+    "mimetypes",
+    "operator",
+    "os",
+    "pathlib",
+    "pickle",
+    "pprint",
+    "queue",
+    "random",
+    "re",
+    "sched",
+    "secrets",
+    "selectors",
+    "shelve",
+    "shlex",
+    "shutil",
+    "signal",
+    "socket",
+    "sqlite3",
+    "statistics",
+    "string",
+    "struct",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "time",
+    "timeit",
+    "tokenize",
+    "traceback",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "uuid",
+    "warnings",
+    "weakref",
+    "zipfile",
+    "zlib",
+]
 
 
 def _paragraphs(text: str) -> list[str]:
@@ -74,14 +146,18 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     sources = ["# Sources of the tiny model's corpus", ""]
-    sources.append(f"Built by `python tools/build_tiny_corpus.py` with Python {sys.version.split()[0]}.")
+    sources.append(
+        f"Built by `python tools/build_tiny_corpus.py` with Python {sys.version.split()[0]}."
+    )
     sources.append("")
 
     licences = []
     for name in COMMON:
         text = Path("/usr/share/common-licenses", name).read_text().strip()
         licences.append(text)
-        sources.append(f"- licences.txt: `{name}` from Debian's /usr/share/common-licenses")
+        sources.append(
+            f"- licences.txt: `{name}` from Debian's /usr/share/common-licenses"
+        )
     psf = Path(sysconfig.get_paths()["stdlib"], "LICENSE.txt")
     if psf.exists():
         licences.append(psf.read_text().strip())

@@ -147,9 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         return math.exp(total / n)
 
     random_ppl = held_out_ppl()
-    print(f"{config.describe()['parameters']} parameters; {len(train_ids):,} training "
-          f"tokens, {len(held_ids):,} held out; random weights: ppl {random_ppl:.1f}",
-          flush=True)
+    print(
+        f"{config.describe()['parameters']} parameters; {len(train_ids):,} training "
+        f"tokens, {len(held_ids):,} held out; random weights: ppl {random_ppl:.1f}",
+        flush=True,
+    )
     losses = []
     start = time.perf_counter()
     for step in range(ns.steps):
@@ -163,11 +165,15 @@ def main(argv: list[str] | None = None) -> int:
         losses.append(float(loss))
         if step % 25 == 0 or step == ns.steps - 1:
             recent = float(np.mean(losses[-25:]))
-            print(f"step {step:4d}  loss {recent:.3f}  {time.perf_counter() - start:6.0f} s",
-                  flush=True)
+            print(
+                f"step {step:4d}  loss {recent:.3f}  {time.perf_counter() - start:6.0f} s",
+                flush=True,
+            )
     seconds = time.perf_counter() - start
     ppl = held_out_ppl()
-    print(f"held-out perplexity {ppl:.1f} (random weights {random_ppl:.1f})", flush=True)
+    print(
+        f"held-out perplexity {ppl:.1f} (random weights {random_ppl:.1f})", flush=True
+    )
 
     hf = config.to_hf()
     hf["dtype"] = ns.dtype
@@ -177,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         tensors, str(out / "model.safetensors"), metadata={"format": "pt"}
     )
     record = {
-        "command": "python tools/train_tiny.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python tools/train_tiny.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "settings": vars(ns) | {"out": None},
         "corpus_sha256": digest,
         "training_tokens": len(train_ids),

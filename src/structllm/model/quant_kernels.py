@@ -14,6 +14,14 @@ activations ``x (T, in)`` by it without a float copy of the whole weight:
   that LLVM vectorises along the inputs. The weight's bytes are read once a
   call whatever ``T`` is (batch 16 reads them once, not 16 times) and each
   value is dequantized once; tokens come in fours, the rest one by one.
+- A single token (``T`` of 1, a decode step at batch 1) takes GEMV
+  kernels instead, one a type: each row's blocks are dequantized into
+  vector registers and multiplied with ``x`` there, 16 lanes at a time,
+  into running sums that stay in registers to the end of the row (no float
+  buffer; 1.3-1.8x the buffered kernel's speed on SmolLM2's step). Run
+  a token at a time at ``T`` of 2 they dequantize each block twice and
+  measured 0.8-1.07x the buffered kernel's speed, slower from 3: ``T`` of
+  2 and more stays buffered.
 - Rows are spread over the engine's threads (:func:`set_num_threads` of
   :mod:`structllm.model.kernels`, the same OpenMP pool as the attention
   kernels), in contiguous runs of whole row quads.
@@ -40,6 +48,13 @@ rule below was measured (``inspect_asm``) rather than assumed:
 - Indices inside hot loops are built from ``range`` variables over slices
   taken outside: an index numba cannot prove non-negative gets a
   wraparound select on every access, which blocks SIMD.
+- A GEMV's running sums are LLVM vectors spelled out (:func:`_vfloats`
+  and its siblings, numba types whose values are ``<16 x float>``): with
+  an accumulator array, each block's update waited on the previous one's
+  store (6 GB/s, no faster than the buffer), and 32 scalar sums were left
+  scalar by the SLP vectoriser (2.4 GB/s); as vectors, a Q8_0 block is
+  four ``vpmovsxbd``/``vcvtdq2ps``/``vfmadd`` and nothing else (15 GB/s
+  a thread on one 3072 x 576 matrix).
 - An f16 scale is one ``vcvtph2ps`` (an LLVM ``fpext`` from ``half``,
   :func:`_f16_at`); converting it with integer bit tricks cost more than
   the 32 values it scales.
@@ -59,6 +74,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import operator
 from typing import Any
 
 import numpy as np
@@ -188,6 +204,222 @@ def _f16_at_intrinsic(typingctx: Any, row: Any, index: Any) -> Any:
 
 if numba is not None:
     _f16_at = numba.extending.intrinsic(_f16_at_intrinsic)
+
+# -- 16-lane vectors for the batch-1 kernels ----------------------------------
+#
+# The GEMV kernels hold their running sums in registers across a whole row.
+# LLVM's loop vectoriser cannot be led to that from numba (an accumulator
+# array stays in memory, each block's update waiting on the last one's store,
+# and 32 scalar sums defeat the SLP vectoriser), so the kernels spell their
+# vectors out: a numba type whose value is an LLVM ``<16 x float>`` (or ``<16
+# x i32>``), loads and splats as intrinsics, arithmetic through the Python
+# operators. LLVM lowers them to what the host has (two ymm on AVX2, one zmm
+# on AVX-512).
+
+#: lanes of a vector
+_VLANES = 16
+
+
+def _vzero() -> Any:  # pragma: no cover - compiled
+    """A float vector of zeros."""
+
+
+def _vsplat(value: Any) -> Any:  # pragma: no cover - compiled
+    """A float (from a float) or int32 (from an integer) vector of ``value``."""
+
+
+def _vfloats(a: np.ndarray, index: int) -> Any:  # pragma: no cover - compiled
+    """The 16 float32 ``a[index:index + 16]``."""
+
+
+def _vbytes(row: np.ndarray, index: int) -> Any:  # pragma: no cover - compiled
+    """The 16 bytes ``row[index:index + 16]`` as int32 (zero-extended)."""
+
+
+def _vint8s(row: np.ndarray, index: int) -> Any:  # pragma: no cover - compiled
+    """The 16 bytes ``row[index:index + 16]`` as int32 (sign-extended)."""
+
+
+def _vhalves(row: np.ndarray, index: int) -> Any:  # pragma: no cover - compiled
+    """The 16 IEEE halves at bytes ``row[index:index + 32]`` as float32."""
+
+
+def _vbf16s(row: np.ndarray, index: int) -> Any:  # pragma: no cover - compiled
+    """The 16 bfloat16 at bytes ``row[index:index + 32]`` as float32."""
+
+
+def _vfloat(v: Any) -> Any:  # pragma: no cover - compiled
+    """An int32 vector as float32."""
+
+
+def _vlane() -> Any:  # pragma: no cover - compiled
+    """The int32 vector 0, 1, ..., 15."""
+
+
+def _vsum(v: Any) -> float:  # pragma: no cover - compiled
+    """The sum of a float vector's lanes."""
+    return 0.0
+
+
+def _define_vectors() -> None:
+    """Register the vector types, intrinsics and operators with numba."""
+    ir = importlib.import_module("llvmlite.ir")
+    types = numba.types
+    extending = numba.extending
+    i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+    vf32, vi32 = ir.VectorType(f32, _VLANES), ir.VectorType(i32, _VLANES)
+    fast = ("fast",)
+
+    # numba types whose values are LLVM vectors (classes built with type():
+    # numba's are untyped to mypy)
+    vectors = []
+    for name, vty in (("FloatVector16", vf32), ("IntVector16", vi32)):
+
+        def init(self: Any, dmm: Any, fe_type: Any, vty: Any = vty) -> None:
+            extending.models.PrimitiveModel.__init__(self, dmm, fe_type, vty)
+
+        kind = type(name, (types.Type,), {})
+        base = extending.models.PrimitiveModel
+        model = type(name + "Model", (base,), {"__init__": init})
+        extending.register_model(kind)(model)
+        vectors.append(kind(name=name))
+    fvec, ivec = vectors
+
+    def pointer(context: Any, builder: Any, sig: Any, args: Any, elem: Any) -> Any:
+        array = context.make_array(sig.args[0])(context, builder, args[0])
+        address = builder.gep(array.data, [args[1]])
+        return builder.bitcast(address, ir.VectorType(elem, _VLANES).as_pointer())
+
+    def splat(builder: Any, value: Any, vty: Any) -> Any:
+        undef = ir.Constant(vty, ir.Undefined)
+        one = builder.insert_element(undef, value, ir.Constant(i32, 0))
+        zeros = ir.Constant(ir.VectorType(i32, _VLANES), [0] * _VLANES)
+        return builder.shuffle_vector(one, undef, zeros)
+
+    def intrinsic(result: Any, codegen: Any, arity: int) -> Any:
+        # numba reads a typer's parameters: no *args
+        def none(typingctx: Any) -> Any:
+            return result(), codegen
+
+        def one(typingctx: Any, a: Any) -> Any:
+            return result(a), codegen
+
+        def two(typingctx: Any, a: Any, b: Any) -> Any:
+            return result(a, b), codegen
+
+        return extending.intrinsic((none, one, two)[arity])
+
+    def zero(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return ir.Constant(vf32, [0.0] * _VLANES)
+
+    def floats(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.load(pointer(context, builder, sig, args, f32), align=4)
+
+    def bytes_(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.zext(
+            builder.load(pointer(context, builder, sig, args, i8), align=1), vi32
+        )
+
+    def int8s(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.sext(
+            builder.load(pointer(context, builder, sig, args, i8), align=1), vi32
+        )
+
+    def halves(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        bits = builder.load(pointer(context, builder, sig, args, i16), align=1)
+        half = builder.bitcast(bits, ir.VectorType(ir.HalfType(), _VLANES))
+        return builder.fpext(half, vf32)
+
+    def bf16s(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        bits = builder.load(pointer(context, builder, sig, args, i16), align=1)
+        wide = builder.shl(
+            builder.zext(bits, vi32), splat(builder, ir.Constant(i32, 16), vi32)
+        )
+        return builder.bitcast(wide, vf32)
+
+    def to_float(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.sitofp(args[0], vf32)
+
+    def lane(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return ir.Constant(vi32, list(range(_VLANES)))
+
+    def total(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        v = args[0]
+        width = _VLANES // 2
+        while width:  # halves folded onto each other: log2(16) adds
+            mask = [i + width if i < width else i for i in range(_VLANES)]
+            high = builder.shuffle_vector(
+                v, v, ir.Constant(ir.VectorType(i32, _VLANES), mask)
+            )
+            v = builder.fadd(v, high, flags=fast)
+            width //= 2
+        return builder.extract_element(v, ir.Constant(i32, 0))
+
+    def splat_typer(typingctx: Any, value: Any) -> Any:
+        if isinstance(value, types.Float):
+            target, vty, result = types.float32, vf32, fvec
+        elif isinstance(value, types.Integer):
+            target, vty, result = types.int32, vi32, ivec
+        else:
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            cast = context.cast(builder, args[0], sig.args[0], target)
+            return splat(builder, cast, vty)
+
+        return result(value), codegen
+
+    g = globals()
+    g["_vzero"] = intrinsic(fvec, zero, 0)
+    g["_vsplat"] = extending.intrinsic(splat_typer)
+    g["_vfloats"] = intrinsic(fvec, floats, 2)
+    g["_vbytes"] = intrinsic(ivec, bytes_, 2)
+    g["_vint8s"] = intrinsic(ivec, int8s, 2)
+    g["_vhalves"] = intrinsic(fvec, halves, 2)
+    g["_vbf16s"] = intrinsic(fvec, bf16s, 2)
+    g["_vfloat"] = intrinsic(fvec, to_float, 1)
+    g["_vlane"] = intrinsic(ivec, lane, 0)
+    g["_vsum"] = intrinsic(types.float32, total, 1)
+
+    def binary(op: Any, vtype: Any, instruction: str, flags: bool) -> None:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            emit = getattr(builder, instruction)
+            return emit(*args, flags=fast) if flags else emit(*args)
+
+        implement = intrinsic(vtype, codegen, 2)
+
+        def overload(a: Any, b: Any) -> Any:
+            if a is not vtype or b is not vtype:
+                return None
+
+            def apply(a: Any, b: Any) -> Any:  # the typing's argument names
+                return implement(a, b)
+
+            return apply
+
+        extending.overload(op)(overload)
+
+    for op, instruction in [
+        (operator.add, "fadd"),
+        (operator.iadd, "fadd"),
+        (operator.sub, "fsub"),
+        (operator.mul, "fmul"),
+    ]:
+        binary(op, fvec, instruction, True)
+    for op, instruction in [
+        (operator.add, "add"),
+        (operator.sub, "sub"),
+        (operator.and_, "and_"),
+        (operator.or_, "or_"),
+        (operator.rshift, "lshr"),
+        (operator.lshift, "shl"),
+    ]:
+        binary(op, ivec, instruction, False)
+
+
+if numba is not None:
+    _define_vectors()
+
 
 _jit = kernels._jit
 _prange = kernels._prange
@@ -473,10 +705,271 @@ def _dequantize_quad(
             _dequantize_blocks(qtype, w[r0 + i], b0, b1, buf[i], lanes)
 
 
+# -- batch 1: the GEMV kernels ------------------------------------------------
+#
+# Each _gemv_* writes y[r] = w[r] . x for rows start..stop-1: a row's blocks
+# are dequantized into registers (16 lanes at a time, the dequantizer's
+# arithmetic) and multiplied into running sums that stay there until the
+# row ends; nothing is stored between the weight bytes and the sum.
+
+
+@_jit()
+def _gemv_q8_0(
+    x: np.ndarray, w: np.ndarray, y: np.ndarray, start: int, stop: int
+) -> None:  # pragma: no cover - compiled
+    nb = x.shape[0] // 32
+    for r in range(start, stop):
+        row = w[r]
+        a0 = a1 = a2 = a3 = _vzero()
+        for p in range(nb // 2):  # two blocks a pass: four independent sums
+            o, k = 68 * p, 64 * p
+            d = _vsplat(_f16_at(row, o))
+            a0 += d * _vfloat(_vint8s(row, o + 2)) * _vfloats(x, k)
+            a1 += d * _vfloat(_vint8s(row, o + 18)) * _vfloats(x, k + 16)
+            d = _vsplat(_f16_at(row, o + 34))
+            a2 += d * _vfloat(_vint8s(row, o + 36)) * _vfloats(x, k + 32)
+            a3 += d * _vfloat(_vint8s(row, o + 52)) * _vfloats(x, k + 48)
+        if nb % 2:
+            o, k = 34 * (nb - 1), 32 * (nb - 1)
+            d = _vsplat(_f16_at(row, o))
+            a0 += d * _vfloat(_vint8s(row, o + 2)) * _vfloats(x, k)
+            a1 += d * _vfloat(_vint8s(row, o + 18)) * _vfloats(x, k + 16)
+        y[r] = _vsum((a0 + a1) + (a2 + a3))
+
+
+@_jit()
+def _gemv_q4_0(
+    x: np.ndarray, w: np.ndarray, y: np.ndarray, start: int, stop: int
+) -> None:  # pragma: no cover - compiled
+    nb = x.shape[0] // 32
+    low, four, eight = _vsplat(15), _vsplat(4), _vsplat(8)
+    for r in range(start, stop):
+        row = w[r]
+        a0 = a1 = _vzero()
+        for b in range(nb):
+            d = _vsplat(_f16_at(row, 18 * b))
+            q = _vbytes(row, 18 * b + 2)
+            a0 += d * _vfloat((q & low) - eight) * _vfloats(x, 32 * b)
+            a1 += d * _vfloat((q >> four) - eight) * _vfloats(x, 32 * b + 16)
+        y[r] = _vsum(a0 + a1)
+
+
+@_jit()
+def _gemv_q4_1(
+    x: np.ndarray, w: np.ndarray, y: np.ndarray, start: int, stop: int
+) -> None:  # pragma: no cover - compiled
+    nb = x.shape[0] // 32
+    low, four = _vsplat(15), _vsplat(4)
+    for r in range(start, stop):
+        row = w[r]
+        a0 = a1 = _vzero()
+        for b in range(nb):
+            d = _vsplat(_f16_at(row, 20 * b))
+            m = _vsplat(_f16_at(row, 20 * b + 2))
+            q = _vbytes(row, 20 * b + 4)
+            a0 += (d * _vfloat(q & low) + m) * _vfloats(x, 32 * b)
+            a1 += (d * _vfloat(q >> four) + m) * _vfloats(x, 32 * b + 16)
+        y[r] = _vsum(a0 + a1)
+
+
+@_jit()
+def _gemv_q5_0(
+    x: np.ndarray, w: np.ndarray, y: np.ndarray, start: int, stop: int
+) -> None:  # pragma: no cover - compiled
+    nb = x.shape[0] // 32
+    low, one, four, sixteen = _vsplat(15), _vsplat(1), _vsplat(4), _vsplat(16)
+    lane, lane16 = _vlane(), _vlane() + _vsplat(16)
+    for r in range(start, stop):
+        row = w[r]
+        a0 = a1 = _vzero()
+        for b in range(nb):
+            d = _vsplat(_f16_at(row, 22 * b))
+            h = _vsplat(_u32_at(row, 22 * b + 2))  # bit j: value j's fifth
+            q = _vbytes(row, 22 * b + 6)
+            lo = (q & low) | (((h >> lane) & one) << four)
+            hi = (q >> four) | (((h >> lane16) & one) << four)
+            a0 += d * _vfloat(lo - sixteen) * _vfloats(x, 32 * b)
+            a1 += d * _vfloat(hi - sixteen) * _vfloats(x, 32 * b + 16)
+        y[r] = _vsum(a0 + a1)
+
+
+@_jit()
+def _gemv_q5_1(
+    x: np.ndarray, w: np.ndarray, y: np.ndarray, start: int, stop: int
+) -> None:  # pragma: no cover - compiled
+    nb = x.shape[0] // 32
+    low, one, four = _vsplat(15), _vsplat(1), _vsplat(4)
+    lane, lane16 = _vlane(), _vlane() + _vsplat(16)
+    for r in range(start, stop):
+        row = w[r]
+        a0 = a1 = _vzero()
+        for b in range(nb):
+            d = _vsplat(_f16_at(row, 24 * b))
+            m = _vsplat(_f16_at(row, 24 * b + 2))
+            h = _vsplat(_u32_at(row, 24 * b + 4))
+            q = _vbytes(row, 24 * b + 8)
+            lo = (q & low) | (((h >> lane) & one) << four)
+            hi = (q >> four) | (((h >> lane16) & one) << four)
+            a0 += (d * _vfloat(lo) + m) * _vfloats(x, 32 * b)
+            a1 += (d * _vfloat(hi) + m) * _vfloats(x, 32 * b + 16)
+        y[r] = _vsum(a0 + a1)
+
+
+@_jit()
+def _gemv_q4_k(
+    x: np.ndarray, w: np.ndarray, y: np.ndarray, start: int, stop: int
+) -> None:  # pragma: no cover - compiled
+    nb = x.shape[0] // 256
+    low, four = _vsplat(15), _vsplat(4)
+    for r in range(start, stop):
+        row = w[r]
+        a0 = a1 = a2 = a3 = _vzero()
+        for b in range(nb):
+            o = 144 * b
+            d = _f16_at(row, o)
+            dmin = _f16_at(row, o + 2)
+            scales = row[o + 4 : o + 16]
+            for p in range(4):  # 64 values: 32 low nibbles, then 32 high
+                qs, e = o + 16 + 32 * p, 256 * b + 64 * p
+                sc, m = _scale_min_k4(2 * p, scales)
+                d1, m1 = _vsplat(d * np.float32(sc)), _vsplat(dmin * np.float32(m))
+                sc, m = _scale_min_k4(2 * p + 1, scales)
+                d2, m2 = _vsplat(d * np.float32(sc)), _vsplat(dmin * np.float32(m))
+                q0, q1 = _vbytes(row, qs), _vbytes(row, qs + 16)
+                a0 += (d1 * _vfloat(q0 & low) - m1) * _vfloats(x, e)
+                a1 += (d1 * _vfloat(q1 & low) - m1) * _vfloats(x, e + 16)
+                a2 += (d2 * _vfloat(q0 >> four) - m2) * _vfloats(x, e + 32)
+                a3 += (d2 * _vfloat(q1 >> four) - m2) * _vfloats(x, e + 48)
+        y[r] = _vsum((a0 + a1) + (a2 + a3))
+
+
+@_jit()
+def _gemv_q5_k(
+    x: np.ndarray, w: np.ndarray, y: np.ndarray, start: int, stop: int
+) -> None:  # pragma: no cover - compiled
+    nb = x.shape[0] // 256
+    low, one, four = _vsplat(15), _vsplat(1), _vsplat(4)
+    for r in range(start, stop):
+        row = w[r]
+        a0 = a1 = a2 = a3 = _vzero()
+        for b in range(nb):
+            o = 176 * b
+            d = _f16_at(row, o)
+            dmin = _f16_at(row, o + 2)
+            scales = row[o + 4 : o + 16]
+            h0, h1 = _vbytes(row, o + 16), _vbytes(row, o + 32)
+            for p in range(4):
+                qs, e = o + 48 + 32 * p, 256 * b + 64 * p
+                sc, m = _scale_min_k4(2 * p, scales)
+                d1, m1 = _vsplat(d * np.float32(sc)), _vsplat(dmin * np.float32(m))
+                sc, m = _scale_min_k4(2 * p + 1, scales)
+                d2, m2 = _vsplat(d * np.float32(sc)), _vsplat(dmin * np.float32(m))
+                s1, s2 = _vsplat(2 * p), _vsplat(2 * p + 1)
+                q0, q1 = _vbytes(row, qs), _vbytes(row, qs + 16)
+                v0 = (q0 & low) | (((h0 >> s1) & one) << four)
+                v1 = (q1 & low) | (((h1 >> s1) & one) << four)
+                v2 = (q0 >> four) | (((h0 >> s2) & one) << four)
+                v3 = (q1 >> four) | (((h1 >> s2) & one) << four)
+                a0 += (d1 * _vfloat(v0) - m1) * _vfloats(x, e)
+                a1 += (d1 * _vfloat(v1) - m1) * _vfloats(x, e + 16)
+                a2 += (d2 * _vfloat(v2) - m2) * _vfloats(x, e + 32)
+                a3 += (d2 * _vfloat(v3) - m2) * _vfloats(x, e + 48)
+        y[r] = _vsum((a0 + a1) + (a2 + a3))
+
+
+@_jit()
+def _gemv_q6_k(
+    x: np.ndarray, w: np.ndarray, y: np.ndarray, start: int, stop: int
+) -> None:  # pragma: no cover - compiled
+    nb = x.shape[0] // 256
+    low, three, four, offset = _vsplat(15), _vsplat(3), _vsplat(4), _vsplat(32)
+    for r in range(start, stop):
+        row = w[r]
+        a0 = a1 = _vzero()
+        for b in range(nb):
+            o = 210 * b
+            d = _f16_at(row, o + 208)
+            for h in range(2):  # two halves of 128 values
+                qh = o + 128 + 32 * h
+                for k in range(4):  # 32 values: ql nibble k // 2, qh bits 2 k
+                    ql = o + 64 * h + 32 * (k % 2)
+                    shift, high = _vsplat(4 * (k // 2)), _vsplat(2 * k)
+                    e = 128 * h + 32 * k
+                    s0 = _vsplat(d * np.float32(np.int8(row[o + 192 + e // 16])))
+                    s1 = _vsplat(d * np.float32(np.int8(row[o + 193 + e // 16])))
+                    q0 = ((_vbytes(row, ql) >> shift) & low) | (
+                        ((_vbytes(row, qh) >> high) & three) << four
+                    )
+                    q1 = ((_vbytes(row, ql + 16) >> shift) & low) | (
+                        ((_vbytes(row, qh + 16) >> high) & three) << four
+                    )
+                    a0 += s0 * _vfloat(q0 - offset) * _vfloats(x, 256 * b + e)
+                    a1 += s1 * _vfloat(q1 - offset) * _vfloats(x, 256 * b + e + 16)
+        y[r] = _vsum(a0 + a1)
+
+
+@_jit()
+def _gemv_floats(
+    qtype: int, x: np.ndarray, w: np.ndarray, y: np.ndarray, start: int, stop: int
+) -> None:  # pragma: no cover - compiled
+    """F32, F16 and BF16 rows: 16 values a step, the rest one by one."""
+    n = x.shape[0]
+    size = 4 if qtype == 0 else 2
+    tail = np.empty(1, np.float32)
+    for r in range(start, stop):
+        row = w[r]
+        a0 = a1 = _vzero()
+        for p in range(n // 32):
+            k = 32 * p
+            if qtype == 1:
+                a0 += _vhalves(row, 2 * k) * _vfloats(x, k)
+                a1 += _vhalves(row, 2 * k + 32) * _vfloats(x, k + 16)
+            elif qtype == 30:
+                a0 += _vbf16s(row, 2 * k) * _vfloats(x, k)
+                a1 += _vbf16s(row, 2 * k + 32) * _vfloats(x, k + 16)
+            else:
+                a0 += _vfloats(row[: 4 * n].view(np.float32), k) * _vfloats(x, k)
+                a1 += _vfloats(row[: 4 * n].view(np.float32), k + 16) * _vfloats(
+                    x, k + 16
+                )
+        s = _vsum(a0 + a1)
+        for k in range(n - n % 32, n):
+            _dequantize_blocks(qtype, row[size * k : size * k + size], 0, 1, tail, 1)
+            s += tail[0] * x[k]
+        y[r] = s
+
+
+@_jit()
+def _gemv(
+    qtype: int, x: np.ndarray, w: np.ndarray, y: np.ndarray, start: int, stop: int
+) -> None:  # pragma: no cover - compiled
+    """``y[start:stop] = w[start:stop] @ x`` (``x`` one token's inputs)."""
+    if qtype == 8:
+        _gemv_q8_0(x, w, y, start, stop)
+    elif qtype == 2:
+        _gemv_q4_0(x, w, y, start, stop)
+    elif qtype == 3:
+        _gemv_q4_1(x, w, y, start, stop)
+    elif qtype == 12:
+        _gemv_q4_k(x, w, y, start, stop)
+    elif qtype == 14:
+        _gemv_q6_k(x, w, y, start, stop)
+    elif qtype == 13:
+        _gemv_q5_k(x, w, y, start, stop)
+    elif qtype == 6:
+        _gemv_q5_0(x, w, y, start, stop)
+    elif qtype == 7:
+        _gemv_q5_1(x, w, y, start, stop)
+    else:
+        _gemv_floats(qtype, x, w, y, start, stop)
+
+
 #: inputs dequantized at a time: 4 rows of it are a thread's 16 KB buffer
 _CHUNK = 1024
 #: weight rows the micro-kernel reads at once
 _ROWS = 4
+#: up to this many tokens a call takes the GEMV kernels, a token at a time
+_GEMV_TOKENS = 1
 
 
 @_jit()
@@ -558,6 +1051,10 @@ def _matmul_rows(
     stop: int,
     lanes: int,
 ) -> None:  # pragma: no cover - compiled
+    if x.shape[0] <= _GEMV_TOKENS:
+        for t in range(x.shape[0]):
+            _gemv(qtype, x[t], w, out[t], start, stop)
+        return
     n = x.shape[1]
     chunk = min(n, _CHUNK)
     buf = np.zeros((_ROWS, chunk), np.float32)

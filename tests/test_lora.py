@@ -357,14 +357,20 @@ def test_the_threaded_kernel_equals_the_serial_one() -> None:
         np.int64,
     )
     rows = rng.integers(-1, 3, size=33).astype(np.int64)
+    tiles = lora_kernels.tiles_for(rows)
+    # every row on a slot once, four to a tile of one slot
+    assert sorted(t for tile in tiles for t in tile[2 : 2 + tile[1]]) == [
+        t for t in range(33) if rows[t] >= 0
+    ]
+    assert all((rows[tile[2 : 2 + tile[1]]] == tile[0]).all() for tile in tiles)
     serial = lora_kernels.add_lora(
-        x, rows, a, b, spans, np.zeros((33, 40), np.float32), threaded=False
+        x, tiles, a, b, spans, np.zeros((33, 40), np.float32), threaded=False
     )
     before = kernels._threads
     kernels.set_num_threads(2)
     try:
         threaded = lora_kernels.add_lora(
-            x, rows, a, b, spans, np.zeros((33, 40), np.float32), threaded=True
+            x, tiles, a, b, spans, np.zeros((33, 40), np.float32), threaded=True
         )
     finally:
         kernels.set_num_threads(before)
@@ -380,13 +386,15 @@ def test_kernel_checks_its_arrays() -> None:
     x = np.zeros((2, 4), np.float32)
     a = np.zeros((1, 2, 4), np.float32)
     spans = np.zeros((1, 1, 4), np.int64)
-    rows = np.zeros(2, np.int64)
+    tiles = lora_kernels.tiles_for(np.zeros(2, np.int64))
     with pytest.raises(ValueError, match="disagree"):
-        lora_kernels.add_lora(x, rows[:1], a, a, spans, x.copy())
+        lora_kernels.add_lora(x, tiles, a, a, spans, x[:1].copy())
+    with pytest.raises(ValueError, match="tiles must be"):
+        lora_kernels.add_lora(x, tiles[:, :3], a, a, spans, x.copy())
     with pytest.raises(ValueError, match="float32"):
-        lora_kernels.add_lora(x.astype(np.float64), rows, a, a, spans, x.copy())
+        lora_kernels.add_lora(x.astype(np.float64), tiles, a, a, spans, x.copy())
     with pytest.raises(ValueError, match="a \\("):
-        lora_kernels.add_lora(x, rows, a[:, :1], a, spans, x.copy())
+        lora_kernels.add_lora(x, tiles, a[:, :1], a, spans, x.copy())
 
 
 def test_tensor_parallel_shards_sum_to_the_whole_update() -> None:

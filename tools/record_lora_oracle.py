@@ -183,7 +183,7 @@ def main() -> None:
         (OUT / name / "README.md").unlink()  # peft's model card template
         record["adapters"][name] = {
             "base": base,
-            "config": {k: v for k, v in kwargs.items()},
+            "config": dict(kwargs),
             "logits": _logits(lora),
         }
         # peft changed the base in place: take its LoRA layers out again

@@ -39,7 +39,7 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -47,7 +47,7 @@ from structllm.errors import ModelLoadError
 from structllm.model._paddle import host_tensor, paddle
 from structllm.model.attention import AttentionMetadata
 from structllm.model.config import ModelConfig
-from structllm.model.linear import DenseLinear, check_backend
+from structllm.model.linear import Backend, DenseLinear, check_backend
 from structllm.model.llama import (
     DecoderLayerWeights,
     LlamaForCausalLM,
@@ -188,6 +188,8 @@ class CompiledLlamaForCausalLM(LlamaForCausalLM):
     ``compute_logits`` applies the norm and the head (both row-wise, so the
     rows to sample may be picked in between).
     """
+
+    backend: ClassVar[Backend] = "inference"
 
     def __init__(
         self,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 import attrs
 import numpy as np
@@ -21,7 +22,10 @@ from structllm.model import kernels
 from structllm.model._paddle import paddle
 from structllm.model.attention import AttentionMetadata, PortableAttention, RopeTables
 from structllm.model.config import ModelConfig, RopeScaling
-from structllm.model.linear import Linear
+from structllm.model.linear import Backend, Linear
+
+if TYPE_CHECKING:
+    from structllm.model.lora import LoRASlots
 
 __all__ = [
     "LAYER_PROJECTIONS",
@@ -138,6 +142,10 @@ def _yarn_inv_freq(
 class LlamaForCausalLM:
     """The decoder plus its LM head; one call computes a whole step."""
 
+    #: where its Linears run (``linear.check_backend``): what a wrapper
+    #: added after the build (``lora.enable_lora``) is checked against
+    backend: ClassVar[Backend] = "eager"
+
     def __init__(
         self,
         config: ModelConfig,
@@ -155,6 +163,9 @@ class LlamaForCausalLM:
         #: outputs over its group (``model/parallel.py``); None: whole model
         self.all_reduce = all_reduce
         self.dtype = weights.embed.dtype
+        #: the LoRA adapters' slots and each row's slot, once
+        #: ``lora.enable_lora`` wrapped the projections; None: no LoRA
+        self.lora: LoRASlots | None = None
         self.attention = PortableAttention(
             config.num_attention_heads,
             config.num_key_value_heads,
@@ -187,6 +198,14 @@ class LlamaForCausalLM:
         )
         self._cos = paddle.to_tensor(self._rope.cos)
         self._sin = paddle.to_tensor(self._rope.sin)
+
+    def set_lora_rows(self, rows: Sequence[int] | np.ndarray | None) -> None:
+        """Each row's LoRA slot for the next forwards (``(T,)`` ints, -1 for
+        none; None: no row uses an adapter), as ``LoRASlots.set_rows``;
+        needs ``lora.enable_lora``."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled on this model (enable_lora)")
+        self.lora.set_rows(rows)
 
     def set_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
         """How caches allocated from now on store keys and values: ``auto``

@@ -111,6 +111,12 @@ class StepOutput(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     #: (cumulative since it started; vLLM's prefix_cache_queries / hits)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    #: speculative decoding (cumulative since the core started): steps in
+    #: which a request verified proposed tokens, the tokens proposed, and
+    #: those the model accepted (acceptance rate: accepted / proposed)
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     #: on the step that leaves the core idle, the core process's peak
     #: resident memory (0 on other steps): current once a burst has ended
     peak_rss_bytes: int = 0

@@ -1027,3 +1027,33 @@ def test_proposals_stop_short_of_max_tokens_and_the_budget() -> None:
     stats = h.scheduler.statistics()
     assert (stats.num_drafts, stats.num_draft_tokens) == (2, 4)
     assert stats.acceptance_rate == 1.0
+
+
+@attrs.frozen
+class WrongProposer:
+    """Always proposes ``k`` tokens the fake model never samples first."""
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        token = fake_token(request.request_id, request.num_tokens)
+        return [(token + 1) % VOCAB_SIZE] * k
+
+
+def test_proposals_that_keep_failing_back_off() -> None:
+    h = Harness.build(
+        num_blocks=32, block_size=4, max_model_len=128, num_speculative_tokens=4
+    )
+    h.scheduler.proposer = WrongProposer()
+    h.add("r0", 2, max_tokens=60, ignore_eos=True)
+    proposed = [len(h.step()[0].chunks[0].draft_token_ids) for _ in range(40)]
+    # a miss, then 1, 2, 4, 8 decode steps without proposals, each window
+    # half the last; outputs unchanged (the harness checks every token)
+    assert (
+        proposed[:24] == [0, 4, 0, 2, 0, 0, 1, 0, 0, 0, 0, 1] + [0] * 8 + [1] + [0] * 3
+    )
+    stats = h.scheduler.statistics()
+    assert stats.num_accepted_tokens == 0 and stats.acceptance_rate == 0.0
+    # a right guess resets the back-off and grows the window again
+    h.scheduler.proposer = OracleProposer()
+    while h.scheduler.has_unfinished_requests():
+        h.step()
+    assert h.scheduler.statistics().num_accepted_tokens > 0

@@ -22,7 +22,7 @@ def test_vllm_dict_and_its_defaults() -> None:
         num_speculative_tokens=3,
         prompt_lookup_min=2,
         prompt_lookup_max=5,
-        disable_by_batch_size=4,
+        disable_by_batch_size=1,
     )
     # one bound given: the other takes its value, as vLLM does
     one = SpeculativeConfig.from_dict({**NGRAM, "prompt_lookup_max": 4})

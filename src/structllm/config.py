@@ -101,7 +101,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int
     prompt_lookup_max: int
-    disable_by_batch_size: int | None = 4
+    disable_by_batch_size: int | None = 1
 
     def __attrs_post_init__(self) -> None:
         if self.method != "ngram":
@@ -280,7 +280,7 @@ class EngineConfig:
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
         '"prompt_lookup_max": 5} (prompt lookup; the output is unchanged; '
         '"disable_by_batch_size": N pauses it while more than N requests run, '
-        "default 4; see docs/benchmarks.md)",
+        "default 1; see docs/benchmarks.md)",
         converter=_speculative_config,
         parse=str,
         metavar="JSON",

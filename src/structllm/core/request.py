@@ -172,6 +172,12 @@ class Request:
     #: they are sent with the first sampled token
     prompt_logprobs: list[TokenLogprobs] = attrs.Factory(list)
     prompt_logprobs_sent: bool = False
+    #: speculative decoding: the most tokens to propose next (adapts to how
+    #: many were accepted; None: the configured number), decode steps to
+    #: run without proposals, and verifications in a row that accepted none
+    spec_window: int | None = None
+    spec_skip: int = 0
+    spec_misses: int = 0
 
     @property
     def needs_prompt_logits(self) -> bool:

@@ -29,7 +29,9 @@ Policy, in order, each step:
    takes the 1 + accepted tokens, moves ``num_computed_tokens`` back over
    the rejected positions and frees the blocks that held only those. A
    structured-output request, or one still owed prompt logprobs, does not
-   speculate.
+   speculate. Each request's proposals adapt to how its last ones fared
+   (:func:`_adapt`): output that does not repeat its context soon stops
+   paying for verification.
 
 Prefix caching (``enable_prefix_caching``): a request admitted takes the
 longest chain of cached full blocks matching its tokens (prompt, and for a
@@ -334,8 +336,12 @@ class Scheduler:
             ):
                 continue
             # every accepted token and the one after them must be allowed
+            if req.spec_skip > 0:  # backing off after proposals that failed
+                req.spec_skip -= 1
+                continue
             room = req.max_new_tokens - len(req.output_token_ids) - 1
-            k = min(self.config.num_speculative_tokens, room, budget)
+            window = req.spec_window or self.config.num_speculative_tokens
+            k = min(window, room, budget)
             if k <= 0:
                 continue
             drafts = tuple(self.proposer.propose(req, k))[:k]
@@ -380,6 +386,7 @@ class Scheduler:
                 self.num_drafts += 1
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_tokens += accepted
+                _adapt(req, accepted, len(drafts), self.config.num_speculative_tokens)
             # the chunk's own tokens and the accepted proposals are computed
             computed = chunk.context_len + chunk.num_tokens - len(drafts) + accepted
             stop = error = None
@@ -488,6 +495,28 @@ class Scheduler:
         req.finish_reason = reason
         req.stop_reason = stop_reason
         del self.requests[req.request_id]
+
+
+#: the longest back-off, in decode steps, after proposals accepted nothing
+MAX_SPEC_SKIP = 16
+
+
+def _adapt(req: Request, accepted: int, proposed: int, most: int) -> None:
+    """Size ``req``'s next proposals by how its last ones fared.
+
+    A verification step costs more than a plain decode step (every query
+    position past the first, and on CPUs the jump from the one-token path),
+    so proposals that keep failing are costly: all accepted, propose twice
+    as many next; some, one more than were accepted; none, propose nothing
+    for 1, 2, 4 ... (at most :data:`MAX_SPEC_SKIP`) decode steps.
+    """
+    if accepted == 0:
+        req.spec_misses += 1
+        req.spec_skip = min(MAX_SPEC_SKIP, 2 ** (req.spec_misses - 1))
+        req.spec_window = max(1, proposed // 2)
+        return
+    req.spec_misses = 0
+    req.spec_window = min(most, 2 * proposed if accepted == proposed else accepted + 1)
 
 
 def _key(req: Request) -> tuple[int, int]:

@@ -9,6 +9,10 @@ digest of the cache salt and every token up to it (what real KV depends
 on), so a block shared by two requests passes only when their prefixes and
 salts are equal. It also refuses any write into a block that is shared or
 registered in the prefix cache.
+
+With speculation on, a fake proposer guesses each request's next tokens,
+some right and some wrong: the completions must not change by a token, and
+rejected positions must leave no block behind.
 """
 
 from __future__ import annotations
@@ -68,6 +72,24 @@ def prompt_tokens(prompt_len: int, variant: int = 0) -> tuple[int, ...]:
     )
 
 
+@attrs.frozen
+class FakeProposer:
+    """Proposes up to ``k`` tokens, a pure function of the request's state:
+    often the fake model's own (accepted), sometimes a wrong one (the
+    rest of the run rejected), sometimes fewer than ``k`` or none."""
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        pos = request.num_tokens
+        h = zlib.crc32(f"propose/{request.request_id}/{pos}".encode())
+        out = []
+        for j in range(h % (k + 2)):
+            token = fake_token(request.request_id, pos + j)
+            if (h >> (8 + j)) % 5 == 0:
+                token = (token + 1) % VOCAB_SIZE  # a wrong guess
+            out.append(token)
+        return out
+
+
 def kv_digests(salt: str | None, tokens: Sequence[int]) -> list[int]:
     """What the fake KV cache holds at each position of ``tokens``."""
     out = []
@@ -118,7 +140,7 @@ class FakeRunner:
         bs = self.pool.block_size
         return req.block_ids[position // bs] * bs + position % bs
 
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
+    def execute(self, output: SchedulerOutput) -> dict[str, tuple[int, ...]]:
         bs, pool = self.pool.block_size, self.pool
         for slot in [
             s
@@ -126,17 +148,24 @@ class FakeRunner:
             if pool.ref_count(s // bs) == 0 and pool.block_hash(s // bs) is None
         ]:
             del self.slots[slot]
-        sampled: dict[str, int] = {}
+        sampled: dict[str, tuple[int, ...]] = {}
         for chunk in output.chunks:
             req = chunk.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted after the schedule: nothing of it runs
+            drafts = chunk.draft_token_ids
             start, stop = chunk.context_len, chunk.context_len + chunk.num_tokens
-            assert req.status is RequestStatus.RUNNING
+            own = stop - len(drafts)  # the request's own tokens end here
             assert start == req.num_computed_tokens
-            assert 1 <= chunk.num_tokens <= req.num_pending_tokens
-            assert chunk.samples == (stop == req.num_tokens)
+            assert 1 <= own - start <= req.num_pending_tokens
+            assert chunk.samples == (own == req.num_tokens)
+            if drafts:
+                assert chunk.samples and own - start == 1
+                room = req.max_new_tokens - len(req.output_token_ids)
+                assert len(drafts) < room  # the tokens after them fit too
             assert len(req.block_ids) == self.pool.blocks_for(stop)
-            assert len(req.token_slice(start, stop)) == chunk.num_tokens
-            kv = kv_digests(req.cache_salt, req.token_slice(0, stop))
+            assert len(req.token_slice(start, own)) == own - start
+            kv = kv_digests(req.cache_salt, [*req.token_slice(0, own), *drafts])
             for pos in range(start, stop):
                 block = req.block_ids[pos // bs]
                 assert pool.ref_count(block) == 1, f"write into shared block {block}"
@@ -144,11 +173,19 @@ class FakeRunner:
                 self.slots[self._slot(req, pos)] = kv[pos]
             self.computed_tokens += chunk.num_tokens
             if chunk.samples:
-                for pos in range(stop):
+                for pos in range(own):
                     assert self.slots.get(self._slot(req, pos)) == kv[pos], (
                         f"KV cache of {req.request_id!r} is wrong at position {pos}"
                     )
-                sampled[req.request_id] = fake_token(req.request_id, stop)
+                # verify: the model's token at each position, up to the
+                # first that differs from the proposal
+                tokens = []
+                for j in range(len(drafts) + 1):
+                    tokens.append(fake_token(req.request_id, own + j))
+                    if j == len(drafts) or drafts[j] != tokens[-1]:
+                        break
+                sampled[req.request_id] = tuple(tokens)
+                note_event(f"accepted {len(tokens) - 1} of {len(drafts)}")
         return sampled
 
 
@@ -178,6 +215,8 @@ class Harness:
         max_num_batched_tokens: int = 1024,
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
+        num_speculative_tokens: int = 0,
+        disable_by_batch_size: int | None = None,
     ) -> Harness:
         assert num_blocks * block_size >= max_model_len  # as EngineCore checks
         pool = BlockPool(num_blocks, block_size)
@@ -187,12 +226,27 @@ class Harness:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
             enable_prefix_caching=enable_prefix_caching,
+            num_speculative_tokens=num_speculative_tokens,
+            disable_by_batch_size=disable_by_batch_size,
         )
-        return cls(Scheduler(config, pool), FakeRunner(pool))
+        proposer = FakeProposer() if num_speculative_tokens else None
+        return cls(Scheduler(config, pool, proposer=proposer), FakeRunner(pool))
 
     @classmethod
-    def from_setup(cls, setup: SchedulerSetup, *, caching: bool = True) -> Harness:
-        return cls.build(**attrs.asdict(setup), enable_prefix_caching=caching)
+    def from_setup(
+        cls,
+        setup: SchedulerSetup,
+        *,
+        caching: bool = True,
+        speculative: int = 0,
+        disable_by_batch_size: int | None = None,
+    ) -> Harness:
+        return cls.build(
+            **attrs.asdict(setup),
+            enable_prefix_caching=caching,
+            num_speculative_tokens=speculative,
+            disable_by_batch_size=disable_by_batch_size,
+        )
 
     @property
     def pool(self) -> BlockPool:
@@ -237,13 +291,24 @@ class Harness:
         self.aborted += aborted
         return aborted
 
-    def step(self) -> tuple[SchedulerOutput, list[Request]]:
-        """Schedule, run and update once, checking the step as it goes."""
+    def step(
+        self, abort_after_schedule: str | None = None
+    ) -> tuple[SchedulerOutput, list[Request]]:
+        """Schedule, run and update once, checking the step as it goes.
+
+        ``abort_after_schedule``: abort that request between the schedule
+        and the update (while its proposals are being verified, say)."""
         sched = self.scheduler
         running_before = list(sched.running)
         waiting_before = list(sched.waiting)
         out = sched.schedule()
 
+        limit = sched.config.disable_by_batch_size
+        if out.num_draft_tokens:
+            note_event("speculated")
+            assert limit is None or len(sched.running) <= limit
+        for chunk in out.chunks:
+            assert len(chunk.draft_token_ids) <= sched.config.num_speculative_tokens
         budget = sched.config.max_num_batched_tokens
         assert out.num_batched_tokens <= budget
         assert len(sched.running) <= sched.config.max_num_seqs
@@ -294,6 +359,10 @@ class Harness:
         if any(self.pool.ref_count(b) > 1 for b in range(self.pool.num_blocks)):
             note_event("block shared by running requests")
         evictions = self.pool.statistics().total_evictions
+        if abort_after_schedule is not None:
+            if any(c.draft_token_ids for c in out.chunks):
+                note_event("abort during a verification step")
+            self.abort(abort_after_schedule)
         sampled = self.runner.execute(out)
         finished = sched.update_from_output(out, sampled)
         assert {r.request_id for r in finished} <= set(sampled)
@@ -435,9 +504,25 @@ class SchedulerMachine(RuleBasedStateMachine):
     h: Harness
     used_ids: set[str]
 
-    @initialize(setup=scheduler_setups(), caching=st.booleans())
-    def build(self, setup: SchedulerSetup, caching: bool) -> None:
-        self.h = Harness.from_setup(setup, caching=caching)
+    @initialize(
+        setup=scheduler_setups(),
+        caching=st.booleans(),
+        speculative=st.sampled_from([0, 0, 1, 3, 5]),
+        disable_by_batch_size=st.sampled_from([None, 1, 3]),
+    )
+    def build(
+        self,
+        setup: SchedulerSetup,
+        caching: bool,
+        speculative: int,
+        disable_by_batch_size: int | None,
+    ) -> None:
+        self.h = Harness.from_setup(
+            setup,
+            caching=caching,
+            speculative=speculative,
+            disable_by_batch_size=disable_by_batch_size,
+        )
         self.used_ids = set()
         self.added: list[Request] = []
         self.steps = 0
@@ -521,6 +606,17 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert (req.finish_reason, req.block_ids) == ("abort", [])
         assert rid not in self.live
         assert self.h.scheduler.abort_requests([rid]) == []  # idempotent
+
+    @rule(data=st.data())
+    def abort_mid_step(self, data: st.DataObject) -> None:
+        """Abort a request between a step's schedule and its update."""
+        if not self.live:
+            return
+        rid = data.draw(st.sampled_from(sorted(self.live)), label="id")
+        req = self.live[rid]
+        self.h.step(abort_after_schedule=rid)
+        assert (req.status, req.block_ids) == (RequestStatus.FINISHED, [])
+        assert rid not in self.live
 
     @rule(n=st.integers(1, 8))
     def step(self, n: int) -> None:
@@ -873,3 +969,91 @@ def test_stop_token_and_min_tokens() -> None:
         "stop",
         first,
     )
+
+
+@attrs.frozen
+class OracleProposer:
+    """Proposes exactly what the fake model will sample: all accepted."""
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        pos = request.num_tokens
+        return [fake_token(request.request_id, pos + j) for j in range(k)]
+
+
+def test_a_stop_inside_an_accepted_run_cuts_it_and_frees_the_rest() -> None:
+    h = Harness.build(
+        num_blocks=8,
+        block_size=4,
+        max_model_len=32,
+        num_speculative_tokens=6,
+        enable_prefix_caching=False,
+    )
+    h.scheduler.proposer = OracleProposer()
+    rid = "r0"
+    # the fake model's 4th output token (after the prompt of 3) stops it
+    stop = fake_token(rid, 3 + 3)
+    req = h.add(rid, 3, max_tokens=20, stop_token_ids=(stop,), ignore_eos=True)
+    h.step()  # the prompt, and the first token
+    assert len(req.output_token_ids) == 1
+    out, finished = h.step()  # 6 proposals, all accepted, cut after the 3rd
+    assert out.chunks[0].draft_token_ids == tuple(
+        fake_token(rid, 4 + j) for j in range(6)
+    )
+    assert finished == [req] and req.finish_reason == "stop"
+    assert req.output_token_ids == [fake_token(rid, 3 + j) for j in range(4)]
+    assert h.pool.num_free == h.pool.num_blocks
+    assert h.scheduler.statistics().num_accepted_tokens == 6
+
+
+def test_proposals_stop_short_of_max_tokens_and_the_budget() -> None:
+    h = Harness.build(
+        num_blocks=16,
+        block_size=4,
+        max_model_len=64,
+        max_num_batched_tokens=4,
+        num_speculative_tokens=8,
+    )
+    h.scheduler.proposer = OracleProposer()
+    req = h.add("r0", 2, max_tokens=7, ignore_eos=True)
+    h.step()
+    lengths = []
+    while h.scheduler.has_unfinished_requests():
+        out, _ = h.step()
+        lengths.append(len(out.chunks[0].draft_token_ids))
+        check_invariants(h)
+    # budget 4: 3 proposals; then max_tokens leaves room for 2 (1 + 2 = 3)
+    assert lengths == [3, 1]
+    assert len(req.output_token_ids) == 7
+    stats = h.scheduler.statistics()
+    assert (stats.num_drafts, stats.num_draft_tokens) == (2, 4)
+    assert stats.acceptance_rate == 1.0
+
+
+@attrs.frozen
+class WrongProposer:
+    """Always proposes ``k`` tokens the fake model never samples first."""
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        token = fake_token(request.request_id, request.num_tokens)
+        return [(token + 1) % VOCAB_SIZE] * k
+
+
+def test_proposals_that_keep_failing_back_off() -> None:
+    h = Harness.build(
+        num_blocks=32, block_size=4, max_model_len=128, num_speculative_tokens=4
+    )
+    h.scheduler.proposer = WrongProposer()
+    h.add("r0", 2, max_tokens=60, ignore_eos=True)
+    proposed = [len(h.step()[0].chunks[0].draft_token_ids) for _ in range(40)]
+    # a miss, then 1, 2, 4, 8 decode steps without proposals, each window
+    # half the last; outputs unchanged (the harness checks every token)
+    assert (
+        proposed[:24] == [0, 4, 0, 2, 0, 0, 1, 0, 0, 0, 0, 1] + [0] * 8 + [1] + [0] * 3
+    )
+    stats = h.scheduler.statistics()
+    assert stats.num_accepted_tokens == 0 and stats.acceptance_rate == 0.0
+    # a right guess resets the back-off and grows the window again
+    h.scheduler.proposer = OracleProposer()
+    while h.scheduler.has_unfinished_requests():
+        h.step()
+    assert h.scheduler.statistics().num_accepted_tokens > 0

@@ -68,12 +68,15 @@ def setting(
     topic: str | None = None,
     converter: Any = None,
     metavar: str | tuple[str, ...] | None = None,
+    parse: Any = None,
 ) -> Any:
     """An attrs field with its command-line help (``cli=False``: no flag).
 
     ``topic``: its ``--help`` group, a key of :data:`TOPICS`. ``secret``:
     left out of the class's ``repr`` (API keys never reach a log).
-    ``metavar``: the flag's value names (default: the type's).
+    ``metavar``: the flag's value names (default: the type's). ``parse``:
+    how the flag reads its text (default: the type; ``str`` leaves it to the
+    field's converter, e.g. JSON for a structured setting).
     """
     if topic is not None and topic not in TOPICS:
         raise KeyError(f"unknown topic {topic!r}")
@@ -88,6 +91,7 @@ def setting(
             "cli": cli,
             "topic": topic,
             "metavar": metavar,
+            "parse": parse,
         },
     )
 
@@ -315,7 +319,7 @@ def _add_flag(
             kw["metavar"] = field.metadata["metavar"]
         text += " (repeatable)"
     else:
-        kw.update(type=kind, choices=choices)
+        kw.update(type=field.metadata.get("parse") or kind, choices=choices)
         if choices is None:
             kw["metavar"] = field.metadata.get("metavar") or kind.__name__.upper()
     if size is not None:

@@ -32,6 +32,7 @@ from structllm.core.scheduler import (
     SchedulerOutput,
     SchedulerStatistics,
 )
+from structllm.core.speculative import NgramProposer
 from structllm.core.structured import (
     RejectedRequest,
     StructuredOutputManager,
@@ -169,6 +170,7 @@ class EngineCore:
         self.pool = BlockPool(num_blocks, config.block_size)
         #: the KV cache's bytes, over every layer and every rank's heads
         self.kv_cache_bytes = loaded.model.kv_cache_bytes_per_block() * num_blocks * tp
+        spec = config.speculative_config
         try:
             scheduler_config = SchedulerConfig(
                 max_model_len=self.max_model_len,
@@ -176,12 +178,24 @@ class EngineCore:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 enable_prefix_caching=config.enable_prefix_caching,
+                num_speculative_tokens=0
+                if spec is None
+                else spec.num_speculative_tokens,
+                disable_by_batch_size=None
+                if spec is None
+                else spec.disable_by_batch_size,
             )
         except EngineConfigError:
             raise
         except ValueError as exc:  # an attrs validator: "'max_num_seqs' must be..."
             raise EngineConfigError(str(exc)) from exc
-        self.scheduler = Scheduler(scheduler_config, self.pool)
+        self.scheduler = Scheduler(
+            scheduler_config,
+            self.pool,
+            proposer=None
+            if spec is None
+            else NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max),
+        )
         self.structured = StructuredOutputManager(
             functools.partial(
                 grammar_vocabulary,
@@ -288,32 +302,35 @@ class EngineCore:
         schedule_s = time.perf_counter() - start
         if sched.is_empty:
             return self._step_output((), sched, start, schedule_s, rejected=rejected)
+        by_id = {c.request.request_id: c.request for c in sched.chunks}
         ran = self.runner.execute(sched)
+        before = {rid: len(by_id[rid].output_token_ids) for rid in ran.sampled}
         finished = {
             r.request_id: r
             for r in self.scheduler.update_from_output(sched, ran.sampled)
         }
         self.steps += 1
-        by_id = {c.request.request_id: c.request for c in sched.chunks}
         for rid, (first, entries) in ran.prompt_logprobs.items():
             req = by_id[rid]
             if first == len(req.prompt_logprobs) + 1:  # the next ones, in order
                 req.prompt_logprobs += entries
         outputs = []
-        for rid, token in ran.sampled.items():
+        for rid in ran.sampled:
             fin = finished.get(rid)
-            lp = ran.logprobs.get(rid)
             req = by_id[rid]
+            # what the scheduler took: up to a stop inside an accepted run
+            new = tuple(req.output_token_ids[before[rid] :])
+            lp = ran.logprobs.get(rid)
             queue_s = cached = None
-            if len(req.output_token_ids) == 1:
+            if before[rid] == 0:
                 cached = req.num_cached_tokens
                 if req.first_scheduled_time is not None:
                     queue_s = req.first_scheduled_time - req.arrival_time
             outputs.append(
                 RequestStepOutput(
                     request_id=rid,
-                    new_token_ids=(token,),
-                    logprobs=None if lp is None else (lp,),
+                    new_token_ids=new,
+                    logprobs=None if lp is None else lp[: len(new)],
                     finish_reason=None if fin is None else fin.finish_reason,
                     stop_reason=None if fin is None else fin.stop_reason,
                     queue_s=queue_s,
@@ -374,6 +391,9 @@ class EngineCore:
             total_preemptions=s.total_preemptions,
             prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits,
+            num_drafts=s.num_drafts,
+            num_draft_tokens=s.num_draft_tokens,
+            num_accepted_tokens=s.num_accepted_tokens,
         )
 
     def statistics(self) -> EngineCoreStatistics:

@@ -111,6 +111,12 @@ class StepOutput(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     #: (cumulative since it started; vLLM's prefix_cache_queries / hits)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    #: speculative decoding (cumulative since the core started): steps in
+    #: which a request verified proposed tokens, the tokens proposed, and
+    #: those the model accepted (acceptance rate: accepted / proposed)
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     #: on the step that leaves the core idle, the core process's peak
     #: resident memory (0 on other steps): current once a burst has ended
     peak_rss_bytes: int = 0
@@ -166,6 +172,12 @@ class Request:
     #: they are sent with the first sampled token
     prompt_logprobs: list[TokenLogprobs] = attrs.Factory(list)
     prompt_logprobs_sent: bool = False
+    #: speculative decoding: the most tokens to propose next (adapts to how
+    #: many were accepted; None: the configured number), decode steps to
+    #: run without proposals, and verifications in a row that accepted none
+    spec_window: int | None = None
+    spec_skip: int = 0
+    spec_misses: int = 0
 
     @property
     def needs_prompt_logits(self) -> bool:

@@ -67,9 +67,11 @@ def run_forward(
 
 @attrs.frozen
 class RunnerOutput:
-    #: request id -> the token sampled for it (only chunks that sample)
-    sampled: Mapping[str, int]
-    logprobs: Mapping[str, TokenLogprobs]
+    #: request id -> the tokens sampled for it (only chunks that sample):
+    #: its accepted proposals, then the model's own token
+    sampled: Mapping[str, tuple[int, ...]]
+    #: one entry per sampled token
+    logprobs: Mapping[str, tuple[TokenLogprobs, ...]]
     #: request id -> (first prompt token covered, the entries of that token
     #: and those after it): prompt logprobs from this step's chunk
     prompt_logprobs: Mapping[str, tuple[int, list[TokenLogprobs]]]
@@ -106,15 +108,21 @@ class ModelRunner:
         ids: list[np.ndarray] = []
         positions: list[np.ndarray] = []
         seqs: list[tuple[int, int, tuple[int, ...]]] = []
-        rows: list[int] = []  # flattened row of each sampling chunk's last token
+        # flattened rows of each sampling chunk's last token and its proposals
+        rows: list[int] = []
         sampling = []
+        drafts: list[tuple[int, ...]] = []
         # prompt logprobs: (request, first flattened row, first position, count)
         prompt_rows: list[tuple[Request, int, int, int]] = []
         t = 0
         for c in chunks:
             req = c.request
             stop = c.context_len + c.num_tokens
-            ids.append(np.asarray(req.token_slice(c.context_len, stop), dtype=np.int64))
+            own = stop - len(c.draft_token_ids)  # proposals follow the chunk's own
+            tokens = req.token_slice(c.context_len, own)
+            if c.draft_token_ids:
+                tokens = [*tokens, *c.draft_token_ids]
+            ids.append(np.asarray(tokens, dtype=np.int64))
             positions.append(np.arange(c.context_len, stop, dtype=np.int64))
             seqs.append((c.context_len, c.num_tokens, tuple(req.block_ids)))
             if req.needs_prompt_logits:
@@ -125,8 +133,9 @@ class ModelRunner:
                     prompt_rows.append((req, t + lo - c.context_len, lo, hi - lo))
             t += c.num_tokens
             if c.samples:
-                rows.append(t - 1)
+                rows.extend(range(t - 1 - len(c.draft_token_ids), t))
                 sampling.append(req)
+                drafts.append(c.draft_token_ids)
         start = time.perf_counter()
         model_input = ModelInput(
             np.concatenate(ids).tobytes(),
@@ -143,12 +152,12 @@ class ModelRunner:
         if not sampling:
             return RunnerOutput({}, {}, prompt, time.perf_counter() - start, 0.0)
         last = paddle.index_select(hidden, host_tensor(np.asarray(rows, np.int64)))
-        logits = self.model.compute_logits(last).numpy()  # (N, V)
+        logits = self.model.compute_logits(last).numpy()  # (rows, V)
         forward_s = time.perf_counter() - start
         start = time.perf_counter()
         grammars = self.structured
         masks = None if grammars is None else grammars.fill_bitmask(sampling)
-        out = self.sampler.sample(
+        out = self.sampler.verify(
             logits,
             [
                 SamplingRow(
@@ -160,13 +169,13 @@ class ModelRunner:
                 )
                 for r in sampling
             ],
+            drafts,
             bitmask=None if masks is None else masks[0],
             bitmask_rows=None if masks is None else masks[1],
             overwrite=True,  # the logits are ours, fresh from the model
         )
         sampled = {
-            r.request_id: int(tok)
-            for r, tok in zip(sampling, out.token_ids, strict=True)
+            r.request_id: toks for r, toks in zip(sampling, out.token_ids, strict=True)
         }
         logprobs = {
             r.request_id: lp

@@ -19,6 +19,20 @@ Policy, in order, each step:
    still compiling (``waiting_for_grammar``, structured output) is passed
    over, keeping its place, until its grammar is ready.
 
+3. Speculative decoding (a ``proposer``, ``num_speculative_tokens`` > 0),
+   while at most ``disable_by_batch_size`` requests run: each decoding
+   request's one-token chunk takes up to ``num_speculative_tokens`` proposed
+   tokens as extra query positions (never more than it may still generate,
+   minus one), within the token budget left and the blocks free after 1.
+   and 2. (speculation never preempts or delays a request). The runner
+   verifies them in the same forward; :meth:`Scheduler.update_from_output`
+   takes the 1 + accepted tokens, moves ``num_computed_tokens`` back over
+   the rejected positions and frees the blocks that held only those. A
+   structured-output request, or one still owed prompt logprobs, does not
+   speculate. Each request's proposals adapt to how its last ones fared
+   (:func:`_adapt`): output that does not repeat its context soon stops
+   paying for verification.
+
 Prefix caching (``enable_prefix_caching``): a request admitted takes the
 longest chain of cached full blocks matching its tokens (prompt, and for a
 preempted request its outputs too) and computes only the rest; at least its
@@ -36,7 +50,7 @@ progresses every step the waiting one could have been admitted.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
@@ -49,6 +63,7 @@ from structllm.core.block_pool import (
     root_hash,
 )
 from structllm.core.request import Request, RequestStatus
+from structllm.core.speculative import Proposer
 from structllm.errors import EngineConfigError
 from structllm.outputs import FinishReason
 from structllm.settings import at_least
@@ -90,6 +105,10 @@ class SchedulerConfig:
     enable_prefix_caching: bool = attrs.field(
         default=_ENGINE.enable_prefix_caching.default
     )
+    #: proposed tokens a decoding request may verify per step (0: none)
+    num_speculative_tokens: int = attrs.field(default=0, validator=at_least(0))
+    #: no proposals while more requests than this run (None: no limit)
+    disable_by_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
 
     def __attrs_post_init__(self) -> None:
         if (
@@ -112,6 +131,9 @@ class ScheduledChunk:
     num_tokens: int
     #: the chunk ends at the newest token, so a token is sampled after it
     samples: bool
+    #: proposed tokens run after the chunk's own (the last ``len(...)`` of
+    #: ``num_tokens``), to verify; only in a sampling decode chunk
+    draft_token_ids: tuple[int, ...] = ()
 
 
 @attrs.frozen
@@ -121,7 +143,12 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
+        """Tokens run through the model, proposed ones included."""
         return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(c.draft_token_ids) for c in self.chunks)
 
     @property
     def is_empty(self) -> bool:
@@ -140,11 +167,21 @@ class SchedulerStatistics:
     prefix_cache_queries: int = 0
     #: of those, tokens found there (not computed)
     prefix_cache_hits: int = 0
+    #: speculative decoding, ever: steps in which a request verified
+    #: proposals, the tokens proposed, and those the model accepted
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         """Hits over queries, in tokens; 0.0 before any query."""
         return hit_rate(self.prefix_cache_hits, self.prefix_cache_queries)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over proposed tokens; 0.0 before any proposal."""
+        return hit_rate(self.num_accepted_tokens, self.num_draft_tokens)
 
 
 def hit_rate(hits: int, queries: int) -> float:
@@ -164,6 +201,11 @@ class Scheduler:
     total_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    #: speculative decoding's proposals (None: no speculation)
+    proposer: Proposer | None = None
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``; the caller has validated it (see EngineCore)."""
@@ -266,35 +308,122 @@ class Scheduler:
             bisect.insort(self.running, req, key=_key)
             chunks.append(ScheduledChunk(req, computed, n, n == pending))
             budget -= n
+        if self._speculating():
+            self._add_drafts(chunks, budget)
         return SchedulerOutput(tuple(chunks), tuple(preempted))
 
+    def _speculating(self) -> bool:
+        limit = self.config.disable_by_batch_size
+        return (
+            self.proposer is not None
+            and self.config.num_speculative_tokens > 0
+            and (limit is None or len(self.running) <= limit)
+        )
+
+    def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> None:
+        """Give decode chunks proposals, in order, from what is left over."""
+        assert self.proposer is not None
+        bs = self.pool.block_size
+        for i, chunk in enumerate(chunks):
+            req = chunk.request
+            if budget <= 0:
+                return
+            if (
+                chunk.num_tokens != 1
+                or not chunk.samples
+                or req.params.structured_outputs is not None
+                or req.needs_prompt_logits
+            ):
+                continue
+            # every accepted token and the one after them must be allowed
+            if req.spec_skip > 0:  # backing off after proposals that failed
+                req.spec_skip -= 1
+                continue
+            room = req.max_new_tokens - len(req.output_token_ids) - 1
+            window = req.spec_window or self.config.num_speculative_tokens
+            k = min(window, room, budget)
+            if k <= 0:
+                continue
+            drafts = tuple(self.proposer.propose(req, k))[:k]
+            # positions context_len + 1 ... in blocks already held or free
+            held = (len(req.block_ids) + self.pool.num_free) * bs
+            drafts = drafts[: max(0, held - chunk.context_len - 1)]
+            if not drafts:
+                continue
+            need = self.pool.blocks_for(chunk.context_len + 1 + len(drafts))
+            req.block_ids += self.pool.allocate(need - len(req.block_ids))
+            chunks[i] = attrs.evolve(
+                chunk, num_tokens=1 + len(drafts), draft_token_ids=drafts
+            )
+            budget -= len(drafts)
+
     def update_from_output(
-        self, output: SchedulerOutput, sampled: Mapping[str, int]
+        self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]]
     ) -> list[Request]:
-        """Record a step's results; return the requests that finished in it."""
+        """Record a step's results; return the requests that finished in it.
+
+        ``sampled`` holds, for each chunk that samples, the tokens sampled
+        for its request: the accepted proposals, then the model's own token
+        (so 1 + accepted). They are taken in order up to the first that
+        ends the request (stop token, EOS, length): none after it.
+        """
         finished = []
         for chunk in output.chunks:
             req = chunk.request
             if req.status is not RequestStatus.RUNNING:
                 continue
-            req.num_computed_tokens += chunk.num_tokens
-            token = sampled[req.request_id] if chunk.samples else None
-            if token is not None:
+            drafts = chunk.draft_token_ids
+            tokens = sampled[req.request_id] if chunk.samples else ()
+            if chunk.samples and not 1 <= len(tokens) <= 1 + len(drafts):
+                raise ValueError(
+                    f"{len(tokens)} tokens sampled for {req.request_id!r}, "
+                    f"which proposed {len(drafts)}"
+                )
+            accepted = max(0, len(tokens) - 1)
+            if list(tokens[:accepted]) != list(drafts[:accepted]):
+                raise ValueError(f"tokens accepted for {req.request_id!r} differ")
+            if drafts:
+                self.num_drafts += 1
+                self.num_draft_tokens += len(drafts)
+                self.num_accepted_tokens += accepted
+                _adapt(req, accepted, len(drafts), self.config.num_speculative_tokens)
+            # the chunk's own tokens and the accepted proposals are computed
+            computed = chunk.context_len + chunk.num_tokens - len(drafts) + accepted
+            stop = error = None
+            for token in tokens:
                 req.output_token_ids.append(token)
+                if req.grammar is not None and not req.grammar.accept_token(token):
+                    # only a sampler fallback can get here (a broken matcher)
+                    error = True
+                    break
+                stop = _check_stop(req, token)
+                if stop is not None:
+                    break
+            # (a stop inside an accepted run leaves the rest uncounted)
+            req.num_computed_tokens = min(computed, req.num_tokens)
+            if drafts:
+                self._roll_back(req)
             if self.config.enable_prefix_caching:
                 self._cache_computed_blocks(req)
-            if token is None:
-                continue
-            if req.grammar is not None and not req.grammar.accept_token(token):
-                # only a sampler fallback can get here (a broken matcher)
+            if error:
                 self._finish(req, "error", None)
                 finished.append(req)
-                continue
-            stop = _check_stop(req, token)
-            if stop is not None:
+            elif stop is not None:
                 self._finish(req, *stop)
                 finished.append(req)
         return finished
+
+    def _roll_back(self, req: Request) -> None:
+        """Free the blocks past ``req``'s computed tokens (rejected proposals).
+
+        Never a cached block: a block is registered only once every slot of
+        it is computed, and the computed count never drops below that.
+        """
+        keep = self.pool.blocks_for(req.num_computed_tokens)
+        extra = req.block_ids[keep:]
+        if extra:
+            self.pool.free(reversed(extra))
+            del req.block_ids[keep:]
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         """Abort in any state; unknown or finished ids are ignored."""
@@ -317,6 +446,9 @@ class Scheduler:
             blocks=self.pool.statistics(),
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
+            num_drafts=self.num_drafts,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
         )
 
     def _extend_hashes(self, req: Request) -> None:
@@ -363,6 +495,28 @@ class Scheduler:
         req.finish_reason = reason
         req.stop_reason = stop_reason
         del self.requests[req.request_id]
+
+
+#: the longest back-off, in decode steps, after proposals accepted nothing
+MAX_SPEC_SKIP = 16
+
+
+def _adapt(req: Request, accepted: int, proposed: int, most: int) -> None:
+    """Size ``req``'s next proposals by how its last ones fared.
+
+    A verification step costs more than a plain decode step (every query
+    position past the first, and on CPUs the jump from the one-token path),
+    so proposals that keep failing are costly: all accepted, propose twice
+    as many next; some, one more than were accepted; none, propose nothing
+    for 1, 2, 4 ... (at most :data:`MAX_SPEC_SKIP`) decode steps.
+    """
+    if accepted == 0:
+        req.spec_misses += 1
+        req.spec_skip = min(MAX_SPEC_SKIP, 2 ** (req.spec_misses - 1))
+        req.spec_window = max(1, proposed // 2)
+        return
+    req.spec_misses = 0
+    req.spec_window = min(most, 2 * proposed if accepted == proposed else accepted + 1)
 
 
 def _key(req: Request) -> tuple[int, int]:

@@ -24,6 +24,22 @@ keep. Every row's result depends only on its own logits, parameters and
 generator, so a seeded request gives the same tokens whatever else is in its
 batch.
 
+Speculative decoding (:meth:`Sampler.verify`): a request that proposed
+``k`` tokens has ``k + 1`` rows of logits, the positions of its newest token
+and of each proposal. Row ``j`` is sampled exactly as above, as if the
+first ``j`` proposals had been generated (penalties and ``min_tokens`` see
+them), with the ``j``-th next uniform of the request's generator; proposal
+``j`` is accepted while it equals the token so sampled, and the request
+takes the sampled tokens up to the first mismatch, that one included (all
+``k + 1`` if every proposal is accepted), then its generator is left as if
+it had drawn one uniform per token taken. Every token taken is therefore
+the one the same request would sample without speculation: greedy rows
+give the same tokens, and seeded rows too. For a proposer that is
+deterministic (its proposal ``x`` a point mass) this is rejection sampling:
+``x`` is accepted with probability ``p(x)``, and a rejected row's token is
+distributed as ``p`` without ``x``, renormalised, so the output follows the
+target distribution exactly.
+
 A row that every token is masked out of (``allowed_token_ids`` disjoint
 from what its grammar allows, say) takes the argmax of its grammar-masked
 logits, or of the raw ones if it has no grammar: a constrained row never
@@ -47,6 +63,7 @@ __all__ = [
     "SamplerOutput",
     "SamplingRow",
     "TokenLogprobs",
+    "VerifiedOutput",
     "make_generator",
     "process_logits",
     "token_logprobs",
@@ -109,6 +126,16 @@ class SamplerOutput:
     token_ids: I64  # (N,)
     #: per row; None where ``params.logprobs`` is None
     logprobs: list[TokenLogprobs | None]
+
+
+@attrs.frozen
+class VerifiedOutput:
+    """One step's result for a batch of requests with proposals."""
+
+    #: per request: the accepted proposals, then the model's own token
+    token_ids: list[tuple[int, ...]]
+    #: per request, one per token; None where ``params.logprobs`` is None
+    logprobs: list[tuple[TokenLogprobs, ...] | None]
 
 
 @attrs.frozen
@@ -178,6 +205,66 @@ class Sampler:
         # raw is intact whenever a row asks for logprobs (see overwrite)
         logprobs = _logprobs(raw, params, tokens)
         return SamplerOutput(token_ids=tokens, logprobs=logprobs)
+
+    def verify(
+        self,
+        logits: npt.ArrayLike,
+        rows: Sequence[SamplingRow],
+        drafts: Sequence[Sequence[int]],
+        *,
+        bitmask: npt.NDArray[np.int32] | None = None,
+        bitmask_rows: Sequence[int] | None = None,
+        overwrite: bool = False,
+    ) -> VerifiedOutput:
+        """Sample each request's tokens and verify its proposals against them.
+
+        ``logits`` (sum(1 + len(d) for d in drafts), V) holds, request after
+        request, the rows of its newest token and of each of its proposals
+        ``drafts[i]`` (none: one row, as :meth:`sample`). ``bitmask`` and
+        ``bitmask_rows`` name requests, not rows: a constrained request
+        must propose nothing. See the module docstring for the rule.
+        """
+        if len(drafts) != len(rows):
+            raise ValueError(f"{len(drafts)} proposals for {len(rows)} rows")
+        starts = np.cumsum([0, *(1 + len(d) for d in drafts)]).tolist()
+        masked = list(range(len(rows)) if bitmask_rows is None else bitmask_rows)
+        if bitmask is not None and any(drafts[i] for i in masked[: len(bitmask)]):
+            raise ValueError("a grammar-constrained row cannot verify proposals")
+        expanded: list[SamplingRow] = []
+        states: dict[int, dict[str, object]] = {}
+        for i, (row, draft) in enumerate(zip(rows, drafts, strict=True)):
+            expanded.append(row)
+            if not draft:
+                continue
+            if not row.params.greedy:
+                states[i] = dict(row.generator.bit_generator.state)
+            outputs = list(row.output_token_ids)
+            for token in draft:
+                outputs.append(int(token))
+                expanded.append(attrs.evolve(row, output_token_ids=tuple(outputs)))
+        out = self.sample(
+            logits,
+            expanded,
+            bitmask=bitmask,
+            bitmask_rows=None if bitmask is None else [starts[i] for i in masked],
+            overwrite=overwrite,
+        )
+        tokens = out.token_ids.tolist()
+        result: list[tuple[int, ...]] = []
+        logprobs: list[tuple[TokenLogprobs, ...] | None] = []
+        for i, (row, draft) in enumerate(zip(rows, drafts, strict=True)):
+            sampled = tokens[starts[i] : starts[i + 1]]
+            m = 0  # accepted proposals
+            while m < len(draft) and sampled[m] == draft[m]:
+                m += 1
+            result.append(tuple(sampled[: m + 1]))
+            lps = out.logprobs[starts[i] : starts[i] + m + 1]
+            logprobs.append(None if lps[0] is None else tuple(lps))  # type: ignore[arg-type]
+            state = states.get(i)
+            if state is not None:  # as if it had drawn once per token taken
+                row.generator.bit_generator.state = state
+                row.generator.random(m + 1)
+        return VerifiedOutput(result, logprobs)
 
     def _sample_random(self, x: F32, params: list[SamplingParams], u: F64) -> I64:
         """Temperature, top-k, top-p, min-p and one inverse-CDF draw per row."""

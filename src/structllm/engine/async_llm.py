@@ -63,7 +63,7 @@ from structllm.engine.protocol import AbortRequests, AddFailed, CoreState, Ready
 from structllm.engine.replicas import ReplicaSet
 from structllm.engine.request_stream import RequestStream, complete
 from structllm.engine.statistics import EngineStatistics
-from structllm.errors import EngineDeadError, InvalidRequestError
+from structllm.errors import EngineDeadError, InvalidRequestError, unwrap_group
 from structllm.outputs import RequestOutput
 from structllm.params import OutputKind, SamplingParams
 from structllm.text.tokenizer import Tokenizer, load_tokenizer
@@ -138,13 +138,11 @@ class AsyncLLM:
             # EngineConfigError, EngineDeadError) or an exception from the
             # caller's own block comes out unwrapped; several at once (an
             # internal failure too) stay a group.
-            if len(group.exceptions) == 1 and isinstance(
-                group.exceptions[0], Exception
-            ):
-                exc = group.exceptions[0]
-                exc.__suppress_context__ = True
-                raise exc  # noqa: B904 - the group is only a wrapper here
-            raise
+            exc = unwrap_group(group, sole=True)
+            if exc is group:
+                raise
+            exc.__suppress_context__ = True
+            raise exc  # noqa: B904 - the group is only a wrapper here
 
     # ------------------------------------------------------------ public API
 

@@ -47,7 +47,12 @@ from structllm.engine.protocol import (
 )
 from structllm.engine.routing import PrefixRouter, affinity_slack
 from structllm.engine.statistics import EngineStatistics
-from structllm.errors import EngineConfigError, EngineDeadError, dead_error
+from structllm.errors import (
+    EngineConfigError,
+    EngineDeadError,
+    dead_error,
+    unwrap_group,
+)
 
 __all__ = [
     "ReplicaEvents",
@@ -361,12 +366,10 @@ class ReplicaSet:
                     task_status.started()
         except BaseExceptionGroup as group:
             # one supervisor's own failure comes out as one client's would
-            if len(group.exceptions) == 1 and isinstance(
-                group.exceptions[0], Exception
-            ):
-                exc = group.exceptions[0]
-                exc.__suppress_context__ = True  # keeps its own __cause__
-                raise exc  # noqa: B904 - the group is only a wrapper here
-            raise
+            exc = unwrap_group(group, sole=True)
+            if exc is group:
+                raise
+            exc.__suppress_context__ = True  # keeps its own __cause__
+            raise exc  # noqa: B904 - the group is only a wrapper here
         if failures:
             raise failures[0]

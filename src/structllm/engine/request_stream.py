@@ -11,6 +11,7 @@ import anyio
 
 from structllm.engine.inputs import PromptInput
 from structllm.engine.output_processor import RequestState, merge_choices
+from structllm.errors import unwrap_group
 from structllm.outputs import RequestOutput
 from structllm.params import SamplingParams
 
@@ -142,8 +143,5 @@ async def run_all_to_end(streams: Sequence[RequestStream]) -> list[RequestOutput
             for i in range(len(streams)):
                 tg.start_soon(run, i)
     except BaseExceptionGroup as group:
-        leaf: BaseException = group
-        while isinstance(leaf, BaseExceptionGroup):
-            leaf = leaf.exceptions[0]
-        raise leaf from None
+        raise unwrap_group(group) from None
     return [out for out in outputs if out is not None]

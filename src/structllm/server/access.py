@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from structllm.errors import unwrap_group
 from structllm.server.http_errors import send_error
 
 __all__ = [
@@ -167,10 +168,7 @@ class RequestContextMiddleware:
             # Starlette's outer error middleware would answer with the send
             # it was given, without the id: answer here, it sees it started
             if record.status is None:
-                leaf: BaseException = exc
-                while isinstance(leaf, BaseExceptionGroup) and leaf.exceptions:
-                    leaf = leaf.exceptions[0]
-                name = type(leaf).__name__
+                name = type(unwrap_group(exc)).__name__
                 await send_error(send_with_id, 500, f"internal error: {name}")
             raise
         finally:

@@ -25,7 +25,7 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from structllm.errors import InvalidRequestError
+from structllm.errors import InvalidRequestError, unwrap_group
 from structllm.structured import StructuredOutputs
 from structllm.structured.compiler import is_validated, validate
 
@@ -81,9 +81,7 @@ def renamed(field: str | None) -> Iterator[None]:
     except InvalidRequestError as exc:
         raise rename_field(exc, field) from None
     except BaseExceptionGroup as group:
-        leaf: BaseException = group
-        while isinstance(leaf, BaseExceptionGroup):
-            leaf = leaf.exceptions[0]
+        leaf = unwrap_group(group)
         if (
             isinstance(leaf, InvalidRequestError)
             and rename_field(leaf, field) is not leaf

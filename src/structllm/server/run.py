@@ -39,7 +39,7 @@ from structllm.config import (
     from_arguments,
 )
 from structllm.engine.async_llm import AsyncLLM
-from structllm.errors import StructLLMError
+from structllm.errors import StructLLMError, unwrap_group
 from structllm.server.access import ACCESS_LOGGER
 from structllm.server.app import build_app
 from structllm.server.drain import Drain, drain_then_stop
@@ -269,8 +269,7 @@ def _trio_connections_fail_alone() -> None:
 
 
 def _leaf(exc: BaseException) -> str:
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
+    exc = unwrap_group(exc)
     return f"{type(exc).__name__}: {exc}"
 
 

@@ -33,7 +33,7 @@ from pydantic import BaseModel
 from structllm.config import ServerConfig
 from structllm.engine.async_llm import AsyncLLM
 from structllm.engine.inputs import Prompt
-from structllm.errors import EngineLoadingError, InvalidRequestError
+from structllm.errors import EngineLoadingError, InvalidRequestError, unwrap_group
 from structllm.outputs import CompletionOutput, RequestOutput
 from structllm.params import SamplingParams
 from structllm.server import responses as api
@@ -132,7 +132,7 @@ class Serving:
                 return Response(status_code=499)
             return response
         except BaseExceptionGroup as group:
-            response = self.error_response(_leaf(group))
+            response = self.error_response(unwrap_group(group))
             if response is None:
                 raise
             return response
@@ -269,7 +269,7 @@ class Serving:
                 else:
                     await produce_several(emit)
             except BaseExceptionGroup as group:
-                exc = _leaf(group)
+                exc = unwrap_group(group)
                 if isinstance(exc, InvalidRequestError):
                     exc = rename_field(exc, constraint_field)
                 response = self.error_response(exc)
@@ -394,11 +394,3 @@ class Chunks(Generic[_R]):
         if c.finish_reason is not None:
             extra["stop_reason"] = c.stop_reason
         return extra
-
-
-def _leaf(group: BaseExceptionGroup[Any]) -> BaseException:
-    """The first leaf exception of a (nested) group."""
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc

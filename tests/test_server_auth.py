@@ -27,10 +27,10 @@ import pytest
 
 from structllm.cli import build_parser, engine_args
 from structllm.config import EngineConfig, ServerConfig
-from structllm.server import security
-from structllm.server.access import ACCESS_LOGGER
+from structllm.server.http import security
+from structllm.server.http.access import ACCESS_LOGGER
+from structllm.server.http.security import API_KEY_ENV, ApiKeyMiddleware, api_keys
 from structllm.server.run import configs_from_args
-from structllm.server.security import API_KEY_ENV, ApiKeyMiddleware, api_keys
 from structllm.testing.sse import DONE, adata_events
 from tests.test_server_app import events, open_server, open_socket_server
 from tests.test_server_ops import openai_error

@@ -22,7 +22,7 @@ import anyio.lowlevel
 import httpx
 import pytest
 
-from structllm.engine.inputs import parse_prompt
+from structllm.engine.frontend.inputs import parse_prompt
 from structllm.llm import LLM
 from structllm.params import SamplingParams
 from structllm.text.tokenizer import load_tokenizer

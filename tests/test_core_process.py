@@ -19,8 +19,8 @@ from anyio.lowlevel import checkpoint
 from structllm.config import EngineConfig
 from structllm.core.engine_core import StepOutput
 from structllm.core.request import CoreRequest
-from structllm.engine.core_connection import CoreConnection
-from structllm.engine.core_process import serve
+from structllm.engine.core_process.loop import serve
+from structllm.engine.frontend.core_connection import CoreConnection
 from structllm.engine.protocol import (
     AbortRequests,
     AddFailed,

@@ -34,11 +34,15 @@ from structllm.cli import build_parser
 from structllm.config import EngineConfig, FrontendConfig, from_arguments
 from structllm.core.block_pool import hash_block_tokens, root_hash
 from structllm.core.request import RequestStepOutput, StepOutput
-from structllm.engine.async_llm import AsyncLLM
-from structllm.engine.core_client import CoreClient
+from structllm.engine.frontend.async_llm import AsyncLLM
+from structllm.engine.frontend.core_client import CoreClient
+from structllm.engine.frontend.replicas import ReplicaSet, replica_config
+from structllm.engine.frontend.routing import (
+    AFFINITY_CAPACITY,
+    PrefixRouter,
+    affinity_slack,
+)
 from structllm.engine.protocol import AbortRequests, AddFailed, Heartbeat, encode
-from structllm.engine.replicas import ReplicaSet, replica_config
-from structllm.engine.routing import AFFINITY_CAPACITY, PrefixRouter, affinity_slack
 from structllm.errors import EngineConfigError, EngineOverloadedError
 from structllm.llm import LLM
 from structllm.model._paddle import paddle

@@ -26,7 +26,7 @@ import attrs
 import httpx
 import pytest
 
-from structllm.engine.async_llm import AsyncLLM
+from structllm.engine.frontend.async_llm import AsyncLLM
 from structllm.params import SamplingParams
 from structllm.server.app import build_app
 from structllm.server.chat import protocol as chat_api

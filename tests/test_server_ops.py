@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 import structllm
-from structllm.engine.async_llm import AsyncLLM
+from structllm.engine.frontend.async_llm import AsyncLLM
 from structllm.server.app import build_app
 from structllm.server.http.access import ACCESS_LOGGER, MAX_REQUEST_ID
 from structllm.server.protocol.bodies import ErrorResponse

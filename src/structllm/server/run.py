@@ -38,7 +38,7 @@ from structllm.config import (
     ServerConfig,
     from_arguments,
 )
-from structllm.engine.async_llm import AsyncLLM
+from structllm.engine.frontend.async_llm import AsyncLLM
 from structllm.errors import StructLLMError, unwrap_group
 from structllm.server.app import build_app
 from structllm.server.http.access import ACCESS_LOGGER

@@ -31,8 +31,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from structllm.config import ServerConfig
-from structllm.engine.async_llm import AsyncLLM
-from structllm.engine.inputs import Prompt
+from structllm.engine.frontend.async_llm import AsyncLLM
+from structllm.engine.frontend.inputs import Prompt
 from structllm.errors import EngineLoadingError, InvalidRequestError, unwrap_group
 from structllm.outputs import CompletionOutput, RequestOutput
 from structllm.params import SamplingParams

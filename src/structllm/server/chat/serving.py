@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 from fastapi.responses import Response
 
-from structllm.engine.inputs import OFF_LOOP_CHARS, Prompt, check_prompt_bytes
+from structllm.engine.frontend.inputs import OFF_LOOP_CHARS, Prompt, check_prompt_bytes
 from structllm.outputs import RequestOutput
 from structllm.server.chat import tool_calls
 from structllm.server.chat.protocol import (

@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 from fastapi.responses import Response
 
-from structllm.engine.inputs import Prompt, parse_prompt_off_loop
+from structllm.engine.frontend.inputs import Prompt, parse_prompt_off_loop
 from structllm.outputs import RequestOutput
 from structllm.server.completions.protocol import (
     CompletionChoice,

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, ConfigDict, Field, PlainValidator, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
-from structllm.engine.inputs import check_cache_salt
+from structllm.engine.frontend.inputs import check_cache_salt
 from structllm.errors import InvalidRequestError
 from structllm.params import (
     MAX_COUNT,

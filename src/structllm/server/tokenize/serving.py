@@ -18,7 +18,7 @@ import anyio.to_thread
 import attrs
 from fastapi.responses import Response
 
-from structllm.engine.inputs import OFF_LOOP_CHARS, check_prompt_bytes
+from structllm.engine.frontend.inputs import OFF_LOOP_CHARS, check_prompt_bytes
 from structllm.errors import InvalidRequestError
 from structllm.server.http.body import maybe_off_loop, validate
 from structllm.server.http.errors import ASCIIJSONResponse

@@ -7,14 +7,14 @@
 
 This module is the public API; the work is split by job as vLLM splits it:
 
-- :mod:`~structllm.engine.core_client` starts the engine core (a child
+- :mod:`~structllm.engine.frontend.core_client` starts the engine core (a child
   process, :mod:`~structllm.engine.core_process`, or a thread), supervises
-  and restarts it, and talks to it; :mod:`~structllm.engine.replicas`
+  and restarts it, and talks to it; :mod:`~structllm.engine.frontend.replicas`
   holds ``data_parallel_size`` of them and routes each request to one;
-- :mod:`~structllm.engine.output_processor` turns the core's tokens into
+- :mod:`~structllm.engine.frontend.output_processor` turns the core's tokens into
   outputs (detokenising, stop strings) and delivers them to each request's
   one-slot mailbox; the offline ``LLM`` uses the same processor;
-- :mod:`~structllm.engine.inputs` checks a request's arguments and builds
+- :mod:`~structllm.engine.frontend.inputs` checks a request's arguments and builds
   the request the core takes (shared with ``LLM`` too);
 - this module admits requests and ties each one to whoever consumes it.
 
@@ -45,8 +45,8 @@ import attrs
 
 from structllm.config import EngineConfig, FrontendConfig, split_fields
 from structllm.core.engine_core import StepOutput
-from structllm.engine.core_connection import encode_request
-from structllm.engine.inputs import (
+from structllm.engine.frontend.core_connection import encode_request
+from structllm.engine.frontend.inputs import (
     PromptInput,
     check_for_model,
     check_overload,
@@ -54,14 +54,14 @@ from structllm.engine.inputs import (
     prepare_off_loop,
     prompt_byte_cap,
 )
-from structllm.engine.output_processor import (
+from structllm.engine.frontend.output_processor import (
     OutputProcessor,
     RequestOutputCollector,
     RequestState,
 )
+from structllm.engine.frontend.replicas import ReplicaSet
+from structllm.engine.frontend.request_stream import RequestStream, complete
 from structllm.engine.protocol import AbortRequests, AddFailed, CoreState, Ready
-from structllm.engine.replicas import ReplicaSet
-from structllm.engine.request_stream import RequestStream, complete
 from structllm.engine.statistics import EngineStatistics
 from structllm.errors import EngineDeadError, InvalidRequestError, unwrap_group
 from structllm.outputs import RequestOutput

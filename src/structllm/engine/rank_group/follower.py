@@ -4,8 +4,8 @@ Run as ``python -m structllm.engine.rank_group`` (:func:`main`; the
 group's module keeps the command), either spawned by rank 0 itself
 (``--fd K --parent-pid P``) or started elsewhere with ``--connect
 HOST:PORT`` (see :mod:`structllm.engine.rank_group` for the group's rules
-and :mod:`structllm.engine.rank_protocol` for the messages). Either way it
-takes its :class:`~structllm.engine.rank_protocol.RankSetup`, joins the
+and :mod:`structllm.engine.rank_group.protocol` for the messages). Either way it
+takes its :class:`~structllm.engine.rank_group.protocol.RankSetup`, joins the
 process group, loads its shard, and runs each step's forward until rank 0
 closes the connection; if it raises, it tells rank 0 (``RankFailed``) and
 exits 1.
@@ -35,8 +35,8 @@ from typing import NoReturn
 import msgspec
 
 from structllm.config import parse_address
-from structllm.engine.rank_env import apply_env
-from structllm.engine.rank_protocol import (
+from structllm.engine.rank_group.env import apply_env
+from structllm.engine.rank_group.protocol import (
     HELLO_TIMEOUT,
     AllocateKV,
     Hello,
@@ -137,7 +137,7 @@ def _run_steps(setup: RankSetup, next_message: Callable[[], RankMessage | None])
     """Load the shard, then run each step's forward until no message is left."""
     from structllm.core.engine_core import load_engine_model
     from structllm.core.runner import run_forward
-    from structllm.engine.core_process import _inject
+    from structllm.engine.child import inject_fault
     from structllm.model._paddle import (
         paddle,
         set_num_threads,
@@ -158,7 +158,7 @@ def _run_steps(setup: RankSetup, next_message: Callable[[], RankMessage | None])
             if kv_caches is None:
                 raise RuntimeError("a step before the KV cache was allocated")
             if fault_kind and steps == int(fault_step):
-                _inject(fault_kind, steps)
+                inject_fault(fault_kind, steps)
             run_forward(model, kv_caches, msg.input)
             steps += 1
     return 0
@@ -217,9 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     if ns.fd is None or ns.parent_pid is None:
         parser.error("give --connect HOST:PORT (or --fd and --parent-pid)")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from structllm.engine.core_process import _exit_with_parent
+    from structllm.engine.child import exit_with_parent
 
-    _exit_with_parent(ns.parent_pid)
+    exit_with_parent(ns.parent_pid)
     if os.getppid() != ns.parent_pid:
         return 0  # rank 0 died before the watch began
     sock = socket.socket(fileno=ns.fd)

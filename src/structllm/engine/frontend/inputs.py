@@ -18,7 +18,10 @@ import attrs
 
 from structllm.core.engine_core import check_prompt
 from structllm.core.request import CoreRequest
-from structllm.engine.output_processor import RequestOutputCollector, RequestState
+from structllm.engine.frontend.output_processor import (
+    RequestOutputCollector,
+    RequestState,
+)
 from structllm.errors import EngineOverloadedError, InvalidRequestError
 from structllm.params import SamplingParams
 from structllm.text.tokenizer import Tokenizer

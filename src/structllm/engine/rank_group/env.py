@@ -5,7 +5,7 @@ group runs with.
 environment. Rank 0 (:mod:`structllm.engine.rank_group`) chooses every
 rank's variables: a spawned follower inherits them (:func:`spawn_env`, the
 ones ``paddle.distributed.spawn`` sets); a ``--connect`` follower gets them
-in its :class:`~structllm.engine.rank_protocol.RankSetup`
+in its :class:`~structllm.engine.rank_group.protocol.RankSetup`
 (:func:`connect_env`). Each rank, rank 0 included, then applies its own
 (:func:`apply_env`).
 """

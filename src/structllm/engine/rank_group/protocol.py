@@ -1,7 +1,7 @@
 """The messages between a tensor-parallel group's rank 0 and its followers.
 
 Both sides speak this (:mod:`structllm.engine.rank_group`, rank 0's;
-:mod:`structllm.engine.rank_follower`, a follower's), on a socketpair to a
+:mod:`structllm.engine.rank_group.follower`, a follower's), on a socketpair to a
 spawned follower or a TCP connection to a ``--connect`` one: tagged msgspec
 structs in msgpack, each framed by a 4-byte big-endian length. In order:
 

@@ -10,7 +10,7 @@ one step.
 It exits when told to (Shutdown), when the socket closes (the front end went
 away), or when its parent process dies: a thread watches a pidfd of the
 parent and ends the process at once, even mid-step (see
-:func:`_exit_with_parent`). It starts as a fresh interpreter and ignores
+:func:`~structllm.engine.child.exit_with_parent`). It starts as a fresh interpreter and ignores
 SIGINT: Ctrl-C is the front end's to handle.
 
 With ``tensor_parallel_size > 1`` it is rank 0 of a group and starts the
@@ -24,13 +24,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import os
-import resource
 import select
 import signal
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -39,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from structllm.engine.child import exit_with_parent, inject_fault, peak_rss_bytes
 from structllm.engine.protocol import (
     AbortRequests,
     AddFailed,
@@ -60,7 +58,7 @@ from structllm.engine.protocol import (
 
 if TYPE_CHECKING:
     from structllm.core.engine_core import EngineCore
-    from structllm.engine.rank_group import RankGroup
+    from structllm.engine.rank_group.group import RankGroup
 
 __all__ = ["main", "serve"]
 
@@ -135,7 +133,7 @@ def serve(sock: socket.socket, *, tensor_parallel: bool = False) -> int:
 
 
 def _start_group(start: Start, on_lost: Callable[[str], None]) -> RankGroup:
-    from structllm.engine.rank_group import RankGroup
+    from structllm.engine.rank_group.group import RankGroup
     from structllm.model.parallel import check_tensor_parallel
 
     check_tensor_parallel(start.config.model, start.config.tensor_parallel_size)
@@ -285,7 +283,7 @@ def _loop(
             continue
         try:
             if fault_kind and steps == int(fault_step):
-                _inject(fault_kind, steps)
+                inject_fault(fault_kind, steps)
             out = core.step()
         except Exception as exc:
             # A follower's death breaks the step's collective ("connection
@@ -330,61 +328,6 @@ def _state(core: EngineCore) -> CoreState:
     )
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory.
-
-    Linux's ``VmHWM``, of this program's memory only: ``getrusage``'s
-    ``ru_maxrss`` would also count the parent's, which a fork had shared
-    before the exec. Elsewhere ``ru_maxrss`` (macOS counts it in bytes).
-    """
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        with open("/proc/self/status") as f:
-            line = next(ln for ln in f if ln.startswith("VmHWM:"))
-        return 1024 * int(line.split()[1])  # "VmHWM:  437320 kB"
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else 1024 * peak
-
-
-def _inject(kind: str, step: int) -> None:
-    """Test hook: fail on purpose at a given step."""
-    if kind == "raise_at_step":
-        raise_at = RuntimeError(f"injected fault at step {step}")
-        raise raise_at
-    if kind == "hang_at_step":
-        while True:  # a wedged kernel: no output, no heartbeat
-            time.sleep(3600)
-    if kind == "exit_at_step":
-        os._exit(3)
-    raise ValueError(f"unknown fault {kind!r}")
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """Exit at once, even mid-step, when the parent process dies.
-
-    A thread waits on a pidfd of the parent (readable when it exits). Not
-    ``PR_SET_PDEATHSIG``: that fires when the parent *thread* that forked us
-    exits, and trio starts processes from a pooled thread that retires after
-    10 s idle, which would kill a healthy core process.
-    """
-
-    def watch_pidfd(fd: int) -> None:
-        select.select([fd], [], [])
-        os._exit(0)
-
-    def watch_ppid() -> None:  # no pidfd (not Linux): check once a second
-        while os.getppid() == parent_pid:
-            time.sleep(1.0)
-        os._exit(0)
-
-    try:
-        fd = os.pidfd_open(parent_pid)
-    except (AttributeError, OSError):
-        watch = watch_ppid
-    else:
-        watch = functools.partial(watch_pidfd, fd)
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m structllm.engine.core_process")
     parser.add_argument("--fd", type=int, required=True, help="inherited socket fd")
@@ -392,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if ns.parent_pid is not None:
-        _exit_with_parent(ns.parent_pid)
+        exit_with_parent(ns.parent_pid)
         if os.getppid() != ns.parent_pid:
             return 0  # the parent died before the watch began
     sock = socket.socket(fileno=ns.fd)
@@ -400,7 +343,3 @@ def main(argv: list[str] | None = None) -> int:
         return serve(sock, tensor_parallel=True)
     finally:
         sock.close()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

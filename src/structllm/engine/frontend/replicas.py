@@ -1,15 +1,15 @@
 """Data parallelism: ``data_parallel_size`` engine cores behind one front end.
 
-:class:`ReplicaSet` holds one :class:`~structllm.engine.core_client.CoreClient`
+:class:`ReplicaSet` holds one :class:`~structllm.engine.frontend.core_client.CoreClient`
 per replica (each its own core process, supervised and restarted on its
 own) and shows ``AsyncLLM`` the surface of one client, so the front end has
 a single code path whatever the size (1 by default).
 
 - **Routing.** A new request goes where
-  :class:`~structllm.engine.routing.PrefixRouter` ranks it first: the
+  :class:`~structllm.engine.frontend.routing.PrefixRouter` ranks it first: the
   ready replica holding the longest prefix of its prompt, within a bound
   on its extra load, else the least-loaded (see
-  :mod:`structllm.engine.routing`). The load is the set's own count of
+  :mod:`structllm.engine.frontend.routing`). The load is the set's own count of
   live requests placed on each replica.
 - **Placement.** The set remembers which replica each core request id lives
   on, routes its aborts there, and forgets it when the request ends: the
@@ -37,7 +37,8 @@ import attrs
 from structllm.config import EngineConfig, FrontendConfig
 from structllm.core.block_pool import BlockHash
 from structllm.core.engine_core import StepOutput
-from structllm.engine.core_client import CoreClient
+from structllm.engine.frontend.core_client import CoreClient
+from structllm.engine.frontend.routing import PrefixRouter, affinity_slack
 from structllm.engine.protocol import (
     AbortRequests,
     AddFailed,
@@ -45,7 +46,6 @@ from structllm.engine.protocol import (
     Message,
     Ready,
 )
-from structllm.engine.routing import PrefixRouter, affinity_slack
 from structllm.engine.statistics import EngineStatistics
 from structllm.errors import (
     EngineConfigError,

@@ -4,7 +4,7 @@
 loop starts the core (a child process running
 :mod:`structllm.engine.core_process`, or that same loop in a thread for
 ``executor="inline"``), shakes hands
-(:func:`~structllm.engine.core_connection.handshake`), then, for as long as that core lives, runs three tasks: the *reader*
+(:func:`~structllm.engine.frontend.core_connection.handshake`), then, for as long as that core lives, runs three tasks: the *reader*
 (step outputs, heartbeats, refusals; a silence of ``heartbeat_timeout``
 means the core hung), the *writer* (an unbounded memory channel of encoded
 frames to the socket) and a *watch* on the child's exit. When the core dies
@@ -13,10 +13,10 @@ it, then restarts it with exponential backoff, at most ``max_restarts``
 times within ``restart_window``; after that the engine is dead for good.
 
 Requests are encoded by their sender
-(:func:`~structllm.engine.core_connection.encode_request`), so a value the
+(:func:`~structllm.engine.frontend.core_connection.encode_request`), so a value the
 wire cannot carry fails that request, never the writer shared by all. Where
 the core runs, the socket to it and the handshake are
-:mod:`structllm.engine.core_connection`.
+:mod:`structllm.engine.frontend.core_connection`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import attrs
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from structllm.config import EngineConfig, FrontendConfig
-from structllm.engine.core_connection import (
+from structllm.engine.frontend.core_connection import (
     CoreConnection,
     CoreLost,
     handshake,

@@ -181,7 +181,7 @@ async def open_core_thread(
     would outlive the block and be torn down mid-Paddle at interpreter exit.
     A *hung* thread cannot be killed; use the process where that matters.
     """
-    from structllm.engine.core_process import serve
+    from structllm.engine.core_process.loop import serve
 
     ours, theirs = socket.socketpair()
 

@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from structllm.engine.inputs import PromptInput
-from structllm.engine.output_processor import RequestState, merge_choices
+from structllm.engine.frontend.inputs import PromptInput
+from structllm.engine.frontend.output_processor import RequestState, merge_choices
 from structllm.errors import unwrap_group
 from structllm.outputs import RequestOutput
 from structllm.params import SamplingParams
 
 if TYPE_CHECKING:
-    from structllm.engine.async_llm import AsyncLLM
+    from structllm.engine.frontend.async_llm import AsyncLLM
 
 __all__ = ["RequestStream", "complete", "run_all_to_end", "run_to_end"]
 

@@ -47,11 +47,11 @@ same rules hold, with the connection as the only tie:
   closes or it has heard nothing for the heartbeat timeout, even mid-step.
 
 This module is rank 0's side, :class:`RankGroup`. A follower's side is
-:mod:`structllm.engine.rank_follower`, whose :func:`main` runs as this
-module (``python -m structllm.engine.rank_group``: the command names the
+:mod:`structllm.engine.rank_group.follower`, whose :func:`main` runs as the
+package (``python -m structllm.engine.rank_group``: the command names the
 group, as it always has); the messages and their framing are
-:mod:`structllm.engine.rank_protocol`, each rank's ``paddle.distributed``
-variables :mod:`structllm.engine.rank_env`.
+:mod:`structllm.engine.rank_group.protocol`, each rank's ``paddle.distributed``
+variables :mod:`structllm.engine.rank_group.env`.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ import msgspec
 
 from structllm.config import EngineConfig, parse_address
 from structllm.core.runner import ModelInput
-from structllm.engine.rank_env import (
+from structllm.engine.rank_group.env import (
     apply_env,
     connect_env,
     endpoint,
@@ -80,8 +80,7 @@ from structllm.engine.rank_env import (
     pick_backend,
     spawn_env,
 )
-from structllm.engine.rank_follower import main
-from structllm.engine.rank_protocol import (
+from structllm.engine.rank_group.protocol import (
     HELLO_TIMEOUT,
     AllocateKV,
     Hello,
@@ -94,7 +93,7 @@ from structllm.engine.rank_protocol import (
 )
 from structllm.errors import EngineConfigError
 
-__all__ = ["EXIT_TIMEOUT", "RankGroup", "main"]
+__all__ = ["EXIT_TIMEOUT", "RankGroup"]
 
 #: seconds a follower gets to exit after its socket closes, before SIGKILL
 EXIT_TIMEOUT = 5.0
@@ -381,7 +380,3 @@ def _command(fd: int) -> list[str]:
         "--parent-pid",
         str(os.getpid()),
     ]
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,7 +7,7 @@ least-loaded ready replica's by more than :func:`affinity_slack`; a prompt
 with no such prefix goes to the ready replica with the fewest live requests
 (ties: the lowest index). So the turns of a conversation, and the samples
 of one prompt, meet their cached prefix. :class:`PrefixRouter` is that
-rule, pure and synchronous; :class:`~structllm.engine.replicas.ReplicaSet`
+rule, pure and synchronous; :class:`~structllm.engine.frontend.replicas.ReplicaSet`
 asks it and sends. Live requests are the front end's own count of what it
 placed on each replica and has not seen end, not the core's waiting +
 running: those arrive a step late, so a burst submitted within one step

@@ -314,17 +314,12 @@ class Serving:
         last = start
         first = True
         prompt = job.prompt
-        given: dict[str, Any] = {"prompt_token_ids": list(prompt.token_ids)}
-        if prompt.text is not None:
-            given["prompt"] = prompt.text
-        if prompt.cache_salt is not None:
-            given["cache_salt"] = prompt.cache_salt
         rid = None
         if record is not None:
             rid = record.engine_request_id(job.index)
             if record.prompt_chars and record.prompt is None:
                 record.prompt = self.prompt_text(prompt)[: record.prompt_chars]
-        s = self.slot.get().stream(given, job.params, request_id=rid)
+        s = self.slot.get().stream(prompt, job.params, request_id=rid)
         try:
             async with s:
                 async for out in s:

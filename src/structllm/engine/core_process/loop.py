@@ -34,8 +34,6 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from structllm.engine.child import exit_with_parent, inject_fault, peak_rss_bytes
 from structllm.engine.protocol import (
     AbortRequests,
@@ -294,10 +292,11 @@ def _loop(
             return 1
         steps += 1
         last_sent = time.monotonic()
-        if not core.has_unfinished_requests():
-            # gone idle: the burst's peak memory now, not a heartbeat later
-            out = msgspec.structs.replace(out, peak_rss_bytes=peak_rss_bytes())
         send(out)
+        if not core.has_unfinished_requests():
+            # gone idle: the counts and the burst's peak memory (process
+            # telemetry, not the core's) now, not a heartbeat interval later
+            send(_heartbeat(core))
 
 
 def _add(core: EngineCore, request: CoreRequest, send: Send) -> None:

@@ -10,13 +10,16 @@ This module is the public API; the work is split by job as vLLM splits it:
 - :mod:`~structllm.engine.frontend.core_client` starts the engine core (a child
   process, :mod:`~structllm.engine.core_process`, or a thread), supervises
   and restarts it, and talks to it; :mod:`~structllm.engine.frontend.replicas`
-  holds ``data_parallel_size`` of them and routes each request to one;
+  holds ``data_parallel_size`` of them, routes each request to one, and is
+  the one relay of their step outputs to the output processor;
 - :mod:`~structllm.engine.frontend.output_processor` turns the core's tokens into
   outputs (detokenising, stop strings) and delivers them to each request's
   one-slot mailbox; the offline ``LLM`` uses the same processor;
 - :mod:`~structllm.engine.frontend.inputs` checks a request's arguments and builds
   the request the core takes (shared with ``LLM`` too);
-- this module admits requests and ties each one to whoever consumes it.
+- this module admits requests (:meth:`AsyncLLM.submit`, :meth:`AsyncLLM.release`:
+  the public pair :class:`~structllm.engine.frontend.request_stream.RequestStream`
+  and ``generate()`` are built on) and ties each one to whoever consumes it.
 
 ``open()`` owns one task group, which runs the client. Leaving ``open()``
 stops admission, lets in-flight requests finish for ``shutdown_grace``
@@ -44,8 +47,7 @@ import anyio.lowlevel
 import attrs
 
 from structllm.config import EngineConfig, FrontendConfig, split_fields
-from structllm.core.engine_core import StepOutput
-from structllm.engine.frontend.core_connection import encode_request
+from structllm.engine.frontend.core_client import health_timeout
 from structllm.engine.frontend.inputs import (
     PromptInput,
     check_for_model,
@@ -58,10 +60,15 @@ from structllm.engine.frontend.output_processor import (
     OutputProcessor,
     RequestOutputCollector,
     RequestState,
+    merge_choices,
 )
 from structllm.engine.frontend.replicas import ReplicaSet
-from structllm.engine.frontend.request_stream import RequestStream, complete
-from structllm.engine.protocol import AbortRequests, AddFailed, CoreState, Ready
+from structllm.engine.frontend.request_stream import (
+    RequestStream,
+    run_all_to_end,
+    run_to_end,
+)
+from structllm.engine.protocol import AbortRequests, CoreState, Ready
 from structllm.engine.statistics import EngineStatistics
 from structllm.errors import EngineDeadError, InvalidRequestError, unwrap_group
 from structllm.outputs import RequestOutput
@@ -82,11 +89,11 @@ class AsyncLLM:
         self.tokenizer = tokenizer
         #: the live requests
         self._processor = OutputProcessor(on_idle=self._on_idle)
-        self._client = ReplicaSet(engine, front, self)
+        #: the cores, and the one relay of their step outputs to the requests
+        self._client = ReplicaSet(engine, front, self._processor)
         self._submissions = itertools.count()
         self._idle_event = anyio.Event()
         self._eos: frozenset[int] = frozenset(tokenizer.eos_token_ids)
-        self._stats_event = anyio.Event()
         #: complete()'s requests with n > 1: id -> its samples' ids
         self._samples: dict[str, list[str]] = {}
 
@@ -179,7 +186,7 @@ class AsyncLLM:
         It holds no cancel scope across ``yield`` (that would break
         structured concurrency); closing it releases the request.
         """
-        state = await self._submit(
+        state = await self.submit(
             prompt,
             SamplingParams() if params is None else params,
             request_id if request_id is not None else uuid.uuid4().hex,
@@ -189,7 +196,7 @@ class AsyncLLM:
             while (out := await state.mailbox.next()) is not None:
                 yield out
         finally:
-            self._release(state)
+            self.release(state)
 
     async def complete(
         self,
@@ -209,7 +216,21 @@ class AsyncLLM:
             SamplingParams() if params is None else params, output_kind=OutputKind.FINAL
         )
         rid = request_id if request_id is not None else uuid.uuid4().hex
-        return await complete(self, prompt, params, rid, priority)
+        if params.n == 1:
+            stream = self.stream(prompt, params, request_id=rid, priority=priority)
+            return await run_to_end(stream)
+        samples = [
+            self.stream(
+                prompt, params.for_choice(i), request_id=f"{rid}-{i}", priority=priority
+            )
+            for i in range(params.n)
+        ]
+        # while they run, abort(rid) finds the samples under rid
+        self._samples[rid] = [s.request_id for s in samples]
+        try:
+            return merge_choices(await run_all_to_end(samples))
+        finally:
+            del self._samples[rid]
 
     async def abort(self, request_id: str) -> None:
         """End ``request_id`` now: cancels its stream block; idempotent."""
@@ -222,7 +243,7 @@ class AsyncLLM:
             scope = state.mailbox.scope
             if scope is not None:
                 scope.cancel()
-            self._release(state)
+            self.release(state)
         await anyio.lowlevel.checkpoint()
 
     async def check_health(self) -> None:
@@ -256,7 +277,7 @@ class AsyncLLM:
 
     @property
     def health_timeout(self) -> float:
-        return self._client.health_timeout
+        return health_timeout(self.config)
 
     @property
     def max_prompt_bytes(self) -> int | None:
@@ -281,7 +302,7 @@ class AsyncLLM:
         aborted requests' blocks are back. Bound it with a deadline.
         """
         while not predicate(stats := self.statistics()):
-            await self._stats_event.wait()
+            await self._client.wait_changed()
         return stats
 
     @property
@@ -289,15 +310,23 @@ class AsyncLLM:
         assert self._client.info is not None
         return self._client.info.max_model_len
 
-    # ------------------------------------------------------- request plumbing
+    # ------------------------------------------------ one request, by hand
 
-    async def _submit(
+    async def submit(
         self,
         prompt: PromptInput,
         params: SamplingParams,
         request_id: str,
-        priority: int,
+        priority: int = 0,
     ) -> RequestState:
+        """Register a request and send it to a core; its state (``mailbox``
+        of outputs, ``finish_reason``, ``snapshot()``) until :meth:`release`.
+
+        What :meth:`stream` and :meth:`generate` are built on. After the
+        prompt is parsed and the engine is ready, registration and
+        submission happen without an await: cancellation cannot split them.
+        Every state must be released, on every path.
+        """
         parsed = await prepare_off_loop(
             prompt,
             params,
@@ -326,12 +355,7 @@ class AsyncLLM:
             priority=priority,
             queue=RequestOutputCollector(params.output_kind),
         )
-        self._client.submit_nowait(
-            state.core_id,
-            encode_request(request),
-            request.prompt_token_ids,
-            request.cache_salt,
-        )
+        self._client.submit_nowait(request)
         self._processor.add(state)
         return state
 
@@ -369,37 +393,15 @@ class AsyncLLM:
         )
         return info
 
-    def _release(self, state: RequestState) -> None:
-        """The consumer is done with ``state``: abort it in the core if unfinished."""
+    def release(self, state: RequestState) -> None:
+        """The consumer is done with ``state``: abort it in the core if
+        unfinished. Synchronous (no checkpoint): safe under cancellation."""
         if self._processor.release(state):
             self._client.send_nowait(AbortRequests([state.core_id]))
 
     def _on_idle(self) -> None:
         self._idle_event.set()
         self._idle_event = anyio.Event()
-
-    # ------------------------------------------------ ReplicaEvents (cores)
-
-    def on_step(self, step: StepOutput) -> None:
-        for no in step.rejected:  # a grammar only the core could refuse
-            self.on_add_failed(AddFailed(no.request_id, no.message, no.field))
-        processed = self._processor.process_outputs(step.outputs)
-        if processed.to_abort:
-            self._client.send_nowait(AbortRequests(processed.to_abort))
-
-    def on_add_failed(self, msg: AddFailed) -> None:
-        state = self._processor.pop(msg.request_id)
-        if state is not None:
-            state.mailbox.close(InvalidRequestError(msg.message, field=msg.field))
-
-    def on_core_lost(
-        self, core_ids: Sequence[str], make_error: Callable[[], EngineDeadError]
-    ) -> None:
-        self._processor.fail(core_ids, make_error)
-
-    def on_statistics(self) -> None:
-        self._stats_event.set()
-        self._stats_event = anyio.Event()
 
     # -------------------------------------------------------------- shutdown
 

@@ -64,8 +64,9 @@ from structllm.errors import (
 
 __all__ = [
     "CoreClient",
-    "CoreEvents",
     "EngineStatistics",
+    "Relay",
+    "health_timeout",
 ]
 
 
@@ -92,18 +93,32 @@ class _Question:
         return answer
 
 
-class CoreEvents(Protocol):
-    """What the client tells the front end (called synchronously)."""
+class Relay(Protocol):
+    """Where every client's events go, tagged with its replica's index: the
+    one relay between the cores and the requests (the replica set; called
+    synchronously)."""
 
-    def on_step(self, step: StepOutput) -> None: ...
+    @property
+    def closing(self) -> bool:
+        """The engine admits nothing more: a core that stops is not restarted."""
 
-    def on_add_failed(self, msg: AddFailed) -> None: ...
+    def on_step(self, replica: int, step: StepOutput) -> None: ...
 
-    def on_core_lost(self, cause: BaseException) -> None:
-        """The core died; fail every live request (it restarts afterwards)."""
+    def on_add_failed(self, replica: int, msg: AddFailed) -> None: ...
 
-    def on_statistics(self) -> None:
+    def on_core_lost(self, replica: int, cause: BaseException) -> None:
+        """The core died; fail its live requests (it restarts afterwards)."""
+
+    def on_change(self) -> None:
         """Counts, readiness or liveness changed."""
+
+
+def health_timeout(config: FrontendConfig) -> float:
+    """Silence after which a core reads as unhealthy."""
+    t = config.health_timeout
+    if t is None:
+        t = min(3 * config.heartbeat_interval, config.heartbeat_timeout)
+    return t
 
 
 @attrs.define(eq=False)
@@ -112,20 +127,21 @@ class CoreClient:
 
     engine_config: EngineConfig
     config: FrontendConfig
-    events: CoreEvents
+    relay: Relay
+    #: this client's replica: the tag of its events
+    index: int = 0
     #: the running core's handshake (None before the first)
     info: Ready | None = None
     #: a core is up and accepts requests
     ready: bool = False
     #: set once the engine is dead for good
     dead: EngineDeadError | None = None
-    closing: bool = False
     restarts: int = 0
     counts: Heartbeat = attrs.Factory(Heartbeat)
     total_preemptions: int = 0
-    #: the running core's peak resident memory, from its handshake, its
-    #: heartbeats and the step that leaves it idle (so the figure is current
-    #: once a burst of work has ended)
+    #: the running core's peak resident memory, from its handshake and its
+    #: heartbeats (one follows the step that leaves it idle, so the figure is
+    #: current once a burst of work has ended)
     peak_rss_bytes: int = 0
     #: prefix-cache (queries, hits) over every core, and the running core's
     prefix_cache: tuple[int, int] = (0, 0)
@@ -136,28 +152,8 @@ class CoreClient:
     #: when the core was last heard from (anyio.current_time())
     last_heard: float | None = None
     _outgoing: MemoryObjectSendStream[bytes] | None = None
-    _ready_event: anyio.Event = attrs.Factory(anyio.Event)
 
     # ------------------------------------------------------------- senders
-
-    async def wait_ready(self) -> None:
-        """Wait for a running core; raise EngineDeadError if none will come."""
-        while not self.ready:
-            self.check_admitting()
-            await self._ready_event.wait()
-
-    def check_admitting(self) -> None:
-        if self.dead is not None:
-            raise self.new_dead_error()
-        if self.closing:
-            raise EngineDeadError("the engine is shutting down")
-
-    def new_dead_error(self) -> EngineDeadError:
-        """A fresh copy of the engine's death, for one more caller."""
-        assert self.dead is not None
-        err = EngineDeadError(str(self.dead))
-        err.__cause__ = self.dead.__cause__
-        return err
 
     def submit_nowait(self, frame: bytes) -> None:
         """Queue an encoded request; EngineDeadError if the core just died."""
@@ -176,11 +172,6 @@ class CoreClient:
         with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
             self._outgoing.send_nowait(encode(msg))
 
-    def begin_shutdown(self) -> None:
-        """Admit nothing more; wake submitters waiting for a restart."""
-        self.closing = True
-        self._ready_event.set()
-
     def send_shutdown(self) -> None:
         self.send_nowait(Shutdown())
 
@@ -195,7 +186,7 @@ class CoreClient:
             client.ready
             and client.dead is None
             and silent is not None
-            and silent <= self.health_timeout
+            and silent <= health_timeout(self.config)
         )
         return EngineStatistics(
             live_requests=live_requests,
@@ -217,24 +208,17 @@ class CoreClient:
         )
 
     async def reset_prefix_cache(self) -> int:
-        """Ask the core to forget its cached prefix blocks; how many it dropped."""
-        answer = await self._ask(ResetPrefixCache())
+        """Ask the running core to forget its cached prefix blocks; how many
+        it dropped (EngineDeadError if none runs: the replica set waits)."""
+        answer = await self._ask_nowait(ResetPrefixCache()).wait()
         assert isinstance(answer, PrefixCacheReset)
         return answer.num_blocks
 
-    async def inspect(self) -> CoreState:
-        """The core's own record of its requests and blocks, as of every
-        message sent before this call (see :class:`InspectCore`)."""
-        await self.wait_ready()
-        return await self.inspect_nowait().wait_state()
-
     def inspect_nowait(self) -> _Question:
-        """Send InspectCore now (a running core); wait for its answer later."""
+        """Send InspectCore now (a running core); wait for its answer later:
+        the core's own record of its requests and blocks, as of every message
+        sent before (see :class:`InspectCore`)."""
         return self._ask_nowait(InspectCore())
-
-    async def _ask(self, question: Message) -> Message:
-        await self.wait_ready()
-        return await self._ask_nowait(question).wait()
 
     def _ask_nowait(self, question: Message) -> _Question:
         asked = _Question()
@@ -245,14 +229,6 @@ class CoreClient:
         self._questions.append(asked)
         self.send_nowait(question)
         return asked
-
-    @property
-    def health_timeout(self) -> float:
-        """Silence after which the core reads as unhealthy."""
-        t = self.config.health_timeout
-        if t is None:
-            t = min(3 * self.config.heartbeat_interval, self.config.heartbeat_timeout)
-        return t
 
     # ---------------------------------------------------------- supervisor
 
@@ -292,8 +268,7 @@ class CoreClient:
                     send, receive = anyio.create_memory_object_stream[bytes](math.inf)
                     self._outgoing = send
                     self.ready = True
-                    self._ready_event.set()
-                    self.events.on_statistics()
+                    self.relay.on_change()
                     if not started:
                         started = True
                         task_status.started()
@@ -310,9 +285,9 @@ class CoreClient:
                     # fail requests now, not after the core is reaped
                     conn.kill()
                     if started:
-                        self.events.on_core_lost(cause)
+                        self.relay.on_core_lost(self.index, cause)
             assert cause is not None
-            if self.closing:
+            if self.relay.closing:
                 return
             if not started:
                 raise EngineDeadError(
@@ -327,8 +302,7 @@ class CoreClient:
                     f"{window:g}s; not restarting",
                     cause,
                 )
-                self._ready_event.set()  # wake waiting submitters: they see dead
-                self.events.on_statistics()
+                self.relay.on_change()  # waiting submitters see it dead
                 return
             self.restarts += 1
             await anyio.sleep(self.config.restart_backoff * 2 ** (len(failures) - 1))
@@ -341,14 +315,13 @@ class CoreClient:
         self._core_prefix_cache = (queries, hits)
 
     def _on_core_gone(self) -> None:
-        self.events.on_statistics()
+        self.relay.on_change()
         self._core_prefix_cache = (0, 0)  # the next core counts from zero
         for asked in self._questions:
             asked.answer = EngineDeadError("the engine core stopped before answering")
             asked.done.set()
         self._questions.clear()
         self.ready = False
-        self._ready_event = anyio.Event()
         if self._outgoing is not None:
             self._outgoing.close()
             self._outgoing = None
@@ -395,16 +368,15 @@ class CoreClient:
                     msg.num_running, msg.num_waiting, msg.blocks_used
                 )
                 self.total_preemptions = msg.total_preemptions
-                self.peak_rss_bytes = max(self.peak_rss_bytes, msg.peak_rss_bytes)
                 self._count_prefix_cache(msg)
-                self.events.on_step(msg)
-                self.events.on_statistics()
+                self.relay.on_step(self.index, msg)
+                self.relay.on_change()
             elif isinstance(msg, Heartbeat):
                 self.counts = msg
                 self.peak_rss_bytes = max(self.peak_rss_bytes, msg.peak_rss_bytes)
-                self.events.on_statistics()
+                self.relay.on_change()
             elif isinstance(msg, AddFailed):
-                self.events.on_add_failed(msg)
+                self.relay.on_add_failed(self.index, msg)
             elif isinstance(msg, PrefixCacheReset | CoreState) and self._questions:
                 asked = self._questions.pop(0)
                 asked.answer = msg

@@ -51,23 +51,29 @@ __all__ = [
 #: texts longer than this are tokenised in a worker thread, off the event loop
 OFF_LOOP_CHARS = 8192
 
+
+@attrs.frozen
+class Prompt:
+    """A prompt parsed: its text (None if given as ids), its token ids and its
+    cache salt. What :func:`parse_prompt` returns, and a :data:`PromptInput`
+    too, so a caller that parsed (the server) hands it on as it is: a request
+    keeps one shape from the HTTP route to the core."""
+
+    text: str | None
+    token_ids: tuple[int, ...]
+    cache_salt: str | None = None
+
+
 #: A string, a list of token ids, or ``{"prompt": str}`` /
 #: ``{"prompt_token_ids": [int, ...]}`` (vLLM's TextPrompt / TokensPrompt),
 #: either with an optional ``"cache_salt"``: requests with different salts
-#: never share prefix-cache blocks (vLLM's cache_salt).
-PromptInput: TypeAlias = str | Sequence[int] | Mapping[str, Any]
+#: never share prefix-cache blocks (vLLM's cache_salt); or a :class:`Prompt`.
+PromptInput: TypeAlias = str | Sequence[int] | Mapping[str, Any] | Prompt
 
 #: the keys a prompt dict may have
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 #: the longest cache_salt
 MAX_CACHE_SALT_CHARS = 1024
-
-
-@attrs.frozen
-class Prompt:
-    text: str | None
-    token_ids: tuple[int, ...]
-    cache_salt: str | None = None
 
 
 def check_cache_salt(value: object, field: str = "cache_salt") -> str | None:
@@ -96,6 +102,14 @@ def check_cache_salt(value: object, field: str = "cache_salt") -> str | None:
 
 def parse_prompt(prompt: PromptInput, tokenizer: Tokenizer) -> Prompt:
     """Tokenise ``prompt`` if needed; refuse malformed input naming the field."""
+    if isinstance(prompt, Prompt):  # parsed already: checked, not re-tokenised
+        if prompt.text is not None:
+            _text(prompt.text)
+        return Prompt(
+            prompt.text,
+            _token_ids(prompt.token_ids),
+            check_cache_salt(prompt.cache_salt),
+        )
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt must not be empty", field="prompt")

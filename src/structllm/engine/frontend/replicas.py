@@ -2,8 +2,13 @@
 
 :class:`ReplicaSet` holds one :class:`~structllm.engine.frontend.core_client.CoreClient`
 per replica (each its own core process, supervised and restarted on its
-own) and shows ``AsyncLLM`` the surface of one client, so the front end has
-a single code path whatever the size (1 by default).
+own) and shows ``AsyncLLM`` the surface of one engine, so the front end has
+a single code path whatever the size (1 by default). It is also the one
+relay of the cores' events (:class:`~structllm.engine.frontend.core_client.Relay`):
+a client hands it each step output tagged with its replica, and the set
+delivers it to the :class:`~structllm.engine.frontend.output_processor.OutputProcessor`
+(which fills each request's mailbox), sends the aborts that returns, and
+keeps its books.
 
 - **Routing.** A new request goes where
   :class:`~structllm.engine.frontend.routing.PrefixRouter` ranks it first: the
@@ -20,15 +25,13 @@ a single code path whatever the size (1 by default).
 - **Failure.** When replica k's core dies, only the requests placed on k
   fail (EngineDeadError); k restarts under its own ``max_restarts`` budget
   while the others serve on. The engine admits while any replica is ready
-  and is dead only when every replica is dead for good.
+  and is dead only when every replica is dead for good; admission
+  (``check_admitting``, ``wait_ready``, shutdown) is decided here alone.
 - **Statistics.** Counts are summed over replicas; ``replicas`` carries each
   one's own snapshot (its pid, its live requests).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import anyio
 import anyio.abc
@@ -37,7 +40,10 @@ import attrs
 from structllm.config import EngineConfig, FrontendConfig
 from structllm.core.block_pool import BlockHash
 from structllm.core.engine_core import StepOutput
+from structllm.core.request import CoreRequest
 from structllm.engine.frontend.core_client import CoreClient
+from structllm.engine.frontend.core_connection import encode_request
+from structllm.engine.frontend.output_processor import OutputProcessor
 from structllm.engine.frontend.routing import PrefixRouter, affinity_slack
 from structllm.engine.protocol import (
     AbortRequests,
@@ -50,31 +56,15 @@ from structllm.engine.statistics import EngineStatistics
 from structllm.errors import (
     EngineConfigError,
     EngineDeadError,
+    InvalidRequestError,
     dead_error,
     unwrap_group,
 )
 
 __all__ = [
-    "ReplicaEvents",
     "ReplicaSet",
     "replica_config",
 ]
-
-
-class ReplicaEvents(Protocol):
-    """What the set tells the front end (called synchronously)."""
-
-    def on_step(self, step: StepOutput) -> None: ...
-
-    def on_add_failed(self, msg: AddFailed) -> None: ...
-
-    def on_core_lost(
-        self, core_ids: Sequence[str], make_error: Callable[[], EngineDeadError]
-    ) -> None:
-        """A core died: fail the requests ``core_ids`` with ``make_error()``."""
-
-    def on_statistics(self) -> None:
-        """Counts, readiness or liveness changed."""
 
 
 def replica_config(engine: EngineConfig, replicas: int) -> EngineConfig:
@@ -86,47 +76,13 @@ def replica_config(engine: EngineConfig, replicas: int) -> EngineConfig:
 
 
 @attrs.define(eq=False)
-class _Replica:
-    """Replica ``index``'s CoreEvents: tags the client's events with it."""
-
-    owner: ReplicaSet
-    index: int
-
-    def on_step(self, step: StepOutput) -> None:
-        owner = self.owner
-        owner.events.on_step(step)
-        for out in step.outputs:
-            if out.finish_reason is not None:
-                owner.forget(out.request_id)
-        for no in step.rejected:
-            owner.forget(no.request_id)
-
-    def on_add_failed(self, msg: AddFailed) -> None:
-        self.owner.events.on_add_failed(msg)
-        self.owner.forget(msg.request_id)
-
-    def on_core_lost(self, cause: BaseException) -> None:
-        owner = self.owner
-        lost = [rid for rid, k in owner.placement.items() if k == self.index]
-        for rid in lost:
-            owner.forget(rid)
-        owner.router.forget_replica(self.index)
-        what = "the engine core died"
-        if len(owner.clients) > 1:
-            what = f"the engine core of replica {self.index} died"
-        owner.events.on_core_lost(lost, lambda: dead_error(what, cause))
-
-    def on_statistics(self) -> None:
-        self.owner.changed()
-
-
-@attrs.define(eq=False)
 class ReplicaSet:
     """N supervised engine cores seen as one; see the module docstring."""
 
     engine_config: EngineConfig
     config: FrontendConfig
-    events: ReplicaEvents
+    #: the live requests, whose mailboxes the step outputs fill
+    processor: OutputProcessor
     clients: list[CoreClient] = attrs.field(init=False)
     #: core request id -> the index of the replica it was submitted to
     placement: dict[str, int] = attrs.Factory(dict)
@@ -145,9 +101,7 @@ class ReplicaSet:
                 field="tensor_parallel_listen",
             )
         engine = replica_config(self.engine_config, n)
-        self.clients = [
-            CoreClient(engine, self.config, _Replica(self, k)) for k in range(n)
-        ]
+        self.clients = [CoreClient(engine, self.config, self, k) for k in range(n)]
         self.load = [0] * n
         self.router = PrefixRouter(
             engine.block_size, affinity_slack(engine.max_num_seqs)
@@ -175,10 +129,6 @@ class ReplicaSet:
         return None
 
     @property
-    def health_timeout(self) -> float:
-        return self.clients[0].health_timeout
-
-    @property
     def max_num_seqs(self) -> int:
         """Sequences one step of every replica runs: admission's queue starts
         beyond them (``max_queued_requests`` counts the whole engine's)."""
@@ -197,36 +147,71 @@ class ReplicaSet:
         if self.closing:
             raise EngineDeadError("the engine is shutting down")
 
-    async def wait_ready(self) -> None:
-        """Wait for a ready replica; raise EngineDeadError if none will come."""
-        while not self.ready:
+    async def wait_ready(self, client: CoreClient | None = None) -> None:
+        """Wait for a ready replica (or for ``client`` to be up); raise
+        EngineDeadError if none will come (or ``client`` died for good)."""
+        while not (self.ready if client is None else client.ready):
             self.check_admitting()
+            if client is not None and client.dead is not None:
+                raise dead_error("the engine core of this replica is dead", client.dead)
             await self._changed.wait()
 
-    def changed(self) -> None:
+    async def wait_changed(self) -> None:
+        """Wait until a replica's readiness, liveness or counts change."""
+        await self._changed.wait()
+
+    # ------------------------------------------------------ Relay (clients)
+
+    def on_change(self) -> None:
         """A replica's readiness, liveness or counts changed."""
         self._changed.set()
         self._changed = anyio.Event()
-        self.events.on_statistics()
+
+    def on_step(self, replica: int, step: StepOutput) -> None:
+        for no in step.rejected:  # a grammar only the core could refuse
+            self.on_add_failed(replica, AddFailed(no.request_id, no.message, no.field))
+        processed = self.processor.process_outputs(step.outputs)
+        if processed.to_abort:
+            self.send_nowait(AbortRequests(processed.to_abort))
+        for out in step.outputs:
+            if out.finish_reason is not None:
+                self.forget(out.request_id)
+
+    def on_add_failed(self, replica: int, msg: AddFailed) -> None:
+        state = self.processor.pop(msg.request_id)
+        if state is not None:
+            state.mailbox.close(InvalidRequestError(msg.message, field=msg.field))
+        self.forget(msg.request_id)
+
+    def on_core_lost(self, replica: int, cause: BaseException) -> None:
+        lost = [rid for rid, k in self.placement.items() if k == replica]
+        for rid in lost:
+            self.forget(rid)
+        self.router.forget_replica(replica)
+        what = "the engine core died"
+        if len(self.clients) > 1:
+            what = f"the engine core of replica {replica} died"
+        self.processor.fail(lost, lambda: dead_error(what, cause))
 
     # ------------------------------------------------------------- senders
 
-    def submit_nowait(
-        self,
-        core_id: str,
-        frame: bytes,
-        prompt_token_ids: Sequence[int] = (),
-        cache_salt: str | None = None,
-    ) -> None:
-        """Send an encoded request to the replica the router picks for its
-        prompt (see the module docstring).
+    def submit_nowait(self, request: CoreRequest) -> None:
+        """Send ``request`` to the replica the router picks for its prompt
+        (see the module docstring).
 
-        EngineDeadError if no replica takes it (all restarting, or the
-        chosen ones died a moment ago and their teardown has not run yet).
+        Encoded here, before it is queued: a value the wire cannot carry
+        fails this request (InvalidRequestError), never the writer that all
+        share. EngineDeadError if no replica takes it (all restarting, or
+        the chosen ones died a moment ago and their teardown has not run
+        yet).
         """
+        frame = encode_request(request)
+        core_id = request.request_id
         hashes: list[BlockHash] = []
         if len(self.clients) > 1 and self.engine_config.enable_prefix_caching:
-            hashes = self.router.prefix_hashes(prompt_token_ids, cache_salt)
+            hashes = self.router.prefix_hashes(
+                request.prompt_token_ids, request.cache_salt
+            )
         ready = [c.ready for c in self.clients]
         order = self.router.order(hashes, self.load, ready)
         error = EngineDeadError("the engine core is restarting")
@@ -267,9 +252,7 @@ class ReplicaSet:
     def begin_shutdown(self) -> None:
         """Admit nothing more; wake submitters waiting for a restart."""
         self.closing = True
-        for client in self.clients:
-            client.begin_shutdown()
-        self._changed.set()
+        self.on_change()
 
     def send_shutdown(self) -> None:
         for client in self.clients:
@@ -285,6 +268,7 @@ class ReplicaSet:
         total = 0
         for client in self.clients:
             if client.dead is None:
+                await self.wait_ready(client)
                 total += await client.reset_prefix_cache()
         return total
 
@@ -302,7 +286,8 @@ class ReplicaSet:
             if client.dead is not None:
                 states.append(None)
             elif question is None:
-                states.append(await client.inspect())
+                await self.wait_ready(client)
+                states.append(await client.inspect_nowait().wait_state())
             else:
                 states.append(await question.wait_state())
         return tuple(states)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from structllm.engine.frontend.inputs import PromptInput
-from structllm.engine.frontend.output_processor import RequestState, merge_choices
+from structllm.engine.frontend.output_processor import RequestState
 from structllm.errors import unwrap_group
 from structllm.outputs import RequestOutput
 from structllm.params import SamplingParams
@@ -18,7 +18,7 @@ from structllm.params import SamplingParams
 if TYPE_CHECKING:
     from structllm.engine.frontend.async_llm import AsyncLLM
 
-__all__ = ["RequestStream", "complete", "run_all_to_end", "run_to_end"]
+__all__ = ["RequestStream", "run_all_to_end", "run_to_end"]
 
 
 class RequestStream:
@@ -51,7 +51,7 @@ class RequestStream:
         return None if self._state is None else self._state.snapshot()
 
     async def __aenter__(self) -> RequestStream:
-        self._state = await self._llm._submit(
+        self._state = await self._llm.submit(
             self._prompt, self._params, self.request_id, self._priority
         )
         self._scope = anyio.CancelScope()
@@ -67,7 +67,7 @@ class RequestStream:
     ) -> bool | None:
         assert self._state is not None and self._scope is not None
         try:
-            self._llm._release(self._state)
+            self._llm.release(self._state)
         finally:
             swallowed = self._scope.__exit__(exc_type, exc, tb)
         return swallowed
@@ -82,37 +82,6 @@ class RequestStream:
         if out is None:
             raise StopAsyncIteration
         return out
-
-
-async def complete(
-    llm: AsyncLLM,
-    prompt: PromptInput,
-    params: SamplingParams,
-    request_id: str,
-    priority: int,
-) -> RequestOutput:
-    """``AsyncLLM.complete``: one stream, or one per sample when ``n`` > 1.
-
-    The samples' ids are ``{request_id}-{i}``; while they run,
-    ``llm.abort(request_id)`` finds them under ``request_id``.
-    """
-    if params.n == 1:
-        stream = llm.stream(prompt, params, request_id=request_id, priority=priority)
-        return await run_to_end(stream)
-    samples = [
-        llm.stream(
-            prompt,
-            params.for_choice(i),
-            request_id=f"{request_id}-{i}",
-            priority=priority,
-        )
-        for i in range(params.n)
-    ]
-    llm._samples[request_id] = [s.request_id for s in samples]
-    try:
-        return merge_choices(await run_all_to_end(samples))
-    finally:
-        del llm._samples[request_id]
 
 
 async def run_to_end(stream: RequestStream) -> RequestOutput:

@@ -33,6 +33,8 @@ from typing import Any
 
 import httpx
 
+from structllm.testing.sse import aiter_data, data_events, request_bytes, stream_once
+
 HERE = Path(__file__).resolve().parent.parent / "src"
 #: the model to serve: "tiny-random" (byte tokenizer) or a directory (--model)
 MODEL = ["tiny-random"]
@@ -140,7 +142,7 @@ def crashers(src: Path, loop: str) -> dict[str, Any]:
                     shaped = False
                 events = []
                 try:
-                    events = [x for x in lines if x.startswith("data:")]
+                    events = data_events(lines)
                 except httpx.HTTPError as exc:  # cut without a proper end
                     events.append(f"<{type(exc).__name__}>")
             time.sleep(6)
@@ -148,7 +150,7 @@ def crashers(src: Path, loop: str) -> dict[str, Any]:
                 "status": r.status_code,
                 "openai_body": shaped,
                 "param": r.json()["error"].get("param") if shaped else None,
-                "stream_ended_with_done": bool(events) and events[-1] == "data: [DONE]",
+                "stream_ended_with_done": events[-1:] == ["[DONE]"],
                 "stream_error_event": any('"error"' in e for e in events),
                 "server_exit_code": proc.poll(),
             }
@@ -213,10 +215,9 @@ def sigterm(src: Path, loop: str) -> dict[str, Any]:
                         async with ac.stream(
                             "POST", "/v1/completions", json={**body, "stream": True}
                         ) as r:
-                            async for line in r.aiter_lines():
-                                if line.startswith("data:"):
-                                    events.append(line)
-                                    first.set()
+                            async for data in aiter_data(r):
+                                events.append(data)
+                                first.set()
                     except httpx.HTTPError as exc:
                         events.append(f"<{type(exc).__name__}>")
 
@@ -266,19 +267,18 @@ def sigkill(src: Path, loop: str, clients: int, runs: int) -> dict[str, Any]:
                             if r.status_code != 200:
                                 outcomes[f"status:{r.status_code}"] += 1
                                 return
-                            async for line in r.aiter_lines():
-                                if line.startswith("data:"):
-                                    if not events:
-                                        started.append(1)
-                                        if len(started) == clients:
-                                            go.set()
-                                    events.append(line)
+                            async for data in aiter_data(r):
+                                if not events:
+                                    started.append(1)
+                                    if len(started) == clients:
+                                        go.set()
+                                events.append(data)
                     except httpx.HTTPError as exc:
                         outcomes[f"cut:{type(exc).__name__}"] += 1
                         return
                     error = len(events) > 1 and '"error"' in events[-2]
-                    code = json.loads(events[-2][5:])["error"]["code"] if error else 0
-                    done = events[-1:] == ["data: [DONE]"]
+                    code = json.loads(events[-2])["error"]["code"] if error else 0
+                    done = events[-1:] == ["[DONE]"]
                     outcomes[f"event:{code}" if error and done else "other"] += 1
 
                 tasks = [asyncio.ensure_future(stream()) for _ in range(clients)]
@@ -328,46 +328,13 @@ def load(src: Path, loop: str, clients: int) -> dict[str, Any]:
     """``clients`` streaming requests opened at once over raw sockets."""
     with serve(src, loop) as (url, _):
         host, port = url.removeprefix("http://").split(":")
-        body = json.dumps(
+        request = request_bytes(
             {"prompt": "hi", "max_tokens": 8, "ignore_eos": True, "stream": True}
-        ).encode()
-        request = (
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-            b"Content-Type: application/json\r\nConnection: close\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
         )
 
         async def one(go: asyncio.Event) -> str:
             await go.wait()
-            try:
-                reader, writer = await asyncio.open_connection(host, int(port))
-                writer.write(request)
-                await writer.drain()
-                data = b""
-                async with asyncio.timeout(300):
-                    # to [DONE], as clients do (under trio, hypercorn keeps a
-                    # streamed response's connection open despite
-                    # "Connection: close"), or to EOF
-                    while chunk := await reader.read(65536):
-                        data += chunk
-                        if b"data: [DONE]" in data:
-                            break
-                writer.close()
-            except ConnectionResetError:
-                return "reset"
-            except ConnectionRefusedError:
-                return "refused"
-            except TimeoutError:
-                return "timeout"
-            except OSError as exc:
-                return f"oserror:{exc.errno}"
-            if not data:
-                return "closed-without-response"
-            status = data.split(b" ", 2)[1].decode()
-            if status == "200":
-                return "200-done" if b"data: [DONE]" in data else "200-truncated"
-            return status
+            return await stream_once(host, int(port), request, give_up_after=300)
 
         async def main() -> tuple[Counter[str], float]:
             go = asyncio.Event()
@@ -382,7 +349,8 @@ def load(src: Path, loop: str, clients: int) -> dict[str, Any]:
         return {
             "clients": clients,
             "outcomes": dict(counts),
-            "resets": counts["reset"] + counts["refused"],
+            "resets": counts["error:ConnectionResetError"]
+            + counts["error:ConnectionRefusedError"],
             "seconds": round(seconds, 1),
         }
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import anyio
 
-from structllm.engine.async_llm import AsyncLLM
+from structllm.engine.frontend.async_llm import AsyncLLM
 from structllm.engine.protocol import CoreState
 
 __all__ = ["assert_core_holds_nothing", "core_state", "user_ids"]

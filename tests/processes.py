@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from structllm.engine.async_llm import AsyncLLM
+from structllm.engine.frontend.async_llm import AsyncLLM
 from structllm.errors import EngineDeadError
 from structllm.params import SamplingParams
 

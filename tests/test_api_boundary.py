@@ -22,7 +22,7 @@ import anyio.lowlevel
 import httpx
 import pytest
 
-from structllm.engine.inputs import parse_prompt
+from structllm.engine.frontend.inputs import parse_prompt
 from structllm.llm import LLM
 from structllm.params import SamplingParams
 from structllm.text.tokenizer import load_tokenizer
@@ -534,8 +534,9 @@ def test_sigterm_drains_then_cuts_streams_with_done() -> None:
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from structllm.server import protocol as oai  # noqa: E402
-from structllm.server import refusals  # noqa: E402
+from structllm.server.chat.protocol import ChatRequest  # noqa: E402
+from structllm.server.completions.protocol import CompletionRequest  # noqa: E402
+from structllm.server.protocol import refusals  # noqa: E402
 
 
 def _nested(depth: int) -> str:
@@ -575,8 +576,8 @@ json_values = st.recursive(
 )
 
 _COMMON = sorted(
-    set(oai.CompletionRequest.model_fields)
-    | set(oai.ChatRequest.model_fields)
+    set(CompletionRequest.model_fields)
+    | set(ChatRequest.model_fields)
     | set(refusals.REFUSED)
     | set(refusals.CHAT_REFUSED)
     | set(refusals.COMPLETION_REFUSED)

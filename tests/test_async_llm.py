@@ -29,7 +29,7 @@ from structllm import (
 from structllm.config import EngineConfig
 from structllm.core.engine_core import EngineCore
 from structllm.core.request import CoreRequest
-from structllm.engine.async_llm import AsyncLLM
+from structllm.engine.frontend.async_llm import AsyncLLM
 from structllm.model.config import tiny_random_config
 from tests.core_record import assert_core_holds_nothing, core_state, user_ids
 
@@ -442,7 +442,7 @@ async def test_a_request_that_cannot_be_encoded_fails_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An encode failure (a value the wire cannot carry) is that request's 400."""
-    import structllm.engine.core_connection as front
+    import structllm.engine.frontend.core_connection as front
 
     real = front.encode
 
@@ -480,7 +480,7 @@ async def test_a_request_that_cannot_be_encoded_fails_alone(
 async def test_an_output_that_fails_to_process_fails_its_request_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from structllm.engine.output_processor import RequestState
+    from structllm.engine.frontend.output_processor import RequestState
     from structllm.errors import RequestFailedError
 
     real = RequestState.process
@@ -506,7 +506,7 @@ async def test_cancelled_while_tokenising_off_the_loop_registers_nothing(
     """A long text prompt is tokenised in a thread; cancelling the caller
     meanwhile waits for the thread, then raises: nothing is registered and
     the engine serves on."""
-    import structllm.engine.inputs as inputs
+    import structllm.engine.frontend.inputs as inputs
 
     entered, release = threading.Event(), threading.Event()
     real = inputs.parse_prompt

@@ -44,7 +44,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from structllm import OutputKind, SamplingParams
-from structllm.engine.async_llm import AsyncLLM, RequestStream
+from structllm.engine.frontend.async_llm import AsyncLLM, RequestStream
 from structllm.outputs import RequestOutput
 from tests.test_async_llm import alone
 

@@ -33,6 +33,7 @@ from structllm.bench.serve import (
     run_serve,
 )
 from structllm.bench.serve_results import RequestResult, summarize
+from structllm.testing import sse
 
 TTFT = 0.03
 ITL = 0.005
@@ -438,3 +439,18 @@ async def test_run_serve_prints_and_writes_json_and_png(
         "output_tokens",
     } <= set(data["requests"][0])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_shared_sse_reader_says_how_a_stream_ended() -> None:
+    body = 'data: {"a": 1}\n\n: comment\n\ndata: [DONE]\n\n'
+    assert sse.data_events(body.splitlines()) == ['{"a": 1}', sse.DONE]
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n"
+    assert sse.outcome(head + body.encode()) == "200-done"
+    assert sse.outcome(head + b'data: {"a": 1}\n\n') == "200-truncated"
+    busy = b'HTTP/1.1 503 X\r\nretry-after: 1\r\n\r\n{"error": {}}'
+    assert sse.outcome(busy) == "503-clean"
+    assert sse.outcome(busy.replace(b"retry-after: 1\r\n", b"")) == "503-unclean"
+    assert sse.outcome(b"") == "closed-without-response"
+    request = sse.request_bytes({"prompt": "x"})
+    assert request.startswith(b"POST /v1/completions HTTP/1.1\r\n")
+    assert request.endswith(b'\r\n\r\n{"prompt": "x"}')

@@ -19,8 +19,8 @@ from anyio.lowlevel import checkpoint
 from structllm.config import EngineConfig
 from structllm.core.engine_core import StepOutput
 from structllm.core.request import CoreRequest
-from structllm.engine.core_connection import CoreConnection
-from structllm.engine.core_process import serve
+from structllm.engine.core_process.loop import serve
+from structllm.engine.frontend.core_connection import CoreConnection
 from structllm.engine.protocol import (
     AbortRequests,
     AddFailed,
@@ -113,17 +113,18 @@ def finished(rid: str) -> Callable[[Message], bool]:
 
 
 def test_the_step_that_leaves_the_core_idle_reports_its_memory() -> None:
-    """Its peak memory rides on that step's output: current when a burst
-    ends, not a heartbeat interval later, and no extra message."""
+    """A heartbeat follows the step that leaves the core idle, with the
+    process's peak memory (telemetry of the process, not of the core's
+    step): current when a burst ends, not a heartbeat interval later."""
     with core_loop(heartbeat_interval=3600) as (peer, _):
         peer.until(lambda m: isinstance(m, Ready))
         peer.send(CoreRequest(request_id="a", prompt_token_ids=(1, 2), params=GREEDY))
         got = peer.until(finished("a"))
-        steps = [m for m in got if isinstance(m, StepOutput)]
-        assert [m.peak_rss_bytes > 100 * 2**20 for m in steps] == [False] * (
-            len(steps) - 1
-        ) + [True]
-        assert steps[-1].blocks_used == 0
+        assert not any(isinstance(m, Heartbeat) for m in got)
+        assert isinstance(got[-1], StepOutput) and got[-1].blocks_used == 0
+        beat = peer.until(lambda m: True)
+        assert len(beat) == 1 and isinstance(beat[0], Heartbeat)
+        assert beat[0].blocks_used == 0 and beat[0].peak_rss_bytes > 100 * 2**20
 
 
 def test_start_serve_refuse_abort_and_shut_down() -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +33,20 @@ from structllm import EngineDeadError, ModelLoadError, SamplingParams
 from structllm.cli import build_parser
 from structllm.config import EngineConfig, FrontendConfig, from_arguments
 from structllm.core.block_pool import hash_block_tokens, root_hash
-from structllm.core.request import RequestStepOutput, StepOutput
-from structllm.engine.async_llm import AsyncLLM
-from structllm.engine.core_client import CoreClient
-from structllm.engine.protocol import AbortRequests, AddFailed, Heartbeat, encode
-from structllm.engine.replicas import ReplicaSet, replica_config
-from structllm.engine.routing import AFFINITY_CAPACITY, PrefixRouter, affinity_slack
+from structllm.core.request import CoreRequest, RequestStepOutput, StepOutput
+from structllm.engine.frontend.async_llm import AsyncLLM
+from structllm.engine.frontend.core_client import CoreClient
+from structllm.engine.frontend.output_processor import (
+    OutputProcessor,
+    ProcessedOutputs,
+)
+from structllm.engine.frontend.replicas import ReplicaSet, replica_config
+from structllm.engine.frontend.routing import (
+    AFFINITY_CAPACITY,
+    PrefixRouter,
+    affinity_slack,
+)
+from structllm.engine.protocol import AbortRequests, Heartbeat, decode, encode
 from structllm.errors import EngineConfigError, EngineOverloadedError
 from structllm.llm import LLM
 from structllm.model._paddle import paddle
@@ -326,27 +334,37 @@ async def test_the_server_serves_and_reports_two_replicas() -> None:
 # ------------------------------------------------ routing, without processes
 
 
-class _Front:
-    """The set's owner: records what it is told."""
+class _Front(OutputProcessor):
+    """The live requests (none here): records what the set tells it."""
 
     def __init__(self) -> None:
-        self.steps: list[StepOutput] = []
+        super().__init__()
+        self.steps: list[list[RequestStepOutput]] = []
         self.lost: list[list[str]] = []
 
-    def on_step(self, step: StepOutput) -> None:
-        self.steps.append(step)
+    def process_outputs(
+        self, step_outputs: Iterable[RequestStepOutput]
+    ) -> ProcessedOutputs:
+        self.steps.append(list(step_outputs))
+        return ProcessedOutputs([], [], [], [])
 
-    def on_add_failed(self, msg: AddFailed) -> None:
-        pass
-
-    def on_core_lost(
-        self, core_ids: Sequence[str], make_error: Callable[[], EngineDeadError]
+    def fail(
+        self, core_ids: Iterable[str], make_error: Callable[[], BaseException]
     ) -> None:
         self.lost.append(list(core_ids))
         assert "replica" in str(make_error())
 
-    def on_statistics(self) -> None:
-        pass
+
+def _request(
+    rid: str, prompt: Sequence[int] = (1,), salt: str | None = None
+) -> CoreRequest:
+    return CoreRequest(
+        request_id=rid,
+        prompt_token_ids=tuple(prompt),
+        params=SamplingParams(),
+        eos_token_ids=frozenset(),
+        cache_salt=salt,
+    )
 
 
 @contextlib.contextmanager
@@ -380,6 +398,16 @@ def _sent(core: MemoryObjectReceiveStream[bytes]) -> list[bytes]:
             return out
 
 
+def _sent_ids(core: MemoryObjectReceiveStream[bytes]) -> list[str]:
+    """The ids of the requests in what ``core`` was sent."""
+    out = []
+    for frame in _sent(core):
+        msg = decode(frame[4:])
+        assert isinstance(msg, CoreRequest)
+        out.append(msg.request_id)
+    return out
+
+
 def _finished(*core_ids: str) -> StepOutput:
     return StepOutput(
         outputs=tuple(
@@ -393,25 +421,25 @@ def _finished(*core_ids: str) -> StepOutput:
 def test_a_request_goes_to_the_ready_replica_with_fewest_live_requests() -> None:
     with _replicas(3) as (replicas, front, cores):
         for rid in "abcd":
-            replicas.submit_nowait(rid, rid.encode())
+            replicas.submit_nowait(_request(rid))
         assert replicas.placement == {"a": 0, "b": 1, "c": 2, "d": 0}
-        assert [_sent(c) for c in cores] == [[b"a", b"d"], [b"b"], [b"c"]]
+        assert [_sent_ids(c) for c in cores] == [["a", "d"], ["b"], ["c"]]
         replicas.clients[1].ready = False  # restarting: skipped though least loaded
-        replicas.submit_nowait("e", b"e")
+        replicas.submit_nowait(_request("e"))
         assert replicas.placement["e"] == 2
         # a request the core finishes is no longer live on its replica
-        replicas.clients[0].events.on_step(_finished("a", "d"))
+        replicas.on_step(0, _finished("a", "d"))
         assert front.steps and replicas.load == [0, 1, 2]
-        replicas.submit_nowait("f", b"f")
+        replicas.submit_nowait(_request("f"))
         assert replicas.placement["f"] == 0
         # a replica that died a moment ago (teardown not run yet) passes it on
         cores[0].close()
-        replicas.submit_nowait("g", b"g")
+        replicas.submit_nowait(_request("g"))
         assert replicas.placement["g"] == 2
         for client in replicas.clients:
             client.ready = False
         with pytest.raises(EngineDeadError, match="restarting"):
-            replicas.submit_nowait("h", b"h")
+            replicas.submit_nowait(_request("h"))
         assert "h" not in replicas.placement
 
 
@@ -422,30 +450,30 @@ def test_a_prompt_goes_where_its_longest_prefix_went_within_the_slack() -> None:
     turn2 = [*turn1, 20, 21, 22, 23]  # turn 1 and its answer: three
     other = list(range(100, 120))
     with _replicas(2, engine) as (replicas, _, _):
-        replicas.submit_nowait("a", b"", turn1)
+        replicas.submit_nowait(_request("a", turn1))
         assert replicas.placement["a"] == 0  # nothing known: least loaded
-        replicas.submit_nowait("u", b"", other)
+        replicas.submit_nowait(_request("u", other))
         assert replicas.placement["u"] == 1  # unrelated: least loaded
-        replicas.submit_nowait("v", b"", other[:8])
+        replicas.submit_nowait(_request("v", other[:8]))
         assert replicas.placement["v"] == 1  # one block of "u": its replica
         assert replicas.load == [1, 2]
-        replicas.submit_nowait("b", b"", turn2)
+        replicas.submit_nowait(_request("b", turn2))
         assert replicas.placement["b"] == 0  # follows turn 1
         # a salt is its own hash space: "u"'s blocks salted are unknown
-        replicas.submit_nowait("s", b"", other, "tenant")
+        replicas.submit_nowait(_request("s", other, "tenant"))
         assert replicas.placement["s"] == 0  # tied at two: the lowest index
         # replica 0 two requests above the idlest still takes its prefixes
-        replicas.clients[0].events.on_step(_finished("s"))
-        replicas.clients[1].events.on_step(_finished("u", "v"))
-        replicas.submit_nowait("c", b"", turn2)
+        replicas.on_step(0, _finished("s"))
+        replicas.on_step(1, _finished("u", "v"))
+        replicas.submit_nowait(_request("c", turn2))
         assert replicas.load == [3, 0] and replicas.placement["c"] == 0
         # three above it does not: the idlest takes it, and is now its holder
-        replicas.submit_nowait("d", b"", turn2)
+        replicas.submit_nowait(_request("d", turn2))
         assert replicas.placement["d"] == 1
         assert replicas.router.affine(replicas.router.prefix_hashes(turn1)) == 1
         # a replica that restarts lost its cache: the prefixes it held last
         # are unknown again (the router keeps one holder a block)
-        replicas.clients[1].events.on_core_lost(RuntimeError("killed"))
+        replicas.on_core_lost(1, RuntimeError("killed"))
         assert replicas.router.affine(replicas.router.prefix_hashes(turn1)) is None
         assert replicas.router.affine(replicas.router.prefix_hashes(other)) is None
         salted = replicas.router.prefix_hashes(other, "tenant")
@@ -456,8 +484,8 @@ def test_one_replica_or_no_prefix_cache_hashes_nothing() -> None:
     off = EngineConfig(model="tiny-random", block_size=8, enable_prefix_caching=False)
     for n, engine in ((1, EngineConfig(model="tiny-random", block_size=8)), (2, off)):
         with _replicas(n, engine) as (replicas, _, _):
-            replicas.submit_nowait("a", b"", list(range(40)))
-            replicas.submit_nowait("b", b"", list(range(40)))
+            replicas.submit_nowait(_request("a", list(range(40))))
+            replicas.submit_nowait(_request("b", list(range(40))))
             assert replicas.router.num_hashes == 0
             assert replicas.placement == {"a": 0, "b": n - 1}
 
@@ -471,7 +499,7 @@ async def test_reset_prefix_cache_forgets_every_prefix(
     monkeypatch.setattr(CoreClient, "reset_prefix_cache", reset)
     engine = EngineConfig(model="tiny-random", block_size=8)
     with _replicas(2, engine) as (replicas, _, _):
-        replicas.submit_nowait("a", b"", list(range(16)))
+        replicas.submit_nowait(_request("a", list(range(16))))
         assert replicas.router.num_hashes == 2
         assert await replicas.reset_prefix_cache() == 2
         assert replicas.router.num_hashes == 0
@@ -591,7 +619,7 @@ def test_the_router_matches_a_model_of_every_prompt_routed(
 def test_aborts_go_to_the_replica_of_each_request() -> None:
     with _replicas(2) as (replicas, _, cores):
         for rid in "abc":
-            replicas.submit_nowait(rid, b"")
+            replicas.submit_nowait(_request(rid))
         _ = [_sent(c) for c in cores]
         # "x" is no longer placed (already aborted): every replica hears of it
         replicas.send_nowait(AbortRequests(["b", "a", "x"]))
@@ -603,15 +631,15 @@ def test_aborts_go_to_the_replica_of_each_request() -> None:
 def test_a_lost_replica_fails_only_the_requests_placed_on_it() -> None:
     with _replicas(2) as (replicas, front, _):
         for rid in "abc":
-            replicas.submit_nowait(rid, b"")
-        replicas.clients[0].events.on_core_lost(RuntimeError("killed"))
+            replicas.submit_nowait(_request(rid))
+        replicas.on_core_lost(0, RuntimeError("killed"))
         assert front.lost == [["a", "c"]]
         assert replicas.placement == {"b": 1} and replicas.load == [0, 1]
 
 
 def test_statistics_sum_the_replicas() -> None:
     with _replicas(2) as (replicas, _, _):
-        replicas.submit_nowait("a", b"")
+        replicas.submit_nowait(_request("a"))
         replicas.clients[0].counts = Heartbeat(2, 1, 5)
         replicas.clients[1].counts = Heartbeat(1, 0, 3)
         replicas.clients[1].ready = False

@@ -78,7 +78,7 @@ def _needs_loop(source: str) -> bool:
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from structllm.models import make_tiny_model
+    from structllm.testing.checkpoints import make_tiny_model
 
     path = tmp_path_factory.mktemp("docs") / "model"
     make_tiny_model(path, max_position_embeddings=4096)

@@ -14,6 +14,7 @@ from structllm.errors import (
     EngineDeadError,
     ModelLoadError,
     NoFreeBlocksError,
+    unwrap_group,
 )
 
 BAD_SETTINGS = [
@@ -129,3 +130,15 @@ def test_the_engine_guide_draws_the_same_tree() -> None:
     guide = (Path(__file__).parent.parent / "docs" / "engine.md").read_text()
     drawn = set(re.findall(r"[├└]── (\w+)", guide))
     assert drawn == set(re.findall(r"[├└]── (\w+)", errors.__doc__ or ""))
+
+
+def test_unwrap_group_finds_the_error_a_group_stands_for() -> None:
+    a, b = ValueError("a"), KeyError("b")
+    nested = ExceptionGroup("outer", [ExceptionGroup("inner", [a, b]), b])
+    assert unwrap_group(nested) is a  # the first leaf
+    assert unwrap_group(a) is a  # no group: itself
+    assert unwrap_group(ExceptionGroup("one", [a]), sole=True) is a
+    several = ExceptionGroup("two", [a, b])
+    assert unwrap_group(several, sole=True) is several  # several stay a group
+    base = BaseExceptionGroup("base", [KeyboardInterrupt()])
+    assert unwrap_group(base, sole=True) is base  # only an Exception unwraps

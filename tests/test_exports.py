@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -109,3 +111,88 @@ def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--version"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out.strip() == f"structllm {structllm.__version__}"
+
+
+def _module_imports() -> dict[
+    str, tuple[bool, list[ast.ImportFrom | ast.Import], ast.Module]
+]:
+    """Each structllm module: (is a package, its imports, its tree)."""
+    root = Path(structllm.__file__).parent
+    out = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        package = parts[-1] == "__init__"
+        name = ".".join(parts[:-1] if package else parts)
+        tree = ast.parse(path.read_text())
+        imports = [
+            n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)
+        ]
+        out[name] = (package, imports, tree)
+    return out
+
+
+def _target(module: str, package: bool, node: ast.ImportFrom) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".")[: None if package else -1]
+    base = base[: len(base) - node.level + 1]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    modules = _module_imports()
+    found = []
+    for name, (package, imports, _) in modules.items():
+        for node in imports:
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            target = _target(name, package, node)
+            for alias in node.names:
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                if private and f"{target}.{alias.name}" not in modules:
+                    found.append(f"{name}: from {target} import {alias.name}")
+    assert found == []
+
+
+def test_module_level_imports_have_no_cycle() -> None:
+    """Imports at module level (not in functions, not under TYPE_CHECKING)."""
+    modules = _module_imports()
+
+    def top(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+        for n in body:
+            if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test):
+                continue
+            if isinstance(n, ast.If | ast.Try | ast.With | ast.ClassDef):
+                for field in ("body", "orelse", "finalbody"):
+                    yield from top(getattr(n, field, []))
+                for handler in getattr(n, "handlers", []):
+                    yield from top(handler.body)
+            elif not isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef):
+                yield n
+
+    graph: dict[str, set[str]] = {}
+    for name, (package, _, tree) in modules.items():
+        edges = graph.setdefault(name, set())
+        for node in top(tree.body):
+            if isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom):
+                target = _target(name, package, node)
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    edges.add(sub if sub in modules else target)
+        edges &= set(modules) - {name}
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            cycle = [*path[path.index(name) :], name]
+            raise AssertionError(" -> ".join(cycle))
+        if name in done:
+            return
+        for other in sorted(graph[name]):
+            visit(other, [*path, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])

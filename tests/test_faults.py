@@ -23,8 +23,8 @@ import pytest
 
 from structllm import EngineDeadError, ModelLoadError, SamplingParams
 from structllm.config import EngineConfig
-from structllm.engine.async_llm import AsyncLLM
-from structllm.engine.core_connection import core_process_command
+from structllm.engine.frontend.async_llm import AsyncLLM
+from structllm.engine.frontend.core_connection import core_process_command
 from structllm.engine.protocol import (
     CoreState,
     FrameReader,
@@ -130,7 +130,7 @@ def test_worker_exits_when_parent_is_killed(tmp_path: Path) -> None:
         textwrap.dedent(
             """
             import sys, anyio
-            from structllm.engine.async_llm import AsyncLLM
+            from structllm.engine.frontend.async_llm import AsyncLLM
 
             async def main():
                 async with AsyncLLM.open("tiny-random", show_progress=False) as llm:

@@ -142,9 +142,9 @@ def test_rope_and_write_matches_the_paddle_ops(family: str) -> None:
     cos, sin = model.rope_tables(paddle.to_tensor(positions))
     q, k, v = attention_inputs(config, layer, x, cos, sin)
 
-    from structllm.model.llama import _rms_norm
+    from structllm.model.llama import rms_norm
 
-    h = _rms_norm(x, layer.input_norm, config.rms_norm_eps)
+    h = rms_norm(x, layer.input_norm, config.rms_norm_eps)
     qkv = layer.qkv(h).numpy()  # without the bias: the kernel adds it
     k_cache, v_cache = (np.zeros((config.num_key_value_heads, 40, 24), "float32"),) * 2
     k_cache, v_cache = k_cache.copy(), v_cache.copy()
@@ -333,7 +333,7 @@ def test_threaded_kernels_run_on_the_threads_paddles_matmuls_use() -> None:
 
 
 def test_add_rms_norm_and_swiglu_match_paddles_ops() -> None:
-    from structllm.model.llama import _add_rms_norm, _rms_norm, _swiglu
+    from structllm.model.llama import _add_rms_norm, _swiglu, rms_norm
 
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((5, 48)) * 3).astype(np.float32)
@@ -349,7 +349,7 @@ def test_add_rms_norm_and_swiglu_match_paddles_ops() -> None:
     np.testing.assert_allclose(normed, want_normed.numpy(), rtol=1e-5, atol=1e-6)
     # no delta: the norm alone, x untouched
     alone = kernels.add_rms_norm(got_x.copy(), weight, 1e-5, np.empty_like(x))
-    want = _rms_norm(paddle.to_tensor(got_x), paddle.to_tensor(weight), 1e-5)
+    want = rms_norm(paddle.to_tensor(got_x), paddle.to_tensor(weight), 1e-5)
     np.testing.assert_allclose(alone, want.numpy(), rtol=1e-5, atol=1e-6)
 
     # gates far into both tails: the sigmoid neither overflows nor loses them

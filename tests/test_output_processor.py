@@ -6,7 +6,7 @@ import anyio
 import pytest
 
 from structllm.core.engine_core import RequestStepOutput
-from structllm.engine.output_processor import (
+from structllm.engine.frontend.output_processor import (
     OutputProcessor,
     RequestOutputCollector,
     RequestState,

@@ -13,8 +13,8 @@ from structllm import LLM, OutputKind, SamplingParams
 from structllm.config import EngineConfig
 from structllm.core.engine_core import EngineCore, RequestStepOutput
 from structllm.core.request import CoreRequest
-from structllm.engine.async_llm import AsyncLLM
-from structllm.engine.output_processor import (
+from structllm.engine.frontend.async_llm import AsyncLLM
+from structllm.engine.frontend.output_processor import (
     OutputProcessor,
     RequestOutputCollector,
     RequestState,

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from structllm.config import EngineConfig
 from structllm.core.engine_core import RequestStepOutput, StepOutput
 from structllm.core.request import CoreRequest
-from structllm.engine.core_connection import encode_request
+from structllm.engine.frontend.core_connection import encode_request
 from structllm.engine.protocol import (
     MAX_FRAME,
     AbortRequests,

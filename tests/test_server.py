@@ -25,7 +25,7 @@ import httpx
 import openai
 import pytest
 
-from structllm.engine.inputs import parse_prompt
+from structllm.engine.frontend.inputs import parse_prompt
 from structllm.llm import LLM
 from structllm.params import SamplingParams
 from structllm.text.tokenizer import load_tokenizer

@@ -26,11 +26,14 @@ import attrs
 import httpx
 import pytest
 
-from structllm.engine.async_llm import AsyncLLM
+from structllm.engine.frontend.async_llm import AsyncLLM
 from structllm.params import SamplingParams
-from structllm.server import responses as api
 from structllm.server.app import build_app
-from structllm.server.drain import Drain
+from structllm.server.chat import protocol as chat_api
+from structllm.server.completions import protocol as completions_api
+from structllm.server.http.drain import Drain
+from structllm.server.models import protocol as models_api
+from structllm.server.protocol import bodies
 from structllm.server.run import hypercorn_config, listen, serve_hypercorn
 from structllm.server.serving import EngineSlot, ServerConfig
 from tests.core_record import assert_core_holds_nothing
@@ -117,7 +120,7 @@ async def test_completions_whole_and_streamed() -> None:
         body = {"prompt": "Hello world", "max_tokens": 8, "temperature": 0}
         r = await s.http.post("/v1/completions", json=body)
         assert r.status_code == 200
-        response = api.CompletionResponse.model_validate(r.json())
+        response = completions_api.CompletionResponse.model_validate(r.json())
         ids = (
             await s.http.post(
                 "/v1/completions", json={**body, "return_token_ids": True}
@@ -135,7 +138,9 @@ async def test_completions_whole_and_streamed() -> None:
         assert r.headers["content-type"].startswith("text/event-stream")
         got = events(r.text)
         assert got[-1] == "[DONE]"
-        chunks = [api.CompletionStreamResponse.model_validate(e) for e in got[:-1]]
+        chunks = [
+            completions_api.CompletionStreamResponse.model_validate(e) for e in got[:-1]
+        ]
         assert "".join(c.choices[0].text or "" for c in chunks if c.choices) == (
             response.choices[0].text
         )
@@ -150,13 +155,15 @@ async def test_chat_whole_and_streamed() -> None:
     async with open_server() as s:
         body = {"messages": CHAT, "max_tokens": 6, "temperature": 0}
         r = await s.http.post("/v1/chat/completions", json=body)
-        whole = api.ChatCompletionResponse.model_validate(r.json())
+        whole = chat_api.ChatCompletionResponse.model_validate(r.json())
         assert whole.object == "chat.completion" and whole.id.startswith("chatcmpl-")
         assert whole.choices[0].message.role == "assistant"
         r = await s.http.post("/v1/chat/completions", json={**body, "stream": True})
         got = events(r.text)
         assert got[-1] == "[DONE]"
-        chunks = [api.ChatCompletionStreamResponse.model_validate(e) for e in got[:-1]]
+        chunks = [
+            chat_api.ChatCompletionStreamResponse.model_validate(e) for e in got[:-1]
+        ]
         assert chunks[0].choices[0].delta.role == "assistant"
         text = "".join(c.choices[0].delta.content or "" for c in chunks)
         assert text == whole.choices[0].message.content
@@ -188,7 +195,9 @@ async def test_models_health_and_metrics() -> None:
         assert await s.metric("structllm_engine_healthy") == 0
     async with open_server() as s:
         assert (await s.http.get("/health")).status_code == 200
-        models = api.ModelList.model_validate((await s.http.get("/v1/models")).json())
+        models = models_api.ModelList.model_validate(
+            (await s.http.get("/v1/models")).json()
+        )
         assert [(m.id, m.max_model_len) for m in models.data] == [("tiny-random", 256)]
         await s.http.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
         r = await s.http.get("/metrics")
@@ -244,7 +253,7 @@ async def test_openapi_describes_requests_and_responses() -> None:
 
 def assert_error(r: httpx.Response, status: int, param: str | None = None) -> str:
     assert r.status_code == status, r.text
-    err = api.ErrorResponse.model_validate(r.json()).error
+    err = bodies.ErrorResponse.model_validate(r.json()).error
     assert err.code == status and err.param == param
     return err.message
 

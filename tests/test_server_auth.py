@@ -27,10 +27,11 @@ import pytest
 
 from structllm.cli import build_parser, engine_args
 from structllm.config import EngineConfig, ServerConfig
-from structllm.server import security
-from structllm.server.access import ACCESS_LOGGER
+from structllm.server.http import security
+from structllm.server.http.access import ACCESS_LOGGER
+from structllm.server.http.security import API_KEY_ENV, ApiKeyMiddleware, api_keys
 from structllm.server.run import configs_from_args
-from structllm.server.security import API_KEY_ENV, ApiKeyMiddleware, api_keys
+from structllm.testing.sse import DONE, adata_events
 from tests.test_server_app import events, open_server, open_socket_server
 from tests.test_server_ops import openai_error
 
@@ -230,7 +231,7 @@ async def test_auth_on_a_real_socket() -> None:
                 "POST", "/v1/completions", json=body, headers=auth
             ) as r:
                 assert r.headers["x-request-id"] == "sock-1"
-                assert "data: [DONE]" in "".join([t async for t in r.aiter_text()])
+                assert (await adata_events(r))[-1] == DONE
             assert (await http.get("/health")).status_code == 200
         await s.wait_idle()
 

@@ -37,8 +37,16 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from structllm.server import responses as api
-from structllm.server.protocol_ops import DetokenizeResponse, TokenizeResponse
+from structllm.server.chat.protocol import (
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+)
+from structllm.server.completions.protocol import (
+    CompletionResponse,
+    CompletionStreamResponse,
+)
+from structllm.server.protocol import bodies
+from structllm.server.tokenize.protocol import DetokenizeResponse, TokenizeResponse
 from tests.test_server_auth import serve
 
 KEY = "sk-fuzz"
@@ -48,10 +56,10 @@ LOOPS = os.environ.get("STRUCTLLM_FUZZ_LOOPS", "asyncio").split(",")
 
 #: operation -> (its 200 body model, its stream chunk model)
 OPERATIONS: dict[str, tuple[type[BaseModel], type[BaseModel] | None]] = {
-    "/v1/completions": (api.CompletionResponse, api.CompletionStreamResponse),
+    "/v1/completions": (CompletionResponse, CompletionStreamResponse),
     "/v1/chat/completions": (
-        api.ChatCompletionResponse,
-        api.ChatCompletionStreamResponse,
+        ChatCompletionResponse,
+        ChatCompletionStreamResponse,
     ),
     "/tokenize": (TokenizeResponse, None),
     "/detokenize": (DetokenizeResponse, None),
@@ -80,7 +88,7 @@ def check(case: Case, r: httpx.Response, path: str) -> None:
     if r.status_code != 200:
         assert 400 <= r.status_code < 500
         assert r.headers["content-type"] == "application/json"
-        body = api.ErrorResponse.model_validate(r.json())
+        body = bodies.ErrorResponse.model_validate(r.json())
         assert body.error.code == r.status_code, r.json()
         return
     model, chunk = OPERATIONS[path]
@@ -91,7 +99,7 @@ def check(case: Case, r: httpx.Response, path: str) -> None:
         for block in blocks[:-1]:
             event = json.loads(block.removeprefix("data: "))
             if "error" in event:
-                api.ErrorResponse.model_validate(event)
+                bodies.ErrorResponse.model_validate(event)
             else:
                 chunk.model_validate(event)
     else:

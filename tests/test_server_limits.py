@@ -14,8 +14,8 @@ import anyio
 import httpx
 import pytest
 
-from structllm.server.access import ACCESS_LOGGER
 from structllm.server.app import build_app
+from structllm.server.http.access import ACCESS_LOGGER
 from structllm.server.serving import EngineSlot, ServerConfig
 from tests.test_server_app import open_server, open_socket_server
 from tests.test_server_ops import access_lines, open_app, openai_error
@@ -152,7 +152,7 @@ async def test_per_client_limit_leaves_other_clients_served() -> None:
 async def test_a_bugs_500_carries_the_request_id(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from structllm.server.serving_tokenize import TokenizeServing
+    from structllm.server.tokenize.serving import TokenizeServing
 
     async def broken(self: Any, body: Any, big: bool) -> Any:
         raise RuntimeError("a bug")

@@ -19,10 +19,10 @@ import httpx
 import pytest
 
 import structllm
-from structllm.engine.async_llm import AsyncLLM
-from structllm.server.access import ACCESS_LOGGER, MAX_REQUEST_ID
+from structllm.engine.frontend.async_llm import AsyncLLM
 from structllm.server.app import build_app
-from structllm.server.responses import ErrorResponse
+from structllm.server.http.access import ACCESS_LOGGER, MAX_REQUEST_ID
+from structllm.server.protocol.bodies import ErrorResponse
 from structllm.server.serving import EngineSlot, ServerConfig
 from tests.test_server_app import events
 

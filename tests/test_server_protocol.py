@@ -15,14 +15,16 @@ from pydantic import BaseModel, ValidationError
 
 from structllm.errors import InvalidRequestError
 from structllm.params import MAX_COUNT, OutputKind, SamplingParams
-from structllm.server import responses as api
-from structllm.server.body import validate
-from structllm.server.protocol import (
-    ChatRequest,
+from structllm.server.chat.protocol import ChatCompletionStreamResponse, ChatRequest
+from structllm.server.completions.protocol import (
     CompletionRequest,
-    validation_error,
+    CompletionStreamChoice,
 )
-from structllm.server.refusals import CHAT_REFUSED, COMPLETION_REFUSED, REFUSED
+from structllm.server.http.body import validate
+from structllm.server.models.protocol import ModelCard
+from structllm.server.protocol import bodies
+from structllm.server.protocol.refusals import CHAT_REFUSED, COMPLETION_REFUSED, REFUSED
+from structllm.server.protocol.validation import validation_error
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -317,20 +319,20 @@ def test_whatever_the_model_accepts_converts(
 
 
 def test_responses_omit_only_what_was_not_given() -> None:
-    choice = api.CompletionStreamChoice(index=0, logprobs=None, finish_reason=None)
-    assert api.dump(choice) == {"index": 0, "logprobs": None, "finish_reason": None}
-    done = api.CompletionStreamChoice(
+    choice = CompletionStreamChoice(index=0, logprobs=None, finish_reason=None)
+    assert bodies.dump(choice) == {"index": 0, "logprobs": None, "finish_reason": None}
+    done = CompletionStreamChoice(
         index=0, text="", logprobs=None, finish_reason="stop", stop_reason=None
     )
-    assert api.dump(done)["stop_reason"] is None
-    usage = api.usage(3, 4, 2)
-    assert api.dump(usage) == {
+    assert bodies.dump(done)["stop_reason"] is None
+    usage = bodies.usage(3, 4, 2)
+    assert bodies.dump(usage) == {
         "prompt_tokens": 3,
         "completion_tokens": 4,
         "total_tokens": 7,
         "prompt_tokens_details": {"cached_tokens": 2},
     }
-    card = api.dump(api.ModelCard(id="m", created=1, root="/m", max_model_len=8))
+    card = bodies.dump(ModelCard(id="m", created=1, root="/m", max_model_len=8))
     assert card == {
         "id": "m",
         "object": "model",
@@ -339,7 +341,7 @@ def test_responses_omit_only_what_was_not_given() -> None:
         "root": "/m",
         "max_model_len": 8,
     }
-    assert api.error_body("bad", param="x", code=400) == {
+    assert bodies.error_body("bad", param="x", code=400) == {
         "error": {
             "message": "bad",
             "type": "invalid_request_error",
@@ -350,7 +352,7 @@ def test_responses_omit_only_what_was_not_given() -> None:
 
 
 def test_response_schema_required_fields() -> None:
-    schema = api.ChatCompletionStreamResponse.model_json_schema(mode="serialization")
+    schema = ChatCompletionStreamResponse.model_json_schema(mode="serialization")
     assert set(schema["required"]) == {
         "id",
         "object",

@@ -26,8 +26,9 @@ import pytest
 from pydantic import BaseModel
 
 from structllm.errors import InvalidRequestError
-from structllm.server.body import validate
-from structllm.server.protocol import ChatRequest, CompletionRequest
+from structllm.server.chat.protocol import ChatRequest
+from structllm.server.completions.protocol import CompletionRequest
+from structllm.server.http.body import validate
 from structllm.structured import StructuredOutputs
 from tests.test_server_app import Server, events, open_server, open_socket_server
 
@@ -432,13 +433,13 @@ async def test_a_refusal_from_the_engine_core_names_the_request_field(
     """Past the checks at validation and admission (turned off here), the
     core's compiler refuses; the 400, or the stream's last event, still
     names the request's field, not ``structured_outputs.json``."""
-    import structllm.server.constraints
+    import structllm.server.protocol.constraints
     import structllm.structured.compiler
 
     def passes(constraint: object, **kw: object) -> None:
         return None
 
-    monkeypatch.setattr(structllm.server.constraints, "validate", passes)
+    monkeypatch.setattr(structllm.server.protocol.constraints, "validate", passes)
     monkeypatch.setattr(structllm.structured.compiler, "validate", passes)
     bad = {"type": "object", "properties": {"a": {"type": "wat"}}}
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": bad}}
@@ -463,16 +464,16 @@ async def test_a_refusal_from_the_engine_core_names_the_request_field(
 async def test_specs_compile_in_a_worker_thread_once(
     server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import structllm.server.constraints
+    import structllm.server.protocol.constraints
 
-    real = structllm.server.constraints.validate
+    real = structllm.server.protocol.constraints.validate
     threads: list[int] = []
 
     def recording(constraint: Any, **kw: Any) -> None:
         threads.append(threading.get_ident())
         real(constraint, **kw)
 
-    monkeypatch.setattr(structllm.server.constraints, "validate", recording)
+    monkeypatch.setattr(structllm.server.protocol.constraints, "validate", recording)
     pattern = f"[0-9]{{3}}({uuid.uuid4().hex[:6]})?"  # new to the process
     for _ in range(2):
         out = await chat(server, max_tokens=16, structured_outputs={"regex": pattern})

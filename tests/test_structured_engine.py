@@ -27,7 +27,7 @@ from structllm.config import EngineConfig
 from structllm.core.engine_core import EngineCore
 from structllm.core.request import CoreRequest
 from structllm.core.structured import StructuredOutputManager
-from structllm.engine.async_llm import AsyncLLM
+from structllm.engine.frontend.async_llm import AsyncLLM
 from structllm.engine.protocol import decode, encode
 from structllm.errors import InvalidRequestError
 from structllm.model.sampler import Sampler, SamplingRow

@@ -30,9 +30,9 @@ import pytest
 from structllm import ModelLoadError, SamplingParams
 from structllm.cli import build_parser
 from structllm.config import EngineConfig, FrontendConfig, from_arguments
-from structllm.engine.async_llm import AsyncLLM
-from structllm.engine.rank_env import connect_env, free_ports
-from structllm.engine.rank_protocol import Hello, RankSetup, frame, receive
+from structllm.engine.frontend.async_llm import AsyncLLM
+from structllm.engine.rank_group.env import connect_env, free_ports
+from structllm.engine.rank_group.protocol import Hello, RankSetup, frame, receive
 from structllm.errors import EngineConfigError, EngineCoreError
 from structllm.llm import LLM
 from structllm.model._paddle import paddle
@@ -363,7 +363,7 @@ def test_listen_is_host_and_port(value: str) -> None:
 
 
 def test_listen_serves_one_replica() -> None:
-    from structllm.engine.replicas import ReplicaSet
+    from structllm.engine.frontend.replicas import ReplicaSet
 
     engine = EngineConfig(
         model="tiny-random", tensor_parallel_size=2, tensor_parallel_listen="h:1"

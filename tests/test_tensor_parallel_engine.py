@@ -21,7 +21,7 @@ import pytest
 
 from structllm import EngineDeadError, SamplingParams
 from structllm.config import EngineConfig
-from structllm.engine.async_llm import AsyncLLM
+from structllm.engine.frontend.async_llm import AsyncLLM
 from structllm.engine.statistics import EngineStatistics
 from structllm.errors import EngineConfigError, EngineCoreError
 from structllm.llm import LLM

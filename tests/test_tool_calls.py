@@ -17,12 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from structllm.outputs import CompletionOutput
-from structllm.server import responses as api
-from structllm.server.body import validate
-from structllm.server.constraints import check_constraint
-from structllm.server.protocol import ChatRequest
-from structllm.server.tool_calls import StreamedCalls, message, parser_for
-from structllm.server.tools import Tool, call_list_schema
+from structllm.server.chat.protocol import ChatRequest
+from structllm.server.chat.tool_calls import StreamedCalls, message, parser_for
+from structllm.server.http.body import validate
+from structllm.server.protocol import bodies
+from structllm.server.protocol.constraints import check_constraint
+from structllm.server.protocol.tools import Tool, call_list_schema
 from structllm.structured import StructuredOutputs
 from structllm.text.auto_tool_parser import HERMES_CLOSE, AutoParser
 from structllm.text.chat import render_chat_template
@@ -341,14 +341,14 @@ def test_whole_message_with_calls() -> None:
         "search",
         {"q": "x"},
     )
-    assert "tool_calls" in api.dump(msg)
+    assert "tool_calls" in bodies.dump(msg)
 
 
 def test_a_forced_call_cut_short_is_content() -> None:
     req = request(tool_choice={"type": "function", "function": {"name": "search"}})
     msg, finish = message(req, output('{"q": "unfinish', "length"))
     assert finish == "length" and msg.content == '{"q": "unfinish'
-    assert "tool_calls" not in api.dump(msg)
+    assert "tool_calls" not in bodies.dump(msg)
 
 
 def test_tool_choice_none_parses_nothing() -> None:
@@ -367,7 +367,7 @@ def test_streamed_deltas_are_openai_shaped() -> None:
     calls = StreamedCalls(parser)
     text = '[{"name": "search", "parameters": {"q": "xy"}}, {"name": "noop", "parameters": {}}]'
     deltas = [
-        api.dump(calls.delta(ch, i == len(text) - 1)) for i, ch in enumerate(text)
+        bodies.dump(calls.delta(ch, i == len(text) - 1)) for i, ch in enumerate(text)
     ]
     tool_deltas = [tc for d in deltas for tc in d.get("tool_calls", [])]
     firsts = [tc for tc in tool_deltas if "id" in tc]

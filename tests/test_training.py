@@ -24,7 +24,7 @@ from structllm.model.training import (
     initial_hf_tensors,
     trainable_weights,
 )
-from structllm.models import make_tiny_model
+from structllm.testing.checkpoints import make_tiny_model
 
 #: llama with GQA and a tied head; Qwen2's qkv biases with an untied head;
 #: Qwen3's q/k norms: between them every kind of tensor

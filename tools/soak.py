@@ -55,6 +55,7 @@ from typing import Any
 import httpx
 
 from structllm.bench.serve_targets import tree_memory
+from structllm.testing.sse import request_bytes, stream_once
 
 ENGINE = ["--max-model-len", "2048", "--num-blocks", "1024", "--max-num-seqs", "64"]
 
@@ -197,47 +198,6 @@ def gauges(url: str) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
-
-
-def request_bytes(body: dict[str, Any]) -> bytes:
-    raw = json.dumps(body).encode()
-    return (
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-        b"Content-Type: application/json\r\nConnection: close\r\n"
-        + f"Content-Length: {len(raw)}\r\n\r\n".encode()
-        + raw
-    )
-
-
-async def stream_once(host: str, port: int, request: bytes) -> str:
-    try:
-        reader, writer = await asyncio.open_connection(host, port)
-        writer.write(request)
-        await writer.drain()
-        data = b""
-        async with asyncio.timeout(600):
-            while chunk := await reader.read(65536):
-                data += chunk
-                if b"data: [DONE]" in data:
-                    break
-        writer.close()
-    except (ConnectionError, OSError) as exc:
-        return f"error:{type(exc).__name__}"
-    except TimeoutError:
-        return "timeout"
-    if not data:
-        return "closed-without-response"
-    status = data.split(b" ", 2)[1].decode()
-    if status == "200":
-        return "200-done" if b"data: [DONE]" in data else "200-truncated"
-    if status == "503":
-        head, _, body = data.partition(b"\r\n\r\n")
-        try:
-            clean = "error" in json.loads(body) and b"retry-after" in head.lower()
-        except ValueError:
-            clean = False
-        return "503-clean" if clean else "503-unclean"
-    return status
 
 
 async def streams(host: str, port: int, count: int) -> Counter[str]:

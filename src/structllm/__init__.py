@@ -29,8 +29,8 @@ from structllm.params import OutputKind, SamplingParams
 from structllm.structured.spec import StructuredOutputs
 
 if TYPE_CHECKING:
-    from structllm.engine.async_llm import AsyncLLM
-    from structllm.engine.request_stream import RequestStream
+    from structllm.engine.frontend.async_llm import AsyncLLM
+    from structllm.engine.frontend.request_stream import RequestStream
     from structllm.engine.statistics import EngineStatistics
     from structllm.llm import LLM
 
@@ -67,9 +67,9 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "structllm.llm",
-    "AsyncLLM": "structllm.engine.async_llm",
+    "AsyncLLM": "structllm.engine.frontend.async_llm",
     "EngineStatistics": "structllm.engine.statistics",
-    "RequestStream": "structllm.engine.request_stream",
+    "RequestStream": "structllm.engine.frontend.request_stream",
 }
 
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())

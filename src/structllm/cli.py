@@ -131,7 +131,7 @@ _TINY_FLAGS = {
 
 
 def _add_tiny_model_args(p: argparse.ArgumentParser) -> None:
-    from structllm.models import make_tiny_model
+    from structllm.testing.checkpoints import make_tiny_model
 
     params = inspect.signature(make_tiny_model).parameters
     hints = typing.get_type_hints(make_tiny_model)
@@ -155,7 +155,7 @@ def _add_tiny_model_args(p: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.command == "make-tiny-model":
-        from structllm.models import make_tiny_model
+        from structllm.testing.checkpoints import make_tiny_model
 
         config = make_tiny_model(
             ns.directory, **{name: getattr(ns, name) for name in _TINY_FLAGS}

@@ -50,6 +50,7 @@ __all__ = [
     "UnsupportedModelError",
     "dead_error",
     "load_error",
+    "unwrap_group",
 ]
 
 
@@ -155,3 +156,29 @@ def dead_error(message: str, cause: BaseException) -> EngineDeadError:
     err = EngineDeadError(f"{message}: {cause}")
     err.__cause__ = cause
     return err
+
+
+# -- exception groups -------------------------------------------------------------
+
+
+def unwrap_group(exc: BaseException, *, sole: bool = False) -> BaseException:
+    """The exception a task group's ``ExceptionGroup`` stands for.
+
+    By default, the first leaf of ``exc`` (``exc`` itself if it is no group,
+    the first leaf of nested groups): the error a response reports.
+
+    With ``sole=True``, the group's one member if it has exactly one and that
+    is an ``Exception`` (the error contract of ``AsyncLLM.open``: a failure
+    comes out unwrapped), else ``exc`` unchanged (several at once stay a group).
+    """
+    if sole:
+        if (
+            isinstance(exc, BaseExceptionGroup)
+            and len(exc.exceptions) == 1
+            and isinstance(exc.exceptions[0], Exception)
+        ):
+            return exc.exceptions[0]
+        return exc
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc

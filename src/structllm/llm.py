@@ -18,14 +18,14 @@ from tqdm import tqdm
 from structllm.config import EngineConfig
 from structllm.core.engine_core import EngineCore
 from structllm.core.request import CoreRequest
-from structllm.engine.inputs import (
+from structllm.engine.frontend.inputs import (
     PromptInput,
     check_structured_outputs,
     is_batch,
     new_request,
     parse_prompt,
 )
-from structllm.engine.output_processor import (
+from structllm.engine.frontend.output_processor import (
     OutputProcessor,
     RequestState,
     merge_choices,

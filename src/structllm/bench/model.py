@@ -76,7 +76,7 @@ def write_bench_checkpoint(
     seed: int = 0,
 ) -> None:
     """A random Llama checkpoint; the defaults are the 27.8M bench model."""
-    from structllm.models import make_tiny_model
+    from structllm.testing.checkpoints import make_tiny_model
 
     make_tiny_model(
         directory,

@@ -230,7 +230,7 @@ async def _bench_async(
     model: str, work: list[tuple[list[int], int]], ns: argparse.Namespace, threads: int
 ) -> dict[str, float]:
     """All prompts at once through AsyncLLM with its core process."""
-    from structllm.engine.async_llm import AsyncLLM
+    from structllm.engine.frontend.async_llm import AsyncLLM
     from structllm.params import SamplingParams
 
     produced = 0

@@ -52,9 +52,9 @@ from structllm.model.llama import (
     DecoderLayerWeights,
     LlamaForCausalLM,
     ModelWeights,
-    _rms_norm,
     attention_inputs,
     layer_output,
+    rms_norm,
 )
 
 __all__ = ["SMALL_STEP", "CompiledLlamaForCausalLM", "inference_available"]
@@ -231,7 +231,7 @@ class CompiledLlamaForCausalLM(LlamaForCausalLM):
 
         def head_fn(acts: list[Any], w: Feeds) -> Any:
             return paddle.matmul(
-                _rms_norm(acts[0], w["norm"], c.rms_norm_eps), w["head"]
+                rms_norm(acts[0], w["norm"], c.rms_norm_eps), w["head"]
             )
 
         # a probe through the model's first layers checks every program
@@ -357,7 +357,7 @@ class CompiledLlamaForCausalLM(LlamaForCausalLM):
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:  # (N, V)
         if hidden.shape[0] < SMALL_STEP:
-            normed = _rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps)
+            normed = rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps)
             return super().compute_logits(normed)
         (logits,) = self._head({"x": hidden.contiguous(), **self._head_feeds})
         return logits

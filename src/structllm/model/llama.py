@@ -32,6 +32,7 @@ __all__ = [
     "DecoderLayerWeights",
     "LlamaForCausalLM",
     "ModelWeights",
+    "rms_norm",
     "rope_attention_factor",
     "rope_inv_freq",
 ]
@@ -278,7 +279,7 @@ class LlamaForCausalLM:
         meta: AttentionMetadata,
     ) -> paddle.Tensor:  # (T, H)
         x = self.residual_stream(input_ids, positions, kv_caches, meta)
-        return _rms_norm(x, self.weights.norm, self.config.rms_norm_eps)
+        return rms_norm(x, self.weights.norm, self.config.rms_norm_eps)
 
     def residual_stream(
         self,
@@ -323,7 +324,7 @@ class LlamaForCausalLM:
             and self.all_reduce is None
         ):
             return self._decode_layers(x, host_positions, kv_caches, meta)
-        h = _rms_norm(x, layers[0].input_norm, c.rms_norm_eps)
+        h = rms_norm(x, layers[0].input_norm, c.rms_norm_eps)
         buffer = self.attention.qkv_buffer(meta, layers[0].qkv.out_features)
         for i, layer in enumerate(layers):
             # (T, q_size + 2 kv_size) on the host, the bias not yet added
@@ -431,15 +432,15 @@ def attention_inputs(
     Written for eager and static graphs alike (no Python-side shapes).
     """
     nh, kvh, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
+    h = rms_norm(x, layer.input_norm, c.rms_norm_eps)
     qkv = layer.qkv(h)  # (T, q_size + 2 kv_size)
     if layer.qkv.bias is not None:
         qkv = qkv + layer.qkv.bias
     qk = qkv[:, : c.q_size + c.kv_size].reshape([-1, nh + kvh, d])
     if layer.q_norm is not None:
         # Qwen3: RMSNorm over each head's head_dim, q and k apart
-        q = _rms_norm(qk[:, :nh].reshape([-1, d]), layer.q_norm, c.rms_norm_eps)
-        k = _rms_norm(qk[:, nh:].reshape([-1, d]), layer.k_norm, c.rms_norm_eps)
+        q = rms_norm(qk[:, :nh].reshape([-1, d]), layer.q_norm, c.rms_norm_eps)
+        k = rms_norm(qk[:, nh:].reshape([-1, d]), layer.k_norm, c.rms_norm_eps)
         qk = paddle.concat([q.reshape([-1, nh, d]), k.reshape([-1, kvh, d])], axis=1)
     qk = _apply_rope(qk, cos, sin)  # (T, nh + kvh, d)
     v = qkv[:, c.q_size + c.kv_size :].reshape([-1, kvh, d])
@@ -459,7 +460,7 @@ def layer_output(
     projections' partial outputs; their biases are added after it, once.
     """
     x = x + _o_projection(layer, attn, all_reduce)
-    h = _rms_norm(x, layer.post_attention_norm, c.rms_norm_eps)
+    h = rms_norm(x, layer.post_attention_norm, c.rms_norm_eps)
     return x + _mlp(layer, h, all_reduce)
 
 
@@ -504,10 +505,10 @@ def _add_rms_norm(
         normed, x = _fused_rms_norm(out, weight, None, eps, 1, residual=x)
         return normed, x
     x = x + out
-    return _rms_norm(x, weight, eps), x
+    return rms_norm(x, weight, eps), x
 
 
-def _rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
+def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
     # the fused CPU kernel has no gradient: training takes the composite ops
     fused = _FUSED_RMS_NORM and x.stop_gradient and weight.stop_gradient
     if x.dtype == paddle.float32 and fused:

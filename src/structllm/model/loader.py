@@ -45,10 +45,12 @@ __all__ = [
     "LoadProgress",
     "LoadedModel",
     "build_model",
+    "fuse_weights",
     "hf_tensor_shapes",
     "load_model",
     "projection_loaders",
     "random_hf_tensors",
+    "read_safetensors",
     "resolve_backend",
     "resolve_dtype",
 ]
@@ -267,7 +269,7 @@ def load_model(
                     report(n)
     elif not gguf and load_format in ("auto", "safetensors"):
         assert path is not None
-        for n, (name, tensor) in enumerate(_read_safetensors(path, shapes), 1):
+        for n, (name, tensor) in enumerate(read_safetensors(path, shapes), 1):
             tensors[name] = tensor
             report(n)
     else:
@@ -349,7 +351,7 @@ def build_model(
         n: x if isinstance(x, paddle.Tensor) else paddle.to_tensor(x)
         for n, x in tensors.items()
     }
-    weights = _fuse(config, t, dtype, linears)
+    weights = fuse_weights(config, t, dtype, linears)
     limit = config.max_context_len
     max_len = min(max_model_len or limit, limit)
     resolved = resolve_backend(backend, dtype, config)
@@ -436,7 +438,7 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
     return files
 
 
-def _read_safetensors(
+def read_safetensors(
     path: Path,
     shapes: Mapping[str, tuple[int, ...]],
     slices: Mapping[str, tuple[slice, ...]] | None = None,
@@ -489,7 +491,7 @@ def _ignorable(name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight"
 
 
-def _fuse(
+def fuse_weights(
     config: ModelConfig,
     t: dict[str, paddle.Tensor],
     dtype: str,

@@ -48,12 +48,12 @@ from structllm.model.loader import (
     LoadedModel,
     LoadFormat,
     LoadProgress,
-    _fuse,
-    _read_safetensors,
     build_model,
+    fuse_weights,
     hf_tensor_shapes,
     projection_loaders,
     random_hf_tensors,
+    read_safetensors,
     resolve_backend,
     resolve_dtype,
 )
@@ -212,7 +212,7 @@ def load_shard(
                 for name, array in read_gguf_tensors(f, plan.config, shapes)
             }
     else:
-        tensors = dict(_read_safetensors(path, shapes, slices))
+        tensors = dict(read_safetensors(path, shapes, slices))
     if plan.tp_size == 1:  # the whole model: every backend
         return build_model(
             plan.config,
@@ -260,7 +260,7 @@ def build_shard(
                 f"shard tensor {name} has shape {tuple(tensor.shape)}, rank "
                 f"{plan.rank} of {plan.tp_size} expects {expected.get(name)}"
             )
-    weights = _fuse(plan.local, dict(tensors), dtype)
+    weights = fuse_weights(plan.local, dict(tensors), dtype)
     if all_reduce is None and plan.tp_size > 1:
         all_reduce = all_reduce_sum
     limit = plan.config.max_context_len

@@ -25,9 +25,9 @@ from structllm.model.config import ModelConfig
 from structllm.model.linear import DenseLinear, Linear, check_backend
 from structllm.model.llama import (
     LlamaForCausalLM,
-    _rms_norm,
     attention_inputs,
     layer_output,
+    rms_norm,
 )
 
 __all__ = [
@@ -110,7 +110,7 @@ def causal_lm_logits(model: LlamaForCausalLM, tokens: paddle.Tensor) -> paddle.T
         attn = paddle.matmul(paddle.nn.functional.softmax(scores, axis=-1), v)
         attn = attn.transpose([0, 2, 1, 3]).reshape([b * t, nh * d])  # (B T, nh d)
         x = layer_output(c, layer, x, attn)
-    hidden = _rms_norm(x, model.weights.norm, c.rms_norm_eps)
+    hidden = rms_norm(x, model.weights.norm, c.rms_norm_eps)
     return model.compute_logits(hidden).reshape([b, t, -1])
 
 

@@ -21,9 +21,12 @@ a directory (``config.json`` + safetensors, or one ``.gguf``), a ``.gguf``
 file, or a Hugging Face Hub repo id ``owner/name[@revision]`` (:mod:`.hub`,
 honouring huggingface_hub's cache and ``HF_HUB_OFFLINE``).
 
-:func:`make_tiny_model` writes a random-weight checkpoint of any supported
-architecture to a directory (``structllm make-tiny-model``). This module
-imports nothing heavy: the loader and the tokenizer ask it what a name means.
+:func:`make_tiny_model` (which writes a random-weight checkpoint of any
+supported architecture, ``structllm make-tiny-model``) lives in
+:mod:`structllm.testing.checkpoints`; the name here is an alias, loaded on
+first use. This module is a leaf: it imports only the types layer and its own
+``fetch`` and ``hub``, so the loader and the tokenizer can ask it what a name
+means.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from structllm.errors import ModelLoadError
 from structllm.models.fetch import PinnedFile, fetch_pinned
 
 if TYPE_CHECKING:
-    from structllm.models.random_checkpoint import make_tiny_model
+    from structllm.testing.checkpoints import make_tiny_model
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -124,7 +127,7 @@ def is_gguf(path: Path) -> bool:
 
 def __getattr__(name: str) -> Any:
     if name == "make_tiny_model":
-        from structllm.models.random_checkpoint import make_tiny_model
+        from structllm.testing.checkpoints import make_tiny_model
 
         return make_tiny_model
     raise AttributeError(f"module 'structllm.models' has no attribute {name!r}")

@@ -1,28 +1,26 @@
 """The FastAPI application: the routes, their servings, and what wraps them.
 
-``build_app(slot, config, drain)`` assembles the server from its modules:
+``build_app(slot, config, drain)`` assembles the server from its rooms, one
+folder per API, each with its route (``api_router``), its protocol models
+(``protocol``) and its serving (``serving``): :mod:`~structllm.server.completions`,
+:mod:`~structllm.server.chat`, :mod:`~structllm.server.tokenize`,
+:mod:`~structllm.server.models` and :mod:`~structllm.server.operations`
+(``/health``, ``/metrics``, ``/version``). Adding an API is adding a room.
+Beside them, what the rooms share:
 
-- :mod:`~structllm.server.routes` -- one module per API (completions, chat,
-  models, operations); a route only hands the request to its serving.
-- :mod:`~structllm.server.serving` -- the serving base: body reading, the
-  disconnect and deadline guard, running and streaming requests, metrics;
-  :mod:`~structllm.server.serving_completion` and
-  :mod:`~structllm.server.serving_chat` are the two endpoints' logic.
-- :mod:`~structllm.server.protocol` (with :mod:`~structllm.server.fields`)
-  -- the request models, the one validation boundary, and the conversion to
-  ``SamplingParams``; :mod:`~structllm.server.responses` -- the response
-  models every body is built from. Both generate ``/openapi.json``
-  (:mod:`~structllm.server.openapi`).
-- :mod:`~structllm.server.http_errors` -- an OpenAI error body for every
-  status, including 404, 405, 413 and 500.
-- :mod:`~structllm.server.drain` -- graceful shutdown: while draining, new
-  ``/v1/`` requests get 503 (the listener stays open); those still running
-  when the grace period ends are cut, a streaming one with a final error
-  event and ``[DONE]``.
+- :mod:`~structllm.server.serving` -- the serving base: the disconnect and
+  deadline guard, running and streaming requests, error mapping, metrics.
+- :mod:`~structllm.server.protocol` -- the request and response pieces:
+  field types, validation into errors naming the field, refused fields,
+  output formats and tool definitions, logprobs, the common bodies (errors,
+  usage); they generate ``/openapi.json`` (:mod:`~structllm.server.openapi`).
+- :mod:`~structllm.server.http` -- body intake, an OpenAI error body for every
+  status (404, 405, 413 and 500 included), SSE, graceful drain (while
+  draining, new ``/v1/`` requests get 503; those still running when the
+  grace period ends are cut, a streaming one with a final error event and
+  ``[DONE]``), the request id and access log, API keys and CORS, the bound
+  on concurrent requests.
 - :mod:`~structllm.server.metrics` -- Prometheus, one registry per app.
-- :mod:`~structllm.server.access` -- the request id (``X-Request-Id``) and
-  the access log; :mod:`~structllm.server.security` -- API keys and CORS;
-  :mod:`~structllm.server.limits` -- the bound on concurrent requests.
 
 Middleware, outermost first: request context, CORS (only with
 ``--allowed-origins``), API keys (only with ``--api-key``), the concurrency
@@ -40,17 +38,23 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 import structllm
-from structllm.server import openapi, responses, routes
-from structllm.server.access import RequestContextMiddleware
-from structllm.server.drain import Drain, DrainMiddleware
-from structllm.server.http_errors import error_json, install_handlers
-from structllm.server.limits import ConcurrencyLimit, LimitState
+from structllm.server import openapi
+from structllm.server.chat import api_router as chat
+from structllm.server.chat.serving import ChatServing
+from structllm.server.completions import api_router as completions
+from structllm.server.completions.serving import CompletionServing
+from structllm.server.http.access import RequestContextMiddleware
+from structllm.server.http.drain import Drain, DrainMiddleware
+from structllm.server.http.errors import error_json, install_handlers
+from structllm.server.http.limits import ConcurrencyLimit, LimitState
+from structllm.server.http.security import ApiKeyMiddleware, add_cors
 from structllm.server.metrics import Gauges, Metrics
-from structllm.server.security import ApiKeyMiddleware, add_cors
+from structllm.server.models import api_router as models
+from structllm.server.operations import api_router as operations
+from structllm.server.protocol.bodies import now
 from structllm.server.serving import EngineSlot, ServerConfig, Serving
-from structllm.server.serving_chat import ChatServing
-from structllm.server.serving_completion import CompletionServing
-from structllm.server.serving_tokenize import TokenizeServing
+from structllm.server.tokenize import api_router as tokenize
+from structllm.server.tokenize.serving import TokenizeServing
 
 __all__ = ["Drain", "EngineSlot", "ServerConfig", "build_app", "error_json"]
 
@@ -89,17 +93,17 @@ def build_app(
     metrics = Metrics(_gauges(slot))
     app.state.metrics = metrics
     app.state.drain = drain
-    app.state.created = responses.now()
+    app.state.created = now()
     app.state.serving = Serving(slot, config, metrics)
     app.state.completions = CompletionServing(slot, config, metrics)
     app.state.chat = ChatServing(slot, config, metrics)
     app.state.tokenize = TokenizeServing(slot, config, metrics)
     for api in (
-        routes.completions,
-        routes.chat,
-        routes.models,
-        routes.operations,
-        routes.tokenize,
+        completions,
+        chat,
+        models,
+        operations,
+        tokenize,
     ):
         app.include_router(api.router)
     openapi.install(app)

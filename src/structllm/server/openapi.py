@@ -5,7 +5,7 @@ JSON), so FastAPI never sees them as parameters; :func:`request_body` puts
 the request model's schema into the route's ``openapi_extra``, and
 :func:`responses` describes the 200 (JSON, and the chunk model as
 ``text/event-stream`` for routes that stream) and the error statuses with
-:class:`~structllm.server.responses.ErrorResponse`. :func:`install` adds the
+:class:`~structllm.server.protocol.bodies.ErrorResponse`. :func:`install` adds the
 collected schemas to ``components/schemas``.
 """
 
@@ -19,7 +19,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode
 
-from structllm.server.responses import ErrorResponse
+from structllm.server.protocol.bodies import ErrorResponse
 
 __all__ = ["error_responses", "install", "request_body", "responses"]
 

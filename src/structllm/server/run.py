@@ -10,7 +10,7 @@ and ``[DONE]``); then hypercorn stops, and the engine stops its core process.
 Exit status 0, or 1 when the engine had died for good.
 
 The access log (``--access-log``, on by default) goes to stderr, one JSON
-line per request (:mod:`~structllm.server.access`). API keys come from
+line per request (:mod:`~structllm.server.http.access`). API keys come from
 ``--api-key`` and ``$STRUCTLLM_API_KEY`` together.
 
 The listen backlog is ``--backlog`` (hypercorn would otherwise re-listen
@@ -38,13 +38,13 @@ from structllm.config import (
     ServerConfig,
     from_arguments,
 )
-from structllm.engine.async_llm import AsyncLLM
-from structllm.errors import StructLLMError
-from structllm.server.access import ACCESS_LOGGER
+from structllm.engine.frontend.async_llm import AsyncLLM
+from structllm.errors import StructLLMError, unwrap_group
 from structllm.server.app import build_app
-from structllm.server.drain import Drain, drain_then_stop
-from structllm.server.http_errors import error_json
-from structllm.server.security import api_keys
+from structllm.server.http.access import ACCESS_LOGGER
+from structllm.server.http.drain import Drain, drain_then_stop
+from structllm.server.http.errors import error_json
+from structllm.server.http.security import api_keys
 from structllm.server.serving import EngineSlot
 
 _log = logging.getLogger("structllm.server")
@@ -269,8 +269,7 @@ def _trio_connections_fail_alone() -> None:
 
 
 def _leaf(exc: BaseException) -> str:
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
+    exc = unwrap_group(exc)
     return f"{type(exc).__name__}: {exc}"
 
 

@@ -2,7 +2,7 @@
 
 :class:`Serving` holds the engine slot, the configuration and the metrics.
 ``guarded()`` takes the body through
-:func:`~structllm.server.body.receive_json` (JSON only, under a size cap
+:func:`~structllm.server.http.body.receive_json` (JSON only, under a size cap
 and a deadline, strict: no NaN, bounded depth; big bodies parsed in a
 worker thread), runs the endpoint's handler in a task group that also watches the connection (a
 client that leaves cancels it, the request's ``stream`` block exits and the
@@ -11,8 +11,8 @@ known errors into OpenAI error responses. ``run_to_end()`` and
 ``stream()`` run the requests of one response (prompts times ``n``), the
 latter as server-sent events whose chunks a :class:`StreamFormat` writes
 (each API's is a :class:`Chunks`).
-:mod:`~structllm.server.serving_completion` and
-:mod:`~structllm.server.serving_chat` are the endpoints.
+:mod:`~structllm.server.completions.serving` and
+:mod:`~structllm.server.chat.serving` are the endpoints.
 """
 
 from __future__ import annotations
@@ -31,28 +31,23 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from structllm.config import ServerConfig
-from structllm.engine.async_llm import AsyncLLM
-from structllm.engine.inputs import Prompt
-from structllm.errors import EngineLoadingError, InvalidRequestError
+from structllm.engine.frontend.async_llm import AsyncLLM
+from structllm.engine.frontend.inputs import Prompt
+from structllm.errors import EngineLoadingError, InvalidRequestError, unwrap_group
 from structllm.outputs import CompletionOutput, RequestOutput
 from structllm.params import SamplingParams
-from structllm.server import responses as api
-from structllm.server.access import current_record
-from structllm.server.body import receive_json
-from structllm.server.constraints import rename_field
-from structllm.server.http_errors import (
+from structllm.server.http.access import current_record
+from structllm.server.http.body import receive_json
+from structllm.server.http.errors import (
     ModelNotFoundError,
     RequestTimeoutError,
     error_response,
 )
+from structllm.server.http.sse import Emit, EventStream, cancel_on_disconnect, deadline
 from structllm.server.metrics import Metrics
-from structllm.server.protocol import SamplingRequest
-from structllm.server.streaming import (
-    Emit,
-    EventStream,
-    cancel_on_disconnect,
-    deadline,
-)
+from structllm.server.protocol import bodies
+from structllm.server.protocol.constraints import rename_field
+from structllm.server.protocol.sampling import SamplingRequest
 
 __all__ = ["Chunks", "EngineSlot", "Job", "ServerConfig", "Serving", "StreamFormat"]
 
@@ -88,11 +83,11 @@ class StreamFormat(Protocol):
     def include_usage(self) -> bool: ...
     @property
     def continuous_usage(self) -> bool: ...
-    def opening(self, job: Job, usage: api.Usage | None) -> BaseModel | None: ...
+    def opening(self, job: Job, usage: bodies.Usage | None) -> BaseModel | None: ...
     def delta(
-        self, job: Job, out: RequestOutput, usage: api.Usage | None
+        self, job: Job, out: RequestOutput, usage: bodies.Usage | None
     ) -> BaseModel: ...
-    def closing(self, usage: api.Usage) -> BaseModel: ...
+    def closing(self, usage: bodies.Usage) -> BaseModel: ...
 
 
 @attrs.define(eq=False)
@@ -105,7 +100,7 @@ class Serving:
     fingerprint: str = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self.fingerprint = api.fingerprint("structllm", self.config.model_name)
+        self.fingerprint = bodies.fingerprint("structllm", self.config.model_name)
 
     # -- the guard -----------------------------------------------------------
 
@@ -132,7 +127,7 @@ class Serving:
                 return Response(status_code=499)
             return response
         except BaseExceptionGroup as group:
-            response = self.error_response(_leaf(group))
+            response = self.error_response(unwrap_group(group))
             if response is None:
                 raise
             return response
@@ -180,15 +175,15 @@ class Serving:
         """The fields every response and chunk starts with."""
         return {
             "id": rid,
-            "created": api.now(),
+            "created": bodies.now(),
             "model": self.config.model_name,
             "system_fingerprint": self.fingerprint,
         }
 
     def final_usage(
         self, jobs: Sequence[Job], finals: dict[int, RequestOutput]
-    ) -> api.Usage:
-        return api.usage(
+    ) -> bodies.Usage:
+        return bodies.usage(
             self.prompt_tokens(jobs),
             sum(len(f.outputs[0].token_ids) for f in finals.values()),
             sum(f.num_cached_tokens or 0 for f in finals.values()),
@@ -230,22 +225,22 @@ class Serving:
         generated = {job.index: 0 for job in jobs}
         cached = {job.index: 0 for job in jobs}
 
-        def usage() -> api.Usage:
-            return api.usage(
+        def usage() -> bodies.Usage:
+            return bodies.usage(
                 prompt_tokens, sum(generated.values()), sum(cached.values())
             )
 
-        def running_usage() -> api.Usage | None:
+        def running_usage() -> bodies.Usage | None:
             return usage() if fmt.continuous_usage else None
 
         async def one(job: Job, emit: Emit) -> None:
             if (first := fmt.opening(job, running_usage())) is not None:
-                await emit(api.dump(first))
+                await emit(bodies.dump(first))
 
             async def on_output(o: RequestOutput) -> None:
                 generated[job.index] = o.num_generated_tokens
                 cached[job.index] = o.num_cached_tokens or 0
-                await emit(api.dump(fmt.delta(job, o, running_usage())))
+                await emit(bodies.dump(fmt.delta(job, o, running_usage())))
 
             await self.observe(job, on_output)
 
@@ -269,7 +264,7 @@ class Serving:
                 else:
                     await produce_several(emit)
             except BaseExceptionGroup as group:
-                exc = _leaf(group)
+                exc = unwrap_group(group)
                 if isinstance(exc, InvalidRequestError):
                     exc = rename_field(exc, constraint_field)
                 response = self.error_response(exc)
@@ -278,7 +273,7 @@ class Serving:
                 await emit(json.loads(bytes(response.body)))
             else:
                 if fmt.include_usage:
-                    await emit(api.dump(fmt.closing(usage())))
+                    await emit(bodies.dump(fmt.closing(usage())))
             await emit("[DONE]")
 
         async def produce_several(emit: Emit) -> None:
@@ -309,7 +304,7 @@ class Serving:
         on_output: Callable[[RequestOutput], Awaitable[None]] | None,
     ) -> RequestOutput:
         """Run one job, recording latency metrics and, inside an HTTP request,
-        its record (:mod:`~structllm.server.access`); its final output.
+        its record (:mod:`~structllm.server.http.access`); its final output.
 
         The engine request is named after the HTTP request's id.
         """
@@ -319,17 +314,12 @@ class Serving:
         last = start
         first = True
         prompt = job.prompt
-        given: dict[str, Any] = {"prompt_token_ids": list(prompt.token_ids)}
-        if prompt.text is not None:
-            given["prompt"] = prompt.text
-        if prompt.cache_salt is not None:
-            given["cache_salt"] = prompt.cache_salt
         rid = None
         if record is not None:
             rid = record.engine_request_id(job.index)
             if record.prompt_chars and record.prompt is None:
                 record.prompt = self.prompt_text(prompt)[: record.prompt_chars]
-        s = self.slot.get().stream(given, job.params, request_id=rid)
+        s = self.slot.get().stream(prompt, job.params, request_id=rid)
         try:
             async with s:
                 async for out in s:
@@ -379,7 +369,7 @@ class Chunks(Generic[_R]):
     def continuous_usage(self) -> bool:
         return self.req.continuous_usage
 
-    def head(self, usage: api.Usage | None) -> dict[str, Any]:
+    def head(self, usage: bodies.Usage | None) -> dict[str, Any]:
         """The fields of a chunk besides its choices."""
         head = self.serving.head(self.rid)
         if usage is not None:
@@ -394,11 +384,3 @@ class Chunks(Generic[_R]):
         if c.finish_reason is not None:
             extra["stop_reason"] = c.stop_reason
         return extra
-
-
-def _leaf(group: BaseExceptionGroup[Any]) -> BaseException:
-    """The first leaf exception of a (nested) group."""
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc

@@ -1,0 +1,76 @@
+"""What every child process of the engine does, whichever program it runs.
+
+The core process (:mod:`structllm.engine.core_process`) and the follower
+ranks of a tensor-parallel group (:mod:`structllm.engine.rank_group`) are
+separate programs; both end with their parent (:func:`exit_with_parent`),
+take the test faults of ``Start.fault`` (:func:`inject_fault`) and report
+their memory (:func:`peak_rss_bytes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import resource
+import select
+import sys
+import threading
+import time
+
+__all__ = ["exit_with_parent", "inject_fault", "peak_rss_bytes"]
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory.
+
+    Linux's ``VmHWM``, of this program's memory only: ``getrusage``'s
+    ``ru_maxrss`` would also count the parent's, which a fork had shared
+    before the exec. Elsewhere ``ru_maxrss`` (macOS counts it in bytes).
+    """
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/status") as f:
+            line = next(ln for ln in f if ln.startswith("VmHWM:"))
+        return 1024 * int(line.split()[1])  # "VmHWM:  437320 kB"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else 1024 * peak
+
+
+def inject_fault(kind: str, step: int) -> None:
+    """Test hook: fail on purpose at a given step."""
+    if kind == "raise_at_step":
+        raise_at = RuntimeError(f"injected fault at step {step}")
+        raise raise_at
+    if kind == "hang_at_step":
+        while True:  # a wedged kernel: no output, no heartbeat
+            time.sleep(3600)
+    if kind == "exit_at_step":
+        os._exit(3)
+    raise ValueError(f"unknown fault {kind!r}")
+
+
+def exit_with_parent(parent_pid: int) -> None:
+    """Exit at once, even mid-step, when the parent process dies.
+
+    A thread waits on a pidfd of the parent (readable when it exits). Not
+    ``PR_SET_PDEATHSIG``: that fires when the parent *thread* that forked us
+    exits, and trio starts processes from a pooled thread that retires after
+    10 s idle, which would kill a healthy core process.
+    """
+
+    def watch_pidfd(fd: int) -> None:
+        select.select([fd], [], [])
+        os._exit(0)
+
+    def watch_ppid() -> None:  # no pidfd (not Linux): check once a second
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(0)
+
+    try:
+        fd = os.pidfd_open(parent_pid)
+    except (AttributeError, OSError):
+        watch = watch_ppid
+    else:
+        watch = functools.partial(watch_pidfd, fd)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

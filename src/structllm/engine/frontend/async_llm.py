@@ -1,0 +1,416 @@
+"""``AsyncLLM``: the structured-concurrency front end of the engine.
+
+    async with AsyncLLM.open("tiny") as llm:                  # trio or asyncio
+        async with llm.stream("Hello", SamplingParams(max_tokens=32)) as s:
+            async for out in s:
+                print(out.outputs[0].text, end="")
+
+This module is the public API; the work is split by job as vLLM splits it:
+
+- :mod:`~structllm.engine.frontend.core_client` starts the engine core (a child
+  process, :mod:`~structllm.engine.core_process`, or a thread), supervises
+  and restarts it, and talks to it; :mod:`~structllm.engine.frontend.replicas`
+  holds ``data_parallel_size`` of them, routes each request to one, and is
+  the one relay of their step outputs to the output processor;
+- :mod:`~structllm.engine.frontend.output_processor` turns the core's tokens into
+  outputs (detokenising, stop strings) and delivers them to each request's
+  one-slot mailbox; the offline ``LLM`` uses the same processor;
+- :mod:`~structllm.engine.frontend.inputs` checks a request's arguments and builds
+  the request the core takes (shared with ``LLM`` too);
+- this module admits requests (:meth:`AsyncLLM.submit`, :meth:`AsyncLLM.release`:
+  the public pair :class:`~structllm.engine.frontend.request_stream.RequestStream`
+  and ``generate()`` are built on) and ties each one to whoever consumes it.
+
+``open()`` owns one task group, which runs the client. Leaving ``open()``
+stops admission, lets in-flight requests finish for ``shutdown_grace``
+seconds, fails the rest with EngineDeadError, and stops the core: no task,
+thread or process outlives the block.
+
+Registration with the front end and submission to the core happen together,
+synchronously, so cancellation cannot split them; releasing a request
+(leaving its ``stream`` block for any reason) sends the abort synchronously
+too, so no cleanup ever has to await under cancellation. The core frees the
+request's KV blocks before its next step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import attrs
+
+from structllm.config import EngineConfig, FrontendConfig, split_fields
+from structllm.engine.frontend.core_client import health_timeout
+from structllm.engine.frontend.inputs import (
+    PromptInput,
+    check_for_model,
+    check_overload,
+    new_request,
+    prepare_off_loop,
+    prompt_byte_cap,
+)
+from structllm.engine.frontend.output_processor import (
+    OutputProcessor,
+    RequestOutputCollector,
+    RequestState,
+    merge_choices,
+)
+from structllm.engine.frontend.replicas import ReplicaSet
+from structllm.engine.frontend.request_stream import (
+    RequestStream,
+    run_all_to_end,
+    run_to_end,
+)
+from structllm.engine.protocol import AbortRequests, CoreState, Ready
+from structllm.engine.statistics import EngineStatistics
+from structllm.errors import EngineDeadError, InvalidRequestError, unwrap_group
+from structllm.outputs import RequestOutput
+from structllm.params import OutputKind, SamplingParams
+from structllm.text.tokenizer import Tokenizer, load_tokenizer
+
+__all__ = ["AsyncLLM", "EngineStatistics", "RequestStream"]
+
+
+class AsyncLLM:
+    """The async engine. Build it with :meth:`open`; see the module docstring."""
+
+    def __init__(
+        self, engine: EngineConfig, front: FrontendConfig, tokenizer: Tokenizer
+    ) -> None:
+        self.engine_config = engine
+        self.config = front
+        self.tokenizer = tokenizer
+        #: the live requests
+        self._processor = OutputProcessor(on_idle=self._on_idle)
+        #: the cores, and the one relay of their step outputs to the requests
+        self._client = ReplicaSet(engine, front, self._processor)
+        self._submissions = itertools.count()
+        self._idle_event = anyio.Event()
+        self._eos: frozenset[int] = frozenset(tokenizer.eos_token_ids)
+        #: complete()'s requests with n > 1: id -> its samples' ids
+        self._samples: dict[str, list[str]] = {}
+
+    # ------------------------------------------------------------------ open
+
+    @classmethod
+    def open(cls, model: str, **kwargs: Any) -> AbstractAsyncContextManager[AsyncLLM]:
+        """Start an engine for ``model`` (a directory or a built-in name).
+
+        Keyword arguments are the fields of :class:`EngineConfig` (engine:
+        ``max_model_len``, ``num_blocks``, ...) and of :class:`FrontendConfig`
+        (``executor``, ``shutdown_grace``, ``max_restarts``, ...). Startup
+        errors raise from ``open`` itself: ModelLoadError for a bad
+        checkpoint, EngineConfigError for settings that cannot work (as
+        ``LLM`` raises them).
+        """
+        engine_kw, front_kw = split_fields(
+            kwargs, EngineConfig, FrontendConfig, caller="AsyncLLM.open()"
+        )
+        return cls._open(
+            EngineConfig(model=str(model), **engine_kw), FrontendConfig(**front_kw)
+        )
+
+    @classmethod
+    def from_config(
+        cls, engine: EngineConfig, front: FrontendConfig | None = None
+    ) -> AbstractAsyncContextManager[AsyncLLM]:
+        """:meth:`open` for settings already built as config objects."""
+        return cls._open(engine, front or FrontendConfig())
+
+    @classmethod
+    @asynccontextmanager
+    async def _open(
+        cls, engine: EngineConfig, front: FrontendConfig
+    ) -> AsyncIterator[AsyncLLM]:
+        tokenizer = load_tokenizer(front.tokenizer or engine.model)
+        llm = cls(engine, front, tokenizer)
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(llm._client.run)
+                try:
+                    yield llm
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await llm._shutdown()
+                    tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # Error contract: a startup failure (ModelLoadError,
+            # EngineConfigError, EngineDeadError) or an exception from the
+            # caller's own block comes out unwrapped; several at once (an
+            # internal failure too) stay a group.
+            exc = unwrap_group(group, sole=True)
+            if exc is group:
+                raise
+            exc.__suppress_context__ = True
+            raise exc  # noqa: B904 - the group is only a wrapper here
+
+    # ------------------------------------------------------------ public API
+
+    def stream(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> RequestStream:
+        """A request as an async context manager yielding an async iterator.
+
+        Leaving the block early, a deadline, cancellation of the task, or
+        :meth:`abort` ends the request; ``finish_reason`` is then ``"abort"``.
+        Raises InvalidRequestError / EngineOverloadedError at entry, and
+        EngineDeadError at entry or while iterating if the engine dies.
+        """
+        return RequestStream(self, prompt, params, request_id, priority)
+
+    async def generate(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """vLLM-style async generator. Close it deterministically::
+
+            async with contextlib.aclosing(llm.generate(p, sp)) as agen:
+                async for out in agen: ...
+
+        It holds no cancel scope across ``yield`` (that would break
+        structured concurrency); closing it releases the request.
+        """
+        state = await self.submit(
+            prompt,
+            SamplingParams() if params is None else params,
+            request_id if request_id is not None else uuid.uuid4().hex,
+            priority,
+        )
+        try:
+            while (out := await state.mailbox.next()) is not None:
+                yield out
+        finally:
+            self.release(state)
+
+    async def complete(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> RequestOutput:
+        """Run a request to the end and return only its final output.
+
+        With ``params.n`` > 1 the samples run as n requests (ids
+        ``{request_id}-{i}``) sharing the prompt's KV blocks, and come back
+        as one output; ``abort(request_id)`` ends them all.
+        """
+        params = attrs.evolve(
+            SamplingParams() if params is None else params, output_kind=OutputKind.FINAL
+        )
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        if params.n == 1:
+            stream = self.stream(prompt, params, request_id=rid, priority=priority)
+            return await run_to_end(stream)
+        samples = [
+            self.stream(
+                prompt, params.for_choice(i), request_id=f"{rid}-{i}", priority=priority
+            )
+            for i in range(params.n)
+        ]
+        # while they run, abort(rid) finds the samples under rid
+        self._samples[rid] = [s.request_id for s in samples]
+        try:
+            return merge_choices(await run_all_to_end(samples))
+        finally:
+            del self._samples[rid]
+
+    async def abort(self, request_id: str) -> None:
+        """End ``request_id`` now: cancels its stream block; idempotent."""
+        for sample in self._samples.get(request_id, ()):
+            await self.abort(sample)
+        state = self._processor.get(request_id)
+        if state is not None:
+            # cancel first: a consumer woken by the release alone would see
+            # a normal end of stream and run on inside its block
+            scope = state.mailbox.scope
+            if scope is not None:
+                scope.cancel()
+            self.release(state)
+        await anyio.lowlevel.checkpoint()
+
+    async def check_health(self) -> None:
+        """Raise EngineDeadError if the engine has died for good."""
+        if self._client.dead is not None:
+            raise self._client.new_dead_error()
+        await anyio.lowlevel.checkpoint()
+
+    def statistics(self) -> EngineStatistics:
+        return self._client.statistics(live_requests=len(self._processor))
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix block; return how many were forgotten.
+
+        Blocks in use stay with their requests (and are not cached again
+        when freed). Raises EngineDeadError if the core dies first.
+        """
+        return await self._client.reset_prefix_cache()
+
+    async def inspect_cores(self) -> tuple[CoreState | None, ...]:
+        """Each replica core's own record of its requests and KV blocks.
+
+        Asked of the core in order with everything this front end sent it,
+        and answered before its next step: a request released before the
+        call is gone from ``request_ids`` (the core's ids, ``{request_id}#n``)
+        and its blocks are back in the answer, or the abort never reached
+        the core. None for a replica dead for good. For tests and debugging;
+        :meth:`statistics` is the cheap view.
+        """
+        return await self._client.inspect()
+
+    @property
+    def health_timeout(self) -> float:
+        return health_timeout(self.config)
+
+    @property
+    def max_prompt_bytes(self) -> int | None:
+        """The byte cap on prompts (None until the context length is known)."""
+        info = self._client.info
+        return prompt_byte_cap(
+            self.config.max_prompt_bytes, None if info is None else info.max_model_len
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        assert self._client.info is not None
+        return self._client.info.vocab_size
+
+    async def wait_statistics(
+        self, predicate: Callable[[EngineStatistics], bool]
+    ) -> EngineStatistics:
+        """Wait until a fresh snapshot satisfies ``predicate``; return it.
+
+        The core reports after every step and whenever it goes idle, so
+        ``wait_statistics(lambda s: s.blocks_used == 0)`` returns as soon as
+        aborted requests' blocks are back. Bound it with a deadline.
+        """
+        while not predicate(stats := self.statistics()):
+            await self._client.wait_changed()
+        return stats
+
+    @property
+    def max_model_len(self) -> int:
+        assert self._client.info is not None
+        return self._client.info.max_model_len
+
+    # ------------------------------------------------ one request, by hand
+
+    async def submit(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> RequestState:
+        """Register a request and send it to a core; its state (``mailbox``
+        of outputs, ``finish_reason``, ``snapshot()``) until :meth:`release`.
+
+        What :meth:`stream` and :meth:`generate` are built on. After the
+        prompt is parsed and the engine is ready, registration and
+        submission happen without an await: cancellation cannot split them.
+        Every state must be released, on every path.
+        """
+        parsed = await prepare_off_loop(
+            prompt,
+            params,
+            request_id,
+            priority,
+            self.tokenizer,
+            max_bytes=self.max_prompt_bytes,
+        )
+        await self._client.wait_ready()
+        # From here to the end: no await. Registered and submitted, or neither.
+        info = self.check_admission(parsed.token_ids, params=params)
+        if self._processor.get(request_id) is not None:
+            raise InvalidRequestError(
+                f"request_id {request_id!r} is already in use by a live request",
+                field="request_id",
+            )
+        # the id the core sees: unique per submission, so a caller's id can be
+        # reused at once without a late output for the old request landing here
+        state, request = new_request(
+            parsed,
+            params,
+            self.tokenizer,
+            request_id=request_id,
+            core_id=f"{request_id}#{next(self._submissions)}",
+            eos_token_ids=self._eos | frozenset(info.eos_token_ids),
+            priority=priority,
+            queue=RequestOutputCollector(params.output_kind),
+        )
+        self._client.submit_nowait(request)
+        self._processor.add(state)
+        return state
+
+    def check_admission(
+        self,
+        prompt_token_ids: Sequence[int],
+        count: int = 1,
+        *,
+        params: SamplingParams | None = None,
+    ) -> Ready:
+        """Raise now what submitting ``count`` requests for this prompt would.
+
+        EngineDeadError when dead, shutting down or restarting;
+        InvalidRequestError for a prompt the model cannot take or a refused
+        structured-output spec (a new one is checked on the loop, 0.1-2 ms;
+        ``inputs.check_structured_outputs_off_loop`` checks it in a thread);
+        EngineOverloadedError when admission control would refuse. Servers
+        call it before promising a streaming response.
+        """
+        self._client.check_admitting()
+        info = self._client.info
+        if not self._client.ready or info is None:
+            raise EngineDeadError("the engine core is restarting")
+        check_for_model(
+            prompt_token_ids,
+            params,
+            vocab_size=info.vocab_size,
+            max_model_len=info.max_model_len,
+        )
+        check_overload(
+            len(self._processor),
+            count,
+            max_num_seqs=self._client.max_num_seqs,
+            max_queued_requests=self.config.max_queued_requests,
+        )
+        return info
+
+    def release(self, state: RequestState) -> None:
+        """The consumer is done with ``state``: abort it in the core if
+        unfinished. Synchronous (no checkpoint): safe under cancellation."""
+        if self._processor.release(state):
+            self._client.send_nowait(AbortRequests([state.core_id]))
+
+    def _on_idle(self) -> None:
+        self._idle_event.set()
+        self._idle_event = anyio.Event()
+
+    # -------------------------------------------------------------- shutdown
+
+    async def _shutdown(self) -> None:
+        self._client.begin_shutdown()
+        with anyio.move_on_after(self.config.shutdown_grace):
+            while len(self._processor):
+                await self._idle_event.wait()
+        self._processor.fail_all(
+            lambda: EngineDeadError("the engine shut down before the request finished")
+        )
+        self._client.send_shutdown()

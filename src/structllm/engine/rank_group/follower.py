@@ -1,0 +1,245 @@
+"""A follower rank of a tensor-parallel group: the process rank 0 steps.
+
+Run as ``python -m structllm.engine.rank_group`` (:func:`main`; the
+group's module keeps the command), either spawned by rank 0 itself
+(``--fd K --parent-pid P``) or started elsewhere with ``--connect
+HOST:PORT`` (see :mod:`structllm.engine.rank_group` for the group's rules
+and :mod:`structllm.engine.rank_group.protocol` for the messages). Either way it
+takes its :class:`~structllm.engine.rank_group.protocol.RankSetup`, joins the
+process group, loads its shard, and runs each step's forward until rank 0
+closes the connection; if it raises, it tells rank 0 (``RankFailed``) and
+exits 1.
+
+- A spawned follower watches rank 0's pid through a pidfd, as the core
+  process watches the front end, and reads EOF when rank 0 closes.
+- A connected follower has no pid to watch across machines: a reader
+  thread ends the process when rank 0 closes the connection or falls
+  silent for the heartbeat timeout, with a SIGALRM as the kernel's backup
+  (:func:`_follow_connected`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import NoReturn
+
+import msgspec
+
+from structllm.config import parse_address
+from structllm.engine.rank_group.env import apply_env
+from structllm.engine.rank_group.protocol import (
+    HELLO_TIMEOUT,
+    AllocateKV,
+    Hello,
+    Ping,
+    RankFailed,
+    RankMessage,
+    RankSetup,
+    Step,
+    frame,
+    receive,
+)
+from structllm.errors import EngineConfigError
+
+__all__ = ["CONNECT_TIMEOUT", "main"]
+
+#: default seconds a ``--connect`` follower keeps trying to reach rank 0
+CONNECT_TIMEOUT = 600.0
+#: seconds past a ``--connect`` follower's silence timeout that its SIGALRM
+#: ends it, if its reader thread could not (Paddle held the GIL)
+_ALARM_GRACE = 1.0
+
+
+def _follow(sock: socket.socket) -> int:
+    """A spawned follower: its setup, then each step until EOF."""
+    setup = receive(sock)
+    if not isinstance(setup, RankSetup):
+        return 0  # rank 0 went away before saying what to load
+    return _run_steps(setup, lambda: receive(sock))
+
+
+def _follow_connected(sock: socket.socket, setup_timeout: float) -> int:
+    """A ``--connect`` follower: say Hello, take the setup, then steps.
+
+    A reader thread takes every message off the socket and ends the process
+    at once (even mid-step, blocked in a collective) when rank 0 closes the
+    connection or has been silent for ``silence_timeout``: no pidfd crosses
+    machines, and a collective whose peer vanished may never return. A
+    thread needs the GIL, which Paddle holds through some blocking calls
+    (``init_parallel_env`` waiting for the store holds it), so the kernel
+    backs it up: each message re-arms a SIGALRM (default action: the
+    process ends) due ``_ALARM_GRACE`` seconds after the silence timeout.
+    """
+    sock.sendall(frame(Hello(os.getpid(), socket.gethostname())))
+    sock.settimeout(setup_timeout)  # rank 0 answers once every rank is in
+    try:
+        setup = receive(sock)
+    except TimeoutError:
+        _exit_now(f"rank 0 sent no setup within {setup_timeout:g}s", 1)
+    if not isinstance(setup, RankSetup) or setup.silence_timeout is None:
+        return 0  # rank 0 went away (or gave up waiting for the others)
+    apply_env(setup.env)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    _rearm(setup.silence_timeout)
+    inbox: queue.SimpleQueue[RankMessage] = queue.SimpleQueue()
+    threading.Thread(
+        target=_read_rank0,
+        args=(sock, inbox, setup.silence_timeout),
+        name="rank0-reader",
+        daemon=True,
+    ).start()
+    return _run_steps(setup, inbox.get)
+
+
+def _read_rank0(
+    sock: socket.socket, inbox: queue.SimpleQueue[RankMessage], silence: float
+) -> None:
+    sock.settimeout(silence)
+    while True:
+        try:
+            msg = receive(sock)
+        except TimeoutError:
+            _exit_now(f"no word from rank 0 for {silence:g}s (heartbeat timeout)", 1)
+        except (OSError, msgspec.DecodeError):
+            msg = None
+        if msg is None:
+            _exit_now(None, 0)  # rank 0 closed the group
+        _rearm(silence)
+        if not isinstance(msg, Ping):
+            inbox.put(msg)
+
+
+def _rearm(silence: float) -> None:
+    """Have the kernel end this process unless rank 0 is heard from again
+    within ``silence`` seconds (and a grace, for the reader to say why)."""
+    signal.setitimer(signal.ITIMER_REAL, silence + _ALARM_GRACE)
+
+
+def _exit_now(why: str | None, code: int) -> NoReturn:
+    """End the process from any thread, whatever the others are doing."""
+    if why is not None:
+        rank = os.environ.get("PADDLE_TRAINER_ID", "?")
+        with contextlib.suppress(OSError):
+            os.write(2, f"structllm rank {rank}: {why}; exiting\n".encode())
+    os._exit(code)
+
+
+def _run_steps(setup: RankSetup, next_message: Callable[[], RankMessage | None]) -> int:
+    """Load the shard, then run each step's forward until no message is left."""
+    from structllm.core.engine_core import load_engine_model
+    from structllm.core.runner import run_forward
+    from structllm.engine.child import inject_fault
+    from structllm.model._paddle import (
+        paddle,
+        set_num_threads,
+    )
+
+    config = setup.config
+    set_num_threads(config.cpu_threads())
+    paddle.distributed.init_parallel_env()
+    rank = paddle.distributed.get_rank()
+    model = load_engine_model(config, rank).model
+    fault_kind, _, fault_step = (setup.fault or "").partition(":")
+    kv_caches = None
+    steps = 0
+    while (msg := next_message()) is not None:
+        if isinstance(msg, AllocateKV):
+            kv_caches = model.allocate_kv_cache(msg.num_blocks)
+        elif isinstance(msg, Step):
+            if kv_caches is None:
+                raise RuntimeError("a step before the KV cache was allocated")
+            if fault_kind and steps == int(fault_step):
+                inject_fault(fault_kind, steps)
+            run_forward(model, kv_caches, msg.input)
+            steps += 1
+    return 0
+
+
+def _connect(address: str, timeout: float) -> socket.socket:
+    """A connection to rank 0, retried until it listens or ``timeout`` passes."""
+    host, port = parse_address(address, "--connect")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=HELLO_TIMEOUT)
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise ConnectionError(
+                    f"rank 0 at {address} did not answer within {timeout:g}s: {exc}"
+                ) from exc
+            time.sleep(0.5)  # not listening yet (it starts later, or restarts)
+            continue
+        sock.settimeout(None)
+        return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The follower's command line; its exit status (0: rank 0 closed the
+    group; 1: the follower raised, and told rank 0)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m structllm.engine.rank_group",
+        description="A follower rank of a tensor-parallel engine. Started by "
+        "rank 0 itself (--fd, --parent-pid), or on another machine with "
+        "--connect to the address rank 0 listens on (structllm serve "
+        "--tensor-parallel-listen); see docs/parallel.md.",
+    )
+    parser.add_argument("--fd", type=int, help="socket to rank 0 (spawned)")
+    parser.add_argument("--parent-pid", type=int, help="rank 0's pid (spawned)")
+    parser.add_argument(
+        "--connect", metavar="HOST:PORT", help="rank 0's --tensor-parallel-listen"
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=CONNECT_TIMEOUT,
+        metavar="SECONDS",
+        help="how long to keep trying to reach rank 0, and then to wait for "
+        "the group to form (default: %(default)g)",
+    )
+    ns = parser.parse_args(argv)
+    if ns.connect is not None:
+        if ns.fd is not None or ns.parent_pid is not None:
+            parser.error("--connect takes no --fd or --parent-pid")
+        try:
+            sock = _connect(ns.connect, ns.connect_timeout)
+        except (ConnectionError, EngineConfigError) as exc:
+            parser.exit(2, f"{parser.prog}: {exc}\n")
+        return _run_follower(sock, lambda: _follow_connected(sock, ns.connect_timeout))
+    if ns.fd is None or ns.parent_pid is None:
+        parser.error("give --connect HOST:PORT (or --fd and --parent-pid)")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from structllm.engine.child import exit_with_parent
+
+    exit_with_parent(ns.parent_pid)
+    if os.getppid() != ns.parent_pid:
+        return 0  # rank 0 died before the watch began
+    sock = socket.socket(fileno=ns.fd)
+    return _run_follower(sock, lambda: _follow(sock))
+
+
+def _run_follower(sock: socket.socket, follow: Callable[[], int]) -> int:
+    """``follow()``; if it raises, tell rank 0 (RankFailed) and exit 1."""
+    try:
+        return follow()
+    except Exception as exc:
+        rank = int(os.environ.get("PADDLE_TRAINER_ID", "-1"))
+        with contextlib.suppress(OSError):
+            sock.sendall(
+                frame(
+                    RankFailed(
+                        rank, type(exc).__name__, str(exc), traceback.format_exc()
+                    )
+                )
+            )
+        return 1
+    finally:
+        sock.close()

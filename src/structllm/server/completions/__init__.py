@@ -1,0 +1,1 @@
+"""``/v1/completions``: its route, protocol models and serving."""

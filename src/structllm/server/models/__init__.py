@@ -1,0 +1,1 @@
+"""``/v1/models`` and ``/v1/models/{id}``: their route and models."""

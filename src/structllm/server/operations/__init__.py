@@ -1,0 +1,1 @@
+"""``/health``, ``/metrics`` and ``/version``: their routes and models."""

@@ -1,0 +1,1 @@
+"""``/tokenize`` and ``/detokenize``: their routes, protocol models and serving."""

@@ -1,0 +1,44 @@
+"""``POST /tokenize`` and ``POST /detokenize`` (vLLM's routes, outside ``/v1``)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from structllm.server import openapi
+from structllm.server.tokenize.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from structllm.server.tokenize.serving import TokenizeServing
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.post(
+    "/tokenize",
+    openapi_extra=openapi.request_body(TokenizeCompletionRequest, TokenizeChatRequest),
+    response_model=None,
+    responses=openapi.responses(TokenizeResponse),
+    summary="Tokenise a prompt, or chat messages through the chat template",
+)
+async def tokenize(request: Request) -> Response:
+    serving: TokenizeServing = request.app.state.tokenize
+    return await serving.guarded(request, serving.tokenize)
+
+
+@router.post(
+    "/detokenize",
+    openapi_extra=openapi.request_body(DetokenizeRequest),
+    response_model=None,
+    responses=openapi.responses(DetokenizeResponse),
+    summary="Token ids back to text",
+)
+async def detokenize(request: Request) -> Response:
+    serving: TokenizeServing = request.app.state.tokenize
+    return await serving.guarded(request, serving.detokenize)

@@ -1,0 +1,9 @@
+"""Helpers for testing structllm and what is built on it, kept apart from the API.
+
+- :mod:`~structllm.testing.checkpoints`: :func:`make_tiny_model`, random-weight
+  checkpoints of every supported family in Hugging Face layout (``structllm
+  make-tiny-model``; also ``structllm.models.make_tiny_model``).
+- :mod:`~structllm.testing.sse`: reading a server's SSE streams to their end
+  (raw socket or httpx); ``tools/soak.py``, ``tests/boundary_probe.py`` and
+  the tests share it.
+"""

@@ -470,3 +470,32 @@ def test_abort_during_verification_frees_every_block() -> None:
     assert core.pool.num_used == 0
     core.pool.audit()
     assert not core.has_unfinished_requests()
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_tokens_and_logprobs() -> None:
+    """Several tokens a step reach the front end: a stop string met at one of
+    them ends the text, the token ids and the logprobs there, as without
+    speculation (the trained ``tiny`` repeats the licence its prompt holds)."""
+    from structllm import LLM
+
+    mit = (
+        "Permission is hereby granted, free of charge, to any person obtaining "
+        "a copy of this software and associated documentation files"
+    )
+    prompt = f"{mit}.\n\n{mit}.\n\nPermission is hereby granted"
+    params = SamplingParams(
+        temperature=0, max_tokens=40, stop=["obtaining"], logprobs=1
+    )
+    outs = [
+        LLM("tiny", show_progress=False, speculative_config=spec).generate(
+            [prompt], params
+        )[0]
+        for spec in (None, NGRAM)
+    ]
+    plain, fast = outs
+    assert plain.finish_reason == fast.finish_reason == "stop"
+    assert fast.text == plain.text and fast.text.endswith("any person ")
+    assert fast.token_ids == plain.token_ids
+    lp_fast, lp_plain = fast.outputs[0].logprobs, plain.outputs[0].logprobs
+    assert lp_fast is not None and lp_plain is not None
+    assert len(lp_fast) == len(fast.token_ids) == len(lp_plain)

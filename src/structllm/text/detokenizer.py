@@ -37,6 +37,9 @@ class DetokenizerUpdate:
     text: str
     #: the stop string that was found; the detokenizer takes no more tokens
     stop_str: str | None = None
+    #: how many of the ids given were taken: all, unless a stop string ended
+    #: the text at one of them (the rest are past the end)
+    num_taken: int = 0
 
     @property
     def stopped(self) -> bool:
@@ -125,10 +128,12 @@ class IncrementalDetokenizer:
         if self._finished:
             return DetokenizerUpdate("")
         released: list[str] = []
+        taken = 0
         for token_id in new_ids:
             if self._finished:
                 break  # a stop string: the remaining tokens are not taken
             self._ids.append(token_id)
+            taken += 1
             prefix_text = self._decode(
                 self._ids[self._prefix_offset : self._read_offset]
             )
@@ -138,7 +143,7 @@ class IncrementalDetokenizer:
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
             released.append(self._take(new_text[len(prefix_text) :]))
-        return self._update("".join(released))
+        return self._update("".join(released), taken)
 
     def finish(self) -> DetokenizerUpdate:
         """Release everything held back (incomplete characters as U+FFFD).
@@ -162,10 +167,11 @@ class IncrementalDetokenizer:
             self._finished = True
         return self._update(text)
 
-    def _update(self, text: str) -> DetokenizerUpdate:
+    def _update(self, text: str, taken: int = 0) -> DetokenizerUpdate:
         if text:
             self._chunks.append(text)
-        return DetokenizerUpdate(text, self._stop_str if self._finished else None)
+        stop = self._stop_str if self._finished else None
+        return DetokenizerUpdate(text, stop, taken)
 
     def _take(self, delta: str) -> str:
         """Add decoded text; return the part that may be released now."""

@@ -150,7 +150,11 @@ class RequestState:
         """
         if self.finished:
             return None
-        self.token_ids.extend(step.new_token_ids)
+        # A step may bring several tokens (speculative decoding): a stop
+        # string that ends the text at one of them ends the output there.
+        update = self.detokenizer.add_tokens(step.new_token_ids)
+        new_ids = step.new_token_ids[: update.num_taken]
+        self.token_ids.extend(new_ids)
         if step.queue_s is not None:
             self.queue_time = step.queue_s
         if step.num_cached_tokens is not None:
@@ -163,11 +167,11 @@ class RequestState:
                 )
             )
         if self.logprobs is not None and step.logprobs is not None:
-            for token, lp in zip(step.new_token_ids, step.logprobs, strict=True):
+            taken_logprobs = step.logprobs[: len(new_ids)]
+            for token, lp in zip(new_ids, taken_logprobs, strict=True):
                 self.logprobs.append(self._logprob_dict(token, lp))
                 assert self.cumulative_logprob is not None
                 self.cumulative_logprob += lp.sampled_logprob
-        update = self.detokenizer.add_tokens(step.new_token_ids)
         if update.stop_str is not None:
             self.finish_reason, self.stop_reason = "stop", update.stop_str
         elif step.finish_reason is not None:

@@ -144,7 +144,8 @@ def test_include_stop_str_in_output() -> None:
         BYTE, [], stop="世界", include_stop_str_in_output=True
     )
     update = detok.add_tokens(BYTE.encode("hi 世界 more", add_special_tokens=False))
-    assert update == DetokenizerUpdate("hi 世界", "世界")
+    # taken through the last byte of 界; " more" is past the end
+    assert update == DetokenizerUpdate("hi 世界", "世界", num_taken=9)
     assert detok.token_ids == list("hi 世界".encode())
 
 
@@ -164,11 +165,11 @@ def test_without_stop_strings_nothing_is_held_back() -> None:
 
 def test_the_stop_string_that_completes_first_wins() -> None:
     detok = IncrementalDetokenizer(BYTE, [], stop=["abcd", "bc"])
-    assert detok.add_tokens(b"xabcd") == DetokenizerUpdate("xa", "bc")
+    assert detok.add_tokens(b"xabcd") == DetokenizerUpdate("xa", "bc", num_taken=4)
     detok = IncrementalDetokenizer(
         BYTE, [], stop=["bc", "abc"], include_stop_str_in_output=True
     )
-    assert detok.add_tokens(b"xabc") == DetokenizerUpdate("xabc", "abc")
+    assert detok.add_tokens(b"xabc") == DetokenizerUpdate("xabc", "abc", num_taken=4)
 
 
 def test_stop_string_completed_by_finish() -> None:

@@ -499,3 +499,22 @@ def test_a_stop_string_inside_an_accepted_run_ends_tokens_and_logprobs() -> None
     lp_fast, lp_plain = fast.outputs[0].logprobs, plain.outputs[0].logprobs
     assert lp_fast is not None and lp_plain is not None
     assert len(lp_fast) == len(fast.token_ids) == len(lp_plain)
+
+
+@pytest.mark.anyio
+async def test_the_front_end_counts_proposals_and_acceptances() -> None:
+    from structllm import AsyncLLM
+
+    async with AsyncLLM.open(
+        "tiny-random", max_model_len=256, speculative_config=NGRAM
+    ) as llm:
+        for prompt in REPEATING[:2]:
+            await llm.complete({"prompt_token_ids": list(prompt)}, GREEDY)
+        stats = llm.statistics()
+    assert stats.spec_decode_num_drafts > 0
+    assert (
+        0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
+    )
+    assert stats.spec_decode_acceptance_rate == (
+        stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens
+    )

@@ -39,6 +39,12 @@ class EngineStatistics:
     #: open(), over every core start)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    #: speculative decoding (``speculative_config``): verification steps of a
+    #: request with proposals, tokens proposed, and proposed tokens accepted
+    #: (since open(), over every core start)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
     #: each replica's own snapshot (its ``live_requests``: those placed on
     #: it); the counts above are their sums, ``ready`` and ``healthy`` true
     #: when any replica is, ``dead`` when all are
@@ -53,3 +59,10 @@ class EngineStatistics:
     def prefix_cache_hit_rate(self) -> float:
         """Found / looked-up prompt tokens; 0.0 before any lookup."""
         return hit_rate(self.prefix_cache_hits, self.prefix_cache_queries)
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Accepted / proposed tokens; 0.0 before any proposal."""
+        return hit_rate(
+            self.spec_decode_num_accepted_tokens, self.spec_decode_num_draft_tokens
+        )

@@ -139,6 +139,18 @@ def _gauges(slot: EngineSlot) -> Gauges:
                 "Prompt tokens found in the prefix cache.",
                 s.prefix_cache_hits,
             ),
+            "spec_decode_num_drafts_total": (
+                "Speculative decoding: verification steps of requests with proposals.",
+                s.spec_decode_num_drafts,
+            ),
+            "spec_decode_num_draft_tokens_total": (
+                "Speculative decoding: tokens proposed.",
+                s.spec_decode_num_draft_tokens,
+            ),
+            "spec_decode_num_accepted_tokens_total": (
+                "Speculative decoding: proposed tokens accepted.",
+                s.spec_decode_num_accepted_tokens,
+            ),
         }
 
     return gauges

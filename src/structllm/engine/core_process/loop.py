@@ -231,7 +231,9 @@ def _warm_up(core: EngineCore, send: Send) -> None:
         core.step()
     # neither its blocks nor its counts are the user's
     core.reset_prefix_cache()
-    core.scheduler.prefix_cache_queries = core.scheduler.prefix_cache_hits = 0
+    sched = core.scheduler
+    sched.prefix_cache_queries = sched.prefix_cache_hits = 0
+    sched.num_drafts = sched.num_draft_tokens = sched.num_accepted_tokens = 0
     send(LoadProgressMsg("warmup", 1, 1))
 
 

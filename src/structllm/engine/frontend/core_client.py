@@ -146,6 +146,10 @@ class CoreClient:
     #: prefix-cache (queries, hits) over every core, and the running core's
     prefix_cache: tuple[int, int] = (0, 0)
     _core_prefix_cache: tuple[int, int] = (0, 0)
+    #: speculative decoding: drafts, draft tokens, accepted tokens (totals
+    #: over every core start, as prefix_cache)
+    spec_decode: tuple[int, int, int] = (0, 0, 0)
+    _core_spec_decode: tuple[int, int, int] = (0, 0, 0)
     #: questions to the core (reset_prefix_cache(), inspect()) waiting for
     #: their answers, oldest first: the core answers in the order it was asked
     _questions: list[_Question] = attrs.Factory(list)
@@ -205,6 +209,9 @@ class CoreClient:
             healthy=healthy,
             prefix_cache_queries=client.prefix_cache[0],
             prefix_cache_hits=client.prefix_cache[1],
+            spec_decode_num_drafts=client.spec_decode[0],
+            spec_decode_num_draft_tokens=client.spec_decode[1],
+            spec_decode_num_accepted_tokens=client.spec_decode[2],
         )
 
     async def reset_prefix_cache(self) -> int:
@@ -308,15 +315,26 @@ class CoreClient:
             await anyio.sleep(self.config.restart_backoff * 2 ** (len(failures) - 1))
 
     def _count_prefix_cache(self, step: StepOutput) -> None:
+        """Add the core's cumulative counters' growth to this client's
+        totals (a restarted core counts from zero again)."""
         queries, hits = step.prefix_cache_queries, step.prefix_cache_hits
         old_q, old_h = self._core_prefix_cache
         total_q, total_h = self.prefix_cache
         self.prefix_cache = (total_q + queries - old_q, total_h + hits - old_h)
         self._core_prefix_cache = (queries, hits)
+        spec = (step.num_drafts, step.num_draft_tokens, step.num_accepted_tokens)
+        self.spec_decode = tuple(  # type: ignore[assignment]
+            total + now - old
+            for total, now, old in zip(
+                self.spec_decode, spec, self._core_spec_decode, strict=True
+            )
+        )
+        self._core_spec_decode = spec
 
     def _on_core_gone(self) -> None:
         self.relay.on_change()
         self._core_prefix_cache = (0, 0)  # the next core counts from zero
+        self._core_spec_decode = (0, 0, 0)
         for asked in self._questions:
             asked.answer = EngineDeadError("the engine core stopped before answering")
             asked.done.set()

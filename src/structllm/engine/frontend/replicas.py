@@ -319,6 +319,13 @@ class ReplicaSet:
             healthy=any(s.healthy for s in each),
             prefix_cache_queries=sum(s.prefix_cache_queries for s in each),
             prefix_cache_hits=sum(s.prefix_cache_hits for s in each),
+            spec_decode_num_drafts=sum(s.spec_decode_num_drafts for s in each),
+            spec_decode_num_draft_tokens=sum(
+                s.spec_decode_num_draft_tokens for s in each
+            ),
+            spec_decode_num_accepted_tokens=sum(
+                s.spec_decode_num_accepted_tokens for s in each
+            ),
             replicas=each,
         )
 

@@ -117,9 +117,6 @@ class StepOutput(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    #: on the step that leaves the core idle, the core process's peak
-    #: resident memory (0 on other steps): current once a burst has ended
-    peak_rss_bytes: int = 0
 
 
 class RequestStatus(enum.Enum):

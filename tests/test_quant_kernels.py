@@ -98,7 +98,7 @@ def test_matmul_matches_dequantized(
         for rows in (1, 7, 577):
             raw = random_raw(kind, rows, n, seed=rows + n)
             w = reference(raw, kind)
-            for t_len in (1, 3, 16, 100):
+            for t_len in (1, 2, 3, 4, 7, 16, 100):
                 x = rng.standard_normal((t_len, n), dtype=np.float32)
                 y = qk.matmul(x, raw, kind, rows, n, threaded=threaded)
                 assert y.shape == (t_len, rows) and y.dtype == np.float32

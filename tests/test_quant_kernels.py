@@ -253,7 +253,7 @@ def test_q8_activations_equal_llama_cpp_arithmetic(
     for n in (32, 96, 576):  # odd block counts pair the last block with zeros
         for rows in (1, 7, 577):
             raw = random_raw(kind, rows, n, seed=rows + n)
-            for t_len in (1, 3, 16):
+            for t_len in (1, 2, 3, 4, 7, 16):  # GEMVs of 4, 2 and 1 tokens
                 x = rng.standard_normal((t_len, n), dtype=np.float32)
                 x[0, :32] = 0.0  # a zero block: d 0, no division
                 y = qk.matmul(
@@ -302,7 +302,7 @@ def test_q8_dot_products_on_other_instruction_sets(
     if isa == "avx2" and not _has_avx2():
         pytest.skip("no AVX2")
     rng = np.random.default_rng(5)
-    inputs = {"x": rng.standard_normal((3, 96), dtype=np.float32)}
+    inputs = {"x": rng.standard_normal((7, 96), dtype=np.float32)}
     for kind in sorted(qk.Q8_TYPES):
         inputs[kind.name] = random_raw(kind, 5, 96, seed=int(kind))
     np.savez(tmp_path / "in.npz", **inputs)

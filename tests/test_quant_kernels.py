@@ -3,6 +3,9 @@ dequantizers (llama.cpp's reference formats)."""
 
 from __future__ import annotations
 
+import platform
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -95,7 +98,7 @@ def test_matmul_matches_dequantized(
         for rows in (1, 7, 577):
             raw = random_raw(kind, rows, n, seed=rows + n)
             w = reference(raw, kind)
-            for t_len in (1, 3, 16, 100):
+            for t_len in (1, 2, 3, 4, 7, 16, 100):
                 x = rng.standard_normal((t_len, n), dtype=np.float32)
                 y = qk.matmul(x, raw, kind, rows, n, threaded=threaded)
                 assert y.shape == (t_len, rows) and y.dtype == np.float32
@@ -172,3 +175,155 @@ def test_one_token_float_rows_of_any_length(kind: GGMLType) -> None:
         raw = random_raw(kind, 5, n, seed=n)
         x = rng.standard_normal((1, n), dtype=np.float32)
         _assert_close(qk.matmul(x, raw, kind, 5, n), x, reference(raw, kind))
+
+
+# -- q8 activations: llama.cpp's integer dot products ---------------------------
+
+
+def q8_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """llama.cpp's ``quantize_row_q8_1_ref`` (q8_0's values and d, and s):
+    ``q`` int64 ``(T, blocks, 32)``, ``d`` and ``s`` float32 ``(T, blocks)``."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = np.abs(blocks).max(axis=2) / np.float32(127)
+    inverse = np.where(d == 0, np.float32(0), np.float32(1) / np.where(d == 0, 1, d))
+    q = qk._round_away(blocks * inverse.astype(np.float32)[..., None]).astype(np.int64)
+    s = (q.sum(axis=2).astype(np.float32) * d).astype(np.float16).astype(np.float32)
+    return q, d.astype(np.float16).astype(np.float32), s
+
+
+def weight_integers(
+    raw: np.ndarray, kind: GGMLType
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A 32-value type's blocks as llama.cpp's dot products read them:
+    integers ``(rows, blocks, 32)`` (the offset of Q4_0/Q5_0 taken off), d
+    and m (None for the types without one) ``(rows, blocks)``."""
+    size = qk.block_layout(kind)[1]
+    blocks = raw.reshape(raw.shape[0], -1, size)
+
+    def half(at: int) -> np.ndarray:
+        pair = blocks[:, :, at : at + 2].copy().view(np.float16)
+        return pair[..., 0].astype(np.float32)
+
+    def nibbles(at: int) -> np.ndarray:
+        q = blocks[:, :, at : at + 16].astype(np.int64)
+        return np.concatenate([q & 15, q >> 4], axis=2)
+
+    def fifth(at: int) -> np.ndarray:
+        qh = blocks[:, :, at : at + 4].copy().view("<u4")[..., 0].astype(np.int64)
+        return ((qh[..., None] >> np.arange(32)) & 1) << 4
+
+    if kind == GGMLType.Q8_0:
+        return blocks[:, :, 2:].view(np.int8).astype(np.int64), half(0), None
+    if kind == GGMLType.Q4_0:
+        return nibbles(2) - 8, half(0), None
+    if kind == GGMLType.Q4_1:
+        return nibbles(4), half(0), half(2)
+    if kind == GGMLType.Q5_0:
+        return (nibbles(6) | fifth(2)) - 16, half(0), None
+    return nibbles(8) | fifth(4), half(0), half(2)  # Q5_1
+
+
+def q8_matmul_reference(
+    x: np.ndarray, raw: np.ndarray, kind: GGMLType
+) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's ``ggml_vec_dot_*_q8_0``/``q8_1`` (generic versions) for
+    every token and row, in float64: a block's integer dot times the float32
+    ``d_w * d_x`` (plus ``m_w * s_x``), summed over blocks; and a float32
+    rounding bound, 1e-5 of the sum of the terms' magnitudes."""
+    qx, dx, sx = q8_reference(x)
+    qw, dw, mw = weight_integers(raw, kind)
+    dot = np.einsum("tbj,rbj->trb", qx, qw).astype(np.float64)
+    size = np.einsum("tbj,rbj->trb", np.abs(qx), np.abs(qw)).astype(np.float64)
+    scale = (dw[None] * dx[:, None]).astype(np.float32).astype(np.float64)
+    terms, size = scale * dot, np.abs(scale) * size
+    if mw is not None:
+        mins = mw[None].astype(np.float64) * sx[:, None].astype(np.float64)
+        terms, size = terms + mins, size + np.abs(mins)
+    return terms.sum(axis=2), 1e-5 * size.sum(axis=2) + 1e-30
+
+
+@pytest.mark.parametrize("kind", sorted(qk.Q8_TYPES), ids=lambda k: k.name)
+@pytest.mark.parametrize("threaded", [False, True])
+def test_q8_activations_equal_llama_cpp_arithmetic(
+    kind: GGMLType, threaded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if threaded:
+        monkeypatch.setattr(kernels, "_threads", 2)
+    rng = np.random.default_rng(int(kind))
+    for n in (32, 96, 576):  # odd block counts pair the last block with zeros
+        for rows in (1, 7, 577):
+            raw = random_raw(kind, rows, n, seed=rows + n)
+            for t_len in (1, 2, 3, 4, 7, 16):  # GEMVs of 4, 2 and 1 tokens
+                x = rng.standard_normal((t_len, n), dtype=np.float32)
+                x[0, :32] = 0.0  # a zero block: d 0, no division
+                y = qk.matmul(
+                    x, raw, kind, rows, n, threaded=threaded, activations="q8"
+                )
+                want, bound = q8_matmul_reference(x, raw, kind)
+                assert y.shape == (t_len, rows) and y.dtype == np.float32
+                assert np.all(np.abs(y - want) <= bound), (n, rows, t_len)
+
+
+def test_q8_activations_leave_other_types_float() -> None:
+    raw = random_raw(GGMLType.Q4_K, 9, 512)
+    x = np.random.default_rng(2).standard_normal((3, 512), dtype=np.float32)
+    y = qk.matmul(x, raw, GGMLType.Q4_K, 9, 512, activations="q8")
+    np.testing.assert_array_equal(y, qk.matmul(x, raw, GGMLType.Q4_K, 9, 512))
+    with pytest.raises(ValueError, match="activations"):
+        qk.matmul(x, raw, GGMLType.Q4_K, 9, 512, activations="int8")
+
+
+_ISA_SCRIPT = """
+import sys
+import numpy as np
+from structllm.model import quant_kernels as qk
+data = np.load(sys.argv[1])
+out = {}
+for kind in sorted(qk.Q8_TYPES):
+    raw = data[kind.name]
+    out[kind.name] = qk.matmul(data["x"], raw, kind, raw.shape[0], 96, activations="q8")
+np.savez(sys.argv[2], **out)
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "generic"])
+def test_q8_dot_products_on_other_instruction_sets(
+    isa: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dot product as AVX2 (two ``vpmaddubsw`` halves) and as plain LLVM
+    arithmetic (any CPU), whatever this host has: compiled afresh in a
+    process of its own."""
+    import os
+    import subprocess
+    import sys
+
+    if isa == "avx2" and platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86 only")
+    if isa == "avx2" and not _has_avx2():
+        pytest.skip("no AVX2")
+    rng = np.random.default_rng(5)
+    inputs = {"x": rng.standard_normal((7, 96), dtype=np.float32)}
+    for kind in sorted(qk.Q8_TYPES):
+        inputs[kind.name] = random_raw(kind, 5, 96, seed=int(kind))
+    np.savez(tmp_path / "in.npz", **inputs)
+    env = dict(
+        os.environ,
+        STRUCTLLM_QK_DOT=isa,
+        NUMBA_CACHE_DIR=str(tmp_path / "cache"),
+        PYTHONPATH=os.pathsep.join(sys.path),
+    )
+    subprocess.run(
+        [sys.executable, "-c", _ISA_SCRIPT, tmp_path / "in.npz", tmp_path / "out.npz"],
+        env=env,
+        check=True,
+    )
+    with np.load(tmp_path / "out.npz") as got:
+        for kind in sorted(qk.Q8_TYPES):
+            want, bound = q8_matmul_reference(inputs["x"], inputs[kind.name], kind)
+            assert np.all(np.abs(got[kind.name] - want) <= bound), kind.name
+
+
+def _has_avx2() -> bool:
+    import llvmlite.binding as llvm
+
+    return bool(llvm.get_host_cpu_features().get("avx2"))

@@ -14,6 +14,9 @@ own process, numpy's OpenBLAS limited to the same count.
 the same turns, so a kernel change is measured against the old one side by
 side; the load average is printed with each row.
 
+``--activations q8`` times this copy with ``matmul(..., activations="q8")``
+(the baseline with its default, float activations).
+
 ``--prefill T`` compares, for T tokens through gate_up and down, the
 kernel with dequantizing 256-row tiles into numpy's BLAS and with float32.
 
@@ -127,9 +130,9 @@ def _best_in_turns(fns: list[Callable[[], None]], repeats: int) -> list[float]:
     return best
 
 
-def _quantized_step(qk, weights, xs, outs) -> None:  # type: ignore[no-untyped-def]
+def _quantized_step(qk, weights, xs, outs, **options) -> None:  # type: ignore[no-untyped-def]
     for (w, t, o, n), y in zip(weights, outs, strict=True):
-        qk.matmul(xs[n], w, t, o, n, out=y)
+        qk.matmul(xs[n], w, t, o, n, out=y, **options)
 
 
 def _dense_step(weights, floats, xs, outs) -> None:  # type: ignore[no-untyped-def]
@@ -168,7 +171,10 @@ def child(args: argparse.Namespace) -> None:
             }
             outs = [np.empty((batch, o), np.float32) for _, _, o, _ in weights]
 
-            quantized = partial(_quantized_step, qk, weights, xs, outs)
+            options = {}
+            if args.activations != "float":
+                options["activations"] = args.activations
+            quantized = partial(_quantized_step, qk, weights, xs, outs, **options)
             dense = partial(_dense_step, weights, floats, xs, outs)
             steps = [quantized, dense]
             if base is not None:
@@ -255,6 +261,12 @@ def main() -> None:
     p.add_argument("--gguf", help="also time this GGUF file's own weights")
     p.add_argument("--prefill", type=int, help="tokens: compare prefill paths")
     p.add_argument("--baseline", help="an older quant_kernels.py to time alongside")
+    p.add_argument(
+        "--activations",
+        default="float",
+        help="matmul's activations option (q8: quantized activations); the"
+        " baseline keeps its default",
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -288,6 +300,7 @@ def main() -> None:
             argv += ["--prefill", str(args.prefill)]
         if args.baseline:
             argv += ["--baseline", args.baseline]
+        argv += ["--activations", args.activations]
         run = subprocess.run(
             argv, env=env, check=True, stdout=subprocess.PIPE, text=True
         )

@@ -18,10 +18,13 @@ activations ``x (T, in)`` by it without a float copy of the whole weight:
   kernels instead, one a type: each row's blocks are dequantized into
   vector registers and multiplied with ``x`` there, 16 lanes at a time,
   into running sums that stay in registers to the end of the row (no float
-  buffer; 1.3-1.8x the buffered kernel's speed on SmolLM2's step). Run
-  a token at a time at ``T`` of 2 they dequantize each block twice and
-  measured 0.8-1.07x the buffered kernel's speed, slower from 3: ``T`` of
-  2 and more stays buffered.
+  buffer; 1.3-1.8x the buffered kernel's speed on SmolLM2's step). Up to
+  8 tokens (decode with a few concurrent streams) of a block type take
+  GEMVs of 4 and 2 tokens: each block dequantized into registers once and
+  multiplied into every token's sums (``T`` of 2 costs 0.9-1.3x ``T`` of
+  1 on a 3072 x 576 matrix, 1.9-2.7x faster than the buffered kernel; 1.5-
+  2.3x at 4). Run a token at a time they dequantized each block again a
+  token, 0.8-1.07x the buffered kernel's speed at 2.
 - Rows are spread over the engine's threads (:func:`set_num_threads` of
   :mod:`structllm.model.kernels`, the same OpenMP pool as the attention
   kernels), in contiguous runs of whole row quads.
@@ -33,8 +36,21 @@ activations ``x (T, in)`` by it without a float copy of the whole weight:
   on float weights 30% faster than either (``tools/bench_quant_kernels.py
   --prefill 256``); the kernel stays the one path for now: no Python loop
   over tiles, and its threads are the engine's OpenMP pool.
-- Activations stay float32: ``x`` is never quantized, so the result is the
-  float32 product with the dequantized weight, to rounding.
+- Activations stay float32 by default: ``x`` is not quantized, so the
+  result is the float32 product with the dequantized weight, to rounding.
+  ``activations="q8"`` does what llama.cpp does instead, for the 32-value
+  types (:data:`Q8_TYPES`): ``x`` quantized once a call to Q8_0/Q8_1
+  blocks, then a block's products are integers (64 bytes against 64, one
+  ``vpdpbusd`` with AVX-512 VNNI, ``vpmaddubsw`` + ``vpmaddwd`` without,
+  and on AVX2 as two 256-bit halves) and one float multiply-add by ``d_w
+  d_x`` a block: 1.7-2x the float GEMV on one 3072 x 576 matrix at ``T``
+  of 1, 1.3-1.5x at 2 and 4 (GEMVs of 4, 2 and 1 tokens, a pair of blocks
+  unpacked once for all; no buffered kernel: any ``T`` runs them). The
+  K-quants take float activations (no Q8_K yet). Its error is
+  quantization's, not rounding's: 0.3-1% of a projection's output on
+  SmolLM2's activations (whose outliers share a block's scale), 1.1 at
+  most in a logit, and greedy decoding leaves transformers' tokens within
+  a few steps on most prompts, where float activations follow them.
 
 How the loops are written decides whether LLVM vectorises them, and each
 rule below was measured (``inspect_asm``) rather than assumed:
@@ -63,8 +79,11 @@ rule below was measured (``inspect_asm``) rather than assumed:
   Dequantizing itself is compiled without fastmath: :func:`dequantize_rows`
   equals ``gguf.quants.dequantize`` exactly.
 
-Nothing here is CPU-specific: numba compiles for the host (AVX2 or
-AVX-512), and its on-disk cache is keyed by the host CPU. Compiled code is
+Nothing here needs a particular CPU: numba compiles for the host (AVX2 or
+AVX-512), and its on-disk cache is keyed by the host CPU. The q8 dot
+product alone names x86 instructions (:func:`_dot_isa` picks them from the
+host's features, plain LLVM arithmetic where there are none, or where numba
+is told to compile for another CPU). Compiled code is
 cached like the attention kernels' (``cache=True``).
 
 Type numbers are GGML's (:class:`GGMLType`), as GGUF files store them.
@@ -75,6 +94,8 @@ from __future__ import annotations
 import enum
 import importlib
 import operator
+import os
+import platform
 from typing import Any
 
 import numpy as np
@@ -83,6 +104,7 @@ from structllm.model import kernels
 
 __all__ = [
     "MATMUL_TYPES",
+    "Q8_TYPES",
     "QUANTIZE_TYPES",
     "GGMLType",
     "available",
@@ -261,7 +283,16 @@ def _vsum(v: Any) -> float:  # pragma: no cover - compiled
     return 0.0
 
 
-def _define_vectors() -> None:
+def _module_class(name: str, base: Any) -> Any:
+    """A class of this module by that name: pickled by reference (numba's
+    cache pickles the vector types of a kernel's signature; a class pickled
+    by value comes back as another type, one numba has no model for)."""
+    kind = type(name, (base,), {"__module__": __name__, "__qualname__": name})
+    globals()[name] = kind
+    return kind
+
+
+def _define_vectors() -> tuple[Any, Any]:
     """Register the vector types, intrinsics and operators with numba."""
     ir = importlib.import_module("llvmlite.ir")
     types = numba.types
@@ -278,7 +309,7 @@ def _define_vectors() -> None:
         def init(self: Any, dmm: Any, fe_type: Any, vty: Any = vty) -> None:
             extending.models.PrimitiveModel.__init__(self, dmm, fe_type, vty)
 
-        kind = type(name, (types.Type,), {})
+        kind = _module_class(name, types.Type)
         base = extending.models.PrimitiveModel
         model = type(name + "Model", (base,), {"__init__": init})
         extending.register_model(kind)(model)
@@ -415,10 +446,267 @@ def _define_vectors() -> None:
         (operator.lshift, "shl"),
     ]:
         binary(op, ivec, instruction, False)
+    return fvec, ivec
+
+
+# -- 64 bytes at a time: the q8 activation kernels -----------------------------
+#
+# With ``activations="q8"`` a block's products are integers: 64 weight bytes
+# (two 32-value blocks, unpacked to one byte a value) against 64 int8
+# activations, four products summed into each of 16 int32 lanes by
+# :func:`_vdot`: one ``vpdpbusd`` with AVX-512 VNNI, ``vpmaddubsw`` +
+# ``vpmaddwd`` on AVX-512BW or (in two halves) AVX2, and plain LLVM
+# multiplies and adds elsewhere (each chosen when the kernels compile, for
+# the host numba compiles for).
+
+
+def _bq8x2(row: np.ndarray, a: int, b: int) -> Any:  # pragma: no cover
+    """The 32 int8 at ``row[a:]`` then the 32 at ``row[b:]``, as 64 bytes."""
+
+
+def _bnib2(row: np.ndarray, a: int, b: int) -> Any:  # pragma: no cover
+    """Two Q4 blocks' 16 bytes at ``row[a:]`` and ``row[b:]`` as 64 values
+    0..15 in value order: low nibbles, high nibbles, each block's."""
+
+
+def _bhigh2(row: np.ndarray, a: int, b: int) -> Any:  # pragma: no cover
+    """Two Q5 blocks' fifth bits (a little-endian uint32 at ``row[a:]`` and
+    at ``row[b:]``, bit j value j's) as 64 bytes of 0 or 16."""
+
+
+def _bint8s(a: np.ndarray, index: int) -> Any:  # pragma: no cover
+    """The 64 int8 ``a[index:index + 64]``."""
+
+
+def _vints(a: np.ndarray, index: int) -> Any:  # pragma: no cover
+    """The 16 int32 ``a[index:index + 16]``."""
+
+
+def _vsplat2(a: Any, b: Any) -> Any:  # pragma: no cover
+    """The float vector of ``a`` in lanes 0..7 and ``b`` in lanes 8..15."""
+
+
+def _vdot(u: Any, s: Any) -> Any:  # pragma: no cover
+    """Lane i of the int32 result: ``sum(u[4i + k] * s[4i + k], k < 4)`` for
+    ``u`` unsigned and ``s`` signed bytes (``vpdpbusd``). Exact where
+    ``vpmaddubsw`` would not saturate: each pair's sum within int16 (``u``
+    at most 128 against ``s`` in -127..127)."""
+
+
+def _vdots(w: Any, s: Any) -> Any:  # pragma: no cover
+    """:func:`_vdot` of two signed byte vectors (``s`` in -127..127): ``|w|``
+    against ``s`` with ``w``'s sign, as llama.cpp's AVX2 kernels do."""
+
+
+def _f16_round(v: Any) -> float:  # pragma: no cover
+    """``v`` rounded to the nearest IEEE half (ties to even), as float32."""
+    return float(np.float32(np.float16(v)))
+
+
+def _dot_isa() -> str:
+    """The instructions :func:`_vdot` compiles to: ``vnni``, ``avx512bw``,
+    ``avx2`` or ``generic``. ``STRUCTLLM_QK_DOT`` forces one (tests; give
+    numba its own cache directory then: the choice is compiled in)."""
+    forced = os.environ.get("STRUCTLLM_QK_DOT")
+    if forced:
+        return forced
+    config = numba.config
+    if config.CPU_NAME or config.CPU_FEATURES:  # not compiled for this host
+        return "generic"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "generic"
+    features = importlib.import_module("llvmlite.binding").get_host_cpu_features()
+    if features.get("avx512vnni") and features.get("avx512bw"):
+        return "vnni"
+    if features.get("avx512bw"):
+        return "avx512bw"
+    if features.get("avx2"):
+        return "avx2"
+    return "generic"
+
+
+def _define_byte_vectors(fvec: Any, ivec: Any) -> None:
+    """Register the 64-byte vector type and the q8 kernels' intrinsics."""
+    ir = importlib.import_module("llvmlite.ir")
+    cgutils = importlib.import_module("numba.core.cgutils")
+    types = numba.types
+    extending = numba.extending
+    i1, i8, i16, i32, i64 = (ir.IntType(k) for k in (1, 8, 16, 32, 64))
+    f32 = ir.FloatType()
+    vb64, vi32 = ir.VectorType(i8, 64), ir.VectorType(i32, _VLANES)
+    vf32 = ir.VectorType(f32, _VLANES)
+    isa = _dot_isa()
+
+    def init(self: Any, dmm: Any, fe_type: Any) -> None:
+        extending.models.PrimitiveModel.__init__(self, dmm, fe_type, vb64)
+
+    kind = _module_class("ByteVector64", types.Type)
+    base = extending.models.PrimitiveModel
+    model = type("ByteVector64Model", (base,), {"__init__": init})
+    extending.register_model(kind)(model)
+    bvec = kind(name="ByteVector64")
+
+    def address(context: Any, builder: Any, sig: Any, args: Any, at: int) -> Any:
+        array = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.gep(array.data, [args[at]])
+
+    def load(builder: Any, pointer: Any, ty: Any) -> Any:
+        return builder.load(builder.bitcast(pointer, ty.as_pointer()), align=1)
+
+    def const(ty: Any, values: Any) -> Any:
+        return ir.Constant(ty, list(values))
+
+    def shuffle(builder: Any, a: Any, b: Any, mask: Any) -> Any:
+        return builder.shuffle_vector(a, b, const(ir.VectorType(i32, len(mask)), mask))
+
+    def q8x2(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        ty = ir.VectorType(i8, 32)
+        a = load(builder, address(context, builder, sig, args, 1), ty)
+        b = load(builder, address(context, builder, sig, args, 2), ty)
+        return shuffle(builder, a, b, range(64))
+
+    def nib2(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        ty = ir.VectorType(i8, 16)
+        a = load(builder, address(context, builder, sig, args, 1), ty)
+        b = load(builder, address(context, builder, sig, args, 2), ty)
+        v = shuffle(builder, a, b, range(32))
+        v32 = ir.VectorType(i8, 32)
+        lo = builder.and_(v, const(v32, [15] * 32))
+        hi = builder.lshr(v, const(v32, [4] * 32))
+        mask = [*range(16), *range(32, 48), *range(16, 32), *range(48, 64)]
+        return shuffle(builder, lo, hi, mask)
+
+    def high2(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        a = load(builder, address(context, builder, sig, args, 1), i32)
+        b = load(builder, address(context, builder, sig, args, 2), i32)
+        bits = builder.or_(
+            builder.zext(a, i64),
+            builder.shl(builder.zext(b, i64), ir.Constant(i64, 32)),
+        )
+        flags = builder.bitcast(bits, ir.VectorType(i1, 64))
+        return builder.shl(builder.zext(flags, vb64), const(vb64, [4] * 64))
+
+    def int8s(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return load(builder, address(context, builder, sig, args, 1), vb64)
+
+    def ints(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return load(builder, address(context, builder, sig, args, 1), vi32)
+
+    def splat2(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        a = context.cast(builder, args[0], sig.args[0], types.float32)
+        b = context.cast(builder, args[1], sig.args[1], types.float32)
+        undef = ir.Constant(vf32, ir.Undefined)
+        v = builder.insert_element(undef, a, ir.Constant(i32, 0))
+        v = builder.insert_element(v, b, ir.Constant(i32, 1))
+        return shuffle(builder, v, undef, [0] * 8 + [1] * 8)
+
+    def call(builder: Any, name: str, result: Any, *operands: Any) -> Any:
+        fnty = ir.FunctionType(result, [o.type for o in operands])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, name)
+        return builder.call(fn, list(operands))
+
+    def dot(builder: Any, u: Any, s: Any) -> Any:
+        if isa == "vnni":
+            zero = ir.Constant(vi32, [0] * _VLANES)
+            return call(
+                builder,
+                "llvm.x86.avx512.vpdpbusd.512",
+                vi32,
+                zero,
+                builder.bitcast(u, vi32),
+                builder.bitcast(s, vi32),
+            )
+        if isa == "avx512bw":
+            pairs = call(
+                builder, "llvm.x86.avx512.pmaddubs.w.512", ir.VectorType(i16, 32), u, s
+            )
+            ones = ir.Constant(ir.VectorType(i16, 32), [1] * 32)
+            return call(builder, "llvm.x86.avx512.pmaddw.d.512", vi32, pairs, ones)
+        if isa == "avx2":
+            halves = []
+            ones = ir.Constant(ir.VectorType(i16, 16), [1] * 16)
+            for h in range(2):
+                part = range(32 * h, 32 * h + 32)
+                pairs = call(
+                    builder,
+                    "llvm.x86.avx2.pmadd.ub.sw",
+                    ir.VectorType(i16, 16),
+                    shuffle(builder, u, u, part),
+                    shuffle(builder, s, s, part),
+                )
+                halves.append(
+                    call(
+                        builder,
+                        "llvm.x86.avx2.pmadd.wd",
+                        ir.VectorType(i32, 8),
+                        pairs,
+                        ones,
+                    )
+                )
+            return shuffle(builder, halves[0], halves[1], range(16))
+        wide = ir.VectorType(i32, 64)
+        products = builder.mul(builder.zext(u, wide), builder.sext(s, wide))
+        total = None
+        for k in range(4):
+            part = shuffle(builder, products, products, range(k, 64, 4))
+            total = part if total is None else builder.add(total, part)
+        return total
+
+    def dot_us(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return dot(builder, args[0], args[1])
+
+    def dot_ss(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        w, s = args
+        absolute = call(builder, "llvm.abs.v64i8", vb64, w, ir.Constant(i1, 0))
+        negative = builder.icmp_signed("<", w, ir.Constant(vb64, [0] * 64))
+        signed = builder.select(
+            negative, builder.sub(ir.Constant(vb64, [0] * 64), s), s
+        )
+        return dot(builder, absolute, signed)
+
+    def f16_round(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        v = context.cast(builder, args[0], sig.args[0], types.float32)
+        return builder.fpext(builder.fptrunc(v, ir.HalfType()), f32)
+
+    def typed(result: Any, codegen: Any, arity: int) -> Any:
+        def one(typingctx: Any, a: Any) -> Any:
+            return result(a), codegen
+
+        def two(typingctx: Any, a: Any, b: Any) -> Any:
+            return result(a, b), codegen
+
+        def three(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
+            return result(a, b, c), codegen
+
+        return extending.intrinsic({1: one, 2: two, 3: three}[arity])
+
+    g = globals()
+    g["_bq8x2"] = typed(bvec, q8x2, 3)
+    g["_bnib2"] = typed(bvec, nib2, 3)
+    g["_bhigh2"] = typed(bvec, high2, 3)
+    g["_bint8s"] = typed(bvec, int8s, 2)
+    g["_vints"] = typed(ivec, ints, 2)
+    g["_vsplat2"] = typed(fvec, splat2, 2)
+    g["_vdot"] = typed(ivec, dot_us, 2)
+    g["_vdots"] = typed(ivec, dot_ss, 2)
+    g["_f16_round"] = typed(types.float32, f16_round, 1)
+
+    implement = typed(bvec, lambda c, b, sig, args: b.or_(*args), 2)
+
+    def bor(a: Any, b: Any) -> Any:
+        if a is not bvec or b is not bvec:
+            return None
+
+        def apply(a: Any, b: Any) -> Any:
+            return implement(a, b)
+
+        return apply
+
+    extending.overload(operator.or_)(bor)
 
 
 if numba is not None:
-    _define_vectors()
+    _define_byte_vectors(*_define_vectors())
 
 
 _jit = kernels._jit
@@ -964,12 +1252,792 @@ def _gemv(
         _gemv_floats(qtype, x, w, y, start, stop)
 
 
+# -- 2 and 4 tokens: a block dequantized once, multiplied into each token ------
+#
+# _blk_* dequantize one block (``b``; of a K-quant, the 64 values ``p``) into
+# vectors, as the GEMV kernels above do; _gemv2_*/_gemv4_* multiply each
+# dequantized vector into 2 or 4 tokens' running sums. Their type is a
+# literal (numba compiles a kernel a type, the other types' branches pruned):
+# a dispatcher passed as an argument would work too, but numba cannot cache
+# a function that passes one.
+
+
+@_jit()
+def _blk_q8_0(row: np.ndarray, b: int) -> Any:  # pragma: no cover - compiled
+    o = 34 * b
+    d = _vsplat(_f16_at(row, o))
+    return d * _vfloat(_vint8s(row, o + 2)), d * _vfloat(_vint8s(row, o + 18))
+
+
+@_jit()
+def _blk_q4_0(row: np.ndarray, b: int) -> Any:  # pragma: no cover - compiled
+    d = _vsplat(_f16_at(row, 18 * b))
+    q = _vbytes(row, 18 * b + 2)
+    eight = _vsplat(8)
+    lo = d * _vfloat((q & _vsplat(15)) - eight)
+    return lo, d * _vfloat((q >> _vsplat(4)) - eight)
+
+
+@_jit()
+def _blk_q4_1(row: np.ndarray, b: int) -> Any:  # pragma: no cover - compiled
+    d = _vsplat(_f16_at(row, 20 * b))
+    m = _vsplat(_f16_at(row, 20 * b + 2))
+    q = _vbytes(row, 20 * b + 4)
+    return d * _vfloat(q & _vsplat(15)) + m, d * _vfloat(q >> _vsplat(4)) + m
+
+
+@_jit()
+def _blk_q5_0(row: np.ndarray, b: int) -> Any:  # pragma: no cover - compiled
+    one, four = _vsplat(1), _vsplat(4)
+    d = _vsplat(_f16_at(row, 22 * b))
+    h = _vsplat(_u32_at(row, 22 * b + 2))
+    q = _vbytes(row, 22 * b + 6)
+    lo = (q & _vsplat(15)) | (((h >> _vlane()) & one) << four)
+    hi = (q >> four) | (((h >> (_vlane() + _vsplat(16))) & one) << four)
+    return d * _vfloat(lo - _vsplat(16)), d * _vfloat(hi - _vsplat(16))
+
+
+@_jit()
+def _blk_q5_1(row: np.ndarray, b: int) -> Any:  # pragma: no cover - compiled
+    one, four = _vsplat(1), _vsplat(4)
+    d = _vsplat(_f16_at(row, 24 * b))
+    m = _vsplat(_f16_at(row, 24 * b + 2))
+    h = _vsplat(_u32_at(row, 24 * b + 4))
+    q = _vbytes(row, 24 * b + 8)
+    lo = (q & _vsplat(15)) | (((h >> _vlane()) & one) << four)
+    hi = (q >> four) | (((h >> (_vlane() + _vsplat(16))) & one) << four)
+    return d * _vfloat(lo) + m, d * _vfloat(hi) + m
+
+
+@_jit()
+def _blk_q4_k(row: np.ndarray, b: int, p: int) -> Any:  # pragma: no cover
+    o = 144 * b
+    d, dmin = _f16_at(row, o), _f16_at(row, o + 2)
+    scales = row[o + 4 : o + 16]
+    low, four = _vsplat(15), _vsplat(4)
+    qs = o + 16 + 32 * p
+    sc, m = _scale_min_k4(2 * p, scales)
+    d1, m1 = _vsplat(d * np.float32(sc)), _vsplat(dmin * np.float32(m))
+    sc, m = _scale_min_k4(2 * p + 1, scales)
+    d2, m2 = _vsplat(d * np.float32(sc)), _vsplat(dmin * np.float32(m))
+    q0, q1 = _vbytes(row, qs), _vbytes(row, qs + 16)
+    return (
+        d1 * _vfloat(q0 & low) - m1,
+        d1 * _vfloat(q1 & low) - m1,
+        d2 * _vfloat(q0 >> four) - m2,
+        d2 * _vfloat(q1 >> four) - m2,
+    )
+
+
+@_jit()
+def _blk_q5_k(row: np.ndarray, b: int, p: int) -> Any:  # pragma: no cover
+    o = 176 * b
+    d, dmin = _f16_at(row, o), _f16_at(row, o + 2)
+    scales = row[o + 4 : o + 16]
+    low, one, four = _vsplat(15), _vsplat(1), _vsplat(4)
+    h0, h1 = _vbytes(row, o + 16), _vbytes(row, o + 32)
+    qs = o + 48 + 32 * p
+    sc, m = _scale_min_k4(2 * p, scales)
+    d1, m1 = _vsplat(d * np.float32(sc)), _vsplat(dmin * np.float32(m))
+    sc, m = _scale_min_k4(2 * p + 1, scales)
+    d2, m2 = _vsplat(d * np.float32(sc)), _vsplat(dmin * np.float32(m))
+    s1, s2 = _vsplat(2 * p), _vsplat(2 * p + 1)
+    q0, q1 = _vbytes(row, qs), _vbytes(row, qs + 16)
+    return (
+        d1 * _vfloat((q0 & low) | (((h0 >> s1) & one) << four)) - m1,
+        d1 * _vfloat((q1 & low) | (((h1 >> s1) & one) << four)) - m1,
+        d2 * _vfloat((q0 >> four) | (((h0 >> s2) & one) << four)) - m2,
+        d2 * _vfloat((q1 >> four) | (((h1 >> s2) & one) << four)) - m2,
+    )
+
+
+@_jit()
+def _blk_q6_k(row: np.ndarray, b: int, p: int) -> Any:  # pragma: no cover
+    o = 210 * b
+    d = _f16_at(row, o + 208)
+    low, three, four, offset = _vsplat(15), _vsplat(3), _vsplat(4), _vsplat(32)
+    h = p // 2  # values 128 h + 64 (p % 2) ...: k of 2 (p % 2) and the next
+    qh = o + 128 + 32 * h
+    out0 = out1 = out2 = out3 = _vzero()
+    for i in range(2):
+        k = 2 * (p % 2) + i
+        ql = o + 64 * h + 32 * (k % 2)
+        shift, high = _vsplat(4 * (k // 2)), _vsplat(2 * k)
+        e = 128 * h + 32 * k
+        s0 = _vsplat(d * np.float32(np.int8(row[o + 192 + e // 16])))
+        s1 = _vsplat(d * np.float32(np.int8(row[o + 193 + e // 16])))
+        q0 = ((_vbytes(row, ql) >> shift) & low) | (
+            ((_vbytes(row, qh) >> high) & three) << four
+        )
+        q1 = ((_vbytes(row, ql + 16) >> shift) & low) | (
+            ((_vbytes(row, qh + 16) >> high) & three) << four
+        )
+        if i == 0:
+            out0, out1 = s0 * _vfloat(q0 - offset), s1 * _vfloat(q1 - offset)
+        else:
+            out2, out3 = s0 * _vfloat(q0 - offset), s1 * _vfloat(q1 - offset)
+    return out0, out1, out2, out3
+
+
+@_jit()
+def _blk32(qtype: int, row: np.ndarray, b: int) -> Any:  # pragma: no cover
+    """Block ``b`` of a 32-value type (``qtype`` a constant where called)."""
+    if qtype == 3:
+        return _blk_q4_1(row, b)
+    if qtype == 8:
+        return _blk_q8_0(row, b)
+    if qtype == 2:
+        return _blk_q4_0(row, b)
+    if qtype == 6:
+        return _blk_q5_0(row, b)
+    return _blk_q5_1(row, b)
+
+
+@_jit()
+def _blk256(qtype: int, row: np.ndarray, b: int, p: int) -> Any:  # pragma: no cover
+    """Values ``64 p..64 p + 63`` of block ``b`` of a K-quant."""
+    if qtype == 12:
+        return _blk_q4_k(row, b, p)
+    if qtype == 13:
+        return _blk_q5_k(row, b, p)
+    return _blk_q6_k(row, b, p)
+
+
+@_jit()
+def _gemv2_32(
+    qtype: int,
+    x: np.ndarray,
+    t: int,
+    w: np.ndarray,
+    y: np.ndarray,
+    start: int,
+    stop: int,
+) -> None:  # pragma: no cover - compiled
+    """Tokens ``t`` and ``t + 1`` of ``x`` against 32-value blocks."""
+    numba.literally(qtype)  # a kernel a type: the type's branch folded
+    x0, x1 = x[t], x[t + 1]
+    y0, y1 = y[t], y[t + 1]
+    nb = x.shape[1] // 32
+    for r in range(start, stop):
+        row = w[r]
+        a0 = a1 = c0 = c1 = _vzero()
+        for b in range(nb):
+            v0, v1 = _blk32(qtype, row, b)
+            a0 += v0 * _vfloats(x0, 32 * b)
+            a1 += v1 * _vfloats(x0, 32 * b + 16)
+            c0 += v0 * _vfloats(x1, 32 * b)
+            c1 += v1 * _vfloats(x1, 32 * b + 16)
+        y0[r] = _vsum(a0 + a1)
+        y1[r] = _vsum(c0 + c1)
+
+
+@_jit()
+def _gemv4_32(
+    qtype: int,
+    x: np.ndarray,
+    t: int,
+    w: np.ndarray,
+    y: np.ndarray,
+    start: int,
+    stop: int,
+) -> None:  # pragma: no cover - compiled
+    """Tokens ``t..t + 3`` of ``x`` against 32-value blocks."""
+    numba.literally(qtype)  # a kernel a type: the type's branch folded
+    x0, x1, x2, x3 = x[t], x[t + 1], x[t + 2], x[t + 3]
+    y0, y1, y2, y3 = y[t], y[t + 1], y[t + 2], y[t + 3]
+    nb = x.shape[1] // 32
+    for r in range(start, stop):
+        row = w[r]
+        a0 = a1 = b0 = b1 = c0 = c1 = e0 = e1 = _vzero()
+        for b in range(nb):
+            v0, v1 = _blk32(qtype, row, b)
+            k = 32 * b
+            a0 += v0 * _vfloats(x0, k)
+            a1 += v1 * _vfloats(x0, k + 16)
+            b0 += v0 * _vfloats(x1, k)
+            b1 += v1 * _vfloats(x1, k + 16)
+            c0 += v0 * _vfloats(x2, k)
+            c1 += v1 * _vfloats(x2, k + 16)
+            e0 += v0 * _vfloats(x3, k)
+            e1 += v1 * _vfloats(x3, k + 16)
+        y0[r] = _vsum(a0 + a1)
+        y1[r] = _vsum(b0 + b1)
+        y2[r] = _vsum(c0 + c1)
+        y3[r] = _vsum(e0 + e1)
+
+
+@_jit()
+def _gemv2_256(
+    qtype: int,
+    x: np.ndarray,
+    t: int,
+    w: np.ndarray,
+    y: np.ndarray,
+    start: int,
+    stop: int,
+) -> None:  # pragma: no cover - compiled
+    """Tokens ``t`` and ``t + 1`` of ``x`` against K-quant blocks."""
+    numba.literally(qtype)  # a kernel a type: the type's branch folded
+    x0, x1 = x[t], x[t + 1]
+    y0, y1 = y[t], y[t + 1]
+    nb = x.shape[1] // 256
+    for r in range(start, stop):
+        row = w[r]
+        a0 = a1 = a2 = a3 = c0 = c1 = c2 = c3 = _vzero()
+        for b in range(nb):
+            for p in range(4):
+                v0, v1, v2, v3 = _blk256(qtype, row, b, p)
+                k = 256 * b + 64 * p
+                a0 += v0 * _vfloats(x0, k)
+                a1 += v1 * _vfloats(x0, k + 16)
+                a2 += v2 * _vfloats(x0, k + 32)
+                a3 += v3 * _vfloats(x0, k + 48)
+                c0 += v0 * _vfloats(x1, k)
+                c1 += v1 * _vfloats(x1, k + 16)
+                c2 += v2 * _vfloats(x1, k + 32)
+                c3 += v3 * _vfloats(x1, k + 48)
+        y0[r] = _vsum((a0 + a1) + (a2 + a3))
+        y1[r] = _vsum((c0 + c1) + (c2 + c3))
+
+
+@_jit()
+def _gemv4_256(
+    qtype: int,
+    x: np.ndarray,
+    t: int,
+    w: np.ndarray,
+    y: np.ndarray,
+    start: int,
+    stop: int,
+) -> None:  # pragma: no cover - compiled
+    """Tokens ``t..t + 3`` of ``x`` against K-quant blocks (64 values a
+    step, two sums a token: 8 running sums and 4 dequantized vectors)."""
+    numba.literally(qtype)  # a kernel a type: the type's branch folded
+    x0, x1, x2, x3 = x[t], x[t + 1], x[t + 2], x[t + 3]
+    y0, y1, y2, y3 = y[t], y[t + 1], y[t + 2], y[t + 3]
+    nb = x.shape[1] // 256
+    for r in range(start, stop):
+        row = w[r]
+        a0 = a1 = b0 = b1 = c0 = c1 = e0 = e1 = _vzero()
+        for b in range(nb):
+            for p in range(4):
+                v0, v1, v2, v3 = _blk256(qtype, row, b, p)
+                k = 256 * b + 64 * p
+                a0 += v0 * _vfloats(x0, k) + v2 * _vfloats(x0, k + 32)
+                a1 += v1 * _vfloats(x0, k + 16) + v3 * _vfloats(x0, k + 48)
+                b0 += v0 * _vfloats(x1, k) + v2 * _vfloats(x1, k + 32)
+                b1 += v1 * _vfloats(x1, k + 16) + v3 * _vfloats(x1, k + 48)
+                c0 += v0 * _vfloats(x2, k) + v2 * _vfloats(x2, k + 32)
+                c1 += v1 * _vfloats(x2, k + 16) + v3 * _vfloats(x2, k + 48)
+                e0 += v0 * _vfloats(x3, k) + v2 * _vfloats(x3, k + 32)
+                e1 += v1 * _vfloats(x3, k + 16) + v3 * _vfloats(x3, k + 48)
+        y0[r] = _vsum(a0 + a1)
+        y1[r] = _vsum(b0 + b1)
+        y2[r] = _vsum(c0 + c1)
+        y3[r] = _vsum(e0 + e1)
+
+
+@_jit()
+def _gemv_tokens(
+    qtype: int,
+    x: np.ndarray,
+    t: int,
+    n: int,
+    w: np.ndarray,
+    y: np.ndarray,
+    start: int,
+    stop: int,
+) -> None:  # pragma: no cover - compiled
+    """Tokens ``t..t + n - 1`` (``n`` 2 or 4) of a block type's GEMV."""
+    if qtype == 3:
+        if n == 4:
+            _gemv4_32(3, x, t, w, y, start, stop)
+        else:
+            _gemv2_32(3, x, t, w, y, start, stop)
+    elif qtype == 8:
+        if n == 4:
+            _gemv4_32(8, x, t, w, y, start, stop)
+        else:
+            _gemv2_32(8, x, t, w, y, start, stop)
+    elif qtype == 2:
+        if n == 4:
+            _gemv4_32(2, x, t, w, y, start, stop)
+        else:
+            _gemv2_32(2, x, t, w, y, start, stop)
+    elif qtype == 6:
+        if n == 4:
+            _gemv4_32(6, x, t, w, y, start, stop)
+        else:
+            _gemv2_32(6, x, t, w, y, start, stop)
+    elif qtype == 7:
+        if n == 4:
+            _gemv4_32(7, x, t, w, y, start, stop)
+        else:
+            _gemv2_32(7, x, t, w, y, start, stop)
+    elif qtype == 12:
+        if n == 4:
+            _gemv4_256(12, x, t, w, y, start, stop)
+        else:
+            _gemv2_256(12, x, t, w, y, start, stop)
+    elif qtype == 13:
+        if n == 4:
+            _gemv4_256(13, x, t, w, y, start, stop)
+        else:
+            _gemv2_256(13, x, t, w, y, start, stop)
+    elif n == 4:
+        _gemv4_256(14, x, t, w, y, start, stop)
+    else:
+        _gemv2_256(14, x, t, w, y, start, stop)
+
+
+# -- q8 activations -----------------------------------------------------------
+#
+# ``x`` quantized once a call as llama.cpp's quantize_row_q8_0/q8_1 do (a
+# block of 32: d = max |x| / 127, q = roundf(x / d), d kept as an f16, s =
+# f16(d * sum q)), into arrays the kernels read 16 lanes at a time: ``xq``
+# the int8 values, ``dx`` each block's d eight times over (a pair of blocks
+# is one 16-lane vector), ``sx`` s / 8 likewise (eight lanes sum to s) and
+# ``xs4`` the sums of four consecutive q (an offset type's correction:
+# sum((q_w - 8) q) = dot(q_w, q) - 8 sum(q)). Blocks come in pairs; an odd
+# last block pairs with zeros.
+
+#: weight types the q8 kernels take (the rest multiply float activations)
+Q8_TYPES = frozenset(
+    {GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1}
+)
+
+
+@_jit(fastmath=_EXACT)
+def _quantize_q8(
+    x: np.ndarray,  # (T, n) float32, n a multiple of 32
+    xq: np.ndarray,  # (T, 64 pairs) int8
+    dx: np.ndarray,  # (T, 16 pairs) float32
+    sx: np.ndarray,  # (T, 16 pairs) float32
+    xs4: np.ndarray,  # (T, 16 pairs) int32
+) -> None:  # pragma: no cover - compiled
+    nb = x.shape[1] // 32
+    for t in range(x.shape[0]):
+        xt, qt, dt, st, ft = x[t], xq[t], dx[t], sx[t], xs4[t]
+        for b in range(nb):
+            amax = np.float32(0.0)
+            for j in range(32):
+                amax = max(amax, abs(xt[32 * b + j]))
+            d = amax / np.float32(127.0)
+            inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+            total = np.int32(0)
+            for j in range(32):
+                v = xt[32 * b + j] * inv
+                a = abs(v)
+                whole = np.floor(a)
+                q = np.int32(whole) + np.int32(a - whole >= np.float32(0.5))
+                q = -q if v < 0 else q
+                qt[32 * b + j] = q
+                total += q
+            dh = _f16_round(d)
+            sh = _f16_round(np.float32(total) * d)
+            for j in range(8):
+                dt[8 * b + j] = dh
+                st[8 * b + j] = sh * np.float32(0.125)
+            for j in range(8):
+                ft[8 * b + j] = (
+                    np.int32(qt[32 * b + 4 * j])
+                    + np.int32(qt[32 * b + 4 * j + 1])
+                    + np.int32(qt[32 * b + 4 * j + 2])
+                    + np.int32(qt[32 * b + 4 * j + 3])
+                )
+
+
+# Each _gemv8_* writes y[r] = w[r] . x for rows start..stop-1 from one
+# token's q8 arrays, a pair of blocks a step: the weight's 64 values as
+# bytes, their integer dot with the activations' into 16 int32 lanes (8 a
+# block), one float multiply-add by d_w d_x. ``ob`` is the second block's
+# offset, the first's again past an odd row's end (against zeros in x).
+
+
+@_jit()
+def _gemv8_q8_0(
+    xq: np.ndarray,
+    dx: np.ndarray,
+    sx: np.ndarray,
+    xs4: np.ndarray,
+    nb: int,
+    w: np.ndarray,
+    y: np.ndarray,
+    start: int,
+    stop: int,
+) -> None:  # pragma: no cover - compiled
+    for r in range(start, stop):
+        row = w[r]
+        a0 = a1 = _vzero()
+        for p in range(nb // 2):
+            oa = 68 * p
+            d = _vsplat2(_f16_at(row, oa), _f16_at(row, oa + 34)) * _vfloats(dx, 16 * p)
+            dot = _vdots(_bq8x2(row, oa + 2, oa + 36), _bint8s(xq, 64 * p))
+            a0 += d * _vfloat(dot)
+        if nb % 2:
+            p, oa = nb // 2, 68 * (nb // 2)
+            d = _vsplat2(_f16_at(row, oa), _f16_at(row, oa)) * _vfloats(dx, 16 * p)
+            dot = _vdots(_bq8x2(row, oa + 2, oa + 2), _bint8s(xq, 64 * p))
+            a1 += d * _vfloat(dot)
+        y[r] = _vsum(a0 + a1)
+
+
+@_jit()
+def _gemv8_q4_0(
+    xq: np.ndarray,
+    dx: np.ndarray,
+    sx: np.ndarray,
+    xs4: np.ndarray,
+    nb: int,
+    w: np.ndarray,
+    y: np.ndarray,
+    start: int,
+    stop: int,
+) -> None:  # pragma: no cover - compiled
+    three = _vsplat(3)
+    for r in range(start, stop):
+        row = w[r]
+        a0 = _vzero()
+        for p in range((nb + 1) // 2):
+            oa = 36 * p
+            ob = oa + 18 if 2 * p + 1 < nb else oa
+            d = _vsplat2(_f16_at(row, oa), _f16_at(row, ob)) * _vfloats(dx, 16 * p)
+            dot = _vdot(_bnib2(row, oa + 2, ob + 2), _bint8s(xq, 64 * p))
+            a0 += d * _vfloat(dot - (_vints(xs4, 16 * p) << three))
+        y[r] = _vsum(a0)
+
+
+@_jit()
+def _gemv8_q4_1(
+    xq: np.ndarray,
+    dx: np.ndarray,
+    sx: np.ndarray,
+    xs4: np.ndarray,
+    nb: int,
+    w: np.ndarray,
+    y: np.ndarray,
+    start: int,
+    stop: int,
+) -> None:  # pragma: no cover - compiled
+    for r in range(start, stop):
+        row = w[r]
+        a0 = a1 = _vzero()
+        for p in range((nb + 1) // 2):
+            oa = 40 * p
+            ob = oa + 20 if 2 * p + 1 < nb else oa
+            d = _vsplat2(_f16_at(row, oa), _f16_at(row, ob)) * _vfloats(dx, 16 * p)
+            m = _vsplat2(_f16_at(row, oa + 2), _f16_at(row, ob + 2))
+            dot = _vdot(_bnib2(row, oa + 4, ob + 4), _bint8s(xq, 64 * p))
+            a0 += d * _vfloat(dot)
+            a1 += m * _vfloats(sx, 16 * p)
+        y[r] = _vsum(a0 + a1)
+
+
+@_jit()
+def _gemv8_q5_0(
+    xq: np.ndarray,
+    dx: np.ndarray,
+    sx: np.ndarray,
+    xs4: np.ndarray,
+    nb: int,
+    w: np.ndarray,
+    y: np.ndarray,
+    start: int,
+    stop: int,
+) -> None:  # pragma: no cover - compiled
+    four = _vsplat(4)
+    for r in range(start, stop):
+        row = w[r]
+        a0 = _vzero()
+        for p in range((nb + 1) // 2):
+            oa = 44 * p
+            ob = oa + 22 if 2 * p + 1 < nb else oa
+            d = _vsplat2(_f16_at(row, oa), _f16_at(row, ob)) * _vfloats(dx, 16 * p)
+            q = _bnib2(row, oa + 6, ob + 6) | _bhigh2(row, oa + 2, ob + 2)
+            dot = _vdot(q, _bint8s(xq, 64 * p))
+            a0 += d * _vfloat(dot - (_vints(xs4, 16 * p) << four))
+        y[r] = _vsum(a0)
+
+
+@_jit()
+def _gemv8_q5_1(
+    xq: np.ndarray,
+    dx: np.ndarray,
+    sx: np.ndarray,
+    xs4: np.ndarray,
+    nb: int,
+    w: np.ndarray,
+    y: np.ndarray,
+    start: int,
+    stop: int,
+) -> None:  # pragma: no cover - compiled
+    for r in range(start, stop):
+        row = w[r]
+        a0 = a1 = _vzero()
+        for p in range((nb + 1) // 2):
+            oa = 48 * p
+            ob = oa + 24 if 2 * p + 1 < nb else oa
+            d = _vsplat2(_f16_at(row, oa), _f16_at(row, ob)) * _vfloats(dx, 16 * p)
+            m = _vsplat2(_f16_at(row, oa + 2), _f16_at(row, ob + 2))
+            q = _bnib2(row, oa + 8, ob + 8) | _bhigh2(row, oa + 4, ob + 4)
+            dot = _vdot(q, _bint8s(xq, 64 * p))
+            a0 += d * _vfloat(dot)
+            a1 += m * _vfloats(sx, 16 * p)
+        y[r] = _vsum(a0 + a1)
+
+
+# Several tokens: a pair of blocks unpacked to bytes once (_w8), its integer
+# dot with each token's activations (_acc8); the type a literal, as above.
+
+
+@_jit()
+def _w8(qtype: int, row: np.ndarray, p: int, nb: int) -> Any:  # pragma: no cover
+    """Blocks ``2 p`` and ``2 p + 1`` of a row: (64 values as bytes, d_w
+    and m_w as :func:`_vsplat2` pairs; m zero for types without one)."""
+    if qtype == 3:
+        oa = 40 * p
+        ob = oa + 20 if 2 * p + 1 < nb else oa
+        m = _vsplat2(_f16_at(row, oa + 2), _f16_at(row, ob + 2))
+        d = _vsplat2(_f16_at(row, oa), _f16_at(row, ob))
+        return _bnib2(row, oa + 4, ob + 4), d, m
+    if qtype == 8:
+        oa = 68 * p
+        ob = oa + 34 if 2 * p + 1 < nb else oa
+        d = _vsplat2(_f16_at(row, oa), _f16_at(row, ob))
+        return _bq8x2(row, oa + 2, ob + 2), d, _vzero()
+    if qtype == 2:
+        oa = 36 * p
+        ob = oa + 18 if 2 * p + 1 < nb else oa
+        d = _vsplat2(_f16_at(row, oa), _f16_at(row, ob))
+        return _bnib2(row, oa + 2, ob + 2), d, _vzero()
+    if qtype == 6:
+        oa = 44 * p
+        ob = oa + 22 if 2 * p + 1 < nb else oa
+        d = _vsplat2(_f16_at(row, oa), _f16_at(row, ob))
+        q = _bnib2(row, oa + 6, ob + 6) | _bhigh2(row, oa + 2, ob + 2)
+        return q, d, _vzero()
+    oa = 48 * p  # Q5_1
+    ob = oa + 24 if 2 * p + 1 < nb else oa
+    m = _vsplat2(_f16_at(row, oa + 2), _f16_at(row, ob + 2))
+    d = _vsplat2(_f16_at(row, oa), _f16_at(row, ob))
+    return _bnib2(row, oa + 8, ob + 8) | _bhigh2(row, oa + 4, ob + 4), d, m
+
+
+@_jit()
+def _acc8(
+    qtype: int,
+    q: Any,
+    dw: Any,
+    m: Any,
+    xq: np.ndarray,
+    dx: np.ndarray,
+    sx: np.ndarray,
+    xs4: np.ndarray,
+    p: int,
+    a: Any,
+    c: Any,
+) -> Any:  # pragma: no cover - compiled
+    """One token's sums ``a`` (the dot) and ``c`` (the mins) after the
+    pair of blocks ``p`` (``q``, ``dw``, ``m`` from :func:`_w8`)."""
+    d = dw * _vfloats(dx, 16 * p)
+    x = _bint8s(xq, 64 * p)
+    if qtype == 8:
+        return a + d * _vfloat(_vdots(q, x)), c
+    if qtype == 2:
+        return a + d * _vfloat(_vdot(q, x) - (_vints(xs4, 16 * p) << _vsplat(3))), c
+    if qtype == 6:
+        return a + d * _vfloat(_vdot(q, x) - (_vints(xs4, 16 * p) << _vsplat(4))), c
+    return a + d * _vfloat(_vdot(q, x)), c + m * _vfloats(sx, 16 * p)
+
+
+@_jit()
+def _gemv8x2(
+    qtype: int,
+    xq: np.ndarray,
+    dx: np.ndarray,
+    sx: np.ndarray,
+    xs4: np.ndarray,
+    nb: int,
+    w: np.ndarray,
+    out: np.ndarray,
+    t: int,
+    start: int,
+    stop: int,
+) -> None:  # pragma: no cover - compiled
+    """Tokens ``t`` and ``t + 1`` of the q8 arrays."""
+    numba.literally(qtype)
+    q0, d0, s0, f0 = xq[t], dx[t], sx[t], xs4[t]
+    q1, d1, s1, f1 = xq[t + 1], dx[t + 1], sx[t + 1], xs4[t + 1]
+    y0, y1 = out[t], out[t + 1]
+    for r in range(start, stop):
+        row = w[r]
+        a0 = c0 = a1 = c1 = _vzero()
+        for p in range((nb + 1) // 2):
+            q, dw, m = _w8(qtype, row, p, nb)
+            a0, c0 = _acc8(qtype, q, dw, m, q0, d0, s0, f0, p, a0, c0)
+            a1, c1 = _acc8(qtype, q, dw, m, q1, d1, s1, f1, p, a1, c1)
+        y0[r] = _vsum(a0 + c0)
+        y1[r] = _vsum(a1 + c1)
+
+
+@_jit()
+def _gemv8x4(
+    qtype: int,
+    xq: np.ndarray,
+    dx: np.ndarray,
+    sx: np.ndarray,
+    xs4: np.ndarray,
+    nb: int,
+    w: np.ndarray,
+    out: np.ndarray,
+    t: int,
+    start: int,
+    stop: int,
+) -> None:  # pragma: no cover - compiled
+    """Tokens ``t..t + 3`` of the q8 arrays."""
+    numba.literally(qtype)
+    q0, d0, s0, f0 = xq[t], dx[t], sx[t], xs4[t]
+    q1, d1, s1, f1 = xq[t + 1], dx[t + 1], sx[t + 1], xs4[t + 1]
+    q2, d2, s2, f2 = xq[t + 2], dx[t + 2], sx[t + 2], xs4[t + 2]
+    q3, d3, s3, f3 = xq[t + 3], dx[t + 3], sx[t + 3], xs4[t + 3]
+    y0, y1, y2, y3 = out[t], out[t + 1], out[t + 2], out[t + 3]
+    for r in range(start, stop):
+        row = w[r]
+        a0 = c0 = a1 = c1 = a2 = c2 = a3 = c3 = _vzero()
+        for p in range((nb + 1) // 2):
+            q, dw, m = _w8(qtype, row, p, nb)
+            a0, c0 = _acc8(qtype, q, dw, m, q0, d0, s0, f0, p, a0, c0)
+            a1, c1 = _acc8(qtype, q, dw, m, q1, d1, s1, f1, p, a1, c1)
+            a2, c2 = _acc8(qtype, q, dw, m, q2, d2, s2, f2, p, a2, c2)
+            a3, c3 = _acc8(qtype, q, dw, m, q3, d3, s3, f3, p, a3, c3)
+        y0[r] = _vsum(a0 + c0)
+        y1[r] = _vsum(a1 + c1)
+        y2[r] = _vsum(a2 + c2)
+        y3[r] = _vsum(a3 + c3)
+
+
+@_jit()
+def _gemv8_tokens(
+    qtype: int,
+    n: int,
+    xq: np.ndarray,
+    dx: np.ndarray,
+    sx: np.ndarray,
+    xs4: np.ndarray,
+    nb: int,
+    w: np.ndarray,
+    out: np.ndarray,
+    t: int,
+    start: int,
+    stop: int,
+) -> None:  # pragma: no cover - compiled
+    """Tokens ``t..t + n - 1`` (``n`` 2 or 4) of the q8 arrays."""
+    if qtype == 3:
+        if n == 4:
+            _gemv8x4(3, xq, dx, sx, xs4, nb, w, out, t, start, stop)
+        else:
+            _gemv8x2(3, xq, dx, sx, xs4, nb, w, out, t, start, stop)
+    elif qtype == 8:
+        if n == 4:
+            _gemv8x4(8, xq, dx, sx, xs4, nb, w, out, t, start, stop)
+        else:
+            _gemv8x2(8, xq, dx, sx, xs4, nb, w, out, t, start, stop)
+    elif qtype == 2:
+        if n == 4:
+            _gemv8x4(2, xq, dx, sx, xs4, nb, w, out, t, start, stop)
+        else:
+            _gemv8x2(2, xq, dx, sx, xs4, nb, w, out, t, start, stop)
+    elif qtype == 6:
+        if n == 4:
+            _gemv8x4(6, xq, dx, sx, xs4, nb, w, out, t, start, stop)
+        else:
+            _gemv8x2(6, xq, dx, sx, xs4, nb, w, out, t, start, stop)
+    elif n == 4:
+        _gemv8x4(7, xq, dx, sx, xs4, nb, w, out, t, start, stop)
+    else:
+        _gemv8x2(7, xq, dx, sx, xs4, nb, w, out, t, start, stop)
+
+
+@_jit()
+def _matmul8_rows(
+    xq: np.ndarray,
+    dx: np.ndarray,
+    sx: np.ndarray,
+    xs4: np.ndarray,
+    nb: int,
+    w: np.ndarray,
+    qtype: int,
+    out: np.ndarray,
+    start: int,
+    stop: int,
+) -> None:  # pragma: no cover - compiled
+    t_len, t = xq.shape[0], 0
+    while t + 4 <= t_len:
+        _gemv8_tokens(qtype, 4, xq, dx, sx, xs4, nb, w, out, t, start, stop)
+        t += 4
+    while t + 2 <= t_len:
+        _gemv8_tokens(qtype, 2, xq, dx, sx, xs4, nb, w, out, t, start, stop)
+        t += 2
+    if t < t_len:
+        a = (xq[t], dx[t], sx[t], xs4[t], nb, w, out[t], start, stop)
+        if qtype == 3:
+            _gemv8_q4_1(*a)
+        elif qtype == 8:
+            _gemv8_q8_0(*a)
+        elif qtype == 2:
+            _gemv8_q4_0(*a)
+        elif qtype == 6:
+            _gemv8_q5_0(*a)
+        else:
+            _gemv8_q5_1(*a)
+
+
+@_jit()
+def _q8_arrays(x: np.ndarray) -> Any:  # pragma: no cover - compiled
+    t_len, nb = x.shape[0], x.shape[1] // 32
+    pairs = (nb + 1) // 2
+    xq = np.zeros((t_len, 64 * pairs), np.int8)
+    dx = np.zeros((t_len, 16 * pairs), np.float32)
+    sx = np.zeros((t_len, 16 * pairs), np.float32)
+    xs4 = np.zeros((t_len, 16 * pairs), np.int32)
+    _quantize_q8(x, xq, dx, sx, xs4)
+    return xq, dx, sx, xs4
+
+
+@_jit()
+def _matmul8(
+    x: np.ndarray, w: np.ndarray, qtype: int, out: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    xq, dx, sx, xs4 = _q8_arrays(x)
+    _matmul8_rows(xq, dx, sx, xs4, x.shape[1] // 32, w, qtype, out, 0, w.shape[0])
+
+
+@_jit(parallel=True)
+def _matmul8_parallel(
+    x: np.ndarray, w: np.ndarray, qtype: int, out: np.ndarray, parts: int
+) -> None:  # pragma: no cover - compiled
+    xq, dx, sx, xs4 = _q8_arrays(x)
+    nb = x.shape[1] // 32
+    rows = w.shape[0]
+    quads = (rows + _ROWS - 1) // _ROWS
+    for p in _prange(parts):
+        start = _ROWS * (p * quads // parts)
+        stop = min(rows, _ROWS * ((p + 1) * quads // parts))
+        _matmul8_rows(xq, dx, sx, xs4, nb, w, qtype, out, start, stop)
+
+
 #: inputs dequantized at a time: 4 rows of it are a thread's 16 KB buffer
 _CHUNK = 1024
 #: weight rows the micro-kernel reads at once
 _ROWS = 4
-#: up to this many tokens a call takes the GEMV kernels, a token at a time
-_GEMV_TOKENS = 1
+#: up to this many tokens a call of a block type takes the GEMV kernels
+#: (4, 2 and 1 tokens at a time); more take the buffered kernel (at 8, 4
+#: tokens twice measured 0.67-0.76x its time; at 16, 0.98-1.19x)
+_GEMV_TOKENS = 8
+#: the most tokens a GEMV kernel takes at once (4 or 2)
+_GEMV_GROUP = 4
+#: the block types (GGML numbers): the GEMVs of several tokens take these
+_BLOCK_TYPES = (2, 3, 6, 7, 8, 12, 13, 14)
 
 
 @_jit()
@@ -1051,8 +2119,16 @@ def _matmul_rows(
     stop: int,
     lanes: int,
 ) -> None:  # pragma: no cover - compiled
-    if x.shape[0] <= _GEMV_TOKENS:
-        for t in range(x.shape[0]):
+    t_len = x.shape[0]
+    if t_len == 1 or (t_len <= _GEMV_TOKENS and qtype in _BLOCK_TYPES):
+        t = 0
+        while t + 4 <= t_len and _GEMV_GROUP >= 4:
+            _gemv_tokens(qtype, x, t, 4, w, out, start, stop)
+            t += 4
+        while t + 2 <= t_len:
+            _gemv_tokens(qtype, x, t, 2, w, out, start, stop)
+            t += 2
+        if t < t_len:
             _gemv(qtype, x[t], w, out[t], start, stop)
         return
     n = x.shape[1]
@@ -1154,6 +2230,7 @@ def matmul(
     out: np.ndarray | None = None,
     *,
     threaded: bool | None = None,
+    activations: str = "float",
 ) -> np.ndarray:
     """``x @ W.T`` for ``W`` the ``(out_features, in_features)`` weight that
     ``w_raw`` holds in GGML type ``qtype`` (its raw rows, ``np.uint8
@@ -1166,7 +2243,15 @@ def matmul(
     when the call is big enough to pay for the hand-off; ``threaded``
     forces the choice. Releases the GIL. Raises ValueError, naming the
     argument, for a wrong dtype, shape or layout.
+
+    ``activations="q8"`` quantizes ``x`` to llama.cpp's Q8_0/Q8_1 blocks
+    first and multiplies in integers, as llama.cpp does, for weights of
+    :data:`Q8_TYPES` (other types multiply float activations): faster, and
+    the result is llama.cpp's, not the float product (``"float"``, the
+    default).
     """
+    if activations not in ("float", "q8"):
+        raise ValueError(f"activations must be 'float' or 'q8', not {activations!r}")
     kind = _check_weight(w_raw, qtype, out_features, in_features)
     _check_floats("x", x, None)
     if x.shape[1] != in_features:
@@ -1178,17 +2263,30 @@ def matmul(
         _check_floats("out", out, shape)
     if x.shape[0] == 0:
         return out
-    values = _LAYOUTS[kind][0]
-    args = (x, w_raw, int(kind), values, out, _LANES)
     threads = kernels._threads
     if threaded is None:
         threaded = x.size * out_features >= _PARALLEL_MIN_WORK
+    if activations == "q8" and kind in Q8_TYPES:
+        if threaded and threads > 1 and out_features > _ROWS:
+            parts = min(threads, (out_features + _ROWS - 1) // _ROWS)
+            args8 = (x, w_raw, int(kind), out, parts)
+            kernels._threaded(_matmul8_parallel, _matmul8_serial, args8)
+        else:
+            _matmul8(x, w_raw, int(kind), out)
+        return out
+    values = _LAYOUTS[kind][0]
+    args = (x, w_raw, int(kind), values, out, _LANES)
     if threaded and threads > 1 and out_features > _ROWS:
         parts = min(threads, (out_features + _ROWS - 1) // _ROWS)
         kernels._threaded(_matmul_parallel, _matmul_serial, (*args, parts))
     else:
         _matmul(*args)
     return out
+
+
+def _matmul8_serial(*args: Any) -> None:
+    """The q8 parallel kernel's arguments, run on the calling thread."""
+    _matmul8(*args[:-1])
 
 
 def _matmul_serial(*args: Any) -> None:

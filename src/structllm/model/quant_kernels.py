@@ -91,7 +91,6 @@ Type numbers are GGML's (:class:`GGMLType`), as GGUF files store them.
 
 from __future__ import annotations
 
-import enum
 import importlib
 import operator
 import os
@@ -100,6 +99,7 @@ from typing import Any
 
 import numpy as np
 
+from structllm.formats.quants import GGMLType
 from structllm.model import kernels
 
 __all__ = [
@@ -117,24 +117,6 @@ __all__ = [
 ]
 
 numba: Any = kernels.numba
-
-
-class GGMLType(enum.IntEnum):
-    """A tensor's type number in GGML (``ggml.h``'s ``enum ggml_type``)."""
-
-    F32 = 0
-    F16 = 1
-    Q4_0 = 2
-    Q4_1 = 3
-    Q5_0 = 6
-    Q5_1 = 7
-    Q8_0 = 8
-    Q2_K = 10
-    Q3_K = 11
-    Q4_K = 12
-    Q5_K = 13
-    Q6_K = 14
-    BF16 = 30
 
 
 #: (values a block, bytes a block), as ``ggml-common.h`` lays them out

@@ -117,7 +117,7 @@ def test_matmul_writes_out_in_place_and_reads_readonly_weights() -> None:
 
 
 def test_layouts_match_gguf() -> None:
-    for kind in GGMLType:
+    for kind in qk.MATMUL_TYPES:
         assert qk.block_layout(kind) == gguf.GGML_QUANT_SIZES[G(int(kind))]
         assert kind.name == G(int(kind)).name
     assert qk.row_bytes(GGMLType.Q6_K, 512) == 420

@@ -85,6 +85,15 @@ def real(session: nox.Session) -> None:
     session.run("pytest", "-m", "real", "-v", *args)
 
 
+@nox.session(python=PYTHON)
+def exhaustive(session: nox.Session) -> None:
+    """The long test matrices the default run leaves out (``-m exhaustive``):
+    every quantized type's threaded and q8 kernels, the q8 dot product as
+    AVX2 and as generic LLVM code in fresh processes."""
+    _install(session)
+    session.run("pytest", "-m", "exhaustive", "-v", *session.posargs)
+
+
 @nox.session(python=PYTHON, name="peer-suites")
 def peer_suites(session: nox.Session) -> None:
     """vLLM's and llama.cpp's OpenAI-API tests against `structllm serve`.

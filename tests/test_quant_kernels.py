@@ -84,8 +84,32 @@ def _assert_close(y: np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
     assert np.all(np.abs(y - want) <= bound + 1e-30)
 
 
-@pytest.mark.parametrize("kind", ALL_TYPES, ids=lambda k: k.name)
-@pytest.mark.parametrize("threaded", [False, True])
+#: the long matrices (compiling every type's threaded and q8 kernels, other
+#: instruction sets in fresh processes) run in ``nox -s exhaustive``; the
+#: default suite keeps every type serial and a few threaded
+EXHAUSTIVE = pytest.mark.exhaustive
+
+
+def _cases(
+    kinds: Any, keep_threaded: set[GGMLType], keep: set[GGMLType] | None = None
+) -> list[Any]:
+    out = []
+    for kind in kinds:
+        for threaded in (False, True):
+            default = (keep is None or kind in keep) and (
+                not threaded or kind in keep_threaded
+            )
+            marks = () if default else (EXHAUSTIVE,)
+            out.append(
+                pytest.param(kind, threaded, marks=marks, id=f"{threaded}-{kind.name}")
+            )
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kind", "threaded"),
+    _cases(ALL_TYPES, {GGMLType.Q8_0, GGMLType.Q4_1, GGMLType.Q4_K}),
+)
 def test_matmul_matches_dequantized(
     kind: GGMLType, threaded: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -242,8 +266,14 @@ def q8_matmul_reference(
     return terms.sum(axis=2), 1e-5 * size.sum(axis=2) + 1e-30
 
 
-@pytest.mark.parametrize("kind", sorted(qk.Q8_TYPES), ids=lambda k: k.name)
-@pytest.mark.parametrize("threaded", [False, True])
+@pytest.mark.parametrize(
+    ("kind", "threaded"),
+    _cases(
+        sorted(qk.Q8_TYPES),
+        {GGMLType.Q4_1},
+        keep={GGMLType.Q8_0, GGMLType.Q4_1},
+    ),
+)
 def test_q8_activations_equal_llama_cpp_arithmetic(
     kind: GGMLType, threaded: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -286,6 +316,7 @@ np.savez(sys.argv[2], **out)
 """
 
 
+@EXHAUSTIVE
 @pytest.mark.parametrize("isa", ["avx2", "generic"])
 def test_q8_dot_products_on_other_instruction_sets(
     isa: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch

@@ -47,7 +47,6 @@ __all__ = [
     "TINY",
     "TINY_RANDOM",
     "TINY_RANDOM_CONFIG",
-    "is_gguf",
     "make_tiny_model",
     "resolve_model",
 ]
@@ -118,11 +117,6 @@ def resolve_model(model: str | Path) -> Path | None:
                 f"({', '.join(f.name for f in found[:4])}): name one of them"
             )
     return path
-
-
-def is_gguf(path: Path) -> bool:
-    """``path`` is a GGUF file (by its name; its magic is checked on open)."""
-    return path.suffix.lower() == ".gguf" or path.is_file()
 
 
 def __getattr__(name: str) -> Any:

@@ -236,15 +236,18 @@ def _structllm(
     )
     first: dict[tuple[int, ...], np.ndarray] = {}
     sampler = core.runner.sampler
-    original = sampler.sample
 
-    def spy(logits: Any, rows: Any, *args: Any, **kwargs: Any) -> Any:
-        for i, row in enumerate(rows):
-            if not row.output_token_ids:
-                first[tuple(row.prompt_token_ids)] = np.asarray(logits)[i].copy()
-        return original(logits, rows, *args, **kwargs)
+    class Spy(type(sampler)):  # type: ignore[misc]
+        """The sampler, noting each prompt's first logits (the runner calls
+        ``verify``, which samples through ``sample``)."""
 
-    core.runner.sampler = type("Spy", (), {"sample": staticmethod(spy)})()
+        def sample(self, logits: Any, rows: Any, *args: Any, **kwargs: Any) -> Any:
+            for i, row in enumerate(rows):
+                if not row.output_token_ids:
+                    first[tuple(row.prompt_token_ids)] = np.asarray(logits)[i].copy()
+            return super().sample(logits, rows, *args, **kwargs)
+
+    core.runner.sampler = Spy(candidates=sampler.candidates)
     for i, prompt in enumerate(prompts):
         core.add_request(
             CoreRequest(

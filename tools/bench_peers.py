@@ -161,36 +161,14 @@ def main() -> int:
         from structllm.bench.model import write_bench_checkpoint
 
         write_bench_checkpoint(model)
-    t = str(ns.threads)
-    launch: dict[str, str] = {}
+    binary = gguf_file = None
     if "llama.cpp" not in ns.skip:
         binary = build_llama_server(work, ns.llama_cpp_python)
         if not gguf.exists():
             # in a child process: the converter imports torch
             run(sys.executable, __file__, "--convert", binary, model, gguf)
-        launch["llama.cpp"] = (
-            f"{q(binary)} -m {q(gguf)} -t {t} -tb {t} -np 16 -c 8192 --port {{port}}"
-        )
-    serve = (
-        f"{q(sys.executable)} -m structllm.cli serve {q(model)} --port {{port}} "
-        f"--max-num-seqs 16 --max-model-len 4096 --num-threads {t}"
-    )
-    for loop in ("asyncio", "trio"):
-        if loop not in ns.skip:
-            launch[f"structllm-{loop}"] = f"{serve} --loop {loop}"
-    workload = ["--input-len", "16", "256", "--output-len", "16", "128"]
-    workload += ["--vocab-size", "512", "--seed", "0", "--rounds", str(ns.rounds)]
-    for name, flags in (
-        ("c16", ["--num-prompts", str(ns.num_prompts), "--max-concurrency", "16"]),
-        ("single", ["--num-prompts", "10", "--max-concurrency", "1"]),
-    ):
-        targets = [a for item in launch.items() for a in ("--launch", "=".join(item))]
-        full, out = work / f"peers_{name}.json", f"{ns.out}_{name}"
-        run(
-            sys.executable, "-m", "structllm.cli", "bench", "serve", *targets,
-            *workload, *flags, "--json", full, "--plot", f"{out}.png",
-        )  # fmt: skip
-        write_summary(full, Path(f"{out}.json"))
+        gguf_file = gguf
+    compare(ns, work, model, binary, gguf_file, ["--vocab-size", "512"], "peers")
     return 0
 
 
@@ -202,41 +180,57 @@ def real_model(ns: argparse.Namespace, work: Path) -> int:
     assert shipped is not None
     binary = build_llama_server(work, ns.llama_cpp_python)
     quantize = binary.with_name("llama-quantize")
-    t = str(ns.threads)
     for kind in ns.real:
         gguf = shipped if kind == "Q4_1" else work / f"smollm2-{kind}.gguf"
         if not gguf.exists():
             # from the shipped Q4_1 (the only file there is): a speed and
             # memory comparison on the file both engines then read
             run(quantize, "--allow-requantize", shipped, gguf, kind)
-        launch: dict[str, str] = {}
-        if "llama.cpp" not in ns.skip:
-            launch["llama.cpp"] = (
-                f"{q(binary)} -m {q(gguf)} -t {t} -tb {t} -np 16 -c 8192 "
-                "--port {port}"
-            )
-        serve = (
-            f"{q(sys.executable)} -m structllm.cli serve {q(gguf)} --port {{port}} "
-            f"--max-num-seqs 16 --max-model-len 4096 --num-threads {t}"
-        )
-        for loop in ("asyncio", "trio"):
-            if loop not in ns.skip:
-                launch[f"structllm-{loop}"] = f"{serve} --loop {loop}"
-        workload = ["--input-len", "16", "256", "--output-len", "16", "128"]
-        workload += ["--prompt-kind", "text", "--seed", "0", "--rounds", str(ns.rounds)]
-        for name, flags in (
-            ("c16", ["--num-prompts", str(ns.num_prompts), "--max-concurrency", "16"]),
-            ("single", ["--num-prompts", "10", "--max-concurrency", "1"]),
-        ):
-            targets = [a for item in launch.items() for a in ("--launch", "=".join(item))]
-            full = work / f"real_{kind}_{name}.json"
-            out = f"{ns.out}_smollm2_{kind}_{name}"
-            run(
-                sys.executable, "-m", "structllm.cli", "bench", "serve", *targets,
-                *workload, *flags, "--json", full, "--plot", f"{out}.png",
-            )  # fmt: skip
-            write_summary(full, Path(f"{out}.json"))
+        llama = None if "llama.cpp" in ns.skip else binary
+        compare(ns, work, gguf, llama, gguf, ["--prompt-kind", "text"], f"smollm2_{kind}")
     return 0
+
+
+def compare(
+    ns: argparse.Namespace,
+    work: Path,
+    model: Path,
+    llama_server: Path | None,
+    gguf: Path | None,
+    prompts: list[str],
+    tag: str,
+) -> None:
+    """Two ``bench serve`` comparisons (16 clients, one stream) of llama.cpp
+    on ``gguf`` (unless ``llama_server`` is None) and ``structllm serve`` on
+    ``model`` under each loop not skipped; writes ``{ns.out}_{tag}_{name}``."""
+    t = str(ns.threads)
+    launch: dict[str, str] = {}
+    if llama_server is not None and gguf is not None:
+        launch["llama.cpp"] = (
+            f"{q(llama_server)} -m {q(gguf)} -t {t} -tb {t} -np 16 -c 8192 "
+            "--port {port}"
+        )
+    serve = (
+        f"{q(sys.executable)} -m structllm.cli serve {q(model)} --port {{port}} "
+        f"--max-num-seqs 16 --max-model-len 4096 --num-threads {t}"
+    )
+    for loop in ("asyncio", "trio"):
+        if loop not in ns.skip:
+            launch[f"structllm-{loop}"] = f"{serve} --loop {loop}"
+    workload = ["--input-len", "16", "256", "--output-len", "16", "128", *prompts]
+    workload += ["--seed", "0", "--rounds", str(ns.rounds)]
+    targets = [a for item in launch.items() for a in ("--launch", "=".join(item))]
+    for name, flags in (
+        ("c16", ["--num-prompts", str(ns.num_prompts), "--max-concurrency", "16"]),
+        ("single", ["--num-prompts", "10", "--max-concurrency", "1"]),
+    ):
+        full = work / f"{tag}_{name}.json"
+        out = f"{ns.out}_{tag}_{name}" if tag != "peers" else f"{ns.out}_{name}"
+        run(
+            sys.executable, "-m", "structllm.cli", "bench", "serve", *targets,
+            *workload, *flags, "--json", full, "--plot", f"{out}.png",
+        )  # fmt: skip
+        write_summary(full, Path(f"{out}.json"))
 
 
 def write_summary(full: Path, out: Path) -> None:

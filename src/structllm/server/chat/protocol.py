@@ -70,8 +70,6 @@ class ChatMessage(Body):
 
 
 class ChatChoice(Body):
-    _omit_unset = frozenset({"token_ids"})
-
     index: int
     message: ChatMessage
     logprobs: ChatLogprobs | None
@@ -81,9 +79,8 @@ class ChatChoice(Body):
 
 
 class ChatCompletionResponse(Body):
-    """``POST /v1/chat/completions`` without ``stream``."""
-
-    _omit_unset = frozenset({"prompt_token_ids", "prompt_logprobs"})
+    """``POST /v1/chat/completions`` without ``stream``; vLLM's fields are
+    ``null`` when not asked for."""
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"

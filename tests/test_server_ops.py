@@ -243,9 +243,10 @@ async def test_openapi_describes_the_new_routes() -> None:
     schemas = doc["components"]["schemas"]
     assert schemas["TokenizeCompletionRequest"]["required"] == ["prompt"]
     assert schemas["DetokenizeRequest"]["required"] == ["tokens"]
+    # token_strs: null unless asked for, as vLLM sends it
     assert schemas["TokenizeResponse"]["required"] == [
         "count", "max_model_len", "tokens", "token_strs",
-    ]  # fmt: skip  (token_strs: null unless asked for, as vLLM)
+    ]  # fmt: skip
     assert "/v1/models/{model_id}" in paths and "/version" in paths
     assert "/tokenizer_info" in paths and "/v1/chat/completions/batch" in paths
     assert "401" in paths["/v1/completions"]["post"]["responses"]

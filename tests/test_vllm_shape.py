@@ -140,6 +140,10 @@ async def test_n_predict_is_max_tokens(server: Server) -> None:
         "n_predict",
     )
     assert "max_completion_tokens" in message
+    # over the context, the error names the field the client sent
+    long = {"n_predict": ENGINE["max_model_len"]}
+    await refused(server, "/v1/completions", {"prompt": "Once", **long}, "n_predict")
+    await refused(server, "/v1/chat/completions", {**chat, **long}, "n_predict")
 
 
 async def test_consecutive_assistant_messages_reach_the_template(

@@ -213,7 +213,9 @@ class ChatRequest(SamplingRequest, ChatPrompt):
     @property
     def limit_field(self) -> str:
         """The field that set the length limit, for error messages."""
-        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+        if self.max_completion_tokens:
+            return "max_completion_tokens"
+        return super().limit_field
 
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         kw = self._sampling_kwargs()

@@ -210,6 +210,11 @@ class SamplingRequest(BaseModel):
         return bool(o and o.include_usage and o.continuous_usage_stats)
 
     @property
+    def limit_field(self) -> str:
+        """The field that set the length limit, for error messages."""
+        return "n_predict" if self.n_predict and self.n_predict > 0 else "max_tokens"
+
+    @property
     def choices(self) -> int:
         return self.n or 1
 

@@ -237,7 +237,8 @@ async def test_no_streamed_chunk_without_tokens(server: Server) -> None:
     none. A chunk whose text is held back (the first bytes of a character
     split over tokens: logit_bias pushes byte tokens) carries its tokens,
     with ``text: ""``, as vLLM's does."""
-    bias = {str(i): 20 for i in range(128, 190)}  # tiny's bytes 0x80..: split chars
+    # ids 128-189: single bytes of multi-byte characters in tiny's vocabulary
+    bias = {str(i): 20 for i in range(128, 190)}
     body = {
         "max_tokens": 12,
         "stream": True,

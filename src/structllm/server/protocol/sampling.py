@@ -151,7 +151,7 @@ class SamplingRequest(BaseModel):
     json_schema: SchemaObject | None = None
     #: llama.cpp: the output is held to this GBNF (or Lark) grammar
     grammar: NonEmptyText | None = None
-    #: llama.cpp's name for max_tokens; -1: no limit (see ``_intake``)
+    #: llama.cpp's name for max_tokens; -1: no limit (see ``_n_predict``)
     n_predict: Annotated[int, Field(ge=-1, le=MAX_COUNT)] | None = None
 
     #: the output constraint, and the request field an error about it names

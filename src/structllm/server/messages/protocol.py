@@ -144,6 +144,11 @@ _BLOCKS = ("text", "tool_use", "tool_result")
 # -- request blocks ---------------------------------------------------------------
 
 
+def _text_or_blocks(value: Any) -> str:
+    # a list is blocks, anything else is held to be text (and said to be not)
+    return "[blocks]" if isinstance(value, list) else "[text]"
+
+
 class CacheControl(BaseModel):
     """A prompt-caching breakpoint: accepted, no effect (the prefix cache
     finds shared prefixes by itself)."""
@@ -183,7 +188,14 @@ class ToolResultBlockParam(BaseModel):
 
     type: Literal["tool_result"]
     tool_use_id: NonEmptyText
-    content: Text | list[TextBlockParam] | None = None
+    content: (
+        Annotated[
+            Annotated[Text, Tag("[text]")]
+            | Annotated[list[TextBlockParam], Tag("[blocks]")],
+            Discriminator(_text_or_blocks),
+        ]
+        | None
+    ) = None
     #: accepted; the template receives the result's text either way
     is_error: bool | None = None
     cache_control: CacheControl | None = None
@@ -213,7 +225,13 @@ class MessageParam(BaseModel):
     model_config = OBJECT_CONFIG
 
     role: Literal["user", "assistant"]
-    content: Text | Annotated[list[ContentBlock], Field(max_length=MAX_MESSAGES)]
+    content: Annotated[
+        Annotated[Text, Tag("[text]")]
+        | Annotated[
+            list[ContentBlock], Field(max_length=MAX_MESSAGES), Tag("[blocks]")
+        ],
+        Discriminator(_text_or_blocks),
+    ]
 
     @model_validator(mode="before")
     @classmethod
@@ -365,9 +383,17 @@ class MessagesPrompt(BaseModel):
     messages: Annotated[
         list[MessageParam], Field(min_length=1, max_length=MAX_MESSAGES)
     ]
-    system: Text | Annotated[list[TextBlockParam], Field(max_length=MAX_MESSAGES)] = ""
+    system: Annotated[
+        Annotated[Text, Tag("[text]")]
+        | Annotated[
+            list[TextBlockParam], Field(max_length=MAX_MESSAGES), Tag("[blocks]")
+        ],
+        Discriminator(_text_or_blocks),
+    ] = ""
     tools: Annotated[list[MessagesTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: MessagesToolChoice | None = None
+    #: the request-wide caching breakpoint: accepted, no effect
+    cache_control: CacheControl | None = None
 
     #: the forced call's grammar (tool_choice any or tool)
     _constraint: StructuredOutputs | None = PrivateAttr(default=None)
@@ -393,7 +419,8 @@ class MessagesPrompt(BaseModel):
                         "supported; give client tools with an input_schema",
                     },
                 )
-        return data
+        # what passed is null or a no-op: nothing to keep
+        return {k: v for k, v in data.items() if k not in MESSAGES_REFUSED}
 
     @model_validator(mode="after")
     def _tool_checks(self) -> MessagesPrompt:

@@ -90,7 +90,8 @@ def parser_for(req: MessagesPrompt) -> ToolCallParser | None:
 
 
 def anthropic_errors(response: Response) -> Response:
-    """``response`` with an OpenAI error body rewritten in Anthropic's shape."""
+    """``response`` with an OpenAI error body rewritten in Anthropic's shape
+    (the message starts with the field it names, as the 400s of validation do)."""
     if response.status_code < 400 or response.media_type != "application/json":
         return response
     try:
@@ -105,8 +106,11 @@ def anthropic_errors(response: Response) -> Response:
         for k, v in response.headers.items()
         if k not in ("content-length", "content-type")
     }
+    message, param = str(error.get("message", "")), error.get("param")
+    if param and not message.startswith(f"{param}:"):
+        message = f"{param}: {message}"  # Anthropic's body has no param
     return Response(
-        anthropic_error_json(response.status_code, str(error.get("message", ""))),
+        anthropic_error_json(response.status_code, message),
         status_code=response.status_code,
         headers=headers,
         media_type="application/json",
@@ -131,6 +135,7 @@ class MessagesServing(Serving):
         llm = self.slot.get()
         req = await maybe_off_loop(big, validate, CountTokensRequest, body)
         self.check_model(req.model)
+        await check_constraints(req.constraint_checks)  # a 400 here as there
         prompt = await self._render(llm, req)
         response = CountTokensResponse(input_tokens=len(prompt.token_ids))
         return Response(

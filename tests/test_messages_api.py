@@ -15,12 +15,13 @@ import json
 from typing import Any
 
 import anthropic
+import anyio
 import anyio.to_thread
 import jsonschema
 import pytest
 
 from structllm.server.messages import protocol as messages_api
-from tests.test_server_app import Server, open_server, open_socket_server
+from tests.test_server_app import Exchange, Server, open_server, open_socket_server
 
 pytestmark = pytest.mark.anyio
 
@@ -177,6 +178,35 @@ async def test_text_equals_chat_whole_and_streamed() -> None:
         assert end["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
         assert end["usage"] == {"output_tokens": 8}
         await s.wait_idle()
+
+
+async def test_prefill_continues_the_final_assistant_message() -> None:
+    async with open_server(engine=ENGINE) as s:
+        convo = [
+            {"role": "user", "content": "Say hi"},
+            {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]},
+        ]
+        continued, _ = await chat_text(
+            s,
+            {
+                "messages": [convo[0], {"role": "assistant", "content": "Hello"}],
+                "max_tokens": 6,
+                "continue_final_message": True,
+            },
+        )
+        body = {"messages": convo, "max_tokens": 6, "temperature": 0}
+        r = (await s.http.post("/v1/messages", json=body)).json()
+        assert r["content"] == [{"type": "text", "text": continued}]
+        # an empty final assistant message: a new turn, as without it
+        fresh, _ = await chat_text(s, {"messages": convo[:1], "max_tokens": 6})
+        empty = [convo[0], {"role": "assistant", "content": ""}]
+        r = (await s.http.post("/v1/messages", json={**body, "messages": empty})).json()
+        assert r["content"] == [{"type": "text", "text": fresh}]
+        call = {"type": "tool_use", "id": "t", "name": "f", "input": {}}
+        final_call = [convo[0], {"role": "assistant", "content": [call]}]
+        r = await s.http.post("/v1/messages", json={**body, "messages": final_call})
+        assert r.status_code == 400
+        assert r.json()["error"]["message"].startswith("messages[1].content:")
 
 
 async def test_stop_sequences() -> None:
@@ -366,6 +396,40 @@ async def test_other_errors_are_anthropic_shaped() -> None:
             "top_p": 0.5,
         }
         assert (await s.http.post("/v1/messages", json=ok)).status_code == 200
+
+
+async def test_request_timeout_is_408_or_a_last_error_event() -> None:
+    engine = {"max_model_len": 2048, "num_blocks": 136}
+    async with open_server(request_timeout=0.2, engine=engine) as s:
+        body = {**BASE, "max_tokens": 2000, "temperature": 0}
+        r = await s.http.post("/v1/messages", json=body)
+        assert r.status_code == 408
+        assert r.json()["error"]["type"] == "timeout_error"
+        await s.wait_idle()
+        r = await s.http.post("/v1/messages", json={**body, "stream": True})
+        assert r.status_code == 200
+        got = streamed(r.text)
+        assert got[0][0] == "message_start" and got[-1][0] == "error"
+        assert got[-1][1]["error"]["type"] == "timeout_error"
+        assert "message_stop" not in [n for n, _ in got]
+        await s.wait_idle()
+        assert await s.metric('structllm_requests_total{finished_reason="abort"}') == 2
+
+
+async def test_disconnect_mid_stream_aborts() -> None:
+    body = {**BASE, "max_tokens": 800, "temperature": 0, "stream": True}
+    async with open_server(engine=ENGINE) as s:
+        x = Exchange(json.dumps(body).encode())
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(x.run, s.app, "/v1/messages")
+                await x.first_chunk.wait()
+                x.hang_up.set()
+        await s.wait_idle()
+        assert await s.metric('structllm_requests_total{finished_reason="abort"}') == 1
+        assert "message_stop" not in x.text
+        r = await s.http.post("/v1/messages", json=BASE)
+        assert r.status_code == 200
 
 
 async def test_x_api_key_beside_bearer() -> None:

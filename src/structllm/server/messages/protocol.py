@@ -16,7 +16,9 @@ model's chat template (:meth:`MessagesPrompt.template_messages`): ``system``
 becomes a system message, an assistant's ``tool_use`` blocks its
 ``tool_calls`` and a user's ``tool_result`` blocks ``tool`` messages before
 the user's text (Anthropic puts the results first), each ``tools`` entry a
-function. ``tool_choice`` maps onto chat's modes (:mod:`~structllm.server.protocol.tools`):
+function. A final assistant message with text is Anthropic's prefill: the
+answer continues it (chat's ``continue_final_message``) and does not repeat
+it. ``tool_choice`` maps onto chat's modes (:mod:`~structllm.server.protocol.tools`):
 
 =====================================  =======================================
 ``{"type": "auto"}`` (the default)     ``"auto"``: calls found in free text
@@ -431,6 +433,15 @@ class MessagesPrompt(BaseModel):
         return self
 
     def _check_tools(self) -> None:
+        last = self.messages[-1]
+        if self.prefill and any(isinstance(b, ToolUseBlockParam) for b in last.blocks):
+            n = len(self.messages) - 1
+            raise InvalidRequestError(
+                f"messages[{n}].content: a final assistant message is the start "
+                "of the answer, so it cannot carry tool_use blocks; send their "
+                "tool_result blocks in a user message after it",
+                field=f"messages[{n}].content",
+            )
         seen: set[str] = set()
         for i, tool in enumerate(self.tools or ()):
             if tool.name in seen:
@@ -502,22 +513,41 @@ class MessagesPrompt(BaseModel):
             return self.system
         return "".join(b.text for b in self.system)
 
+    @property
+    def prefill(self) -> bool:
+        """Whether the answer continues the final message: Anthropic's
+        prefill, a final assistant message with text (an empty one is left
+        out, and the answer starts a new turn)."""
+        last = self.messages[-1]
+        if last.role != "assistant":
+            return False
+        if isinstance(last.content, str):
+            return bool(last.content.strip())
+        text = "".join(b.text for b in last.blocks if isinstance(b, TextBlockParam))
+        return bool(text.strip()) or any(
+            isinstance(b, ToolUseBlockParam) for b in last.blocks
+        )
+
     def template_messages(self) -> list[dict[str, Any]]:
         """The conversation as chat templates receive it."""
         out: list[dict[str, Any]] = []
         if self.system_text:
             out.append({"role": "system", "content": self.system_text})
-        for m in self.messages:
+        messages = self.messages
+        if messages[-1].role == "assistant" and not self.prefill:
+            messages = messages[:-1]  # empty: nothing to continue
+        for m in messages:
             out += m.template_dicts()
         return out
 
     def template_options(self) -> dict[str, Any]:
         """The keywords of ``apply_chat_template`` besides the messages: the
-        answer starts after a generation prompt, as Anthropic's does."""
+        answer starts after a generation prompt, or continues the final
+        assistant message (chat's ``continue_final_message``)."""
         tools = self.chat_tools()
         return {
-            "add_generation_prompt": True,
-            "continue_final_message": False,
+            "add_generation_prompt": not self.prefill,
+            "continue_final_message": self.prefill,
             "template_kwargs": None,
             "tools": [t.template_dict() for t in tools] if tools else None,
         }

@@ -25,10 +25,10 @@ from fastapi.responses import Response
 
 from structllm.engine.frontend.async_llm import AsyncLLM
 from structllm.engine.frontend.inputs import OFF_LOOP_CHARS, Prompt, check_prompt_bytes
-from structllm.errors import unwrap_group
+from structllm.errors import InvalidRequestError, unwrap_group
 from structllm.outputs import CompletionOutput, RequestOutput
 from structllm.server.http.body import maybe_off_loop, validate
-from structllm.server.http.errors import anthropic_error_json
+from structllm.server.http.errors import ASCIIJSONResponse, anthropic_error_json
 from structllm.server.http.sse import deadline
 from structllm.server.messages.protocol import (
     CountTokensRequest,
@@ -138,9 +138,7 @@ class MessagesServing(Serving):
         await check_constraints(req.constraint_checks)  # a 400 here as there
         prompt = await self._render(llm, req)
         response = CountTokensResponse(input_tokens=len(prompt.token_ids))
-        return Response(
-            json.dumps(bodies.dump(response)), media_type="application/json"
-        )
+        return ASCIIJSONResponse(bodies.dump(response))
 
     async def create(self, body: Any, big: bool) -> Response:
         llm = self.slot.get()
@@ -170,10 +168,7 @@ class MessagesServing(Serving):
                 cache_read_input_tokens=out.num_cached_tokens or 0,
             ),
         )
-        return Response(
-            json.dumps(bodies.dump(response), ensure_ascii=True),
-            media_type="application/json",
-        )
+        return ASCIIJSONResponse(bodies.dump(response))
 
     async def _render(self, llm: AsyncLLM, req: MessagesPrompt) -> Prompt:
         """The conversation through the chat template, as chat renders it."""
@@ -192,7 +187,15 @@ class MessagesServing(Serving):
             # the template writes BOS itself: tokenise without special tokens
             return text, tuple(llm.tokenizer.encode(text, add_special_tokens=False))
 
-        text, ids = await maybe_off_loop(rendered > OFF_LOOP_CHARS, render)
+        try:
+            text, ids = await maybe_off_loop(rendered > OFF_LOOP_CHARS, render)
+        except InvalidRequestError as exc:
+            if exc.field != "continue_final_message":
+                raise
+            # chat's field: here it is the final (prefill) message
+            field = f"messages[{len(req.messages) - 1}]"
+            message = str(exc).replace("continue_final_message", field, 1)
+            raise InvalidRequestError(message, field=field) from None
         return Prompt(text, ids)
 
     def _stream(
@@ -260,7 +263,9 @@ def _content(
     """A whole answer's blocks, and whether it called tools.
 
     An answer whose calls did not complete (cut by ``max_tokens``) is its
-    text, as in chat.
+    text, as in chat. (With a reasoning parser, the thinking it splits off
+    becomes a ``thinking`` block before these, here and in
+    :class:`~structllm.server.messages.streaming.MessageEvents`.)
     """
     parser = parser_for(req)
     parsed = parse(parser, c.text) if parser is not None else None

@@ -20,7 +20,13 @@ import anyio.to_thread
 import jsonschema
 import pytest
 
+from structllm.outputs import CompletionOutput
 from structllm.server.messages import protocol as messages_api
+from structllm.server.messages.protocol import MessagesRequest
+from structllm.server.messages.serving import _content as whole_content
+from structllm.server.messages.serving import parser_for
+from structllm.server.messages.streaming import MessageEvents
+from structllm.server.protocol import bodies
 from tests.test_server_app import Exchange, Server, open_server, open_socket_server
 
 pytestmark = pytest.mark.anyio
@@ -272,6 +278,68 @@ async def test_forced_tool_use_whole_and_streamed(choice: dict[str, Any]) -> Non
         assert json.loads(partial) == use["input"]  # greedy: the same call
         assert got[-2][1]["delta"]["stop_reason"] == "tool_use"
         await s.wait_idle()
+
+
+def test_auto_calls_in_text_whole_and_as_events() -> None:
+    """A call the model writes under ``auto``: a text block, then a tool_use
+    block, whole and from pieces of three characters."""
+    text = (
+        "Let me look.\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    )
+    req = MessagesRequest.model_validate({**BASE, "tools": [WEATHER]})
+    out = CompletionOutput(text=text, token_ids=(1, 2, 3), finish_reason="stop")
+    blocks, called = whole_content(req, out)
+    assert called and [b.type for b in blocks] == ["text", "tool_use"]
+    assert blocks[0].text == "Let me look."  # type: ignore[union-attr]
+    use = blocks[1]
+    assert isinstance(use, messages_api.ToolUseBlock)
+    assert (use.name, use.input) == ("get_weather", {"city": "Paris"})
+
+    events = MessageEvents(parser_for(req))
+    got = []
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    for i, piece in enumerate(pieces):
+        got += events.feed(piece, i == len(pieces) - 1)
+    got += events.finish(out, 3)
+    dumped = [bodies.dump(e) for e in got]
+    check_sequence(
+        [("message_start", {}), ("ping", {})] + [(e["type"], e) for e in dumped]
+    )
+    starts = [e["content_block"] for e in dumped if e["type"] == "content_block_start"]
+    assert [b["type"] for b in starts] == ["text", "tool_use"]
+    deltas = [e["delta"] for e in dumped if e["type"] == "content_block_delta"]
+    assert "".join(d["text"] for d in deltas if d["type"] == "text_delta") == (
+        "Let me look."
+    )
+    partial = "".join(
+        d["partial_json"] for d in deltas if d["type"] == "input_json_delta"
+    )
+    assert json.loads(partial) == {"city": "Paris"}
+    assert dumped[-2]["delta"]["stop_reason"] == "tool_use"
+    assert dumped[-2]["usage"] == {"output_tokens": 3}
+
+
+@pytest.mark.parametrize("auto", [False, True])
+@pytest.mark.parametrize(
+    "pieces", [["a ", " ", "b\n"], ["  ", "\n"], ["x", "", " y  "], ["<tool", " no"]]
+)
+def test_streamed_text_is_the_whole_text(pieces: list[str], auto: bool) -> None:
+    """Whitespace held back is sent when text follows, and at the end."""
+    req = MessagesRequest.model_validate({**BASE, "tools": [WEATHER]} if auto else BASE)
+    events = MessageEvents(parser_for(req))
+    got = []
+    for i, piece in enumerate(pieces):
+        got += events.feed(piece, i == len(pieces) - 1)
+    out = CompletionOutput(text="".join(pieces), token_ids=(), finish_reason="stop")
+    got += events.finish(out, 0)
+    dumped = [bodies.dump(e) for e in got]
+    text = "".join(
+        e["delta"]["text"] for e in dumped if e["type"] == "content_block_delta"
+    )
+    assert text == out.text
+    assert [b.text for b in whole_content(req, out)[0]] == [out.text]  # type: ignore[union-attr]
+    assert sum(e["type"] == "content_block_start" for e in dumped) == 1
 
 
 # -- what is refused -----------------------------------------------------------------

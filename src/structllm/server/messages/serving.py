@@ -276,7 +276,8 @@ def _content(
         return [TextBlock(text=c.text)], False
     blocks: list[TextBlock | ToolUseBlock] = []
     if parsed.content and parsed.content.strip():
-        blocks.append(TextBlock(text=parsed.content))
+        # the whitespace before the calls is no part of the text
+        blocks.append(TextBlock(text=parsed.content.rstrip()))
     blocks += [
         ToolUseBlock(id=new_tool_use_id(), name=call.name, input=i)
         for call, i in zip(parsed.calls, inputs, strict=True)

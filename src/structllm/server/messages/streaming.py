@@ -11,7 +11,9 @@ without a name) and there is no ``[DONE]``.
 :class:`MessageEvents` is the pure part: it turns the engine's text deltas
 into events, through the request's tool-call parser when there is one
 (:mod:`~structllm.text.tool_parser`: text becomes text blocks, each call a
-``tool_use`` block whose input arrives as JSON fragments). A message whose
+``tool_use`` block whose input arrives as JSON fragments). Whitespace at the
+end of the text is held back until more text follows: before a call it is
+dropped, as the text block of a whole answer with calls leaves it out. A message whose
 answer is empty still has one (empty) text block, as a whole response does.
 :class:`NamedEventStream` is :class:`~structllm.server.http.sse.EventStream`
 with ``event:`` lines.
@@ -95,6 +97,10 @@ class MessageEvents:
     index: int = -1
     open: str | None = None
     called: bool = False
+    #: whitespace at the end of the text so far, held back: it is sent
+    #: before more text, and dropped before a call (as a whole answer's
+    #: text block leaves it out)
+    pending: str = ""
 
     def feed(self, text: str, finished: bool) -> list[BaseModel]:
         """The events for the next piece of the answer."""
@@ -107,15 +113,14 @@ class MessageEvents:
         out: list[BaseModel] = []
         for e in events:
             if isinstance(e, ContentDelta):
-                if not e.text:
+                text = e.text.rstrip()
+                if not text:
+                    self.pending += e.text
                     continue
-                if self.open != "text":
-                    out += self._start(TextBlock(text=""))
-                delta = ContentBlockDeltaEvent(
-                    index=self.index, delta=TextDelta(text=e.text)
-                )
-                out.append(delta)
+                out += self._text(self.pending + text)
+                self.pending = e.text[len(text) :]
             elif isinstance(e, CallStart):
+                self.pending = ""
                 block = ToolUseBlock(id=new_tool_use_id(), name=e.name, input={})
                 out += self._start(block)
                 self.called = True
@@ -129,6 +134,9 @@ class MessageEvents:
         """Close the open block (opening an empty text block if none was),
         then ``message_delta`` and ``message_stop``."""
         out: list[BaseModel] = []
+        if self.pending and not self.called:
+            out += self._text(self.pending)
+        self.pending = ""
         if self.open is None:
             out += self._start(TextBlock(text=""))
         out.append(ContentBlockStopEvent(index=self.index))
@@ -141,6 +149,12 @@ class MessageEvents:
             )
         )
         out.append(MessageStopEvent())
+        return out
+
+    def _text(self, text: str) -> list[BaseModel]:
+        """A text delta, opening a text block first if none is open."""
+        out = [] if self.open == "text" else self._start(TextBlock(text=""))
+        out.append(ContentBlockDeltaEvent(index=self.index, delta=TextDelta(text=text)))
         return out
 
     def _start(self, block: TextBlock | ToolUseBlock) -> list[BaseModel]:

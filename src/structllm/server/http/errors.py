@@ -5,10 +5,11 @@ server's own two) to a status; :func:`install_handlers` makes Starlette's
 404, 405 and validation errors, and any unexpected exception, OpenAI-shaped
 too. Bodies are ASCII-only JSON, so rendering one can never fail.
 
-Anthropic's Messages routes answer in Anthropic's shape instead
-(``{"type": "error", "error": {"type": "invalid_request_error", "message":
-...}}``): :func:`anthropic_error_json` writes it, :func:`send_error` on
-request, and :mod:`~structllm.server.messages.serving` rewrites its errors.
+Anthropic's Messages routes (:func:`anthropic_path`) answer in Anthropic's
+shape instead (``{"type": "error", "error": {"type":
+"invalid_request_error", "message": ...}}``): :func:`anthropic_error_json`
+writes it, :func:`send_error` on request, and
+:mod:`~structllm.server.messages.serving` rewrites its errors.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ __all__ = [
     "ModelNotFoundError",
     "RequestTimeoutError",
     "anthropic_error_json",
+    "anthropic_path",
     "error_json",
     "error_response",
     "install_handlers",
@@ -96,6 +98,11 @@ def error_json(status: int, message: str, param: str | None = None) -> bytes:
         code=status,
     )
     return json.dumps(body, ensure_ascii=True).encode()
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether ``path`` is one of Anthropic's routes (its errors are Anthropic's)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 def anthropic_error_json(status: int, message: str) -> bytes:

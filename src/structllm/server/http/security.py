@@ -31,7 +31,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from structllm.config import ServerConfig
-from structllm.server.http.errors import json_error, send_error
+from structllm.server.http.errors import anthropic_path, json_error, send_error
 
 __all__ = ["API_KEY_ENV", "ApiKeyMiddleware", "add_cors", "api_keys"]
 
@@ -105,7 +105,7 @@ class ApiKeyMiddleware:
             "a valid API key is required: send the header 'Authorization: "
             "Bearer <key>' or 'x-api-key: <key>'",
             {"www-authenticate": "Bearer"},
-            anthropic=path == "/v1/messages" or path.startswith("/v1/messages/"),
+            anthropic=anthropic_path(path),
         )
 
 

@@ -50,6 +50,8 @@ from structllm.server.http.limits import ConcurrencyLimit, LimitState
 from structllm.server.http.security import ApiKeyMiddleware, add_cors
 from structllm.server.metrics import Gauges, Metrics
 from structllm.server.models import api_router as models
+from structllm.server.ollama import api_router as ollama
+from structllm.server.ollama.serving import OllamaServing
 from structllm.server.operations import api_router as operations
 from structllm.server.protocol.bodies import now
 from structllm.server.serving import EngineSlot, ServerConfig, Serving
@@ -98,12 +100,14 @@ def build_app(
     app.state.completions = CompletionServing(slot, config, metrics)
     app.state.chat = ChatServing(slot, config, metrics)
     app.state.tokenize = TokenizeServing(slot, config, metrics)
+    app.state.ollama = OllamaServing(slot, config, metrics)
     for api in (
         completions,
         chat,
         models,
         operations,
         tokenize,
+        ollama,
     ):
         app.include_router(api.router)
     openapi.install(app)

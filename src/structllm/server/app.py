@@ -4,8 +4,11 @@
 folder per API, each with its route (``api_router``), its protocol models
 (``protocol``) and its serving (``serving``): :mod:`~structllm.server.completions`,
 :mod:`~structllm.server.chat`, :mod:`~structllm.server.tokenize`,
-:mod:`~structllm.server.models` and :mod:`~structllm.server.operations`
-(``/health``, ``/metrics``, ``/version``). Adding an API is adding a room.
+:mod:`~structllm.server.models`, :mod:`~structllm.server.operations`
+(``/health``, ``/metrics``, ``/version``), :mod:`~structllm.server.ollama`
+(Ollama's ``/api/*``) and :mod:`~structllm.server.llamacpp` (llama.cpp's
+native routes and its aliases without ``/v1``). Adding an API is adding a
+room.
 Beside them, what the rooms share:
 
 - :mod:`~structllm.server.serving` -- the serving base: the disconnect and
@@ -48,6 +51,8 @@ from structllm.server.http.drain import Drain, DrainMiddleware
 from structllm.server.http.errors import error_json, install_handlers
 from structllm.server.http.limits import ConcurrencyLimit, LimitState
 from structllm.server.http.security import ApiKeyMiddleware, add_cors
+from structllm.server.llamacpp import api_router as llamacpp
+from structllm.server.llamacpp.serving import LlamaCppServing
 from structllm.server.metrics import Gauges, Metrics
 from structllm.server.models import api_router as models
 from structllm.server.ollama import api_router as ollama
@@ -101,6 +106,7 @@ def build_app(
     app.state.chat = ChatServing(slot, config, metrics)
     app.state.tokenize = TokenizeServing(slot, config, metrics)
     app.state.ollama = OllamaServing(slot, config, metrics)
+    app.state.llamacpp = LlamaCppServing(slot, config, metrics)
     for api in (
         completions,
         chat,
@@ -108,6 +114,7 @@ def build_app(
         operations,
         tokenize,
         ollama,
+        llamacpp,
     ):
         app.include_router(api.router)
     openapi.install(app)

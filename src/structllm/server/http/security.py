@@ -1,9 +1,11 @@
 """Who may call the server: API keys and CORS.
 
 :class:`ApiKeyMiddleware` requires ``Authorization: Bearer KEY`` on the
-``/v1`` routes, ``/tokenize`` and ``/detokenize`` (and ``/metrics`` with
-``--metrics-require-auth``) once any ``--api-key`` is configured; ``/health``
-and ``/version`` stay open. The given key is hashed and compared with
+``/v1`` routes, ``/tokenize`` and ``/detokenize``, llama.cpp's native routes
+and ``/v1``-less aliases (``/completion``, ``/props``, ``/models``...),
+Ollama's ``/api/`` routes (and ``/metrics`` with ``--metrics-require-auth``)
+once any ``--api-key`` is configured; ``/health``, ``/version`` and
+``/api/version`` stay open. The given key is hashed and compared with
 ``hmac.compare_digest`` against the hash of every configured key, all of
 them, so neither the time taken nor an early exit tells which key, or which
 prefix or length, came close. A refusal is a 401 with an OpenAI error body
@@ -36,8 +38,22 @@ __all__ = ["API_KEY_ENV", "ApiKeyMiddleware", "add_cors", "api_keys"]
 #: the environment variable holding API keys (comma-separated)
 API_KEY_ENV = "STRUCTLLM_API_KEY"
 
-#: routes under the key besides everything below /v1
-_PROTECTED = frozenset({"/tokenize", "/detokenize"})
+#: routes under the key besides everything below /v1 and Ollama's /api
+_PROTECTED = frozenset(
+    {
+        "/tokenize",
+        "/detokenize",
+        # llama.cpp's native routes and its aliases of the /v1 ones
+        "/completion",
+        "/completions",
+        "/chat/completions",
+        "/models",
+        "/props",
+        "/slots",
+    }
+)
+#: Ollama's routes that stay open (as /version does)
+_OPEN = frozenset({"/api/version"})
 
 
 def api_keys(flags: Iterable[str], environ: Mapping[str, str]) -> tuple[str, ...]:
@@ -67,6 +83,7 @@ class ApiKeyMiddleware:
             path == "/v1"
             or path.startswith("/v1/")
             or path in _PROTECTED
+            or (path.startswith("/api/") and path not in _OPEN)
             or (self._metrics and path == "/metrics")
         )
 

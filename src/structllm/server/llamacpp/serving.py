@@ -309,7 +309,10 @@ class LlamaCppServing(Serving):
             "tokens_predicted": n,
             "tokens_evaluated": n_prompt,
             "generation_settings": self._settings(job.params),
-            "prompt": self.prompt_text(job.prompt),
+            # the prompt's tokens, special ones spelled out (llama.cpp's "<s> ")
+            "prompt": self.slot.get().tokenizer.decode(
+                out.prompt_token_ids, skip_special_tokens=False
+            ),
             "has_new_line": "\n" in c.text,
             "truncated": False,
             "stop_type": stop_type,

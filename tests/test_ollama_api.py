@@ -20,7 +20,7 @@ import httpx
 import ollama
 import pytest
 
-from tests.test_server_app import open_server, open_socket_server
+from tests.test_server_app import Exchange, open_server, open_socket_server
 
 pytestmark = pytest.mark.anyio
 
@@ -296,3 +296,33 @@ async def test_calls_in_the_answer_are_tool_calls(
         ("weather", {"city": "Oslo"})
     ]
     assert content.strip() == ""
+
+
+async def test_drain_refuses_then_cuts_an_ndjson_stream() -> None:
+    """A drain covers Ollama's routes: new requests get 503, a stream cut at
+    the end of the grace period ends with an ``{"error": ...}`` line."""
+    # held by its format to more tokens than num_predict, so it cannot end early
+    endless = {"type": "array", "items": {"const": 1}, "minItems": 200}
+    body = {
+        "model": MODEL,
+        "prompt": "x",
+        "raw": True,
+        "format": endless,
+        "options": {"num_predict": 250},
+    }
+    async with open_server() as s:
+        x = Exchange(json.dumps(body).encode())
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(x.run, s.app, "/api/generate")
+                await x.first_chunk.wait()
+                s.drain.start()
+                r = await s.http.post("/api/chat", json={"model": MODEL})
+                assert r.status_code == 503
+                assert s.drain.active == 1
+                s.drain.cut()
+                await s.drain.wait_idle()
+        lines = [json.loads(line) for line in x.text.splitlines()]
+        assert lines[0]["done"] is False
+        assert "shut down" in lines[-1]["error"]
+        await s.wait_idle()

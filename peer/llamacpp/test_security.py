@@ -21,8 +21,8 @@ server = ServerPreset.tinyllama2()
 TEST_API_KEY = "sk-this-is-the-secret-key"
 
 MODELS_ALIAS = (
-    "deliberate difference: structllm lists models at /v1/models, behind the key "
-    "like every /v1 route; llama.cpp's /models alias is public"
+    "deliberate difference: structllm's /models is /v1/models under a second "
+    "path, behind the key as /v1/models is; llama.cpp's /models is public"
 )
 ERROR_TYPE = (
     "deliberate difference: the 401's error type is vLLM's 'AuthenticationError' "

@@ -157,7 +157,7 @@ async def test_tools_reach_the_template_and_history_renders(
         *HI,
         {
             "role": "assistant",
-            "content": "",
+            "content": None,  # as some clients send it with calls
             "tool_calls": [
                 {"function": {"name": "weather", "arguments": {"city": "Oslo"}}}
             ],
@@ -189,6 +189,7 @@ REFUSED: list[tuple[dict[str, Any], int, str]] = [
         400,
         "messages[0].images",
     ),
+    ({"keep_alive": [1]}, 400, "keep_alive: must be"),
     ({"model": "llama3"}, 404, "llama3"),
 ]
 
@@ -243,7 +244,10 @@ async def test_model_routes(url: str, client: ollama.AsyncClient) -> None:
     assert embed.value.status_code == 400 and "embeddings" in embed.value.error
     async with httpx.AsyncClient(base_url=url) as http:
         version = (await http.get("/api/version")).json()
+        up = await http.get("/")  # the check Ollama's clients make
+        head = await http.head("/")
     assert isinstance(version["version"], str)
+    assert up.status_code == head.status_code == 200
 
 
 CALL_SCHEMA = {

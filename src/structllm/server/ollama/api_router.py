@@ -1,5 +1,6 @@
 """Ollama's routes: ``/api/generate``, ``/api/chat``, ``/api/tags``,
-``/api/show``, ``/api/ps``, ``/api/version``; ``/api/embed`` and
+``/api/show``, ``/api/ps``, ``/api/version`` and ``GET /`` (the check
+Ollama's clients make that the server is up); ``/api/embed`` and
 ``/api/embeddings`` refused by name, and the model-management routes
 (``pull``, ``push``, ``create``, ``copy``, ``delete``) refused: the server
 serves the one model it was started with."""
@@ -7,7 +8,7 @@ serves the one model it was started with."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
 from structllm.server import openapi
 from structllm.server.http.errors import ASCIIJSONResponse
@@ -100,6 +101,17 @@ async def processes(request: Request) -> Response:
 async def show(request: Request) -> Response:
     serving = _serving(request)
     return await serving.guarded(request, serving.show)
+
+
+@router.api_route(
+    "/",
+    methods=["GET", "HEAD"],
+    response_model=None,
+    include_in_schema=False,
+)
+async def root(request: Request) -> Response:
+    """Ollama clients check that the server is up with ``GET /``."""
+    return PlainTextResponse("structllm is running")
 
 
 @router.get(

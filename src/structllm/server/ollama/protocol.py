@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, PrivateAttr, model_validator
+from pydantic import AfterValidator, BaseModel, Field, PrivateAttr, model_validator
 from pydantic_core import PydanticCustomError
 
 from structllm.errors import InvalidRequestError
@@ -219,6 +219,16 @@ class OllamaOptions(BaseModel):
         return None if n is None or n < 0 else n
 
 
+def _duration(value: Any) -> Any:
+    """``keep_alive``: seconds, or a duration string (``"5m"``), or null."""
+    ok = value is None or isinstance(value, str | float)
+    if not ok and not (isinstance(value, int) and not isinstance(value, bool)):
+        raise PydanticCustomError(
+            "field", "must be a number of seconds or a duration string", {"name": ""}
+        )
+    return value
+
+
 class _OllamaRequest(BaseModel):
     """What ``/api/generate`` and ``/api/chat`` share."""
 
@@ -230,7 +240,7 @@ class _OllamaRequest(BaseModel):
     format: Literal["", "json"] | SchemaObject | None = None
     options: OllamaOptions | None = None
     #: accepted: the model stays loaded for the server's lifetime
-    keep_alive: float | int | Text | None = None
+    keep_alive: Annotated[Any, AfterValidator(_duration)] = None
 
     @property
     def streaming(self) -> bool:
@@ -311,7 +321,8 @@ class OllamaMessage(BaseModel):
     model_config = REQUEST_CONFIG
 
     role: NonEmptyText
-    content: Text = ""
+    #: null (some clients send it with tool calls) is ""
+    content: Text | None = None
     tool_calls: Annotated[list[_ToolCall], Field(max_length=MAX_TOOLS)] | None = None
     #: a tool message: the tool that answered
     tool_name: Text | None = None
@@ -325,7 +336,7 @@ class OllamaMessage(BaseModel):
 
     def template_dict(self, index: int) -> dict[str, Any]:
         """As chat templates receive it (transformers' shape)."""
-        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        d: dict[str, Any] = {"role": self.role, "content": self.content or ""}
         if self.tool_calls:
             d["tool_calls"] = [
                 {

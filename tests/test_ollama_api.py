@@ -116,6 +116,47 @@ async def test_generate_templated_and_chat_match_chat_completions(
     assert more.prompt_eval_count is not None and more.prompt_eval_count > len(context)
 
 
+async def test_logprobs_whole_and_streamed(
+    url: str, client: ollama.AsyncClient
+) -> None:
+    """Each token's logprob and its best 3, as ``/v1/completions`` gives them."""
+    expected = await openai_logprobs(url)
+    whole = await client.generate(
+        MODEL, "hi", raw=True, options=GREEDY, logprobs=True, top_logprobs=3
+    )
+    got = [(lp.token, lp.logprob) for lp in whole.logprobs or ()]
+    assert [t for t, _ in got] == [t for t, _ in expected]
+    assert [v for _, v in got] == pytest.approx([v for _, v in expected])
+    for lp in whole.logprobs or ():
+        assert lp.top_logprobs is not None and len(lp.top_logprobs) == 3
+        assert lp.top_logprobs[0].token == lp.token  # greedy: the best
+    parts = [
+        p
+        async for p in await client.chat(
+            MODEL, messages=HI, options=GREEDY, logprobs=True, stream=True
+        )
+    ]
+    streamed = [lp for p in parts for lp in p.logprobs or ()]
+    assert len(streamed) == parts[-1].eval_count == 6
+    assert all(lp.top_logprobs is None for lp in streamed)
+
+
+async def openai_logprobs(url: str) -> list[tuple[str, float]]:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        r = await http.post(
+            "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": "hi",
+                "max_tokens": 6,
+                "temperature": 0,
+                "logprobs": 3,
+            },
+        )
+    lp = r.json()["choices"][0]["logprobs"]
+    return list(zip(lp["tokens"], lp["token_logprobs"], strict=True))
+
+
 async def test_format_schema_and_json(url: str, client: ollama.AsyncClient) -> None:
     schema = {"enum": ["yes", "no"]}
     r = await client.chat(
@@ -183,7 +224,8 @@ REFUSED: list[tuple[dict[str, Any], int, str]] = [
         "options.repeat_last_n",
     ),
     ({"think": True}, 400, "think"),
-    ({"logprobs": True}, 400, "logprobs"),
+    ({"top_logprobs": 2}, 400, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     (
         {"messages": [{"role": "user", "content": "x", "images": ["aGk="]}]},
         400,

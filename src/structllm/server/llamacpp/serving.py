@@ -54,6 +54,7 @@ from structllm.server.protocol.constraints import (
     rename_field,
     renamed,
 )
+from structllm.server.protocol.logprobs import MIN_LOGPROB
 from structllm.server.serving import Job, Serving
 from structllm.structured import StructuredOutputs
 
@@ -438,13 +439,13 @@ def _probabilities(c: CompletionOutput, top_n: int) -> list[dict[str, Any]]:
             {
                 "id": token_id,
                 "token": text,
-                "logprob": chosen.logprob,
+                "logprob": max(chosen.logprob, MIN_LOGPROB),
                 "bytes": list(text.encode()),
                 "top_logprobs": [
                     {
                         "id": t,
                         "token": v.decoded_token or "",
-                        "logprob": v.logprob,
+                        "logprob": max(v.logprob, MIN_LOGPROB),
                         "bytes": list((v.decoded_token or "").encode()),
                     }
                     for t, v in ranked[:top_n]

@@ -47,6 +47,7 @@ from structllm.server.protocol.bodies import Body
 from structllm.server.protocol.fields import (
     REQUEST_CONFIG,
     Count,
+    Logprobs,
     NonEmptyText,
     Penalty,
     Seed,
@@ -69,6 +70,7 @@ __all__ = [
     "OllamaDetails",
     "OllamaGenerateRequest",
     "OllamaGenerateResponse",
+    "OllamaLogprob",
     "OllamaMessage",
     "OllamaModel",
     "OllamaOptions",
@@ -77,6 +79,7 @@ __all__ = [
     "OllamaShowRequest",
     "OllamaShowResponse",
     "OllamaTags",
+    "OllamaTokenLogprob",
     "OllamaVersion",
 ]
 
@@ -113,8 +116,6 @@ GENERATE_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "images": ("images are not supported: text-only models", ([],)),
     "template": ("the model's own chat template is used", ("",)),
     "think": ("reasoning models are not supported", (False,)),
-    "logprobs": ("logprobs are not supported here; use /v1/completions", (False,)),
-    "top_logprobs": ("logprobs are not supported here; use /v1/completions", (0,)),
     "width": ("image generation is not supported", ()),
     "height": ("image generation is not supported", ()),
     "steps": ("image generation is not supported", ()),
@@ -123,14 +124,6 @@ GENERATE_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
 #: ``/api/chat`` fields structllm refuses -> (reason, no-op values)
 CHAT_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "think": ("reasoning models are not supported", (False,)),
-    "logprobs": (
-        "logprobs are not supported here; use /v1/chat/completions",
-        (False,),
-    ),
-    "top_logprobs": (
-        "logprobs are not supported here; use /v1/chat/completions",
-        (0,),
-    ),
 }
 
 #: a message's fields structllm refuses -> (reason, no-op values)
@@ -241,6 +234,19 @@ class _OllamaRequest(BaseModel):
     options: OllamaOptions | None = None
     #: accepted: the model stays loaded for the server's lifetime
     keep_alive: Annotated[Any, AfterValidator(_duration)] = None
+    #: each generated token's logprob (and ``top_logprobs`` best ones)
+    logprobs: bool | None = None
+    top_logprobs: Logprobs | None = None
+
+    @model_validator(mode="after")
+    def _logprobs(self) -> _OllamaRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError(
+                "field",
+                "top_logprobs requires logprobs to be true",
+                {"name": "top_logprobs"},
+            )
+        return self
 
     @property
     def streaming(self) -> bool:
@@ -262,6 +268,7 @@ class _OllamaRequest(BaseModel):
         options = self.options or OllamaOptions()
         return SamplingParams(
             **options.sampling_kwargs(),
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             max_tokens=options.max_tokens,
             output_kind=OutputKind.DELTA if self.streaming else OutputKind.FINAL,
             structured_outputs=self.constraint(),
@@ -435,14 +442,31 @@ class _Final(Body):
     eval_duration: int | None = None
 
 
+class OllamaTokenLogprob(Body):
+    token: str
+    logprob: float
+    #: the token's UTF-8 bytes
+    bytes: list[int]
+
+
+class OllamaLogprob(OllamaTokenLogprob):
+    """A generated token's logprob, with the ``top_logprobs`` best ones."""
+
+    _omit_unset = frozenset({"top_logprobs"})
+
+    top_logprobs: list[OllamaTokenLogprob] | None = None
+
+
 class OllamaGenerateResponse(_Final):
     """A line of ``/api/generate`` (or its whole answer without streaming)."""
 
-    _omit_unset = _Final._omit_unset | {"context"}
+    _omit_unset = _Final._omit_unset | {"context", "logprobs"}
 
     response: str
     #: the prompt's and the answer's token ids, for the next request
     context: list[int] | None = None
+    #: with ``logprobs``: those of this line's tokens
+    logprobs: list[OllamaLogprob] | None = None
 
 
 class _CallFunction(Body):
@@ -465,7 +489,11 @@ class OllamaChatMessage(Body):
 class OllamaChatResponse(_Final):
     """A line of ``/api/chat`` (or its whole answer without streaming)."""
 
+    _omit_unset = _Final._omit_unset | {"logprobs"}
+
     message: OllamaChatMessage
+    #: with ``logprobs``: those of this line's tokens
+    logprobs: list[OllamaLogprob] | None = None
 
 
 def call(name: str, arguments: str) -> _Call:

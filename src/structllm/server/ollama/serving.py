@@ -38,7 +38,7 @@ from structllm.engine.frontend.inputs import (
     parse_prompt_off_loop,
 )
 from structllm.errors import InvalidRequestError, unwrap_group
-from structllm.outputs import RequestOutput
+from structllm.outputs import CompletionOutput, Logprob, RequestOutput
 from structllm.server.http.body import maybe_off_loop, validate
 from structllm.server.http.errors import ASCIIJSONResponse, ModelNotFoundError
 from structllm.server.http.sse import Emit, NDJSONStream, deadline
@@ -49,6 +49,7 @@ from structllm.server.ollama.protocol import (
     OllamaDetails,
     OllamaGenerateRequest,
     OllamaGenerateResponse,
+    OllamaLogprob,
     OllamaModel,
     OllamaProcesses,
     OllamaRunningModel,
@@ -60,6 +61,7 @@ from structllm.server.ollama.protocol import (
 )
 from structllm.server.protocol.bodies import dump
 from structllm.server.protocol.constraints import check_constraints, renamed
+from structllm.server.protocol.logprobs import MIN_LOGPROB
 from structllm.server.serving import Job, Serving
 from structllm.text.auto_tool_parser import AutoParser
 from structllm.text.tool_parser import ContentDelta, ToolCallParser, ToolEvent, collect
@@ -69,6 +71,31 @@ __all__ = ["OllamaServing", "ollama_error"]
 #: builds a line: (a delta, or the final output; done) -> the object to send
 #: (None: nothing to send for this delta)
 _Line = Callable[[RequestOutput, bool], dict[str, Any] | None]
+
+
+def _logprobs(c: CompletionOutput, top: int | None) -> dict[str, Any]:
+    """``{"logprobs": [...]}`` for ``c``'s tokens, or nothing when not asked."""
+    if c.logprobs is None:
+        return {}
+
+    def entry(v: Logprob) -> dict[str, Any]:
+        text = v.decoded_token or ""
+        return {
+            "token": text,
+            "logprob": max(v.logprob, MIN_LOGPROB),
+            "bytes": list(text.encode()),
+        }
+
+    out = []
+    for token_id, d in zip(c.token_ids, c.logprobs, strict=True):
+        item = entry(d[token_id])
+        if top:
+            ranked = sorted(
+                d.values(), key=lambda v: v.rank if v.rank is not None else 1 << 30
+            )
+            item["top_logprobs"] = [entry(v) for v in ranked[:top]]
+        out.append(OllamaLogprob.model_validate(item))
+    return {"logprobs": out}
 
 
 def _rfc3339(t: float) -> str:
@@ -163,14 +190,20 @@ class OllamaServing(Serving):
 
         def line(out: RequestOutput, done: bool) -> dict[str, Any]:
             c = out.outputs[0]
+            extra = _logprobs(c, req.top_logprobs) if not streamed_end(done) else {}
             if not done:
-                return self._line(OllamaGenerateResponse, response=c.text)
+                return self._line(OllamaGenerateResponse, response=c.text, **extra)
             return self._line(
                 OllamaGenerateResponse,
                 response="" if req.streaming else c.text,
                 context=[*prompt.token_ids, *c.token_ids],
+                **extra,
                 **timing.fields(out),
             )
+
+        def streamed_end(done: bool) -> bool:
+            """The last line of a stream: every token's logprobs were sent."""
+            return done and req.streaming
 
         timing = _Timing()
         return await self._answer(llm, job, req.streaming, line, timing)
@@ -194,6 +227,7 @@ class OllamaServing(Serving):
 
         def line(out: RequestOutput, done: bool) -> dict[str, Any] | None:
             c = out.outputs[0]
+            logprobs = {} if done and req.streaming else _logprobs(c, req.top_logprobs)
             if parser is None:
                 content = c.text if not done or not req.streaming else ""
                 message = OllamaChatMessage(content=content)
@@ -201,7 +235,7 @@ class OllamaServing(Serving):
                 new = parser.feed(c.text)
                 events.extend(new)
                 content = "".join(e.text for e in new if isinstance(e, ContentDelta))
-                if not content:
+                if not content and not logprobs:
                     return None
                 message = OllamaChatMessage(content=content)
             else:
@@ -224,8 +258,10 @@ class OllamaServing(Serving):
                 if calls:
                     message = OllamaChatMessage(content=content, tool_calls=calls)
             if not done:
-                return self._line(OllamaChatResponse, message=message)
-            return self._line(OllamaChatResponse, message=message, **timing.fields(out))
+                return self._line(OllamaChatResponse, message=message, **logprobs)
+            return self._line(
+                OllamaChatResponse, message=message, **logprobs, **timing.fields(out)
+            )
 
         timing = _Timing()
         return await self._answer(llm, job, req.streaming, line, timing)

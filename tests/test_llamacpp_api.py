@@ -228,6 +228,14 @@ async def test_props_slots_and_aliases(http: httpx.AsyncClient) -> None:
     assert props["default_generation_settings"]["n_ctx"] == 256
     assert props["model_path"] == "tiny-random" and props["total_slots"] >= 1
     assert "messages" in props["chat_template"]
+    messages = [
+        {"role": "system", "content": "You are a test."},
+        {"role": "user", "content": "Hi there"},
+    ]
+    applied = await http.post("/apply-template", json={"messages": messages})
+    tokenized = await http.post("/tokenize", json={"messages": messages})
+    assert await tokens(http, applied.json()["prompt"]) == tokenized.json()["tokens"]
+    assert applied.json()["prompt"].startswith("<|system|>\nYou are a test.")
     r = await http.get("/slots")
     assert r.status_code == 501 and "error" in r.json()
     assert (await http.post("/props", json={})).status_code == 400
@@ -254,6 +262,7 @@ async def test_api_key_covers_the_new_routes() -> None:
             ("GET", "/models"),
             ("GET", "/props"),
             ("GET", "/slots"),
+            ("POST", "/apply-template"),
             ("POST", "/api/chat"),
             ("POST", "/api/generate"),
             ("GET", "/api/tags"),

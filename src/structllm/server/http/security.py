@@ -50,6 +50,7 @@ _PROTECTED = frozenset(
         "/models",
         "/props",
         "/slots",
+        "/apply-template",
     }
 )
 #: Ollama's routes that stay open (as /version does)

@@ -1,7 +1,7 @@
 """llama.cpp's native routes, and its aliases of the OpenAI routes.
 
 ``POST /completion`` and ``/completions`` (llama.cpp's native completion),
-``GET /props``, ``GET /slots`` (refused: 501, as llama.cpp without
+``POST /apply-template`` (messages through the chat template), ``GET /props``, ``GET /slots`` (refused: 501, as llama.cpp without
 ``--slots``); ``POST /chat/completions`` and ``GET /models``, which
 llama.cpp serves without the ``/v1`` prefix, are the OpenAI routes under a
 second path. ``/tokenize`` and ``/detokenize`` stay in
@@ -15,6 +15,7 @@ from fastapi.responses import Response
 
 from structllm.server import openapi
 from structllm.server.chat.api_router import create_chat_completion
+from structllm.server.chat.messages import ChatPrompt
 from structllm.server.http.errors import ASCIIJSONResponse, json_error
 from structllm.server.llamacpp.protocol import LlamaCompletionRequest
 from structllm.server.llamacpp.serving import LlamaCppServing
@@ -45,6 +46,18 @@ for _path in ("/completion", "/completions"):
         responses=openapi.error_responses(400, 401, 404, 408, 413, 415, 500, 503),
         summary="llama.cpp: complete a prompt (its native fields and answer)",
     )
+
+
+@router.post(
+    "/apply-template",
+    openapi_extra=openapi.request_body(ChatPrompt),
+    response_model=None,
+    responses=openapi.error_responses(400, 401, 408, 413, 415, 503),
+    summary="llama.cpp: chat messages through the chat template, as text",
+)
+async def apply_template(request: Request) -> Response:
+    serving = _serving(request)
+    return await serving.guarded(request, serving.apply_template)
 
 
 @router.get(

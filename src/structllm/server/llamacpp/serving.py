@@ -1,5 +1,6 @@
 """llama.cpp's native API on the engine: ``/completion``, ``/tokenize`` with
-``content``, ``/detokenize``'s ``content``, ``/props`` and ``/slots``.
+``content``, ``/detokenize``'s ``content``, ``/apply-template``, ``/props``
+and ``/slots``.
 
 A ``/completion`` prompt is tokenised as ``/v1/completions`` tokenises it
 (with the special tokens: the BOS of a model that has one); in a list that
@@ -38,6 +39,7 @@ from structllm.engine.frontend.inputs import (
 from structllm.errors import InvalidRequestError, unwrap_group
 from structllm.outputs import CompletionOutput, RequestOutput
 from structllm.params import OutputKind, SamplingParams
+from structllm.server.chat.messages import ChatPrompt
 from structllm.server.http.body import maybe_off_loop, validate
 from structllm.server.http.errors import ASCIIJSONResponse, json_error
 from structllm.server.http.sse import Emit, EventStream, deadline
@@ -365,6 +367,24 @@ class LlamaCppServing(Serving):
             return ASCIIJSONResponse(dump(LlamaTokenizeResponse(tokens=ids)))
         pieces = [{"id": i, "piece": _piece(llm, i)} for i in ids]
         return ASCIIJSONResponse({"tokens": pieces})
+
+    async def apply_template(self, body: Any, big: bool) -> Response:
+        """``/apply-template``: the messages rendered as chat completions
+        renders them, not tokenised (``{"prompt": text}``)."""
+        llm = self.slot.get()
+        req = await maybe_off_loop(big, validate, ChatPrompt, body)
+        messages = req.template_messages()
+        check_prompt_bytes(
+            "".join(m["content"] for m in messages), llm.max_prompt_bytes, "messages"
+        )
+        options = req.template_options()
+
+        def render() -> str:
+            return llm.tokenizer.apply_chat_template(messages, **options)
+
+        size = sum(len(m["content"]) for m in messages)
+        text = await maybe_off_loop(size > OFF_LOOP_CHARS, render)
+        return ASCIIJSONResponse({"prompt": text})
 
     def props(self) -> dict[str, Any]:
         llm = self.slot.get()

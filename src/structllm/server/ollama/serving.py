@@ -17,6 +17,7 @@ stream that fails after its 200 ends with such a line.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -150,6 +151,9 @@ class _Timing:
 @attrs.define(eq=False)
 class OllamaServing(Serving):
     """``/api/generate``, ``/api/chat`` and the model routes."""
+
+    #: wall-clock time the server started (the model's ``modified_at``)
+    started: float = attrs.field(init=False, factory=time.time)
 
     async def guarded(
         self, request: Request, handler: Callable[[Any, bool], Awaitable[Response]]
@@ -318,17 +322,13 @@ class OllamaServing(Serving):
         return OllamaModel(
             name=name,
             model=name,
-            modified_at=_rfc3339(self.started),
+            modified_at=_rfc3339(self.started),  # when this server started
             size=_size(ref),
             digest=_digest(ref),
             details=OllamaDetails(
                 format="gguf" if ref.endswith(".gguf") else "safetensors"
             ),
         )
-
-    @property
-    def started(self) -> float:
-        return _STARTED
 
     # -- shared -----------------------------------------------------------------------
 
@@ -451,9 +451,5 @@ def _size(ref: str) -> int:
 
 
 def _digest(ref: str) -> str:
-    import hashlib
-
+    """A stand-in for Ollama's blob digest: the model reference's sha256."""
     return hashlib.sha256(os.fsencode(ref)).hexdigest()
-
-
-_STARTED = time.time()

@@ -113,7 +113,13 @@ async def test_generate_templated_and_chat_match_chat_completions(
     more = await client.generate(
         MODEL, "again", raw=True, context=context, options=GREEDY
     )
-    assert more.prompt_eval_count is not None and more.prompt_eval_count > len(context)
+    async with httpx.AsyncClient(base_url=url) as http:
+        again = (await http.post("/tokenize", json={"content": "again"})).json()
+    # the context goes on: "again" without a BOS in the middle
+    assert more.prompt_eval_count == len(context) + len(again["tokens"])
+    assert more.response == await openai_text(
+        url, "/v1/completions", {"prompt": [context + again["tokens"]], "max_tokens": 6}
+    )
 
 
 async def test_logprobs_whole_and_streamed(

@@ -178,7 +178,14 @@ class OllamaServing(Serving):
             return self._loaded(OllamaGenerateResponse, response="")
         await check_constraints(req.constraint_checks)
         text = req.prompt or ""
-        if req.raw:
+        if req.raw and req.context:  # it goes on from the context: no BOS
+            check_prompt_bytes(text, llm.max_prompt_bytes, "prompt")
+            ids = await maybe_off_loop(
+                len(text) > OFF_LOOP_CHARS,
+                lambda: llm.tokenizer.encode(text, add_special_tokens=False),
+            )
+            prompt = Prompt(text, tuple(ids))
+        elif req.raw:
             prompt = await parse_prompt_off_loop(
                 text, llm.tokenizer, max_bytes=llm.max_prompt_bytes
             )

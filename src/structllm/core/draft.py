@@ -158,15 +158,17 @@ class DraftProposer:
         if not self._hold(seq, size + k - 1):
             self.release(request.request_id)
             return []
-        seq.num_seen, seq.written = size, []
+        seq.num_seen, seq.written = seen, []  # true at every point below
         drafts: list[int] = []
         for start in range(seen, size, self.max_chunk):  # catch up
             stop = min(size, start + self.max_chunk)
             guess = self._forward(seq, tokens[start:stop], start)
+            seq.num_seen = stop
         drafts.append(guess)
-        while len(drafts) < k:
+        while len(drafts) < k:  # each guess through the draft, for the next
+            guess = self._forward(seq, drafts[-1:], size + len(drafts) - 1)
             seq.written.append(drafts[-1])
-            drafts.append(self._forward(seq, drafts[-1:], size + len(drafts) - 1))
+            drafts.append(guess)
         return drafts
 
     def release(self, request_id: str) -> None:

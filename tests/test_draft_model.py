@@ -300,8 +300,11 @@ def test_the_tokenizer_check_compares_ids(checkpoints: tuple[str, str]) -> None:
 
 
 @pytest.mark.anyio
-async def test_the_front_end_counts_draft_proposals() -> None:
+async def test_the_front_end_counts_draft_proposals_and_an_early_exit_frees_all() -> (
+    None
+):
     from structllm import AsyncLLM
+    from structllm.params import OutputKind
     from tests.core_record import assert_core_holds_nothing
 
     async with AsyncLLM.open(
@@ -313,6 +316,16 @@ async def test_the_front_end_counts_draft_proposals() -> None:
         for prompt in PROMPTS[:2]:
             await llm.complete({"prompt_token_ids": list(prompt)}, GREEDY)
         stats = llm.statistics()
+        # leave a stream after a step that verified proposals (several
+        # tokens in one delta): the core holds nothing before its next step
+        params = SamplingParams(
+            temperature=0, max_tokens=200, ignore_eos=True, output_kind=OutputKind.DELTA
+        )
+        async with llm.stream({"prompt_token_ids": list(PROMPTS[2])}, params) as s:
+            async for out in s:
+                if len(out.outputs[0].token_ids) > 1:
+                    break
+        assert s.finish_reason == "abort"
         await assert_core_holds_nothing(llm)
     assert stats.spec_decode_num_drafts > 0
     assert (

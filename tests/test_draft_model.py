@@ -262,6 +262,36 @@ def test_abort_during_verification_frees_both_caches(
         assert_holds_nothing(core)
 
 
+def test_a_draft_of_a_shorter_context_proposes_within_it(
+    tmp_path_factory: pytest.TempPathFactory, checkpoints: tuple[str, str]
+) -> None:
+    """A draft that knows 64 positions drafts for a target of 256 while the
+    sequence fits in them, and nothing past; the output is the target's."""
+    from structllm.models import make_tiny_model
+
+    target, _ = checkpoints
+    short = tmp_path_factory.mktemp("short") / "draft"
+    make_tiny_model(short, vocab_size=300, seed=5, max_position_embeddings=64)
+    spec = draft(str(short))
+    core = core_for(target, spec)
+    live = core.draft
+    assert live is not None and live.max_len == 64
+    seen: list[tuple[int, int]] = []  # (tokens so far, proposals)
+
+    class Recorded:
+        def propose(self, request: Request, k: int) -> list[int]:
+            assert live is not None
+            out = live.propose(request, k)
+            seen.append((request.num_tokens, len(out)))
+            return out
+
+    core.scheduler.proposer = Recorded()
+    compare(target, spec, [PROMPTS[1]], GREEDY)  # 40 tokens, then 40 more
+    # the last guess is read at position size + n - 2 <= 63
+    assert all(size + n - 1 <= 64 for size, n in seen if n)
+    assert any(n for size, n in seen) and any(size > 64 for size, _ in seen)
+
+
 def test_a_draft_of_another_tokenizer_is_refused_by_name(
     checkpoints: tuple[str, str],
 ) -> None:

@@ -13,6 +13,7 @@ from structllm.config import EngineConfig, SpeculativeConfig
 from structllm.errors import EngineConfigError
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+DRAFT = {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 4}
 
 
 def test_vllm_dict_and_its_defaults() -> None:
@@ -47,17 +48,35 @@ def test_vllm_dict_and_its_defaults() -> None:
     assert EngineConfig(model="m").speculative_config is None
 
 
+def test_a_draft_model_in_vllm_form() -> None:
+    want = SpeculativeConfig(
+        method="draft_model", model="tiny", num_speculative_tokens=4
+    )
+    assert EngineConfig(model="m", speculative_config=DRAFT).speculative_config == (
+        want
+    )
+    # a model and no method: a draft model, as vLLM infers it
+    inferred = {"model": "tiny", "num_speculative_tokens": 4}
+    assert SpeculativeConfig.from_dict(inferred) == want
+    assert want.prompt_lookup_min is None and want.disable_by_batch_size == 1
+
+
 def test_crosses_to_the_core_process_unchanged() -> None:
-    config = EngineConfig(model="m", speculative_config=NGRAM)
-    wire = msgspec.msgpack.encode(config)
-    assert msgspec.msgpack.decode(wire, type=EngineConfig) == config
+    for spec in (NGRAM, DRAFT):
+        config = EngineConfig(model="m", speculative_config=spec)
+        wire = msgspec.msgpack.encode(config)
+        assert msgspec.msgpack.decode(wire, type=EngineConfig) == config
 
 
 @pytest.mark.parametrize(
     ("value", "words"),
     [
-        ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, "draft"),
-        ({"model": "x", "num_speculative_tokens": 2}, "draft_model"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "model (the draft"),
+        ({**DRAFT, "model": ""}, "model (the draft"),
+        ({**DRAFT, "prompt_lookup_max": 3}, "prompt_lookup_max is for method 'ngram'"),
+        ({**NGRAM, "model": "x"}, "model is for method 'draft_model'"),
+        ({"model": "x"}, "num_speculative_tokens is required"),
+        ({**DRAFT, "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "eagle", "num_speculative_tokens": 2}, "'eagle'"),
         ({"method": "ngram"}, "num_speculative_tokens is required"),
         ({**NGRAM, "num_speculative_tokens": 0}, "num_speculative_tokens"),
@@ -88,6 +107,10 @@ def test_command_line_flag_takes_json() -> None:
         assert config.speculative_config == SpeculativeConfig.from_dict(
             {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
         )
+    text = '{"method": "draft_model", "model": "tiny", "num_speculative_tokens": 4}'
+    ns = build_parser().parse_args(["serve", "m", "--speculative-config", text])
+    config = EngineConfig(model="m", **engine_args(ns))
+    assert config.speculative_config == SpeculativeConfig.from_dict(DRAFT)
     ns = build_parser().parse_args(["serve", "m"])
     assert EngineConfig(model="m", **engine_args(ns)).speculative_config is None
 
@@ -97,7 +120,7 @@ def test_a_bad_flag_stops_the_command_naming_it(
 ) -> None:
     from structllm.cli import main
 
-    argv = ["generate", "m", "p", "--speculative-config", '{"method": "draft_model"}']
+    argv = ["generate", "m", "p", "--speculative-config", '{"method": "eagle"}']
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "speculative_config" in err

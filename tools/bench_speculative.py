@@ -14,6 +14,11 @@ tok/s, the acceptance rate, and whether the outputs are identical.
 ``batch``: C requests at once (``LLM.generate``, EOS ignored), with and
 without speculation, output tok/s; with ``disable_by_batch_size`` off (the
 default here) it speculates at any batch size: where it stops paying.
+
+``--draft REF`` adds a third engine, ``{"method": "draft_model", "model":
+REF}`` with the same ``k``, to either command (``--draft smollm2``: the
+target drafting for itself, every proposal right but each costing a
+target-sized forward: an upper bound on acceptance, not on speed).
 """
 
 from __future__ import annotations
@@ -61,6 +66,12 @@ NGRAM: dict[str, Any] = {
     "prompt_lookup_max": 5,
     "disable_by_batch_size": None,
 }
+DRAFT: dict[str, Any] = {
+    "method": "draft_model",
+    "model": None,  # --draft
+    "num_speculative_tokens": 4,
+    "disable_by_batch_size": None,
+}
 
 
 def chat_prompt(llm: LLM, text: str) -> list[int]:
@@ -94,16 +105,26 @@ def spec_counts(llm: LLM) -> tuple[int, int]:
     return s.num_draft_tokens, s.num_accepted_tokens
 
 
-def single(args: argparse.Namespace) -> None:
+def engines_for(model: str, **kw: Any) -> dict[str, LLM]:
+    """``none`` and ``ngram``, and ``draft`` when ``--draft`` names one."""
     engines = {
-        "none": LLM("smollm2", show_progress=False),
-        "ngram": LLM("smollm2", show_progress=False, speculative_config=NGRAM),
+        "none": LLM(model, **kw),
+        "ngram": LLM(model, speculative_config=NGRAM, **kw),
     }
+    if DRAFT["model"] is not None:
+        engines["draft"] = LLM(model, speculative_config=DRAFT, **kw)
+    return engines
+
+
+def single(args: argparse.Namespace) -> None:
+    engines = engines_for("smollm2", show_progress=False)
+    spec = [k for k in engines if k != "none"]
     for name, texts in [("grounded", GROUNDED), ("chat", CHAT)]:
         tpot: dict[str, list[float]] = {k: [] for k in engines}
         rate: dict[str, list[float]] = {k: [] for k in engines}
-        same = True
-        drafted = accepted = 0
+        same = dict.fromkeys(spec, True)
+        drafted = dict.fromkeys(spec, 0)
+        accepted = dict.fromkeys(spec, 0)
         llm0 = engines["none"]
         prompts = [chat_prompt(llm0, t) for t in texts]
         for r in range(args.rounds):
@@ -120,28 +141,27 @@ def single(args: argparse.Namespace) -> None:
                     tpot[key].append(s)
                     rate[key].append(n / wall)
                     outs[key] = toks
-                    if key == "ngram":
-                        drafted += after[0] - before[0]
-                        accepted += after[1] - before[1]
-                same &= outs["none"] == outs["ngram"]
+                    if key != "none":
+                        drafted[key] += after[0] - before[0]
+                        accepted[key] += after[1] - before[1]
+                for key in spec:
+                    same[key] &= outs["none"] == outs[key]
         p50 = {k: statistics.median(v) * 1000 for k, v in tpot.items()}
         tps = {k: statistics.median(v) for k, v in rate.items()}
-        print(
-            f"{name:9s} TPOT p50 none {p50['none']:.1f} ms, ngram "
-            f"{p50['ngram']:.1f} ms: {p50['none'] / p50['ngram']:.2f}x; "
-            f"tok/s {tps['none']:.1f} vs {tps['ngram']:.1f}; acceptance "
-            f"{accepted}/{drafted} = {accepted / max(1, drafted):.2f}; "
-            f"identical: {same}"
-        )
+        for key in spec:
+            print(
+                f"{name:9s} TPOT p50 none {p50['none']:.1f} ms, {key} "
+                f"{p50[key]:.1f} ms: {p50['none'] / p50[key]:.2f}x; "
+                f"tok/s {tps['none']:.1f} vs {tps[key]:.1f}; acceptance "
+                f"{accepted[key]}/{drafted[key]} = "
+                f"{accepted[key] / max(1, drafted[key]):.2f}; "
+                f"identical: {same[key]}"
+            )
 
 
 def batch(args: argparse.Namespace) -> None:
     kw: dict[str, Any] = {"show_progress": False, "max_num_seqs": 16}
-    model = args.model
-    engines = {
-        "none": LLM(model, **kw),
-        "ngram": LLM(model, speculative_config=NGRAM, **kw),
-    }
+    engines = engines_for(args.model, **kw)
     llm0 = engines["none"]
     texts = (GROUNDED + CHAT) * 3
     for clients in args.clients:
@@ -163,8 +183,12 @@ def batch(args: argparse.Namespace) -> None:
                 rates[key].append(n / wall)
         med = {k: statistics.median(v) for k, v in rates.items()}
         print(
-            f"{clients:3d} clients: output tok/s none {med['none']:.1f}, ngram "
-            f"{med['ngram']:.1f}: {med['ngram'] / med['none']:.2f}x"
+            f"{clients:3d} clients: output tok/s none {med['none']:.1f}"
+            + "".join(
+                f", {k} {v:.1f}: {v / med['none']:.2f}x"
+                for k, v in med.items()
+                if k != "none"
+            )
         )
 
 
@@ -188,11 +212,19 @@ def main() -> None:
     for q in (s, b):
         q.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
         q.add_argument("--prompt-lookup-min", type=int, default=2)
+        q.add_argument(
+            "--draft",
+            metavar="REF",
+            default=None,
+            help="also a draft model's proposals (any model reference)",
+        )
     args = p.parse_args()
-    NGRAM["num_speculative_tokens"] = args.num_speculative_tokens
+    for spec in (NGRAM, DRAFT):
+        spec["num_speculative_tokens"] = args.num_speculative_tokens
+        if args.command == "batch":
+            spec["disable_by_batch_size"] = args.disable_by_batch_size
     NGRAM["prompt_lookup_min"] = args.prompt_lookup_min
-    if args.command == "batch":
-        NGRAM["disable_by_batch_size"] = args.disable_by_batch_size
+    DRAFT["model"] = args.draft
     single(args) if args.command == "single" else batch(args)
 
 

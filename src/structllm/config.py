@@ -182,9 +182,11 @@ class EngineConfig:
         None,
         help='speculative decoding, as JSON in vLLM\'s form: {"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-        '"prompt_lookup_max": 5} (prompt lookup; the output is unchanged; '
-        '"disable_by_batch_size": N pauses it while more than N requests run, '
-        "default 1; see docs/benchmarks.md)",
+        '"prompt_lookup_max": 5} (prompt lookup) or {"method": "draft_model", '
+        '"model": REF, "num_speculative_tokens": 4} (a draft model with the '
+        'same tokenizer); the output is unchanged; "disable_by_batch_size": N '
+        "pauses it while more than N requests run, default 1; see "
+        "docs/benchmarks.md)",
         converter=speculative_config,
         parse=str,
         metavar="JSON",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import attrs
 
@@ -41,33 +41,66 @@ class SpeculativeConfig:
     takes its value (as vLLM); given neither, 2 and 5. Speculation pauses
     while more than ``disable_by_batch_size`` requests run (None: never):
     a large batch already reads the weights once for many tokens.
-    ``"draft_model"`` is refused by name for now.
+
+    ``{"method": "draft_model", "model": REF, "num_speculative_tokens": k}``:
+    a smaller model (any reference :func:`structllm.models.resolve_model`
+    takes) proposes its greedy next ``k`` tokens; its tokenizer must be the
+    target's (checked when the core loads it, refused on the field
+    ``speculative_config.model``). A dict with ``model`` and no ``method``
+    means a draft model, as in vLLM. The prompt lookup bounds belong to
+    ``"ngram"`` and are None here.
     """
 
-    method: Literal["ngram"]
+    method: Literal["ngram", "draft_model"]
     num_speculative_tokens: int
-    prompt_lookup_min: int
-    prompt_lookup_max: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = 1
+    #: the draft model's reference (``"draft_model"`` only)
+    model: str | None = None
 
     def __attrs_post_init__(self) -> None:
-        if self.method != "ngram":
-            raise _spec_error(f"method must be 'ngram', not {self.method!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_min"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise _spec_error(f"{name} must be an integer >= 1, not {value!r}")
-        if not _is_int(self.prompt_lookup_max) or (
-            self.prompt_lookup_max < self.prompt_lookup_min
-        ):
+        if self.method not in ("ngram", "draft_model"):
             raise _spec_error(
-                "prompt_lookup_max must be an integer >= prompt_lookup_min "
-                f"({self.prompt_lookup_min}), not {self.prompt_lookup_max!r}"
+                f"method must be 'ngram' or 'draft_model', not {self.method!r}"
+            )
+        value = self.num_speculative_tokens
+        if not _is_int(value) or value < 1:
+            raise _spec_error(
+                f"num_speculative_tokens must be an integer >= 1, not {value!r}"
             )
         limit = self.disable_by_batch_size
         if limit is not None and (not _is_int(limit) or limit < 1):
             raise _spec_error(
                 f"disable_by_batch_size must be an integer >= 1 or None, not {limit!r}"
+            )
+        if self.method == "draft_model":
+            self._check_draft()
+        else:
+            self._check_ngram()
+
+    def _check_draft(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise _spec_error(
+                "model (the draft model's reference) is required for method "
+                f"'draft_model', not {self.model!r}"
+            )
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(self, name) is not None:
+                raise _spec_error(f"{name} is for method 'ngram', not 'draft_model'")
+
+    def _check_ngram(self) -> None:
+        if self.model is not None:
+            raise _spec_error(
+                "model is for method 'draft_model'; method 'ngram' needs none"
+            )
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if not _is_int(low) or low < 1:
+            raise _spec_error(f"prompt_lookup_min must be an integer >= 1, not {low!r}")
+        if not _is_int(high) or high < low:
+            raise _spec_error(
+                "prompt_lookup_max must be an integer >= prompt_lookup_min "
+                f"({low}), not {high!r}"
             )
 
     @classmethod
@@ -75,21 +108,22 @@ class SpeculativeConfig:
         """vLLM's dict (``LLM(speculative_config={...})``, the JSON of
         ``--speculative-config``); unknown keys are refused by name."""
         method = value.get("method")
-        if method == "draft_model" or (method is None and "model" in value):
-            raise _spec_error(
-                "method 'draft_model' (a draft model's proposals) is not "
-                "supported yet; use method 'ngram'"
-            )
+        if method is None and "model" in value:
+            method = "draft_model"  # as vLLM infers it
         known = {f.name for f in attrs.fields(cls)}
         unknown = sorted(str(k) for k in value if k not in known)
         if unknown:
             raise _spec_error(
                 f"unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})"
             )
-        if method != "ngram":
-            raise _spec_error(f"method must be 'ngram', not {method!r}")
+        if method not in ("ngram", "draft_model"):
+            raise _spec_error(
+                f"method must be 'ngram' or 'draft_model', not {method!r}"
+            )
         if "num_speculative_tokens" not in value:
             raise _spec_error("num_speculative_tokens is required")
+        if method == "draft_model":
+            return cls(**{**value, "method": method})
         low = value.get("prompt_lookup_min")
         high = value.get("prompt_lookup_max")
         if low is None and high is None:
@@ -100,7 +134,7 @@ class SpeculativeConfig:
         return cls(**kw)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

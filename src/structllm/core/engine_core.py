@@ -46,6 +46,7 @@ from structllm.text.tokenizer import Tokenizer
 if TYPE_CHECKING:
     # Paddle loads with the model, never before: the front end (AsyncLLM,
     # the server) imports this module for the structs of the wire
+    from structllm.core.draft import DraftProposer
     from structllm.core.runner import ModelInput
     from structllm.model.loader import LoadedModel, LoadProgress
 
@@ -189,12 +190,23 @@ class EngineCore:
             raise
         except ValueError as exc:  # an attrs validator: "'max_num_seqs' must be..."
             raise EngineConfigError(str(exc)) from exc
+        #: speculative_config's draft model ("draft_model"), beside the target
+        self.draft: DraftProposer | None = None
+        if spec is not None and spec.method == "draft_model":
+            from structllm.core.draft import load_draft_proposer
+
+            self.draft = load_draft_proposer(
+                config,
+                max_model_len=self.max_model_len,
+                vocab_size=self.vocab_size,
+                tokenizer=tokenizer,
+                on_progress=on_progress,
+            )
         self.scheduler = Scheduler(
             scheduler_config,
             self.pool,
-            proposer=None
-            if spec is None
-            else NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max),
+            proposer=self.draft
+            or (None if spec is None else NgramProposer.from_config(spec)),
         )
         self.structured = StructuredOutputManager(
             functools.partial(
@@ -273,7 +285,10 @@ class EngineCore:
         """Abort in any state, freeing blocks now; unknown ids are ignored."""
         ids = list(request_ids)
         self.structured.forget(ids)
-        return [r.request_id for r in self.scheduler.abort_requests(ids)]
+        aborted = [r.request_id for r in self.scheduler.abort_requests(ids)]
+        if self.draft is not None:
+            self.draft.release_stopped()
+        return aborted
 
     def close(self) -> None:
         """Stop the grammar compile threads; the core takes no more steps."""
@@ -375,6 +390,8 @@ class EngineCore:
         rejected: tuple[RejectedRequest, ...] = (),
     ) -> StepOutput:
         s = self.scheduler
+        if self.draft is not None:  # every step's exit: whatever ended in it
+            self.draft.release_stopped()
         return StepOutput(
             outputs=outputs,
             num_batched_tokens=sched.num_batched_tokens,

@@ -10,6 +10,10 @@ compute, never a different output.
 that repeats its input (rewrites, summaries, code edits, JSON copying
 fields) is predicted by the tokens that followed the same few tokens before.
 Pure: a function of the request's tokens.
+
+A draft model's proposals (``"draft_model"``) are
+:class:`structllm.core.draft.DraftProposer`, which holds a KV cache of its
+own and so lives beside the model runner.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from structllm.core.request import Request
+from structllm.speculative_config import SpeculativeConfig
 
 __all__ = ["NgramProposer", "Proposer", "propose_ngram"]
 
@@ -71,6 +76,14 @@ class NgramProposer:
 
     min_n: int
     max_n: int
+
+    @classmethod
+    def from_config(cls, config: SpeculativeConfig) -> NgramProposer:
+        """The ``"ngram"`` method's bounds (both set once the config is built)."""
+        low, high = config.prompt_lookup_min, config.prompt_lookup_max
+        if low is None or high is None:
+            raise ValueError(f"method {config.method!r} has no prompt lookup bounds")
+        return cls(low, high)
 
     def propose(self, request: Request, k: int) -> list[int]:
         tokens = [*request.prompt_token_ids, *request.output_token_ids]

@@ -88,6 +88,8 @@ class ReasoningParser:
     _fresh: bool = True
     #: the answer's leading whitespace is dropped (it follows ``</think>``)
     _strip_answer: bool = False
+    #: the reasoning's ``<think>`` has been read (a second one is text)
+    _opened: bool = False
 
     @property
     def reasoning_ended(self) -> bool:
@@ -124,7 +126,7 @@ class ReasoningParser:
             rest = held.lstrip()
             if rest.startswith(THINK_START):
                 self._held = rest[len(THINK_START) :]
-                self.mode, self._fresh = "reasoning", True
+                self.mode, self._fresh, self._opened = "reasoning", True, True
                 return ReasoningDelta(), True
             if THINK_START.startswith(rest):  # "" or a part of the tag
                 return ReasoningDelta(), False
@@ -134,9 +136,11 @@ class ReasoningParser:
         # reasoning
         if self._fresh:
             rest = held.lstrip()
-            if rest.startswith(THINK_START):  # a tag the prompt did not write
+            if not self._opened and rest.startswith(THINK_START):
+                # a tag the prompt did not write
                 rest = rest[len(THINK_START) :].lstrip()
-            elif THINK_START.startswith(rest):
+                self._opened = True
+            elif not self._opened and THINK_START.startswith(rest):
                 return ReasoningDelta(), False
             if not rest:
                 self._held = ""

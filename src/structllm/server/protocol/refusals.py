@@ -53,12 +53,12 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "kv_transfer_params": ("KV transfer is not supported", ()),
     "vllm_xargs": ("vLLM's extra arguments are not supported", ()),
     "thinking_token_budget": ("reasoning models are not supported", ()),
-    "include_reasoning": ("reasoning models are not supported", (False,)),
 }
 
 #: refused by ``/v1/completions`` only
 COMPLETION_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "prompt_embeds": ("prompt embeddings are not supported", ()),
+    "include_reasoning": ("reasoning is split from the answer in chat", (False,)),
     "add_special_tokens": (
         "a completion prompt is always tokenised with its special tokens",
         (True,),

@@ -52,6 +52,8 @@ from structllm.server.metrics import Gauges, Metrics
 from structllm.server.models import api_router as models
 from structllm.server.operations import api_router as operations
 from structllm.server.protocol.bodies import now
+from structllm.server.responses import api_router as responses
+from structllm.server.responses.serving import ResponsesServing
 from structllm.server.serving import EngineSlot, ServerConfig, Serving
 from structllm.server.tokenize import api_router as tokenize
 from structllm.server.tokenize.serving import TokenizeServing
@@ -97,10 +99,12 @@ def build_app(
     app.state.serving = Serving(slot, config, metrics)
     app.state.completions = CompletionServing(slot, config, metrics)
     app.state.chat = ChatServing(slot, config, metrics)
+    app.state.responses = ResponsesServing(slot, config, metrics)
     app.state.tokenize = TokenizeServing(slot, config, metrics)
     for api in (
         completions,
         chat,
+        responses,
         models,
         operations,
         tokenize,

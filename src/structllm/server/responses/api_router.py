@@ -1,0 +1,30 @@
+"""``POST /v1/responses``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from structllm.server import openapi
+from structllm.server.responses.protocol import (
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStreamEvent,
+)
+from structllm.server.responses.serving import ResponsesServing
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.post(
+    "/v1/responses",
+    openapi_extra=openapi.request_body(ResponsesRequest),
+    response_model=None,
+    responses=openapi.responses(ResponseObject, ResponseStreamEvent),
+    summary="Create a model response (OpenAI's Responses API)",
+)
+async def create_response(request: Request) -> Response:
+    serving: ResponsesServing = request.app.state.responses
+    return await serving.guarded(request, serving.create)

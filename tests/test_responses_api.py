@@ -1,0 +1,448 @@
+"""``POST /v1/responses``: in process on both loops, and with the real openai client.
+
+A response is a chat completion underneath, so at temperature 0 its text
+is what ``/v1/chat/completions`` writes for the same conversation: that is
+how the conversion of ``input`` items, ``instructions``, tool loops and
+``previous_response_id`` is checked on the random ``tiny-random`` model.
+Tools and ``text.format`` are held by grammars, so their outputs validate
+whatever the model's weights.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import anyio
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel
+
+from structllm.errors import InvalidRequestError
+from structllm.server.http.body import validate
+from structllm.server.responses.protocol import ResponseObject, ResponsesRequest
+from structllm.server.responses.store import ResponseStore
+from tests.test_server_app import Server, events, open_server, open_socket_server
+
+pytestmark = pytest.mark.anyio
+
+ENGINE = {"max_model_len": 1024, "num_blocks": 256, "block_size": 16}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+FORCED = {"type": "function", "name": "get_weather"}
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[Server]:
+    async with open_server(engine=ENGINE) as s:
+        yield s
+
+
+async def respond(s: Server, **body: Any) -> dict[str, Any]:
+    body = {"temperature": 0, "max_output_tokens": 8, **body}
+    r = await s.http.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    ResponseObject.model_validate(r.json())  # the shape /openapi.json describes
+    return dict(r.json())
+
+
+async def respond_stream(s: Server, **body: Any) -> list[dict[str, Any]]:
+    body = {"temperature": 0, "max_output_tokens": 8, "stream": True, **body}
+    r = await s.http.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    return events(r.text)
+
+
+async def chat_text(s: Server, messages: list[dict[str, Any]], **body: Any) -> str:
+    body = {"messages": messages, "temperature": 0, "max_tokens": 8, **body}
+    r = await s.http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["message"]["content"])
+
+
+def output_text(response: dict[str, Any]) -> str:
+    return "".join(
+        part["text"]
+        for item in response["output"]
+        if item["type"] == "message"
+        for part in item["content"]
+    )
+
+
+def check_sequence(stream: list[dict[str, Any]]) -> dict[str, Any]:
+    """The SDK's event order; the completed response, which the deltas add up to."""
+    assert [e["sequence_number"] for e in stream] == list(range(len(stream)))
+    kinds = [e["type"] for e in stream]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    open_items: dict[int, dict[str, Any]] = {}
+    texts: dict[str, str] = {}
+    for e in stream[2:-1]:
+        kind = e["type"]
+        if kind == "response.output_item.added":
+            assert e["output_index"] not in open_items
+            assert e["item"]["status"] == "in_progress"
+            open_items[e["output_index"]] = e["item"]
+            texts[e["item"]["id"]] = ""
+        elif kind == "response.output_item.done":
+            added = open_items.pop(e["output_index"])
+            assert e["item"]["id"] == added["id"]
+            assert e["item"]["status"] in ("completed", "incomplete")
+        elif kind.endswith(".delta"):
+            assert e["item_id"] in texts and e["output_index"] in open_items
+            texts[e["item_id"]] += e["delta"]
+        elif kind in ("response.output_text.done", "response.reasoning_text.done"):
+            assert texts[e["item_id"]] == e["text"]
+        elif kind == "response.function_call_arguments.done":
+            assert texts[e["item_id"]] == e["arguments"]
+        else:
+            assert kind in ("response.content_part.added", "response.content_part.done")
+    assert not open_items, "every item is closed"
+    done = stream[-1]["response"]
+    assert done["id"] == stream[0]["response"]["id"]
+    for item in done["output"]:
+        text = "".join(c["text"] for c in item.get("content") or [])
+        assert texts[item["id"]] == (item.get("arguments") or text)
+    return dict(done)
+
+
+# -- the request model (no engine) ---------------------------------------------------
+
+
+def test_input_items_become_chat_messages() -> None:
+    req = validate(
+        ResponsesRequest,
+        {
+            "instructions": "Be brief.",
+            "input": [
+                {"role": "developer", "content": "Use tools."},
+                {"type": "message", "role": "user", "content": [
+                    {"type": "input_text", "text": "Weather in "},
+                    {"type": "input_text", "text": "Paris?"},
+                ]},
+                {"type": "reasoning", "id": "rs_1", "summary": []},
+                {"type": "function_call", "call_id": "c1", "name": "get_weather",
+                 "arguments": '{"city": "Paris"}', "id": "fc_1", "status": "completed"},
+                {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            ],
+        },
+    )  # fmt: skip
+    call = {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert req.chat_body([{"role": "user", "content": "before"}])["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "before"},
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": call}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"background": True}, "background"),
+        ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"service_tier": "flex"}, "service_tier"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"prompt": {"id": "p"}}, "prompt"),
+        ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
+        ({"text": {"format": {"type": "json_schema", "name": "a"}}}, "text.format.schema"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"tool_choice": {"type": "function"}}, "tool_choice.name"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+         "input[0].content[0].type"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f",
+                     "arguments": "[1]"}]}, "input[0].arguments"),
+    ],
+)  # fmt: skip
+def test_refused_and_invalid_fields_are_named(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        validate(ResponsesRequest, {"input": "x", **body})
+    assert e.value.field == param
+
+
+def test_the_store_is_bounded_and_names_unknown_ids() -> None:
+    store = ResponseStore(capacity=2)
+    for i in range(3):
+        store.put(f"r{i}", [{"role": "user", "content": str(i)}])
+    assert len(store) == 2
+    assert store.conversation("r2") == [{"role": "user", "content": "2"}]
+    with pytest.raises(InvalidRequestError) as e:
+        store.conversation("r0")
+    assert e.value.field == "previous_response_id"
+
+
+# -- through the app, both loops --------------------------------------------------------
+
+
+async def test_text_whole_and_streamed_is_what_chat_writes(server: Server) -> None:
+    s = server
+    body = {"instructions": "Answer.", "input": "Hello there", "metadata": {"k": "v"}}
+    whole = await respond(s, **body)
+    expected = await chat_text(
+        s,
+        [
+            {"role": "system", "content": "Answer."},
+            {"role": "user", "content": "Hello there"},
+        ],
+    )
+    assert whole["id"].startswith("resp_") and whole["object"] == "response"
+    assert whole["output"][0]["id"].startswith("msg_")
+    assert output_text(whole) == expected
+    assert whole["status"] == "incomplete"  # 8 tokens of a random model
+    assert whole["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert whole["metadata"] == {"k": "v"} and whole["instructions"] == "Answer."
+    usage = whole["usage"]
+    assert usage["output_tokens"] == 8
+    assert usage["total_tokens"] == usage["input_tokens"] + 8
+    done = check_sequence(await respond_stream(s, **body))
+    assert output_text(done) == expected
+    # the same counts (the prompt is served from the prefix cache now)
+    assert done["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    assert {k: done["usage"][k] for k in ("input_tokens", "output_tokens")} == {
+        "input_tokens": usage["input_tokens"],
+        "output_tokens": 8,
+    }
+
+
+async def test_bad_requests_are_400_naming_the_field(server: Server) -> None:
+    s = server
+    for body, param in [
+        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "max_output_tokens": 5000}, "max_output_tokens"),
+        ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
+        (
+            {
+                "input": "x",
+                "text": {
+                    "format": {
+                        "type": "json_schema",
+                        "name": "a",
+                        "schema": {"type": "nonsense"},
+                    }
+                },
+            },
+            "text.format.schema",
+        ),
+        (
+            {"input": "x", "tools": [{**TOOL, "parameters": {"type": "nonsense"}}]},
+            "tools[0].parameters",
+        ),
+        ({"input": "x", "tool_choice": FORCED}, "tool_choice"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+    ]:
+        r = await s.http.post("/v1/responses", json=body)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param, (body, r.text)
+
+
+async def test_previous_response_id_continues_the_conversation(server: Server) -> None:
+    s = server
+    first = await respond(s, input="Hi", store=True)
+    second = await respond(s, input="And?", previous_response_id=first["id"])
+    assert second["previous_response_id"] == first["id"]
+    expected = await chat_text(
+        s,
+        [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": output_text(first)},
+            {"role": "user", "content": "And?"},
+        ],
+    )
+    assert output_text(second) == expected
+    # not stored: it cannot be continued
+    r = await s.http.post(
+        "/v1/responses", json={"input": "x", "previous_response_id": second["id"]}
+    )
+    assert r.status_code == 400
+
+
+async def test_a_tool_loop(server: Server) -> None:
+    """A forced call, then its output sent back: the next answer is what chat
+    writes after the same assistant call and tool message."""
+    s = server
+    whole = await respond(
+        s, input="Weather?", tools=[TOOL], tool_choice=FORCED, max_output_tokens=40
+    )
+    call = whole["output"][0]
+    assert call["type"] == "function_call" and call["name"] == "get_weather"
+    assert call["status"] == "completed" and whole["status"] == "completed"
+    assert call["call_id"].startswith("call_") and call["id"].startswith("fc_")
+    jsonschema.validate(json.loads(call["arguments"]), TOOL["parameters"])
+    done = check_sequence(
+        await respond_stream(
+            s, input="Weather?", tools=[TOOL], tool_choice=FORCED, max_output_tokens=40
+        )
+    )
+    assert done["output"][0]["arguments"] == call["arguments"]
+    loop = [
+        {"role": "user", "content": "Weather?"},
+        {k: call[k] for k in ("type", "call_id", "name", "arguments")},
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "sun"},
+    ]
+    answer = await respond(s, input=loop, tools=[TOOL])
+    expected = await chat_text(
+        s,
+        [
+            {"role": "user", "content": "Weather?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call["call_id"],
+                        "type": "function",
+                        "function": {
+                            "name": "get_weather",
+                            "arguments": call["arguments"],
+                        },
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call["call_id"], "content": "sun"},
+        ],
+        tools=[
+            {"type": "function", "function": {k: TOOL[k] for k in TOOL if k != "type"}}
+        ],
+    )
+    assert output_text(answer) == expected
+
+
+async def test_json_schema_text_format(server: Server) -> None:
+    s = server
+    fmt = {"type": "json_schema", "name": "answer", "schema": SCHEMA, "strict": True}
+    whole = await respond(
+        s, input="JSON please", text={"format": fmt}, max_output_tokens=60
+    )
+    jsonschema.validate(json.loads(output_text(whole)), SCHEMA)
+    assert whole["status"] == "completed" and whole["incomplete_details"] is None
+    assert whole["text"]["format"]["schema"] == SCHEMA
+    done = check_sequence(
+        await respond_stream(
+            s, input="JSON please", text={"format": fmt}, max_output_tokens=60
+        )
+    )
+    jsonschema.validate(json.loads(output_text(done)), SCHEMA)
+
+
+async def test_reasoning_items() -> None:
+    """deepseek_r1 starts in the thinking: a random model never closes it,
+    so its whole output is one reasoning item (as chat's reasoning_content)."""
+    async with open_server(engine=ENGINE, reasoning_parser="deepseek_r1") as s:
+        whole = await respond(s, input="Think", max_output_tokens=10)
+        item = whole["output"][0]
+        assert [i["type"] for i in whole["output"]] == ["reasoning"]
+        assert item["id"].startswith("rs_") and item["summary"] == []
+        r = await s.http.post(
+            "/v1/chat/completions",
+            json={
+                "messages": [{"role": "user", "content": "Think"}],
+                "temperature": 0,
+                "max_tokens": 10,
+            },
+        )
+        thought = r.json()["choices"][0]["message"]["reasoning_content"]
+        assert item["content"] == [{"type": "reasoning_text", "text": thought}]
+        assert 0 < whole["usage"]["output_tokens_details"]["reasoning_tokens"] <= 10
+        stream = await respond_stream(s, input="Think", max_output_tokens=10)
+        done = check_sequence(stream)
+        assert done["output"] == [
+            {**item, "id": done["output"][0]["id"], "status": "incomplete"}
+        ]
+        assert any(e["type"] == "response.reasoning_text.delta" for e in stream)
+
+
+# -- the real openai client over a socket ----------------------------------------------
+
+
+class Answer(BaseModel):
+    ok: bool
+    color: Literal["red", "green", "blue"]
+
+
+def use_the_sdk(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"model": "tiny-random", "temperature": 0}
+    res = client.responses.create(
+        input=[
+            {"role": "system", "content": "Book"},
+            {"role": "user", "content": "Hi"},
+        ],
+        max_output_tokens=8,
+        **kw,
+    )
+    assert res.id.startswith("resp_") and res.output[0].type == "message"
+    assert res.output_text and res.usage is not None
+    gathered = ""
+    completed = None
+    for event in client.responses.create(
+        input="Hi", max_output_tokens=8, stream=True, **kw
+    ):
+        if event.type == "response.output_text.delta":
+            gathered += event.delta
+        if event.type == "response.completed":
+            completed = event.response
+    assert completed is not None and completed.output_text == gathered
+    with client.responses.stream(input="Hi", max_output_tokens=8, **kw) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_response()
+    assert final.output_text == gathered
+    # a function tool
+    call = client.responses.create(
+        input="Weather?",
+        tools=[TOOL],  # type: ignore[list-item]
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=40,
+        **kw,
+    ).output[0]
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), TOOL["parameters"])
+    # a json_schema format, parsed by the SDK
+    parsed = client.responses.parse(
+        input="JSON", text_format=Answer, max_output_tokens=60, **kw
+    )
+    assert isinstance(parsed.output_parsed, Answer)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(input="x", truncation="auto", **kw)
+    assert isinstance(e.value.body, dict) and e.value.body["param"] == "truncation"
+
+
+async def test_the_openai_client(server: Server) -> None:
+    async with open_socket_server(server) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        try:
+            await anyio.to_thread.run_sync(use_the_sdk, client)
+        finally:
+            client.close()

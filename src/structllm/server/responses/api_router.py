@@ -17,12 +17,19 @@ __all__ = ["router"]
 
 router = APIRouter()
 
+_RESPONSES = openapi.responses(ResponseObject, ResponseStreamEvent)
+_RESPONSES[200]["description"] = (
+    "The response; with `stream: true`, server-sent events, each `data:` one "
+    "event named by its `type`, from `response.created` to `response.completed` "
+    "(or `error`)."
+)
+
 
 @router.post(
     "/v1/responses",
     openapi_extra=openapi.request_body(ResponsesRequest),
     response_model=None,
-    responses=openapi.responses(ResponseObject, ResponseStreamEvent),
+    responses=_RESPONSES,
     summary="Create a model response (OpenAI's Responses API)",
 )
 async def create_response(request: Request) -> Response:

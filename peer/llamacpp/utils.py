@@ -13,7 +13,8 @@ llama.cpp's server-wide sampling defaults (``--temp``, ``--seed``,
 ``make_stream_request`` put them into each request body that does not set
 them, which is what llama.cpp does with them. llama.cpp serves the OpenAI
 routes both under ``/v1`` and without it; structllm under ``/v1`` only, so
-``/chat/completions``, ``/completions`` and ``/models`` get the prefix.
+``/chat/completions``, ``/completions``, ``/models`` and ``/responses`` get
+the prefix.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ DEFAULT_HTTP_TIMEOUT = 60
 #: Running servers by their ``structllm serve`` arguments.
 _POOL: dict[tuple[str, ...], StructllmServer] = {}
 
-_OPENAI_ROUTES = ("/chat/completions", "/completions", "/models")
+_OPENAI_ROUTES = ("/chat/completions", "/completions", "/models", "/responses")
 _SAMPLING_ROUTES = ("/v1/chat/completions", "/v1/completions")
 
 

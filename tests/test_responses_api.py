@@ -24,7 +24,13 @@ from structllm.errors import InvalidRequestError
 from structllm.server.http.body import validate
 from structllm.server.responses.protocol import ResponseObject, ResponsesRequest
 from structllm.server.responses.store import ResponseStore
-from tests.test_server_app import Server, events, open_server, open_socket_server
+from tests.test_server_app import (
+    Exchange,
+    Server,
+    events,
+    open_server,
+    open_socket_server,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -446,3 +452,41 @@ async def test_the_openai_client(server: Server) -> None:
             await anyio.to_thread.run_sync(use_the_sdk, client)
         finally:
             client.close()
+
+
+# -- cancellation and failures ------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_client_that_leaves_aborts_the_request(stream: bool) -> None:
+    body = {"input": "x", "max_output_tokens": 300, "temperature": 0, "stream": stream}
+    async with open_server(engine=ENGINE) as s:
+        x = Exchange(json.dumps(body).encode())
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(x.run, s.app, "/v1/responses")
+                await s.llm.wait_statistics(lambda st: st.running == 1)
+                x.hang_up.set()
+        await s.wait_idle()
+        assert await s.metric('structllm_requests_total{finished_reason="abort"}') == 1
+        if stream:
+            assert "response.completed" not in x.text
+        else:
+            assert x.sent[0]["status"] == 499
+        assert (await respond(s, input="ok", max_output_tokens=2))["output"]
+
+
+async def test_a_timeout_after_the_200_is_an_error_event() -> None:
+    # at temperature 0 this prompt runs 2,000 tokens without an end (8 s here)
+    body = {"input": "x", "max_output_tokens": 2000, "temperature": 0}
+    engine = {**ENGINE, "max_model_len": 2048}
+    async with open_server(engine=engine, request_timeout=0.2) as s:
+        r = await s.http.post("/v1/responses", json={**body, "stream": True})
+        stream = events(r.text)
+        assert [e["type"] for e in stream[:2]] == [
+            "response.created",
+            "response.in_progress",
+        ]
+        assert stream[-1]["type"] == "error" and stream[-1]["code"] == "408"
+        assert stream[-1]["sequence_number"] == len(stream) - 1
+        await s.wait_idle()

@@ -318,6 +318,18 @@ async def test_a_tool_loop(server: Server) -> None:
         {k: call[k] for k in ("type", "call_id", "name", "arguments")},
         {"type": "function_call_output", "call_id": call["call_id"], "output": "sun"},
     ]
+    # "required": a list of calls, one at most without parallel_tool_calls
+    required = await respond(
+        s,
+        input="Weather?",
+        tools=[TOOL, {**TOOL, "name": "other"}],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=60,
+    )
+    assert [i["type"] for i in required["output"]] == ["function_call"]
+    assert required["output"][0]["name"] in ("get_weather", "other")
+    assert required["tool_choice"] == "required"
     answer = await respond(s, input=loop, tools=[TOOL])
     expected = await chat_text(
         s,

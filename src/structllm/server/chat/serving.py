@@ -5,6 +5,12 @@ A request is validated as a :class:`~structllm.server.chat.protocol.ChatRequest`
 its messages are rendered with the model's chat template and tokenised (off
 the event loop when long), and each of the ``n`` choices becomes one engine
 request; the responses are :mod:`structllm.server.chat.protocol` models.
+
+With a reasoning parser (:mod:`structllm.server.chat.reasoning`), each
+choice's thinking goes to ``reasoning_content`` and the rest (content, tool
+calls) is parsed from the answer alone. :meth:`ChatServing.render` (checks,
+template, tokens, the parameters and reasoning parser a request runs with)
+is what ``/v1/responses`` renders its requests with too.
 """
 
 from __future__ import annotations

@@ -551,15 +551,6 @@ class ResponseObject(Body):
     truncation: Literal["disabled"] = "disabled"
     usage: ResponseUsage | None
 
-    @property
-    def output_text(self) -> str:
-        return "".join(
-            c.text
-            for item in self.output
-            if isinstance(item, OutputMessage)
-            for c in item.content
-        )
-
 
 # -- stream events ---------------------------------------------------------------------
 

@@ -502,3 +502,29 @@ async def test_a_timeout_after_the_200_is_an_error_event() -> None:
         assert stream[-1]["type"] == "error" and stream[-1]["code"] == "408"
         assert stream[-1]["sequence_number"] == len(stream) - 1
         await s.wait_idle()
+
+
+async def test_openapi_describes_the_route() -> None:
+    async with open_server(load=False) as s:
+        doc = (await s.http.get("/openapi.json")).json()
+    post = doc["paths"]["/v1/responses"]["post"]
+    content = post["responses"]["200"]["content"]
+    assert content["text/event-stream"]["schema"]["$ref"].endswith(
+        "/ResponseStreamEvent"
+    )
+    ref = {"$ref": "#/components/schemas/ResponsesRequest"}
+    root = {**ref, "components": doc["components"]}
+    for body in (
+        {"input": "x", "tools": [TOOL], "tool_choice": FORCED},
+        {"input": [{"role": "user", "content": [{"type": "input_text", "text": "x"}]}]},
+        {"input": "x", "text": {"format": {"type": "json_schema", "name": "a",
+                                           "schema": SCHEMA}}},
+    ):  # fmt: skip
+        jsonschema.validate(body, root)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"input": "x", "tool_choice": "sometimes"}, root)
+    # the room's models do not replace chat's of the same kind
+    chat = {"$ref": "#/components/schemas/ChatRequest", "components": doc["components"]}
+    named = {"type": "function", "function": {"name": "f"}}
+    body = {"messages": [{"role": "user", "content": "x"}], "tool_choice": named}
+    jsonschema.validate(body, chat)

@@ -52,7 +52,6 @@ __all__ = [
     "FunctionTool",
     "IncompleteDetails",
     "InputItem",
-    "InputMessage",
     "OutputFunctionCall",
     "OutputItem",
     "OutputMessage",
@@ -62,6 +61,7 @@ __all__ = [
     "ResponseObject",
     "ResponseStreamEvent",
     "ResponseUsage",
+    "ResponsesInputMessage",
     "ResponsesRequest",
     "responses_field",
 ]
@@ -92,7 +92,7 @@ def _content_tag(value: Any) -> str:
     return "[other]"
 
 
-class TextPart(BaseModel):
+class InputTextPart(BaseModel):
     model_config = REQUEST_CONFIG
 
     type: Literal["input_text", "output_text"]
@@ -115,7 +115,7 @@ class _OtherPart(BaseModel):
 
 
 ContentPart = Annotated[
-    Annotated[TextPart, Tag("[text]")] | Annotated[_OtherPart, Tag("[other]")],
+    Annotated[InputTextPart, Tag("[text]")] | Annotated[_OtherPart, Tag("[other]")],
     Discriminator(_content_tag),
 ]
 
@@ -135,10 +135,10 @@ Content = Annotated[
 def _text(content: str | list[Any]) -> str:
     if isinstance(content, str):
         return content
-    return "".join(p.text for p in content if isinstance(p, TextPart))
+    return "".join(p.text for p in content if isinstance(p, InputTextPart))
 
 
-class InputMessage(BaseModel):
+class ResponsesInputMessage(BaseModel):
     """A message: ``{"role", "content"}``, with or without ``type``."""
 
     model_config = REQUEST_CONFIG
@@ -181,7 +181,7 @@ class FunctionCallOutputItem(BaseModel):
     output: Content
 
 
-class ReasoningItem(BaseModel):
+class InputReasoningItem(BaseModel):
     """Thinking from an earlier output: accepted and left out of the prompt."""
 
     model_config = REQUEST_CONFIG
@@ -210,10 +210,10 @@ class _UnknownItem(BaseModel):
 
 
 InputItem = Annotated[
-    Annotated[InputMessage, Tag("[message]")]
+    Annotated[ResponsesInputMessage, Tag("[message]")]
     | Annotated[FunctionCallItem, Tag("[function_call]")]
     | Annotated[FunctionCallOutputItem, Tag("[function_call_output]")]
-    | Annotated[ReasoningItem, Tag("[reasoning]")]
+    | Annotated[InputReasoningItem, Tag("[reasoning]")]
     | Annotated[_UnknownItem, Tag("[unknown]")],
     Discriminator(_item_tag),
 ]
@@ -235,7 +235,7 @@ class FunctionTool(BaseModel):
         return {"type": "function", "function": fn}
 
 
-class NamedFunction(BaseModel):
+class ResponsesNamedFunction(BaseModel):
     model_config = OBJECT_CONFIG
 
     type: Literal["function"]
@@ -248,12 +248,12 @@ def _choice_tag(value: Any) -> str:
 
 ToolChoice = Annotated[
     Annotated[Literal["none", "auto", "required"], Tag("[mode]")]
-    | Annotated[NamedFunction, Tag("[function]")],
+    | Annotated[ResponsesNamedFunction, Tag("[function]")],
     Discriminator(_choice_tag),
 ]
 
 
-class TextFormat(BaseModel):
+class ResponsesTextFormat(BaseModel):
     """``text.format``: ``text``, ``json_object`` or ``json_schema`` (flat)."""
 
     model_config = OBJECT_CONFIG
@@ -265,7 +265,7 @@ class TextFormat(BaseModel):
     strict: bool | None = None
 
     @model_validator(mode="after")
-    def _shape(self) -> TextFormat:
+    def _shape(self) -> ResponsesTextFormat:
         if self.type == "json_schema":
             for name in ("name", "schema_"):
                 if getattr(self, name) is None:
@@ -286,10 +286,10 @@ class TextFormat(BaseModel):
         return {"type": "json_schema", "json_schema": inner}
 
 
-class TextConfig(BaseModel):
+class ResponsesTextConfig(BaseModel):
     model_config = OBJECT_CONFIG
 
-    format: TextFormat | None = None
+    format: ResponsesTextFormat | None = None
     #: only the one verbosity a model without the setting has
     verbosity: Literal["medium"] | None = None
 
@@ -331,7 +331,7 @@ class ResponsesRequest(BaseModel):
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    text: TextConfig | None = None
+    text: ResponsesTextConfig | None = None
     reasoning: ReasoningConfig | None = None
     stream: bool | None = None
     #: keep the response (in memory, bounded) for a later previous_response_id
@@ -356,7 +356,7 @@ class ResponsesRequest(BaseModel):
             return [{"role": "user", "content": self.input}]
         messages: list[dict[str, Any]] = []
         for item in self.input:
-            if isinstance(item, InputMessage):
+            if isinstance(item, ResponsesInputMessage):
                 role = "system" if item.role == "developer" else item.role
                 messages.append({"role": role, "content": _text(item.content)})
             elif isinstance(item, FunctionCallItem):
@@ -394,7 +394,7 @@ class ResponsesRequest(BaseModel):
             "temperature": self.temperature,
             "top_p": self.top_p,
             "tool_choice": self.tool_choice
-            if not isinstance(self.tool_choice, NamedFunction)
+            if not isinstance(self.tool_choice, ResponsesNamedFunction)
             else {"type": "function", "function": {"name": self.tool_choice.name}},
             "parallel_tool_calls": self.parallel_tool_calls,
             "stream": self.stream,
@@ -410,7 +410,7 @@ class ResponsesRequest(BaseModel):
     def echo_fields(self) -> dict[str, Any]:
         """The request's settings, as a response repeats them."""
         choice: Any = self.tool_choice
-        if isinstance(choice, NamedFunction):
+        if isinstance(choice, ResponsesNamedFunction):
             choice = choice.model_dump()
         fmt = (
             self.text.format.model_dump(by_alias=True, exclude_none=True)

@@ -18,11 +18,18 @@ import anyio
 import jsonschema
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from structllm.errors import InvalidRequestError
+from structllm.server.chat.protocol import ChatRequest
 from structllm.server.http.body import validate
-from structllm.server.responses.protocol import ResponseObject, ResponsesRequest
+from structllm.server.responses.protocol import (
+    ResponseObject,
+    ResponsesRequest,
+    responses_field,
+)
 from structllm.server.responses.store import ResponseStore
 from tests.test_server_app import (
     Exchange,
@@ -197,6 +204,54 @@ def test_refused_and_invalid_fields_are_named(body: dict[str, Any], param: str) 
     with pytest.raises(InvalidRequestError) as e:
         validate(ResponsesRequest, {"input": "x", **body})
     assert e.value.field == param
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=10,
+)
+ITEM_KEYS = ["type", "role", "content", "call_id", "name", "arguments", "output"]
+ITEMS = st.lists(
+    st.dictionaries(
+        st.sampled_from(ITEM_KEYS),
+        JSON
+        | st.sampled_from(
+            ["message", "function_call", "function_call_output", "user", "{}"]
+        ),
+        max_size=5,
+    ),
+    max_size=3,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    field=st.sampled_from(
+        [*ResponsesRequest.model_fields, "background", "include", "truncation"]
+    ),
+    value=JSON,
+    items=ITEMS,
+)
+def test_any_json_is_a_request_or_a_refusal_naming_a_field(
+    field: str, value: Any, items: list[dict[str, Any]]
+) -> None:
+    """Whatever a field holds, the request and its chat request validate, or
+    one of them is refused naming a field the client sent."""
+    for body in ({"input": "x", field: value}, {"input": items}):
+        try:
+            req = validate(ResponsesRequest, body)
+            try:
+                validate(ChatRequest, req.chat_body([]))
+            except InvalidRequestError as exc:
+                raise responses_field(exc) from None
+        except InvalidRequestError as exc:
+            assert exc.field, str(exc)
+            root = exc.field.split(".")[0].split("[")[0]
+            assert root in body, (exc.field, body)
 
 
 def test_the_store_is_bounded_and_names_unknown_ids() -> None:

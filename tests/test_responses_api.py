@@ -254,15 +254,27 @@ def test_any_json_is_a_request_or_a_refusal_naming_a_field(
             assert root in body, (exc.field, body)
 
 
+def _kept(store: ResponseStore, rid: str, text: str) -> bool:
+    return store.put({"id": rid}, [{"role": "user", "content": text}])
+
+
 def test_the_store_is_bounded_and_names_unknown_ids() -> None:
     store = ResponseStore(capacity=2)
     for i in range(3):
-        store.put(f"r{i}", [{"role": "user", "content": str(i)}])
+        assert _kept(store, f"r{i}", str(i))
     assert len(store) == 2
     assert store.conversation("r2") == [{"role": "user", "content": "2"}]
     with pytest.raises(InvalidRequestError) as e:
         store.conversation("r0")
     assert e.value.field == "previous_response_id"
+    # by size too, least recently used first; one too large alone is not kept
+    store = ResponseStore(max_chars=200)
+    assert _kept(store, "a", "x" * 50) and _kept(store, "b", "y" * 50)
+    assert store.get("a") is not None  # a is used: b is older now
+    assert _kept(store, "c", "z" * 50)
+    assert store.get("b") is None and store.get("a") and store.get("c")
+    assert not _kept(store, "d", "w" * 300) and store.get("d") is None
+    assert store.delete("a") and not store.delete("a") and len(store) == 1
 
 
 # -- through the app, both loops --------------------------------------------------------
@@ -343,11 +355,20 @@ async def test_previous_response_id_continues_the_conversation(server: Server) -
         ],
     )
     assert output_text(second) == expected
-    # not stored: it cannot be continued
+    # not stored: it cannot be continued, nor read
     r = await s.http.post(
         "/v1/responses", json={"input": "x", "previous_response_id": second["id"]}
     )
     assert r.status_code == 400
+    assert (await s.http.get(f"/v1/responses/{second['id']}")).status_code == 404
+    # a stored one is read back as it was sent, streamed or not, and forgotten
+    assert (await s.http.get(f"/v1/responses/{first['id']}")).json() == first
+    done = check_sequence(await respond_stream(s, input="Hi", store=True))
+    assert (await s.http.get(f"/v1/responses/{done['id']}")).json() == done
+    r = await s.http.delete(f"/v1/responses/{first['id']}")
+    assert r.json() == {"id": first["id"], "object": "response", "deleted": True}
+    r = await s.http.delete(f"/v1/responses/{first['id']}")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "response_id"
 
 
 async def test_a_tool_loop(server: Server) -> None:
@@ -507,6 +528,11 @@ def use_the_sdk(client: openai.OpenAI) -> None:
         input="JSON", text_format=Answer, max_output_tokens=60, **kw
     )
     assert isinstance(parsed.output_parsed, Answer)
+    stored = client.responses.create(input="Hi", max_output_tokens=4, store=True, **kw)
+    assert client.responses.retrieve(stored.id).output_text == stored.output_text
+    client.responses.delete(stored.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(stored.id)
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(input="x", truncation="auto", **kw)
     assert isinstance(e.value.body, dict) and e.value.body["param"] == "truncation"

@@ -1,4 +1,4 @@
-"""``POST /v1/responses``."""
+"""``POST /v1/responses``; ``GET`` and ``DELETE /v1/responses/{id}``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from fastapi.responses import Response
 
 from structllm.server import openapi
 from structllm.server.responses.protocol import (
+    DeletedResponse,
     ResponseObject,
     ResponsesRequest,
     ResponseStreamEvent,
@@ -35,3 +36,25 @@ _RESPONSES[200]["description"] = (
 async def create_response(request: Request) -> Response:
     serving: ResponsesServing = request.app.state.responses
     return await serving.guarded(request, serving.create)
+
+
+@router.get(
+    "/v1/responses/{response_id}",
+    response_model=None,
+    responses=openapi.responses(ResponseObject, errors=(401, 404)),
+    summary="A response created with store: true",
+)
+async def retrieve_response(request: Request, response_id: str) -> Response:
+    serving: ResponsesServing = request.app.state.responses
+    return serving.retrieve(response_id)
+
+
+@router.delete(
+    "/v1/responses/{response_id}",
+    response_model=None,
+    responses=openapi.responses(DeletedResponse, errors=(401, 404)),
+    summary="Forget a response created with store: true",
+)
+async def delete_response(request: Request, response_id: str) -> Response:
+    serving: ResponsesServing = request.app.state.responses
+    return serving.delete(response_id)

@@ -47,6 +47,7 @@ from structllm.server.protocol.tools import MAX_TOOLS
 __all__ = [
     "RESPONSES_REFUSED",
     "ContentPart",
+    "DeletedResponse",
     "FunctionCallItem",
     "FunctionCallOutputItem",
     "FunctionTool",
@@ -550,6 +551,14 @@ class ResponseObject(Body):
     store: bool
     truncation: Literal["disabled"] = "disabled"
     usage: ResponseUsage | None
+
+
+class DeletedResponse(Body):
+    """``DELETE /v1/responses/{id}``."""
+
+    id: str
+    object: Literal["response"] = "response"
+    deleted: Literal[True] = True
 
 
 # -- stream events ---------------------------------------------------------------------

@@ -17,7 +17,9 @@ wrote them. :class:`_Output` builds them as the text streams and writes the
 events the openai SDK reads (``response.output_item.added``,
 ``response.content_part.added``, ``response.output_text.delta``, ...
 ``response.output_item.done``); a whole response is the same builder fed
-once, so the two cannot differ. The stream starts with
+once, so the two cannot differ. A response created with ``store: true``
+is kept (:mod:`~structllm.server.responses.store`): ``GET`` and ``DELETE
+/v1/responses/{id}`` read and forget it. The stream starts with
 ``response.created`` and ``response.in_progress`` and ends with
 ``response.completed`` (also when the output was cut by
 ``max_output_tokens``: the response's status is then ``incomplete``), or
@@ -45,7 +47,7 @@ from structllm.server.chat.protocol import ChatRequest
 from structllm.server.chat.serving import ChatServing
 from structllm.server.chat.tool_calls import AnswerParser
 from structllm.server.http.body import maybe_off_loop, validate
-from structllm.server.http.errors import ASCIIJSONResponse
+from structllm.server.http.errors import ASCIIJSONResponse, json_error
 from structllm.server.http.sse import Emit, EventStream, deadline
 from structllm.server.protocol import bodies
 from structllm.server.protocol.constraints import rename_field
@@ -53,6 +55,7 @@ from structllm.server.responses.protocol import (
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
     ContentPartEvent,
+    DeletedResponse,
     ErrorEvent,
     IncompleteDetails,
     InputTokensDetails,
@@ -128,8 +131,23 @@ class ResponsesServing(Serving):
             final = (await self.run_to_end([job]))[0]
         c = final.outputs[0]
         run.output.feed(c.text, finished=True, cut=c.finish_reason == "length")
-        self._keep(run)
-        return ASCIIJSONResponse(bodies.dump(self._response(llm, run, final)))
+        response = bodies.dump(self._response(llm, run, final))
+        self._keep(run, response)
+        return ASCIIJSONResponse(response)
+
+    def retrieve(self, response_id: str) -> Response:
+        """``GET /v1/responses/{id}``: a stored response as it was sent."""
+        kept = self.store.get(response_id)
+        if kept is None:
+            return _not_kept(response_id)
+        return ASCIIJSONResponse(kept.response)
+
+    def delete(self, response_id: str) -> Response:
+        """``DELETE /v1/responses/{id}``: forget a stored response."""
+        if not self.store.delete(response_id):
+            return _not_kept(response_id)
+        deleted = DeletedResponse(id=response_id)
+        return ASCIIJSONResponse(bodies.dump(deleted))
 
     def _stream(
         self, llm: AsyncLLM, job: Job, run: _Run, constraint_field: str | None
@@ -173,11 +191,10 @@ class ResponsesServing(Serving):
                 )
                 await emit(bodies.dump(failed))
                 return
-            self._keep(run)
+            whole = self._response(llm, run, final)
+            self._keep(run, bodies.dump(whole))
             done = ResponseEvent(
-                type="response.completed",
-                sequence_number=next(seq),
-                response=self._response(llm, run, final),
+                type="response.completed", sequence_number=next(seq), response=whole
             )
             await emit(bodies.dump(done))
 
@@ -223,11 +240,20 @@ class ResponsesServing(Serving):
             **run.req.echo_fields(),
         )
 
-    def _keep(self, run: _Run) -> None:
-        """Keep the conversation for a later ``previous_response_id`` (store)."""
+    def _keep(self, run: _Run, response: dict[str, Any]) -> None:
+        """Keep the response and its conversation (``store: true``)."""
         if run.req.store:
             messages = run.history + run.req.input_messages()
-            self.store.put(run.rid, messages + run.output.messages())
+            self.store.put(response, messages + run.output.messages())
+
+
+def _not_kept(response_id: str) -> Response:
+    return json_error(
+        404,
+        f"no stored response {response_id!r} (only responses created with "
+        f"store: true on this server are kept)",
+        param="response_id",
+    )
 
 
 @attrs.frozen

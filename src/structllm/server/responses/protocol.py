@@ -305,6 +305,24 @@ class ReasoningConfig(BaseModel):
     summary: None = None
     generate_summary: None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            refuse(data, _REASONING_REFUSED)
+        return data
+
+
+_REASONING_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "effort": (
+        "reasoning effort is not adjustable; chat_template_kwargs.enable_thinking "
+        "turns a model's thinking on or off",
+        (),
+    ),
+    "summary": ("reasoning summaries are not made; the thinking itself is sent", ()),
+    "generate_summary": ("reasoning summaries are not made", ()),
+}
+
 
 Metadata = Annotated[
     dict[Annotated[str, Field(max_length=64)], Annotated[Text, Field(max_length=512)]],

@@ -14,7 +14,8 @@ llama.cpp's server-wide sampling defaults (``--temp``, ``--seed``,
 them, which is what llama.cpp does with them (``n_predict`` on the native
 ``/completion``, ``max_tokens`` on the OpenAI routes). Paths are used as the
 tests give them: structllm serves llama.cpp's native routes and its
-``/v1``-less aliases too.
+``/v1``-less aliases too, except ``/responses``, which gets the ``/v1``
+prefix (structllm serves the Responses API under ``/v1`` only).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ _POOL: dict[tuple[str, ...], StructllmServer] = {}
 
 _SAMPLING_ROUTES = ("/v1/chat/completions", "/v1/completions", "/chat/completions")
 _NATIVE_ROUTES = ("/completion", "/completions")
+#: llama.cpp serves these without ``/v1`` too; structllm under ``/v1`` only
+_V1_ONLY = ("/responses",)
 
 
 class NotApplicable(Exception):
@@ -126,6 +129,8 @@ class ServerProcess:
         """Pooled servers stop at the end of the session (``close_pool``)."""
 
     def _url(self, path: str) -> str:
+        if path in _V1_ONLY:
+            path = "/v1" + path
         return f"http://{self.server_host}:{self.server_port}{path}"
 
     def _with_defaults(self, url: str, data: Any) -> Any:

@@ -355,6 +355,12 @@ class ServerConfig:
         validator=_ZERO,
         topic="limits",
     )
+    reasoning_parser: Literal["auto", "none", "qwen3", "deepseek_r1"] = setting(
+        "auto",
+        help="split <think>...</think> from the answer (reasoning_content): "
+        "auto picks the parser the chat template calls for, if clear",
+        topic="model",
+    )
     default_max_tokens: int = setting(
         attrs.fields(SamplingParams).max_tokens.default,
         help="max_tokens of a request that does not say",

@@ -65,6 +65,8 @@ from structllm.server.ollama import api_router as ollama
 from structllm.server.ollama.serving import OllamaServing
 from structllm.server.operations import api_router as operations
 from structllm.server.protocol.bodies import now
+from structllm.server.responses import api_router as responses
+from structllm.server.responses.serving import ResponsesServing
 from structllm.server.serving import EngineSlot, ServerConfig, Serving
 from structllm.server.tokenize import api_router as tokenize
 from structllm.server.tokenize.serving import TokenizeServing
@@ -112,6 +114,7 @@ def build_app(
     app.state.chat = ChatServing(slot, config, metrics)
     app.state.chat_batch = ChatBatchServing(slot, config, metrics)
     app.state.messages = MessagesServing(slot, config, metrics)
+    app.state.responses = ResponsesServing(slot, config, metrics)
     app.state.tokenize = TokenizeServing(slot, config, metrics)
     app.state.ollama = OllamaServing(slot, config, metrics)
     app.state.llamacpp = LlamaCppServing(slot, config, metrics)
@@ -120,6 +123,7 @@ def build_app(
         chat,
         chat_batch,
         messages,
+        responses,
         models,
         operations,
         tokenize,

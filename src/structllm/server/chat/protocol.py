@@ -60,12 +60,17 @@ class ToolCall(Body):
 
 
 class ChatMessage(Body):
-    """The answer: ``content`` is null when the answer is only tool calls."""
+    """The answer: ``content`` is null when the answer is only tool calls.
 
-    _omit_unset = frozenset({"tool_calls"})
+    ``reasoning_content`` (vLLM's field) is there when a reasoning parser
+    is on: the thinking, apart from the answer.
+    """
+
+    _omit_unset = frozenset({"tool_calls", "reasoning_content"})
 
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -115,10 +120,12 @@ class ToolCallDelta(Body):
 
 
 class ChatDelta(Body):
-    _omit_unset = frozenset({"role", "content", "tool_calls"})
+    _omit_unset = frozenset({"role", "content", "reasoning_content", "tool_calls"})
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    #: a piece of the thinking (with a reasoning parser)
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 
@@ -161,6 +168,8 @@ class ChatRequest(SamplingRequest, ChatPrompt):
     tool_choice: ToolChoice | None = None
     #: default true; false: one call at most
     parallel_tool_calls: bool | None = None
+    #: vLLM's: false drops the thinking (a reasoning parser still splits it off)
+    include_reasoning: bool | None = None
 
     @model_validator(mode="after")
     def _chat_checks(self) -> ChatRequest:

@@ -5,19 +5,28 @@ A request is validated as a :class:`~structllm.server.chat.protocol.ChatRequest`
 its messages are rendered with the model's chat template and tokenised (off
 the event loop when long), and each of the ``n`` choices becomes one engine
 request; the responses are :mod:`structllm.server.chat.protocol` models.
+
+With a reasoning parser (:mod:`structllm.server.chat.reasoning`), each
+choice's thinking goes to ``reasoning_content`` and the rest (content, tool
+calls) is parsed from the answer alone. :meth:`ChatServing.render` (checks,
+template, tokens, the parameters and reasoning parser a request runs with)
+is what ``/v1/responses`` renders its requests with too.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
 import attrs
 from fastapi.responses import Response
 
+from structllm.engine.frontend.async_llm import AsyncLLM
 from structllm.engine.frontend.inputs import OFF_LOOP_CHARS, Prompt, check_prompt_bytes
 from structllm.outputs import RequestOutput
-from structllm.server.chat import tool_calls
+from structllm.params import SamplingParams
+from structllm.server.chat import reasoning, tool_calls
 from structllm.server.chat.protocol import (
     ChatChoice,
     ChatCompletionResponse,
@@ -35,18 +44,40 @@ from structllm.server.protocol import logprobs as lp
 from structllm.server.protocol.constraints import check_constraints, renamed
 from structllm.server.protocol.logprobs import chat_logprobs
 from structllm.server.serving import Chunks, Job, Serving
+from structllm.text.reasoning import ReasoningParser
 
-__all__ = ["ChatServing"]
+__all__ = ["ChatServing", "RenderedChat"]
+
+
+@attrs.frozen
+class RenderedChat:
+    """A chat request made ready to run: its prompt and parameters."""
+
+    prompt: Prompt
+    #: the request's, its output constraint held to the answer (reasoning)
+    params: SamplingParams
+    #: each choice's reasoning parser starts as a copy of this one (None:
+    #: no reasoning parser)
+    reasoning: ReasoningParser | None
+
+    def reasoning_parser(self) -> ReasoningParser | None:
+        """A fresh reasoning parser for one choice."""
+        return None if self.reasoning is None else copy.copy(self.reasoning)
 
 
 @attrs.define(eq=False)
 class ChatServing(Serving):
     """The chat endpoint's logic (the route only calls ``create``)."""
 
-    async def create(self, body: Any, big: bool) -> Response:
-        llm = self.slot.get()
-        req = await maybe_off_loop(big, validate, ChatRequest, body)
-        self.check_model(req.model)
+    def reasoning_parser_name(self, llm: AsyncLLM) -> str | None:
+        """``--reasoning-parser``, ``auto`` resolved by the chat template."""
+        return reasoning.parser_name(
+            self.config.reasoning_parser, llm.tokenizer.chat_template
+        )
+
+    async def render(self, llm: AsyncLLM, req: ChatRequest) -> RenderedChat:
+        """Check ``req``'s constraints, render and tokenise its messages
+        (off the event loop when long), check the length."""
         await check_constraints(req.constraint_checks)
         params = req.to_sampling_params(None)
         messages = req.template_messages()
@@ -69,10 +100,24 @@ class ChatServing(Serving):
         prompt = Prompt(text, ids, req.cache_salt)
         limit = req.max_completion_tokens or req.max_tokens
         self.check_length(llm, ids, limit, req.limit_field)
+        parser = reasoning.choice_parser(
+            self.reasoning_parser_name(llm), text, req.chat_template_kwargs
+        )
+        constraint, parser = reasoning.after_thinking(params.structured_outputs, parser)
+        if constraint is not params.structured_outputs:
+            params = attrs.evolve(params, structured_outputs=constraint)
+        return RenderedChat(prompt, params, parser)
+
+    async def create(self, body: Any, big: bool) -> Response:
+        llm = self.slot.get()
+        req = await maybe_off_loop(big, validate, ChatRequest, body)
+        self.check_model(req.model)
+        chat = await self.render(llm, req)
+        prompt, params = chat.prompt, chat.params
         jobs = [Job(j, 0, prompt, params.for_choice(j)) for j in range(req.choices)]
         top_logprobs = params.logprobs or 0
         if req.stream:
-            chunks = _Chunks(self, req, bodies.new_id("chatcmpl"), top_logprobs)
+            chunks = _Chunks(self, req, bodies.new_id("chatcmpl"), top_logprobs, chat)
             with renamed(req.constraint_field):
                 return self.stream(llm, jobs, chunks, req.constraint_field)
         with renamed(req.constraint_field):
@@ -82,9 +127,13 @@ class ChatServing(Serving):
             extra["prompt_token_ids"] = list(prompt.token_ids)
         if (pl := lp.prompt_logprobs(finals[0])) is not None:
             extra["prompt_logprobs"] = pl  # the prompt's: every choice's
+        choices = [
+            _choice(req, i, finals[i], top_logprobs, chat.reasoning_parser())
+            for i in sorted(finals)
+        ]
         response = ChatCompletionResponse(
             **self.head(bodies.new_id("chatcmpl")),
-            choices=[_choice(req, i, finals[i], top_logprobs) for i in sorted(finals)],
+            choices=choices,
             usage=self.final_usage(jobs, finals),
             **extra,
         )
@@ -92,13 +141,17 @@ class ChatServing(Serving):
 
 
 def _choice(
-    req: ChatRequest, index: int, out: RequestOutput, top_logprobs: int
+    req: ChatRequest,
+    index: int,
+    out: RequestOutput,
+    top_logprobs: int,
+    reasoning: ReasoningParser | None,
 ) -> ChatChoice:
     c = out.outputs[0]
     extra: dict[str, Any] = {}
     if req.return_token_ids:
         extra["token_ids"] = list(c.token_ids)
-    message, finish_reason = tool_calls.message(req, c)
+    message, finish_reason = tool_calls.message(req, c, reasoning)
     return ChatChoice(
         index=index,
         message=message,
@@ -116,7 +169,8 @@ class _Chunks(Chunks[ChatRequest]):
     """The chunks of a streaming chat completion (a StreamFormat)."""
 
     top_logprobs: int
-    #: each choice's tool-call parser, by choice index (when tools are parsed)
+    chat: RenderedChat
+    #: each choice's parsers, by choice index (when tools or reasoning are parsed)
     calls: dict[int, StreamedCalls] = attrs.field(factory=dict)
 
     def _chunk(
@@ -161,8 +215,13 @@ class _Chunks(Chunks[ChatRequest]):
         c = out.outputs[0]
         finish: ChatFinishReason | None = c.finish_reason
         calls = self.calls.get(job.index)
-        if calls is None and (parser := tool_calls.parser_for(self.req)) is not None:
-            calls = self.calls[job.index] = StreamedCalls(parser)
+        if calls is None:
+            parser = tool_calls.parser_for(self.req)
+            thinking = self.chat.reasoning_parser()
+            if parser is not None or thinking is not None:
+                show = self.req.include_reasoning is not False
+                calls = StreamedCalls(parser, thinking, include_reasoning=show)
+                self.calls[job.index] = calls
         if calls is not None:
             delta = calls.delta(c.text, finish is not None)
             finish = tool_calls.finish_reason(finish, calls.called)

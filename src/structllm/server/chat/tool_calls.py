@@ -12,6 +12,10 @@ A choice that returned calls and stopped by itself finishes with
 ``"tool_calls"``. A whole answer whose forced call was cut short
 (``max_tokens``) returns its text as ``content``, with no calls, and
 finishes with ``"length"``.
+
+With a reasoning parser (:mod:`structllm.text.reasoning`), the thinking is
+split off first and calls are looked for in the answer alone
+(:class:`AnswerParser`, which the Responses API shares).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from structllm.server.chat.protocol import (
 )
 from structllm.server.protocol.tools import NamedToolChoice
 from structllm.text.auto_tool_parser import AutoParser
+from structllm.text.reasoning import ReasoningParser, split
 from structllm.text.tool_parser import (
     ArgumentsDelta,
     CallListParser,
@@ -44,7 +49,13 @@ from structllm.text.tool_parser import (
     parse,
 )
 
-__all__ = ["StreamedCalls", "message", "new_call_id", "parser_for"]
+__all__ = [
+    "AnswerParser",
+    "StreamedCalls",
+    "message",
+    "new_call_id",
+    "parser_for",
+]
 
 
 def new_call_id() -> str:
@@ -70,15 +81,49 @@ def finish_reason(
     return "tool_calls" if called and reason == "stop" else reason
 
 
+@attrs.define
+class AnswerParser:
+    """One choice's text as it streams: the thinking split off, then the
+    calls (``calls``, when tools are parsed) found in the answer."""
+
+    calls: ToolCallParser | None
+    reasoning: ReasoningParser | None = None
+
+    def feed(self, text: str, finished: bool) -> tuple[str, list[ToolEvent]]:
+        """The reasoning and the answer's events in ``text`` (and the
+        parsers' leftovers when ``finished``)."""
+        thought = ""
+        if self.reasoning is not None:
+            d = self.reasoning.feed(text)
+            if finished:
+                d += self.reasoning.finish()
+            thought, text = d.reasoning, d.content
+        if self.calls is None:
+            return thought, [ContentDelta(text)] if text else []
+        events = self.calls.feed(text)
+        if finished:
+            events += self.calls.finish()
+        return thought, events
+
+
 def message(
-    req: ChatRequest, out: CompletionOutput
+    req: ChatRequest, out: CompletionOutput, reasoning: ReasoningParser | None = None
 ) -> tuple[ChatMessage, ChatFinishReason | None]:
-    """A whole choice's message and finish reason."""
-    text = req.echo_text + out.text
+    """A whole choice's message and finish reason (the thinking split off by
+    ``reasoning``, when given)."""
+    answer, extra = out.text, dict[str, Any]()
+    if reasoning is not None:
+        d = split(reasoning, out.text)
+        answer = d.content
+        if req.include_reasoning is not False:
+            extra["reasoning_content"] = d.reasoning or None
     parser = parser_for(req)
-    parsed = parse(parser, out.text) if parser is not None else None
+    parsed = parse(parser, answer) if parser is not None else None
     if parsed is None or not parsed.calls or not parsed.complete:
-        return ChatMessage(content=text), out.finish_reason
+        text: str | None = req.echo_text + answer
+        if reasoning is not None and not text:
+            text = None  # the output was all thinking
+        return ChatMessage(content=text, **extra), out.finish_reason
     calls = [
         ToolCall(
             id=new_call_id(),
@@ -87,16 +132,23 @@ def message(
         for c in parsed.calls
     ]
     content = req.echo_text + (parsed.content or "")
-    message = ChatMessage(content=content or None, tool_calls=calls)
+    message = ChatMessage(content=content or None, tool_calls=calls, **extra)
     return message, finish_reason(out.finish_reason, True)
 
 
 @attrs.define
 class StreamedCalls:
-    """One streamed choice's parser, and the ids of the calls it started."""
+    """One streamed choice's parsers, and the ids of the calls it started."""
 
-    parser: ToolCallParser
+    parser: ToolCallParser | None
+    reasoning: ReasoningParser | None = None
     ids: dict[int, str] = attrs.field(factory=dict)
+    #: false: the thinking is dropped (``include_reasoning: false``)
+    include_reasoning: bool = True
+    _answer: AnswerParser = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._answer = AnswerParser(self.parser, self.reasoning)
 
     @property
     def called(self) -> bool:
@@ -104,12 +156,10 @@ class StreamedCalls:
 
     def delta(self, text: str, finished: bool) -> ChatDelta:
         """The delta for ``text`` (and the parser's leftovers when finished)."""
-        events = self.parser.feed(text)
-        if finished:
-            events += self.parser.finish()
-        return self._delta(events)
+        thought, events = self._answer.feed(text, finished)
+        return self._delta(thought if self.include_reasoning else "", events)
 
-    def _delta(self, events: list[ToolEvent]) -> ChatDelta:
+    def _delta(self, thought: str, events: list[ToolEvent]) -> ChatDelta:
         content: list[str] = []
         calls: list[dict[str, Any]] = []
         for e in events:
@@ -131,6 +181,8 @@ class StreamedCalls:
                 else:
                     calls.append({"index": e.index, "function": {"arguments": e.text}})
         fields: dict[str, Any] = {}
+        if thought:
+            fields["reasoning_content"] = thought
         if content:
             fields["content"] = "".join(content)
         if calls:

@@ -34,7 +34,11 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "metadata": ("metadata is for stored completions, which are not supported", ({},)),
     "use_beam_search": ("beam search is not supported", (False,)),
     "length_penalty": ("length_penalty is for beam search, not supported", (1.0, 1)),
-    "reasoning_effort": ("reasoning models are not supported", ()),
+    "reasoning_effort": (
+        "reasoning effort is not adjustable; chat_template_kwargs.enable_thinking "
+        "turns a model's thinking on or off",
+        (),
+    ),
     "verbosity": ("verbosity is not supported", ()),
     "service_tier": ("there is one service tier", ("auto", "default")),
     # vLLM's extensions
@@ -52,14 +56,14 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "mm_processor_kwargs": ("multimodal input is not supported", ()),
     "kv_transfer_params": ("KV transfer is not supported", ()),
     "vllm_xargs": ("vLLM's extra arguments are not supported", ()),
-    "thinking_token_budget": ("reasoning models are not supported", ()),
-    "include_reasoning": ("reasoning models are not supported", (False,)),
+    "thinking_token_budget": ("a thinking budget is not supported", ()),
     "include_metrics": ("per-request metrics are not implemented", (False,)),
 }
 
 #: refused by ``/v1/completions`` only
 COMPLETION_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "prompt_embeds": ("prompt embeddings are not supported", ()),
+    "include_reasoning": ("reasoning is split from the answer in chat", (False,)),
     "add_special_tokens": (
         "a completion prompt is always tokenised with its special tokens",
         (True,),

@@ -17,6 +17,8 @@ This module is the public API; the work is split by job as vLLM splits it:
   one-slot mailbox; the offline ``LLM`` uses the same processor;
 - :mod:`~structllm.engine.frontend.inputs` checks a request's arguments and builds
   the request the core takes (shared with ``LLM`` too);
+- :mod:`~structllm.engine.frontend.scopes` holds races and pins, the
+  requests whose scope the core knows beyond a deadline;
 - this module admits requests (:meth:`AsyncLLM.submit`, :meth:`AsyncLLM.release`:
   the public pair :class:`~structllm.engine.frontend.request_stream.RequestStream`
   and ``generate()`` are built on) and ties each one to whoever consumes it.
@@ -45,6 +47,7 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 import attrs
+import msgspec
 
 from structllm.config import EngineConfig, FrontendConfig, split_fields
 from structllm.engine.frontend.core_client import health_timeout
@@ -68,6 +71,12 @@ from structllm.engine.frontend.request_stream import (
     run_all_to_end,
     run_to_end,
 )
+from structllm.engine.frontend.scopes import (
+    PinnedPrefix,
+    core_deadline,
+    open_pin,
+    run_race,
+)
 from structllm.engine.protocol import AbortRequests, CoreState, Ready
 from structllm.engine.statistics import EngineStatistics
 from structllm.errors import EngineDeadError, InvalidRequestError, unwrap_group
@@ -75,7 +84,7 @@ from structllm.outputs import RequestOutput
 from structllm.params import OutputKind, SamplingParams
 from structllm.text.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["AsyncLLM", "EngineStatistics", "RequestStream"]
+__all__ = ["AsyncLLM", "EngineStatistics", "PinnedPrefix", "RequestStream"]
 
 
 class AsyncLLM:
@@ -232,6 +241,52 @@ class AsyncLLM:
         finally:
             del self._samples[rid]
 
+    async def race(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        *,
+        n: int,
+        accept: Callable[[RequestOutput], bool] | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> RequestOutput | None:
+        """``n`` samples of ``prompt`` at once (seeds ``seed + i``, ids
+        ``{request_id}-{i}``); the first to finish that ``accept`` takes.
+
+        ``accept`` gets each sample's final output as it finishes (one
+        completion, its ``finish_reason`` "stop" or "length"; default:
+        take any). The one taken is returned and the others end in the
+        same core step, their blocks freed; None if none was taken. A
+        cancelled caller, an ``accept`` that raises, or ``abort(request_id)``
+        ends all of them. See :mod:`~structllm.engine.frontend.scopes`.
+        """
+        return await run_race(
+            self,
+            prompt,
+            SamplingParams() if params is None else params,
+            n=n,
+            accept=accept,
+            request_id=request_id if request_id is not None else uuid.uuid4().hex,
+            priority=priority,
+        )
+
+    def pin(
+        self, prompt: PromptInput, *, request_id: str | None = None
+    ) -> AbstractAsyncContextManager[PinnedPrefix]:
+        """``async with llm.pin(prefix) as pinned:`` prefill ``prefix`` once
+        and keep its full KV blocks cached, never evicted, for the block:
+        requests that start with it reuse them whatever else runs. Leaving
+        the block, by any path, releases them before the core's next step.
+
+        Refused (InvalidRequestError, field ``pin``) beyond the engine's
+        ``max_pinned_fraction`` of the KV blocks, or without prefix caching.
+        See :mod:`~structllm.engine.frontend.scopes`.
+        """
+        return open_pin(
+            self, prompt, request_id if request_id is not None else uuid.uuid4().hex
+        )
+
     async def abort(self, request_id: str) -> None:
         """End ``request_id`` now: cancels its stream block; idempotent."""
         for sample in self._samples.get(request_id, ()):
@@ -318,6 +373,9 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        *,
+        group: str | None = None,
+        pin: bool = False,
     ) -> RequestState:
         """Register a request and send it to a core; its state (``mailbox``
         of outputs, ``finish_reason``, ``snapshot()``) until :meth:`release`.
@@ -326,6 +384,12 @@ class AsyncLLM:
         prompt is parsed and the engine is ready, registration and
         submission happen without an await: cancellation cannot split them.
         Every state must be released, on every path.
+
+        The caller's effective deadline (``anyio.current_effective_deadline``)
+        goes with it: the core ranks waiting work by it and drops the request
+        once it passes, before the scope's own abort arrives. ``group``: a
+        race's name; ``pin``: keep its prompt's blocks once prefilled (see
+        :mod:`~structllm.engine.frontend.scopes`).
         """
         parsed = await prepare_off_loop(
             prompt,
@@ -354,6 +418,9 @@ class AsyncLLM:
             eos_token_ids=self._eos | frozenset(info.eos_token_ids),
             priority=priority,
             queue=RequestOutputCollector(params.output_kind),
+        )
+        request = msgspec.structs.replace(
+            request, deadline=core_deadline(), group=group, pin=pin
         )
         self._client.submit_nowait(request)
         self._processor.add(state)

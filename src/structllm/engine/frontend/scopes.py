@@ -8,7 +8,8 @@ shapes of a scope reach it here:
   prompt submitted as one group (``CoreRequest.group``); they share the
   prompt's blocks through the prefix cache (the samples after the first wait
   for its blocks rather than compute them again). Each sample's final output
-  is offered to ``accept`` as it finishes; the first taken ends the race:
+  is offered to ``accept`` as it finishes; the first taken ends the race
+  (an ``accept`` that raises ends it with that error, as itself):
   the others leave the front end at once and one ``AbortRequests`` naming
   the group ends them in the core before its next step. Leaving by any other
   path (cancellation, an error, every sample refused) does the same.
@@ -41,7 +42,7 @@ import attrs
 
 from structllm.engine.frontend.inputs import PromptInput
 from structllm.engine.frontend.output_processor import RequestState
-from structllm.errors import InvalidRequestError, RequestFailedError
+from structllm.errors import InvalidRequestError, RequestFailedError, unwrap_group
 from structllm.outputs import RequestOutput
 from structllm.params import OutputKind, SamplingParams
 
@@ -115,6 +116,8 @@ async def run_race(
 
             for state in states:
                 tg.start_soon(run, state)
+    except BaseExceptionGroup as errors:  # accept raised, or the engine died
+        raise unwrap_group(errors) from None
     finally:
         end_group(llm, group, states)
         del llm._samples[request_id]

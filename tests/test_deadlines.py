@@ -248,3 +248,100 @@ async def _drain(state: object) -> AsyncIterator[RequestOutput]:
     assert isinstance(state, RequestState)
     while (out := await state.mailbox.next()) is not None:
         yield out
+
+
+# -- over HTTP ------------------------------------------------------------------
+
+#: 2,000 tokens: over a second on the tiny model (see test_server_app)
+HTTP_ENGINE = {"max_model_len": 2048, "num_blocks": 136}
+HTTP_LONG = {"prompt": "x", "max_tokens": 2000, "ignore_eos": True}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("how", ["body", "header"])
+async def test_a_request_timeout_from_the_body_or_header_is_408(how: str) -> None:
+    from tests.test_server_app import assert_error, events, open_server
+
+    body: dict[str, object] = dict(HTTP_LONG)
+    headers = {}
+    if how == "body":
+        body["timeout"] = 0.2
+    else:
+        headers["X-Request-Timeout"] = "0.2"
+    async with open_server(engine=HTTP_ENGINE) as s:
+        r = await s.http.post("/v1/completions", json=body, headers=headers)
+        assert "longer than 0.2s" in assert_error(r, 408)
+        await s.wait_idle()
+        r = await s.http.post(
+            "/v1/completions", json={**body, "stream": True}, headers=headers
+        )
+        got = events(r.text)
+        assert got[-1] == "[DONE]" and got[-2]["error"]["code"] == 408
+        chat = {
+            "messages": [{"role": "user", "content": "hi"}],
+            **{k: v for k, v in body.items() if k != "prompt"},
+        }
+        r = await s.http.post("/v1/chat/completions", json=chat, headers=headers)
+        assert "longer than 0.2s" in assert_error(r, 408)
+        await s.wait_idle()
+        metrics = (await s.http.get("/metrics")).text
+        assert "structllm_deadline_expired_requests_total" in metrics
+        assert "structllm_deadline_skipped_tokens_total" in metrics
+
+
+@pytest.mark.anyio
+async def test_the_server_request_timeout_caps_a_longer_one() -> None:
+    from tests.test_server_app import assert_error, open_server
+
+    async with open_server(request_timeout=0.2, engine=HTTP_ENGINE) as s:
+        body = {**HTTP_LONG, "timeout": 3600}
+        r = await s.http.post(
+            "/v1/completions", json=body, headers={"X-Request-Timeout": "60"}
+        )
+        assert "longer than 0.2s" in assert_error(r, 408)
+        await s.wait_idle()
+
+
+@pytest.mark.anyio
+async def test_bad_timeouts_are_400() -> None:
+    from tests.test_server_app import assert_error, open_server
+
+    async with open_server() as s:
+        for value in ["soon", "0", "-1", "nan", "inf"]:
+            r = await s.http.post(
+                "/v1/completions",
+                json={"prompt": "x", "max_tokens": 2},
+                headers={"X-Request-Timeout": value},
+            )
+            assert "X-Request-Timeout" in assert_error(r, 400, "X-Request-Timeout")
+        for value in [0, -1, "x", 10**6]:
+            r = await s.http.post(
+                "/v1/completions",
+                json={"prompt": "x", "max_tokens": 2, "timeout": value},
+            )
+            assert_error(r, 400, "timeout")
+
+
+@pytest.mark.anyio
+async def test_priority_over_http_orders_the_waiting_requests() -> None:
+    from tests.test_server_app import open_server
+
+    async with open_server(engine={"max_num_seqs": 1}) as s:
+        done: list[int] = []
+        async with one_slot_taken(s.llm), anyio.create_task_group() as tg:
+
+            async def post(priority: int) -> None:
+                body = {"prompt": "y", "max_tokens": 2, "priority": priority}
+                r = await s.http.post("/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                done.append(priority)
+
+            tg.start_soon(post, 5)
+            with anyio.fail_after(10):
+                await s.llm.wait_statistics(lambda st: st.waiting == 1)
+            tg.start_soon(post, -5)
+            with anyio.fail_after(10):
+                await s.llm.wait_statistics(lambda st: st.waiting == 2)
+            await s.llm.abort("hog")
+        assert done == [-5, 5]
+        await s.wait_idle()

@@ -30,6 +30,7 @@ from hypothesis.stateful import (
     consumes,
     invariant,
     rule,
+    run_state_machine_as_test,
 )
 
 from structllm import InvalidRequestError, RequestOutput, SamplingParams
@@ -142,10 +143,11 @@ class ScopedScheduler(RuleBasedStateMachine):
         self.h.pool.audit()
 
 
-ScopedScheduler.TestCase.settings = settings(
-    max_examples=100, stateful_step_count=30, deadline=None
-)
-test_scoped_scheduler = ScopedScheduler.TestCase
+def test_scoped_scheduler() -> None:
+    run_state_machine_as_test(
+        ScopedScheduler,
+        settings=settings(max_examples=100, stateful_step_count=30, deadline=None),
+    )
 
 
 # -- AsyncLLM -----------------------------------------------------------------

@@ -185,3 +185,34 @@ async def test_a_prefix_shorter_than_a_block_is_refused() -> None:
             async with llm.pin(PREFIX[:15]):
                 pass
         await assert_core_holds_nothing(llm)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # starts two processes
+async def test_with_data_parallelism_the_pin_lives_on_one_replica_and_draws_its_prompts() -> (
+    None
+):
+    async with AsyncLLM.open(
+        "tiny-random",
+        data_parallel_size=2,
+        show_progress=False,
+        **{**ENGINE, "max_num_seqs": 4},  # an affinity slack of 1
+    ) as llm:
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        async with llm.pin(PREFIX) as pinned:
+            states = await llm.inspect_cores()
+            holders = [k for k, st in enumerate(states) if st and st.pins]
+            assert len(holders) == 1 and states[holders[0]].pins == [pinned.core_id]
+            # far more requests with the prefix than the slack lets one
+            # replica take by affinity alone: the pin draws every one
+            outs: list[int | None] = []
+
+            async def user(i: int) -> None:
+                out = await llm.complete([*PREFIX, i], params)
+                outs.append(out.num_cached_tokens)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(12):
+                    tg.start_soon(user, i)
+            assert outs == [48] * 12
+        for st in await llm.inspect_cores():
+            assert st is not None and st.pins == [] and st.blocks_used == 0

@@ -31,6 +31,7 @@ from structllm.core.engine_core import EngineCore
 from structllm.core.request import CoreRequest
 from structllm.engine.frontend.async_llm import AsyncLLM
 from structllm.model.config import tiny_random_config
+from structllm.testing.faults import inject_fault
 from tests.core_record import assert_core_holds_nothing, core_state, user_ids
 
 pytestmark = pytest.mark.anyio
@@ -407,18 +408,19 @@ async def test_waiting_for_a_restart_ends_when_the_engine_closes() -> None:
     errors: list[BaseException] = []
     failed = anyio.Event()
     async with anyio.create_task_group() as outer:
-        async with open_llm(fault="raise_at_step:0", restart_backoff=30.0) as llm:
-            with pytest.raises(EngineDeadError):
-                await llm.complete("x", GREEDY)  # kills the worker
+        with inject_fault("raise_at_step:0"):
+            async with open_llm(restart_backoff=30.0) as llm:
+                with pytest.raises(EngineDeadError):
+                    await llm.complete("x", GREEDY)  # kills the worker
 
-            async def late() -> None:
-                try:
-                    await llm.complete("y", GREEDY)  # waits for the restart
-                except EngineDeadError as exc:
-                    errors.append(exc)
-                    failed.set()
+                async def late() -> None:
+                    try:
+                        await llm.complete("y", GREEDY)  # waits for the restart
+                    except EngineDeadError as exc:
+                        errors.append(exc)
+                        failed.set()
 
-            outer.start_soon(late)
+                outer.start_soon(late)
         with anyio.fail_after(5):  # leaving open() must wake it
             await failed.wait()
     assert "shutting down" in str(errors[0])
@@ -426,18 +428,19 @@ async def test_waiting_for_a_restart_ends_when_the_engine_closes() -> None:
 
 async def test_cancelled_while_waiting_for_a_restart() -> None:
     """The one await before registration: cancelled there, nothing is left."""
-    async with open_llm(fault="raise_at_step:0", restart_backoff=1.0) as llm:
-        with pytest.raises(EngineDeadError):
-            await llm.complete("x", GREEDY)  # kills the first worker
-        assert not llm.statistics().ready
-        with anyio.move_on_after(0.1) as scope:
-            await llm.complete("y", GREEDY, request_id="waiting")
-        assert scope.cancelled_caught
-        assert llm.statistics().live_requests == 0
-        with anyio.fail_after(30):  # the restarted engine serves, id free
-            out = await llm.complete("y", GREEDY, request_id="waiting")
-        assert out.finish_reason == "length"
-        await assert_core_holds_nothing(llm)
+    with inject_fault("raise_at_step:0"):
+        async with open_llm(restart_backoff=1.0) as llm:
+            with pytest.raises(EngineDeadError):
+                await llm.complete("x", GREEDY)  # kills the first worker
+            assert not llm.statistics().ready
+            with anyio.move_on_after(0.1) as scope:
+                await llm.complete("y", GREEDY, request_id="waiting")
+            assert scope.cancelled_caught
+            assert llm.statistics().live_requests == 0
+            with anyio.fail_after(30):  # the restarted engine serves, id free
+                out = await llm.complete("y", GREEDY, request_id="waiting")
+            assert out.finish_reason == "length"
+            await assert_core_holds_nothing(llm)
 
 
 async def test_a_request_that_cannot_be_encoded_fails_alone(

@@ -37,6 +37,7 @@ from structllm.engine.protocol import (
 from structllm.errors import EngineCoreError
 from structllm.model.checkpoint import write_random_checkpoint
 from structllm.model.config import tiny_random_config
+from structllm.testing.faults import inject_fault
 from tests.processes import alive, consume_until_dead
 
 pytestmark = pytest.mark.anyio
@@ -71,48 +72,44 @@ async def test_sigkill_mid_stream_then_restart() -> None:
 
 
 async def test_forward_raises_at_step() -> None:
-    async with AsyncLLM.open("tiny-random", fault="raise_at_step:5", **ENGINE) as llm:
-        err, _ = await consume_until_dead(llm)
-        assert isinstance(err.__cause__, EngineCoreError)
-        assert "injected fault at step 5" in str(err.__cause__)
-        with anyio.fail_after(30):
-            assert (await llm.complete("x", SHORT)).finish_reason == "length"
+    with inject_fault("raise_at_step:5"):
+        async with AsyncLLM.open("tiny-random", **ENGINE) as llm:
+            err, _ = await consume_until_dead(llm)
+            assert isinstance(err.__cause__, EngineCoreError)
+            assert "injected fault at step 5" in str(err.__cause__)
+            with anyio.fail_after(30):
+                assert (await llm.complete("x", SHORT)).finish_reason == "length"
 
 
 async def test_hung_worker_detected_by_heartbeat() -> None:
-    async with AsyncLLM.open(
-        "tiny-random", fault="hang_at_step:3", heartbeat_timeout=1.0, **ENGINE
-    ) as llm:
-        start = time.monotonic()
-        err, failed_at = await consume_until_dead(llm)
-        assert isinstance(err.__cause__, TimeoutError)
-        assert failed_at - start < 2.0 + 1.0  # timeout plus a few steps
-        with anyio.fail_after(30):
-            assert (await llm.complete("x", SHORT)).finish_reason == "length"
+    with inject_fault("hang_at_step:3"):
+        async with AsyncLLM.open("tiny-random", heartbeat_timeout=1.0, **ENGINE) as llm:
+            start = time.monotonic()
+            err, failed_at = await consume_until_dead(llm)
+            assert isinstance(err.__cause__, TimeoutError)
+            assert failed_at - start < 2.0 + 1.0  # timeout plus a few steps
+            with anyio.fail_after(30):
+                assert (await llm.complete("x", SHORT)).finish_reason == "length"
 
 
 async def test_restart_budget_exhausted() -> None:
-    async with AsyncLLM.open(
-        "tiny-random",
-        fault="exit_at_step:0",
-        fault_starts=100,
-        max_restarts=1,
-        restart_backoff=0.05,
-        **ENGINE,
-    ) as llm:
-        for _ in range(2):
+    with inject_fault("exit_at_step:0", starts=100):
+        async with AsyncLLM.open(
+            "tiny-random", max_restarts=1, restart_backoff=0.05, **ENGINE
+        ) as llm:
+            for _ in range(2):
+                with pytest.raises(EngineDeadError):
+                    with anyio.fail_after(30):
+                        await llm.complete("x", SHORT)
+            with anyio.fail_after(30):
+                await llm.wait_statistics(lambda s: s.dead)
+            start = time.monotonic()
+            with pytest.raises(EngineDeadError, match="not restarting"):
+                await llm.complete("x", SHORT)
             with pytest.raises(EngineDeadError):
-                with anyio.fail_after(30):
-                    await llm.complete("x", SHORT)
-        with anyio.fail_after(30):
-            await llm.wait_statistics(lambda s: s.dead)
-        start = time.monotonic()
-        with pytest.raises(EngineDeadError, match="not restarting"):
-            await llm.complete("x", SHORT)
-        with pytest.raises(EngineDeadError):
-            await llm.check_health()
-        assert time.monotonic() - start < 0.5  # at once, no waiting
-        assert llm.statistics().restarts == 1
+                await llm.check_health()
+            assert time.monotonic() - start < 0.5  # at once, no waiting
+            assert llm.statistics().restarts == 1
 
 
 async def test_bad_checkpoint_fails_open(tmp_path: Path) -> None:

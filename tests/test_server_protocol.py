@@ -319,8 +319,16 @@ def test_whatever_the_model_accepts_converts(
 
 
 def test_responses_omit_only_what_was_not_given() -> None:
-    choice = CompletionStreamChoice(index=0, logprobs=None, finish_reason=None)
-    assert bodies.dump(choice) == {"index": 0, "logprobs": None, "finish_reason": None}
+    choice = CompletionStreamChoice(index=0, text="", logprobs=None, finish_reason=None)
+    assert bodies.dump(choice) == {  # vLLM's keys, null; no prompt_logprobs
+        "index": 0,
+        "text": "",
+        "logprobs": None,
+        "finish_reason": None,
+        "stop_reason": None,
+        "prompt_token_ids": None,
+        "token_ids": None,
+    }
     done = CompletionStreamChoice(
         index=0, text="", logprobs=None, finish_reason="stop", stop_reason=None
     )

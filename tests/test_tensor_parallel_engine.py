@@ -28,6 +28,7 @@ from structllm.llm import LLM
 from structllm.model._paddle import paddle
 from structllm.model.checkpoint import write_random_checkpoint
 from structllm.model.config import ModelConfig
+from structllm.testing.faults import inject_fault
 from tests.processes import LONG, consume_until_dead, wait_gone
 
 pytestmark = [
@@ -200,50 +201,51 @@ async def test_sigkill_of_rank_1_mid_stream_restarts_the_group() -> None:
 async def test_a_rank_that_raises_fails_the_group_loudly(
     fault: str, message: str
 ) -> None:
-    async with AsyncLLM.open(
-        "tiny-random", tensor_parallel_size=2, fault=fault, **ENGINE, **FRONT
-    ) as llm:
-        rank0 = llm.statistics().core_pid
-        assert rank0 is not None
-        [rank1] = _children(rank0)
-        with pytest.raises(EngineDeadError) as info:
-            await llm.complete("Hello", LONG)
-        cause = str(info.value.__cause__)
-        assert message in cause and "injected fault at step" in cause
-        with anyio.fail_after(60):
-            out = await llm.complete("Hello", GREEDY)
-        assert len(out.token_ids) == GREEDY.max_tokens
-        new0 = llm.statistics().core_pid
-        assert new0 is not None
-        [new1] = _children(new0)
+    with inject_fault(fault):
+        async with AsyncLLM.open(
+            "tiny-random", tensor_parallel_size=2, **ENGINE, **FRONT
+        ) as llm:
+            rank0 = llm.statistics().core_pid
+            assert rank0 is not None
+            [rank1] = _children(rank0)
+            with pytest.raises(EngineDeadError) as info:
+                await llm.complete("Hello", LONG)
+            cause = str(info.value.__cause__)
+            assert message in cause and "injected fault at step" in cause
+            with anyio.fail_after(60):
+                out = await llm.complete("Hello", GREEDY)
+            assert len(out.token_ids) == GREEDY.max_tokens
+            new0 = llm.statistics().core_pid
+            assert new0 is not None
+            [new1] = _children(new0)
     wait_gone(rank0, rank1, new0, new1)
 
 
 async def test_a_hung_follower_is_caught_by_the_heartbeat() -> None:
     """Rank 0 waits in the step's collective, silent; the supervisor's
     heartbeat timeout kills it, and rank 1 dies with it."""
-    async with AsyncLLM.open(
-        "tiny-random",
-        tensor_parallel_size=2,
-        fault="rank1:hang_at_step:4",
-        heartbeat_timeout=2.0,
-        **ENGINE,
-        **FRONT,
-    ) as llm:
-        rank0 = llm.statistics().core_pid
-        assert rank0 is not None
-        [rank1] = _children(rank0)
-        start = time.monotonic()
-        with pytest.raises(EngineDeadError) as info:
-            await llm.complete("Hello", LONG)
-        assert isinstance(info.value.__cause__, TimeoutError)
-        assert time.monotonic() - start < 2.0 + 2.0  # the timeout, a few steps
-        with anyio.fail_after(60):
-            out = await llm.complete("Hello", GREEDY)
-        assert len(out.token_ids) == GREEDY.max_tokens
-        new0 = llm.statistics().core_pid
-        assert new0 is not None
-        [new1] = _children(new0)
+    with inject_fault("rank1:hang_at_step:4"):
+        async with AsyncLLM.open(
+            "tiny-random",
+            tensor_parallel_size=2,
+            heartbeat_timeout=2.0,
+            **ENGINE,
+            **FRONT,
+        ) as llm:
+            rank0 = llm.statistics().core_pid
+            assert rank0 is not None
+            [rank1] = _children(rank0)
+            start = time.monotonic()
+            with pytest.raises(EngineDeadError) as info:
+                await llm.complete("Hello", LONG)
+            assert isinstance(info.value.__cause__, TimeoutError)
+            assert time.monotonic() - start < 2.0 + 2.0  # the timeout, a few steps
+            with anyio.fail_after(60):
+                out = await llm.complete("Hello", GREEDY)
+            assert len(out.token_ids) == GREEDY.max_tokens
+            new0 = llm.statistics().core_pid
+            assert new0 is not None
+            [new1] = _children(new0)
     wait_gone(rank0, rank1, new0, new1)
 
 

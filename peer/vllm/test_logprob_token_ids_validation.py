@@ -5,9 +5,10 @@
 # peer/vllm/NOTES.md; every change is marked "structllm:" below.
 # structllm: upstream validates vLLM's request models directly; these post
 # the same bodies to ``structllm serve`` and expect a 400 naming the field
-# (VLLMValidationError.parameter) where upstream expects a validation error.
-# BatchChatCompletionRequest (vLLM's /v1/chat/completions/batch) is not
-# applicable. The bodies get max_tokens=1: structllm answers them today.
+# (VLLMValidationError.parameter) where upstream expects a validation error;
+# BatchChatCompletionRequest's rows post to /v1/chat/completions/batch, whose
+# messages are a list of conversations. The bodies get max_tokens=1:
+# structllm answers them today.
 
 import httpx
 import pytest
@@ -19,11 +20,16 @@ from peer.vllm.conftest import MODEL_NAME
 # it: not implemented), so each of these refusals holds.
 
 # structllm: the request classes -> their routes
-MODELS = ["v1/chat/completions", "v1/completions"]
+MODELS = ["v1/chat/completions", "v1/chat/completions/batch", "v1/completions"]
 BASE = {
     "v1/chat/completions": {
         "model": MODEL_NAME,
         "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1,
+    },
+    "v1/chat/completions/batch": {
+        "model": MODEL_NAME,
+        "messages": [[{"role": "user", "content": "hi"}]],
         "max_tokens": 1,
     },
     "v1/completions": {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1},

@@ -315,10 +315,6 @@ class FrontendConfig:
         validator=_POSITIVE,
         topic="supervision",
     )
-    #: test hook forwarded to the core ("raise_at_step:N", "hang_at_step:N",
-    #: "exit_at_step:N") for its first ``fault_starts`` starts
-    fault: str | None = setting(None, cli=False)
-    fault_starts: int = setting(1, cli=False, validator=_ZERO)
 
     def __attrs_post_init__(self) -> None:
         check_config(self)

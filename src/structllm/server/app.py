@@ -3,7 +3,8 @@
 ``build_app(slot, config, drain)`` assembles the server from its rooms, one
 folder per API, each with its route (``api_router``), its protocol models
 (``protocol``) and its serving (``serving``): :mod:`~structllm.server.completions`,
-:mod:`~structllm.server.chat`, :mod:`~structllm.server.tokenize`,
+:mod:`~structllm.server.chat`, :mod:`~structllm.server.chat_batch` (vLLM's
+``/v1/chat/completions/batch``), :mod:`~structllm.server.tokenize`,
 :mod:`~structllm.server.models` and :mod:`~structllm.server.operations`
 (``/health``, ``/metrics``, ``/version``). Adding an API is adding a room.
 Beside them, what the rooms share:
@@ -41,6 +42,8 @@ import structllm
 from structllm.server import openapi
 from structllm.server.chat import api_router as chat
 from structllm.server.chat.serving import ChatServing
+from structllm.server.chat_batch import api_router as chat_batch
+from structllm.server.chat_batch.serving import ChatBatchServing
 from structllm.server.completions import api_router as completions
 from structllm.server.completions.serving import CompletionServing
 from structllm.server.http.access import RequestContextMiddleware
@@ -97,10 +100,12 @@ def build_app(
     app.state.serving = Serving(slot, config, metrics)
     app.state.completions = CompletionServing(slot, config, metrics)
     app.state.chat = ChatServing(slot, config, metrics)
+    app.state.chat_batch = ChatBatchServing(slot, config, metrics)
     app.state.tokenize = TokenizeServing(slot, config, metrics)
     for api in (
         completions,
         chat,
+        chat_batch,
         models,
         operations,
         tokenize,

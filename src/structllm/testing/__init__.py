@@ -6,4 +6,6 @@
 - :mod:`~structllm.testing.sse`: reading a server's SSE streams to their end
   (raw socket or httpx); ``tools/soak.py``, ``tests/boundary_probe.py`` and
   the tests share it.
+- :mod:`~structllm.testing.faults`: :func:`inject_fault`, a fault (raise,
+  hang, exit at a step) for the engine cores started inside a ``with`` block.
 """

@@ -52,16 +52,15 @@ import msgspec
 from structllm.config import EngineConfig, FrontendConfig, split_fields
 from structllm.engine.frontend.core_client import health_timeout
 from structllm.engine.frontend.inputs import (
+    Admission,
     PromptInput,
     check_for_model,
     check_overload,
-    new_request,
-    prepare_off_loop,
+    process_inputs,
     prompt_byte_cap,
 )
 from structllm.engine.frontend.output_processor import (
     OutputProcessor,
-    RequestOutputCollector,
     RequestState,
     merge_choices,
 )
@@ -391,17 +390,30 @@ class AsyncLLM:
         race's name; ``pin``: keep its prompt's blocks once prefilled (see
         :mod:`~structllm.engine.frontend.scopes`).
         """
-        parsed = await prepare_off_loop(
+        state, request = await process_inputs(
             prompt,
             params,
             request_id,
             priority,
             self.tokenizer,
             max_bytes=self.max_prompt_bytes,
+            admit=self._admit,
         )
+        # No await since _admit's checks: registered and submitted, or neither.
+        request = msgspec.structs.replace(
+            request, deadline=core_deadline(), group=group, pin=pin
+        )
+        self._client.submit_nowait(request)
+        self._processor.add(state)
+        return state
+
+    async def _admit(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str
+    ) -> Admission:
+        """Wait for a ready core, then check without an await that the engine
+        takes the request (see :func:`process_inputs`)."""
         await self._client.wait_ready()
-        # From here to the end: no await. Registered and submitted, or neither.
-        info = self.check_admission(parsed.token_ids, params=params)
+        info = self.check_admission(prompt_token_ids, params=params)
         if self._processor.get(request_id) is not None:
             raise InvalidRequestError(
                 f"request_id {request_id!r} is already in use by a live request",
@@ -409,22 +421,10 @@ class AsyncLLM:
             )
         # the id the core sees: unique per submission, so a caller's id can be
         # reused at once without a late output for the old request landing here
-        state, request = new_request(
-            parsed,
-            params,
-            self.tokenizer,
-            request_id=request_id,
+        return Admission(
             core_id=f"{request_id}#{next(self._submissions)}",
             eos_token_ids=self._eos | frozenset(info.eos_token_ids),
-            priority=priority,
-            queue=RequestOutputCollector(params.output_kind),
         )
-        request = msgspec.structs.replace(
-            request, deadline=core_deadline(), group=group, pin=pin
-        )
-        self._client.submit_nowait(request)
-        self._processor.add(state)
-        return state
 
     def check_admission(
         self,

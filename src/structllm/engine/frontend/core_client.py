@@ -12,6 +12,10 @@ it tells the front end (which fails every live request) *before* reaping
 it, then restarts it with exponential backoff, at most ``max_restarts``
 times within ``restart_window``; after that the engine is dead for good.
 
+A test fault (:mod:`structllm.testing.faults`) reaches the core through
+:data:`core_fault`: a client takes the one of the context it is built in and
+sends it in the ``Start`` of its first ``starts`` cores.
+
 Requests are encoded by their sender
 (:func:`~structllm.engine.frontend.core_connection.encode_request`), so a value the
 wire cannot carry fails that request, never the writer shared by all. Where
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from contextvars import ContextVar
 from typing import Protocol
 
 import anyio
@@ -64,10 +69,27 @@ from structllm.errors import (
 
 __all__ = [
     "CoreClient",
+    "CoreFault",
     "EngineStatistics",
     "Relay",
+    "core_fault",
     "health_timeout",
 ]
+
+
+@attrs.frozen
+class CoreFault:
+    """A test fault for the first ``starts`` cores of a client: ``fault`` is
+    ``Start.fault`` ("raise_at_step:N", "hang_at_step:N", "exit_at_step:N",
+    "rank1:" before one of them for tensor-parallel rank 1)."""
+
+    fault: str
+    starts: int = attrs.field(default=1, validator=attrs.validators.ge(0))
+
+
+#: the test fault of the clients built in this context (None: none); set
+#: through :func:`structllm.testing.faults.inject_fault`, never a setting
+core_fault: ContextVar[CoreFault | None] = ContextVar("core_fault", default=None)
 
 
 # --------------------------------------------------------------- supervisor
@@ -130,6 +152,8 @@ class CoreClient:
     relay: Relay
     #: this client's replica: the tag of its events
     index: int = 0
+    #: the test fault of the context the client was built in
+    fault: CoreFault | None = attrs.field(factory=core_fault.get, kw_only=True)
     #: the running core's handshake (None before the first)
     info: Ready | None = None
     #: a core is up and accepts requests
@@ -259,9 +283,9 @@ class CoreClient:
             cause: BaseException | None = None
             async with open_core(self.config.executor) as conn:
                 starts += 1
-                fault = (
-                    self.config.fault if starts <= self.config.fault_starts else None
-                )
+                fault = None
+                if self.fault is not None and starts <= self.fault.starts:
+                    fault = self.fault.fault
                 try:
                     self.info = await handshake(
                         conn,

@@ -4,12 +4,13 @@ The prompt forms (:data:`PromptInput`) normalised to text and token ids, the
 checks of a request's arguments (before any engine is needed, and against
 the loaded model), and :func:`new_request`, the front-end state and the
 ``CoreRequest`` of one request, which ``LLM`` and ``AsyncLLM`` share (vLLM's
-input processor).
+input processor). ``AsyncLLM`` makes each request in one call,
+:func:`process_inputs`: checks, parse, the engine's admission, the request.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import anyio.lowlevel
@@ -30,6 +31,7 @@ __all__ = [
     "MAX_CACHE_SALT_CHARS",
     "OFF_LOOP_CHARS",
     "PROMPT_KEYS",
+    "Admission",
     "Prompt",
     "PromptInput",
     "check_cache_salt",
@@ -44,7 +46,7 @@ __all__ = [
     "new_request",
     "parse_prompt",
     "parse_prompt_off_loop",
-    "prepare_off_loop",
+    "process_inputs",
     "prompt_byte_cap",
 ]
 
@@ -263,22 +265,6 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
             )
 
 
-async def prepare_off_loop(
-    prompt: PromptInput,
-    params: SamplingParams,
-    request_id: str,
-    priority: int,
-    tokenizer: Tokenizer,
-    *,
-    max_bytes: int | None,
-) -> Prompt:
-    """Every check that needs no engine, then the prompt parsed; long texts
-    and new structured-output specs are handled in worker threads."""
-    check_request_args(params, request_id, priority)
-    await check_structured_outputs_off_loop(params)
-    return await parse_prompt_off_loop(prompt, tokenizer, max_bytes=max_bytes)
-
-
 def check_for_model(
     prompt_token_ids: Sequence[int],
     params: SamplingParams | None,
@@ -361,6 +347,52 @@ def new_request(
         cache_salt=parsed.cache_salt,
     )
     return state, request
+
+
+@attrs.frozen
+class Admission:
+    """What the engine that admits a request adds to it: the id its core
+    sees and the end-of-sequence ids of the loaded model."""
+
+    core_id: str
+    eos_token_ids: frozenset[int]
+
+
+async def process_inputs(
+    prompt: PromptInput,
+    params: SamplingParams,
+    request_id: str,
+    priority: int,
+    tokenizer: Tokenizer,
+    *,
+    max_bytes: int | None,
+    admit: Callable[[Sequence[int], SamplingParams, str], Awaitable[Admission]],
+) -> tuple[RequestState, CoreRequest]:
+    """One ``AsyncLLM`` request, from what its caller passed to what the core
+    takes: its state (outputs go to a :class:`RequestOutputCollector`) and
+    its ``CoreRequest``.
+
+    Every check that needs no engine, then the prompt parsed (long texts and
+    new structured-output specs in worker threads), then ``admit``: it waits
+    for the engine and checks, with no await after its checks, that the
+    engine takes the request. Nothing here awaits after ``admit`` either, so
+    the caller that registers and submits the result before its own next
+    await does so on the engine's state as it was checked.
+    """
+    check_request_args(params, request_id, priority)
+    await check_structured_outputs_off_loop(params)
+    parsed = await parse_prompt_off_loop(prompt, tokenizer, max_bytes=max_bytes)
+    admitted = await admit(parsed.token_ids, params, request_id)
+    return new_request(
+        parsed,
+        params,
+        tokenizer,
+        request_id=request_id,
+        core_id=admitted.core_id,
+        eos_token_ids=admitted.eos_token_ids,
+        priority=priority,
+        queue=RequestOutputCollector(params.output_kind),
+    )
 
 
 def is_batch(prompts: object) -> bool:

@@ -70,8 +70,6 @@ class ChatMessage(Body):
 
 
 class ChatChoice(Body):
-    _omit_unset = frozenset({"token_ids"})
-
     index: int
     message: ChatMessage
     logprobs: ChatLogprobs | None
@@ -81,9 +79,8 @@ class ChatChoice(Body):
 
 
 class ChatCompletionResponse(Body):
-    """``POST /v1/chat/completions`` without ``stream``."""
-
-    _omit_unset = frozenset({"prompt_token_ids", "prompt_logprobs"})
+    """``POST /v1/chat/completions`` without ``stream``; vLLM's fields are
+    ``null`` when not asked for."""
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -216,7 +213,9 @@ class ChatRequest(SamplingRequest, ChatPrompt):
     @property
     def limit_field(self) -> str:
         """The field that set the length limit, for error messages."""
-        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
+        if self.max_completion_tokens:
+            return "max_completion_tokens"
+        return super().limit_field
 
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         kw = self._sampling_kwargs()

@@ -30,13 +30,14 @@ __all__ = [
 
 
 class CompletionChoice(Body):
-    _omit_unset = frozenset({"prompt_token_ids", "token_ids", "prompt_logprobs"})
+    """vLLM's choice: its own fields are ``null`` when not asked for."""
 
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
     stop_reason: int | str | None
+    #: with ``return_token_ids`` (vLLM)
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
     #: with ``prompt_logprobs`` (vLLM)
@@ -56,17 +57,18 @@ class CompletionResponse(Body):
 
 
 class CompletionStreamChoice(Body):
-    _omit_unset = frozenset(
-        {"text", "stop_reason", "prompt_token_ids", "token_ids", "prompt_logprobs"}
-    )
+    """vLLM's streamed choice: every field in every chunk, ``null`` included,
+    except ``prompt_logprobs`` (vLLM does not stream them)."""
+
+    _omit_unset = frozenset({"prompt_logprobs"})
 
     index: int
-    #: absent from the first chunk unless ``echo`` put the prompt there
-    text: str | None = None
+    text: str
     logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
-    #: present in the chunk that finishes the choice
+    #: set in the chunk that finishes the choice
     stop_reason: int | str | None = None
+    #: with ``return_token_ids``: the prompt's in the choice's first chunk
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
     #: with ``prompt_logprobs``, in the choice's first chunk that has tokens

@@ -52,7 +52,7 @@ class CompletionServing(Serving):
                 )
             else:
                 prompt = Prompt(None, p)
-            self.check_length(llm, prompt.token_ids, req.max_tokens, "max_tokens")
+            self.check_length(llm, prompt.token_ids, req.max_tokens, req.limit_field)
             prompts.append(attrs.evolve(prompt, cache_salt=req.cache_salt))
         jobs = [
             Job(i * req.choices + j, i, p, params.for_choice(j), req.priority or 0)

@@ -3,8 +3,8 @@
 Routes build a response model and :func:`dump` turns it into the JSON object
 sent; the same models give the response schemas of ``/openapi.json``, so the
 document describes what is really sent. Fields listed in a model's
-``_omit_unset`` appear only when given (``token_ids`` with
-``return_token_ids``, ``usage`` on a chunk); every other field is always
+``_omit_unset`` appear only when given (``usage`` on a chunk, the
+``tool_calls`` of a message); every other field is always
 present, ``null`` included, and is marked required in the schema. Each API's
 own response models are in its room's ``protocol.py``.
 """

@@ -16,6 +16,9 @@ request's own field (:mod:`~structllm.server.protocol.constraints`):
 | "choice" | "grammar" | "json_object"}`` other vLLM keys are refused
 ``guided_json``, ``guided_regex``,        vLLM's older spelling of the same
 ``guided_choice``, ``guided_grammar``
+``json_schema``, ``grammar``              llama.cpp's top-level fields: a
+                                          schema object, a GBNF (or Lark)
+                                          grammar
 ========================================  =================================
 """
 
@@ -33,7 +36,9 @@ from structllm.structured import StructuredOutputs
 
 __all__ = [
     "GUIDED",
+    "LLAMACPP",
     "OBJECT_CONFIG",
+    "OUTPUT_FIELDS",
     "JsonSchemaFormat",
     "Name",
     "ResponseFormat",
@@ -59,6 +64,17 @@ GUIDED = {
     "guided_choice": "choice",
     "guided_grammar": "grammar",
 }
+
+#: llama.cpp's top-level fields, and the StructuredOutputs field each one sets
+#: (its ``/completion`` and its OpenAI routes read them alike)
+LLAMACPP = {
+    "json_schema": "json",
+    "grammar": "grammar",
+}
+
+#: every top-level field that sets a constraint by itself, in the order a
+#: conflict is reported
+OUTPUT_FIELDS = {**GUIDED, **LLAMACPP}
 
 #: OpenAI's rule for a response_format or function name
 Name = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
@@ -153,19 +169,21 @@ def output_constraint(
 ) -> tuple[StructuredOutputs | None, str | None]:
     """The one constraint these fields set, and the field it came from.
 
-    ``guided`` holds the ``guided_*`` extras that are not None. More than
-    one source is refused, naming the second.
+    ``guided`` holds the :data:`OUTPUT_FIELDS` (``guided_*``, llama.cpp's
+    ``json_schema`` and ``grammar``) that are not None. More than one source
+    is refused, naming the second.
     """
     sources: list[str] = []
     if response_format is not None and response_format.type != "text":
         sources.append("response_format")
     if structured_outputs is not None:
         sources.append("structured_outputs")
-    sources += [name for name in GUIDED if name in guided]
+    sources += [name for name in OUTPUT_FIELDS if name in guided]
     if len(sources) > 1:
         raise InvalidRequestError(
-            f"{sources[1]}: only one of response_format, structured_outputs and "
-            f"guided_* may be set; got {', '.join(sources)}",
+            f"{sources[1]}: only one of response_format, structured_outputs, "
+            f"guided_*, json_schema and grammar may be set; got "
+            f"{', '.join(sources)}",
             field=sources[1],
         )
     if not sources:
@@ -180,7 +198,7 @@ def output_constraint(
         field = constraint.field
     else:
         try:
-            constraint = StructuredOutputs(**{GUIDED[source]: guided[source]})
+            constraint = StructuredOutputs(**{OUTPUT_FIELDS[source]: guided[source]})
         except InvalidRequestError as exc:
             raise rename_field(exc, source) from None
         field = source

@@ -74,7 +74,8 @@ def completion_logprobs(
 
     With ``echo`` (the output that carries the prompt logprobs) the prompt's
     tokens come first, its first one (text ``first_piece``: nothing predicts
-    it) with null logprobs, as OpenAI's legacy completions do.
+    it) with null logprobs, as OpenAI's legacy completions do. Each
+    ``top_logprobs`` object names the token at its position first.
     """
     if out.logprobs is None:
         return None
@@ -102,7 +103,7 @@ def completion_logprobs(
             tops.append(
                 {
                     _token_name(t, v.decoded_token, as_ids): _clamp(v.logprob)
-                    for t, v in d.items()
+                    for t, v in _own_first(token_id, d)
                 }
             )
         tokens.append(_token_name(token_id, piece, as_ids))
@@ -111,6 +112,16 @@ def completion_logprobs(
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=token_lps, top_logprobs=tops, text_offset=offsets
     )
+
+
+def _own_first(token_id: int, d: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
+    """``d``'s entries with ``token_id``'s first, then the others in order.
+
+    vLLM's ``top_logprobs`` objects start with the token at that position
+    (the sampled one, or the prompt's own when echoed), then the most likely;
+    clients read ``next(iter(top))`` as the token itself.
+    """
+    return [(token_id, d[token_id])] + [(t, v) for t, v in d.items() if t != token_id]
 
 
 def prompt_logprobs(out: RequestOutput) -> PromptLogprobs | None:

@@ -53,6 +53,7 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "vllm_xargs": ("vLLM's extra arguments are not supported", ()),
     "thinking_token_budget": ("reasoning models are not supported", ()),
     "include_reasoning": ("reasoning models are not supported", (False,)),
+    "include_metrics": ("per-request metrics are not implemented", (False,)),
 }
 
 #: refused by ``/v1/completions`` only

@@ -15,8 +15,14 @@ with a 400 naming them (:mod:`~structllm.server.protocol.refusals`), never
 accepted and ignored; unknown fields outside OpenAI's and vLLM's sets are
 ignored, as OpenAI-compatible servers do.
 
+llama.cpp's clients send three fields of their own on the OpenAI routes:
+``json_schema`` and ``grammar`` are output constraints like the ones below,
+and ``n_predict`` is another name for ``max_tokens`` (``-1``: no limit; a
+request that sets both to different values is refused naming it).
+
 The output fields (``response_format``, ``structured_outputs``,
-``guided_*``: :mod:`~structllm.server.protocol.formats`) and a forced tool
+``guided_*``, ``json_schema``, ``grammar``:
+:mod:`~structllm.server.protocol.formats`) and a forced tool
 call (:mod:`~structllm.server.protocol.tools`; messages with tool calls are
 :mod:`~structllm.server.chat.messages`) set at most one
 :class:`~structllm.structured.StructuredOutputs`; ``constraint_checks``
@@ -62,7 +68,7 @@ from structllm.server.protocol.fields import (
     TopK,
 )
 from structllm.server.protocol.formats import (
-    GUIDED,
+    OUTPUT_FIELDS,
     ResponseFormat,
     SchemaObject,
     StructuredOutputsRequest,
@@ -150,6 +156,12 @@ class SamplingRequest(BaseModel):
     guided_regex: NonEmptyText | None = None
     guided_choice: Annotated[list[Text], Field(min_length=1)] | None = None
     guided_grammar: NonEmptyText | None = None
+    #: llama.cpp: the output is held to this JSON Schema
+    json_schema: SchemaObject | None = None
+    #: llama.cpp: the output is held to this GBNF (or Lark) grammar
+    grammar: NonEmptyText | None = None
+    #: llama.cpp's name for max_tokens; -1: no limit (see ``_n_predict``)
+    n_predict: Annotated[int, Field(ge=-1, le=MAX_COUNT)] | None = None
 
     #: the output constraint, and the request field an error about it names
     _constraint: StructuredOutputs | None = PrivateAttr(default=None)
@@ -159,12 +171,12 @@ class SamplingRequest(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse(cls, data: Any) -> Any:
+    def _intake(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             raise PydanticCustomError("body", "the request body must be a JSON object")
         refuse(data, REFUSED)
         refuse(data, cls.refused_fields)
-        return data
+        return _n_predict(data)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> SamplingRequest:
@@ -176,7 +188,7 @@ class SamplingRequest(BaseModel):
             raise PydanticCustomError(
                 "best_of", "best_of other than n is not supported"
             )
-        guided = {n: v for n in GUIDED if (v := getattr(self, n)) is not None}
+        guided = {n: v for n in OUTPUT_FIELDS if (v := getattr(self, n)) is not None}
         try:
             self._constraint, self._constraint_field = output_constraint(
                 self.response_format, self.structured_outputs, guided
@@ -207,6 +219,11 @@ class SamplingRequest(BaseModel):
         return bool(o and o.include_usage and o.continuous_usage_stats)
 
     @property
+    def limit_field(self) -> str:
+        """The field that set the length limit, for error messages."""
+        return "n_predict" if self.n_predict and self.n_predict > 0 else "max_tokens"
+
+    @property
     def choices(self) -> int:
         return self.n or 1
 
@@ -234,3 +251,33 @@ class SamplingRequest(BaseModel):
         kw["output_kind"] = OutputKind.DELTA if self.stream else OutputKind.FINAL
         kw["structured_outputs"] = self._constraint
         return kw
+
+
+def _n_predict(data: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's ``n_predict`` as ``max_tokens``, which the rest reads.
+
+    A value of the wrong type or range is left to the field's own validator,
+    which names ``n_predict``. With ``max_tokens`` or ``max_completion_tokens``
+    also set, the two must agree (llama.cpp would silently take
+    ``n_predict``).
+    """
+    n = data.get("n_predict")
+    if not isinstance(n, int) or isinstance(n, bool) or not -1 <= n <= MAX_COUNT:
+        return data
+    if n == 0:
+        raise PydanticCustomError(
+            "field",
+            "must be -1 (no limit) or at least 1",
+            {"name": "n_predict"},
+        )
+    limits = ("max_tokens", "max_completion_tokens")
+    for name in limits:
+        if (given := data.get(name)) is not None and given != n:
+            raise PydanticCustomError(
+                "field",
+                "is llama.cpp's name for {limit}, which is set to another value",
+                {"name": "n_predict", "limit": name},
+            )
+    if n == -1 or any(data.get(name) is not None for name in limits):
+        return data
+    return {**data, "max_tokens": n}

@@ -4,7 +4,7 @@
 or a :class:`TokenizeChatRequest` (``messages``, rendered with the chat
 template, with ``tools`` if given) and answers a :class:`TokenizeResponse`; ``POST /detokenize``
 takes a :class:`DetokenizeRequest` and answers a :class:`DetokenizeResponse`;
-``GET /version`` answers a :class:`VersionResponse`. The request models
+``GET /tokenizer_info`` answers a :class:`TokenizerInfoResponse`. The request models
 validate as strictly as :mod:`structllm.server.protocol`'s (strict types,
 valid Unicode, bounded lists); the vLLM fields structllm does not
 implement are refused naming them (:data:`TOKENIZE_REFUSED`).
@@ -29,6 +29,7 @@ __all__ = [
     "TokenizeChatRequest",
     "TokenizeCompletionRequest",
     "TokenizeResponse",
+    "TokenizerInfoResponse",
 ]
 
 #: the most token ids one ``/detokenize`` takes
@@ -93,13 +94,35 @@ class DetokenizeRequest(_Request):
 
 
 class TokenizeResponse(Body):
-    _omit_unset = frozenset({"token_strs"})
-
     count: int
     max_model_len: int
     tokens: list[int]
+    #: with ``return_token_strs``: each token's vocabulary entry (``"Ġi"`` in
+    #: a byte-level BPE, as transformers' ``convert_ids_to_tokens``); null
+    #: otherwise, as vLLM sends it
     token_strs: list[str] | None = None
 
 
 class DetokenizeResponse(Body):
     prompt: str
+
+
+class TokenizerInfoResponse(Body):
+    """``GET /tokenizer_info``: vLLM's route, the tokenizer's settings.
+
+    vLLM sends transformers' ``init_kwargs`` (tokenizer_config.json) with
+    the class name; structllm sends the settings it reads from the model's
+    files, under the same keys.
+    """
+
+    #: structllm's tokenizer class (``HFTokenizer`` for tokenizer.json and
+    #: GGUF vocabularies, ``ByteTokenizer`` for the built-in byte models)
+    tokenizer_class: str
+    bos_token: str | None
+    eos_token: str | None
+    #: the model's chat template (null: the model has none)
+    chat_template: str | None
+    #: the served context length (``--max-model-len``)
+    model_max_length: int
+    #: the added tokens by id (decimal strings), their text as the value
+    added_tokens_decoder: dict[str, str]

@@ -7,11 +7,15 @@ completions tokenises it (``add_special_tokens`` defaults to true),
 special tokens). Long texts are tokenised in a worker thread, and the
 ``--max-prompt-bytes`` cap is checked before. ``/detokenize`` refuses ids
 outside the vocabulary naming ``tokens[i]`` and decodes with the special
-tokens spelled out, so it inverts ``/tokenize``.
+tokens spelled out, so it inverts ``/tokenize``. ``token_strs``
+(``return_token_strs``) are vocabulary entries, not decoded text: a
+byte-level BPE's ``"Ġi"`` where the text is ``" i"``, as vLLM answers.
+``GET /tokenizer_info`` describes the tokenizer (vLLM's route).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import anyio.to_thread
@@ -30,9 +34,11 @@ from structllm.server.tokenize.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    TokenizerInfoResponse,
 )
+from structllm.text.tokenizer import HFTokenizer, Tokenizer
 
-__all__ = ["TokenizeServing"]
+__all__ = ["TokenizeServing", "vocabulary_entries"]
 
 
 @attrs.define(eq=False)
@@ -73,11 +79,11 @@ class TokenizeServing(Serving):
             ids = await anyio.to_thread.run_sync(encode)
         else:
             ids = encode()
-        extra: dict[str, Any] = {}
-        if req.return_token_strs:
-            extra["token_strs"] = [tok.id_to_piece(i) for i in ids]
         response = TokenizeResponse(
-            count=len(ids), max_model_len=llm.max_model_len, tokens=ids, **extra
+            count=len(ids),
+            max_model_len=llm.max_model_len,
+            tokens=ids,
+            token_strs=vocabulary_entries(tok, ids) if req.return_token_strs else None,
         )
         return ASCIIJSONResponse(bodies.dump(response))
 
@@ -103,3 +109,33 @@ class TokenizeServing(Serving):
         else:
             text = decode()
         return ASCIIJSONResponse(bodies.dump(DetokenizeResponse(prompt=text)))
+
+    async def tokenizer_info(self) -> Response:
+        """``GET /tokenizer_info``: no body, so no guard beyond the slot."""
+        llm = self.slot.get()
+        tok = llm.tokenizer
+        added: dict[str, str] = {}
+        if isinstance(tok, HFTokenizer):
+            decoder = tok.backend.get_added_tokens_decoder()
+            added = {str(i): t.content for i, t in sorted(decoder.items())}
+        info = TokenizerInfoResponse(
+            tokenizer_class=type(tok).__name__,
+            bos_token=tok.bos_token,
+            eos_token=tok.eos_token,
+            chat_template=tok.chat_template,
+            model_max_length=llm.max_model_len,
+            added_tokens_decoder=added,
+        )
+        return ASCIIJSONResponse(bodies.dump(info))
+
+
+def vocabulary_entries(tok: Tokenizer, ids: Sequence[int]) -> list[str]:
+    """Each id's entry in the vocabulary, as transformers'
+    ``convert_ids_to_tokens`` gives it (``"Ġi"``, ``"<|im_end|>"``).
+
+    A tokenizer without a vocabulary of strings (the built-in byte
+    tokenizer) gives each token's text instead.
+    """
+    if isinstance(tok, HFTokenizer):
+        return [tok.backend.id_to_token(i) or "" for i in ids]
+    return [tok.id_to_piece(i) for i in ids]

@@ -284,6 +284,10 @@ async def test_a_request_timeout_from_the_body_or_header_is_408(how: str) -> Non
         r = await s.http.post("/v1/chat/completions", json=chat, headers=headers)
         assert "longer than 0.2s" in assert_error(r, 408)
         await s.wait_idle()
+        batch = {**chat, "messages": [chat["messages"], chat["messages"]]}
+        r = await s.http.post("/v1/chat/completions/batch", json=batch, headers=headers)
+        assert "longer than 0.2s" in assert_error(r, 408)
+        await s.wait_idle()
         metrics = (await s.http.get("/metrics")).text
         assert "structllm_deadline_expired_requests_total" in metrics
         assert "structllm_deadline_skipped_tokens_total" in metrics

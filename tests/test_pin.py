@@ -126,6 +126,9 @@ async def test_a_pinned_prefix_is_hit_under_cache_pressure() -> None:
             await _fill_the_cache(llm, rounds=3)
             out = await llm.complete([*PREFIX, 9, 9], params)
             assert out.num_cached_tokens == 48
+            await llm.reset_prefix_cache()  # forgets all but the pinned
+            out = await llm.complete([*PREFIX, 8, 8], params)
+            assert out.num_cached_tokens == 48
         await assert_core_holds_nothing(llm)
         assert (await core_state(llm)).pins == []
         # unpinned, the same pressure evicts it

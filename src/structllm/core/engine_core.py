@@ -336,7 +336,8 @@ class EngineCore:
         """Forget every cached prefix block; return how many were forgotten.
 
         Safe at any time: running requests keep their blocks (no longer
-        shareable), later requests recompute what they need.
+        shareable), later requests recompute what they need. Pinned
+        prefixes stay cached (see :meth:`BlockPool.pin`).
         """
         return self.scheduler.reset_prefix_cache()
 

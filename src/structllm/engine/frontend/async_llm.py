@@ -313,7 +313,8 @@ class AsyncLLM:
         """Forget every cached prefix block; return how many were forgotten.
 
         Blocks in use stay with their requests (and are not cached again
-        when freed). Raises EngineDeadError if the core dies first.
+        when freed); pinned prefixes stay cached. Raises EngineDeadError if
+        the core dies first.
         """
         return await self._client.reset_prefix_cache()
 

@@ -222,6 +222,9 @@ class Request:
         """Lower runs first: priority, due time, then arrival order."""
         return (self.priority, self.due, self.sequence_number)
 
+    def past_deadline(self, now: float) -> bool:
+        return self.deadline is not None and self.deadline <= now
+
     @property
     def num_tokens_left(self) -> int:
         """Tokens the model would still run for it, at most: the pending

@@ -33,13 +33,11 @@ Policy, in order, each step:
    (:func:`_adapt`): output that does not repeat its context soon stops
    paying for verification.
 
-Order and deadlines: within a priority, requests rank by due time
-(``scheduling_order="edf"``): the deadline, else arrival plus
-``deadline_starvation_s``, so deadlines never starve the others; ``"fcfs"``
-ranks by arrival. Each step first drops (``"abort"``) every request whose
-deadline has passed, in any state, without waiting for the front end.
-A pin request (``Request.pin``) that finishes pins its prompt's cached full
-blocks in the pool under its id, until an abort names it.
+Within a priority, requests rank by due time (``scheduling_order="edf"``:
+the deadline, else arrival plus ``deadline_starvation_s``, so deadlines never
+starve the others; ``"fcfs"``: arrival). Each step first drops (``"abort"``)
+every request past its deadline, in any state. A pin request that finishes
+pins its prompt's cached full blocks under its id until an abort names it.
 
 Prefix caching (``enable_prefix_caching``): a request admitted takes the
 longest chain of cached full blocks matching its tokens (prompt, and for a
@@ -120,12 +118,9 @@ class Scheduler:
             raise ValueError(f"{request.request_id!r} names a held pin")
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
-        if self.config.scheduling_order == "fcfs":
-            request.due = 0.0
-        elif request.deadline is not None:
-            request.due = request.deadline
-        else:
-            request.due = request.arrival_time + self.config.deadline_starvation_s
+        if self.config.scheduling_order == "edf":
+            wait = request.arrival_time + self.config.deadline_starvation_s
+            request.due = wait if request.deadline is None else request.deadline
         if self.config.enable_prefix_caching:
             self._extend_hashes(request)
         bisect.insort(self.waiting, request, key=_key)
@@ -229,11 +224,7 @@ class Scheduler:
     def _drop_expired(self) -> tuple[Request, ...]:
         """Finish (``"abort"``) every request whose deadline has passed."""
         now = self.clock()
-        expired = tuple(
-            r
-            for r in self.requests.values()
-            if r.deadline is not None and r.deadline <= now
-        )
+        expired = tuple(r for r in self.requests.values() if r.past_deadline(now))
         for req in expired:
             self.num_expired += 1
             self.expired_tokens_skipped += req.num_tokens_left

@@ -251,40 +251,25 @@ class AsyncLLM:
         priority: int = 0,
     ) -> RequestOutput | None:
         """``n`` samples of ``prompt`` at once (seeds ``seed + i``, ids
-        ``{request_id}-{i}``); the first to finish that ``accept`` takes.
-
-        ``accept`` gets each sample's final output as it finishes (one
-        completion, its ``finish_reason`` "stop" or "length"; default:
-        take any). The one taken is returned and the others end in the
-        same core step, their blocks freed; None if none was taken. A
-        cancelled caller, an ``accept`` that raises, or ``abort(request_id)``
-        ends all of them. See :mod:`~structllm.engine.frontend.scopes`.
+        ``{request_id}-{i}``); the first to finish that ``accept`` takes (it
+        gets each finished sample's final output, "stop" or "length";
+        default: any), the others ended before the core's next step; None
+        if none is taken. A cancelled caller, an ``accept`` that raises, or
+        ``abort(request_id)`` ends all (:mod:`~structllm.engine.frontend.scopes`).
         """
-        return await run_race(
-            self,
-            prompt,
-            SamplingParams() if params is None else params,
-            n=n,
-            accept=accept,
-            request_id=request_id if request_id is not None else uuid.uuid4().hex,
-            priority=priority,
-        )
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        params = SamplingParams() if params is None else params
+        return await run_race(self, prompt, params, n, accept, rid, priority)
 
     def pin(
         self, prompt: PromptInput, *, request_id: str | None = None
     ) -> AbstractAsyncContextManager[PinnedPrefix]:
-        """``async with llm.pin(prefix) as pinned:`` prefill ``prefix`` once
-        and keep its full KV blocks cached, never evicted, for the block:
-        requests that start with it reuse them whatever else runs. Leaving
-        the block, by any path, releases them before the core's next step.
-
-        Refused (InvalidRequestError, field ``pin``) beyond the engine's
-        ``max_pinned_fraction`` of the KV blocks, or without prefix caching.
-        See :mod:`~structllm.engine.frontend.scopes`.
-        """
-        return open_pin(
-            self, prompt, request_id if request_id is not None else uuid.uuid4().hex
-        )
+        """``async with llm.pin(prefix) as pinned:`` prefill ``prefix`` once and
+        keep its full KV blocks cached, never evicted, for the block; leaving
+        it by any path releases them before the core's next step. Beyond
+        ``max_pinned_fraction`` of the blocks, InvalidRequestError (``pin``)."""
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        return open_pin(self, prompt, rid)
 
     async def abort(self, request_id: str) -> None:
         """End ``request_id`` now: cancels its stream block; idempotent."""

@@ -68,7 +68,6 @@ async def run_race(
     llm: AsyncLLM,
     prompt: PromptInput,
     params: SamplingParams,
-    *,
     n: int,
     accept: Callable[[RequestOutput], bool] | None,
     request_id: str,

@@ -2,8 +2,7 @@
 # tools/server/tests/unit/test_security.py
 # (commit 01dca87bb81848d72919c6e6966a3680abfe3f0a), MIT licence
 # (peer/llamacpp/LICENSE). What changed and why: peer/llamacpp/NOTES.md.
-# structllm: test_access_static_assets_without_api_key (the web UI),
-# test_correct_api_key_anthropic_header (Anthropic's X-Api-Key) and
+# structllm: test_access_static_assets_without_api_key (the web UI) and
 # test_local_media_file (images) are not applicable (docs/peer-suites.md).
 # structllm serve --api-key serves the key tests. Three differences from
 # llama.cpp are deliberate and kept as strict xfails with their reasons
@@ -95,6 +94,26 @@ def test_correct_api_key():
     assert "error" not in res.body
     # structllm: llama.cpp's /completions answers "content"; OpenAI's
     # /v1/completions answers "choices"
+    assert "choices" in res.body
+
+
+def test_correct_api_key_anthropic_header():
+    global server
+    server.start()
+    res = server.make_request(
+        "POST",
+        "/completions",
+        data={
+            "prompt": "I believe the meaning of life is",
+        },
+        headers={
+            "X-Api-Key": TEST_API_KEY,
+        },
+    )
+    assert res.status_code == 200
+    assert "error" not in res.body
+    # structllm: OpenAI's /v1/completions answers "choices" (llama.cpp's
+    # /completions: "content")
     assert "choices" in res.body
 
 

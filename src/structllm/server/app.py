@@ -4,7 +4,8 @@
 folder per API, each with its route (``api_router``), its protocol models
 (``protocol``) and its serving (``serving``): :mod:`~structllm.server.completions`,
 :mod:`~structllm.server.chat`, :mod:`~structllm.server.chat_batch` (vLLM's
-``/v1/chat/completions/batch``), :mod:`~structllm.server.tokenize`,
+``/v1/chat/completions/batch``), :mod:`~structllm.server.messages` (Anthropic's
+Messages API), :mod:`~structllm.server.tokenize`,
 :mod:`~structllm.server.models` and :mod:`~structllm.server.operations`
 (``/health``, ``/metrics``, ``/version``). Adding an API is adding a room.
 Beside them, what the rooms share:
@@ -51,6 +52,8 @@ from structllm.server.http.drain import Drain, DrainMiddleware
 from structllm.server.http.errors import error_json, install_handlers
 from structllm.server.http.limits import ConcurrencyLimit, LimitState
 from structllm.server.http.security import ApiKeyMiddleware, add_cors
+from structllm.server.messages import api_router as messages
+from structllm.server.messages.serving import MessagesServing
 from structllm.server.metrics import Gauges, Metrics
 from structllm.server.models import api_router as models
 from structllm.server.operations import api_router as operations
@@ -101,11 +104,13 @@ def build_app(
     app.state.completions = CompletionServing(slot, config, metrics)
     app.state.chat = ChatServing(slot, config, metrics)
     app.state.chat_batch = ChatBatchServing(slot, config, metrics)
+    app.state.messages = MessagesServing(slot, config, metrics)
     app.state.tokenize = TokenizeServing(slot, config, metrics)
     for api in (
         completions,
         chat,
         chat_batch,
+        messages,
         models,
         operations,
         tokenize,

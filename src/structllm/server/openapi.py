@@ -29,7 +29,7 @@ _SCHEMAS: dict[str, Any] = {}
 _ERRORS = {
     400: "Invalid JSON or a field out of range; `param` names the field.",
     401: "The server has API keys and the request has no `Authorization: "
-    "Bearer` header with one of them.",
+    "Bearer` or `x-api-key` header with one of them.",
     404: "The `model` is not the one this server serves.",
     408: "The body or the request took too long.",
     413: "The body is larger than `--max-body-bytes`.",
@@ -64,8 +64,12 @@ def responses(
     model: type[BaseModel],
     chunk: type[BaseModel] | None = None,
     errors: Iterable[int] = (400, 401, 404, 408, 413, 415, 500, 503),
+    *,
+    error_model: type[BaseModel] = ErrorResponse,
+    description: str | None = None,
 ) -> dict[int | str, dict[str, Any]]:
-    """``responses`` for a route answering ``model`` (or ``chunk`` events)."""
+    """``responses`` for a route answering ``model`` (or ``chunk`` events);
+    ``error_model`` for an API with its own error shape (Anthropic's)."""
     ok: dict[str, Any] = {"model": model, "description": "The response."}
     if chunk is not None:
         ok["description"] = (
@@ -75,12 +79,17 @@ def responses(
         ok["content"] = {
             "text/event-stream": {"schema": _schema(chunk, "serialization")}
         }
-    return {200: ok, **error_responses(*errors)}
+    if description is not None:
+        ok["description"] = description
+    return {200: ok, **error_responses(*errors, model=error_model)}
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """``responses`` entries for error ``statuses`` (OpenAI error bodies)."""
-    return {s: {"model": ErrorResponse, "description": _ERRORS[s]} for s in statuses}
+def error_responses(
+    *statuses: int, model: type[BaseModel] = ErrorResponse
+) -> dict[int | str, dict[str, Any]]:
+    """``responses`` entries for error ``statuses`` (OpenAI error bodies
+    unless ``model`` says otherwise)."""
+    return {s: {"model": model, "description": _ERRORS[s]} for s in statuses}
 
 
 def install(app: FastAPI) -> None:

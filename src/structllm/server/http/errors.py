@@ -4,6 +4,12 @@
 server's own two) to a status; :func:`install_handlers` makes Starlette's
 404, 405 and validation errors, and any unexpected exception, OpenAI-shaped
 too. Bodies are ASCII-only JSON, so rendering one can never fail.
+
+Anthropic's Messages routes (:func:`anthropic_path`) answer in Anthropic's
+shape instead (``{"type": "error", "error": {"type":
+"invalid_request_error", "message": ...}}``): :func:`anthropic_error_json`
+writes it, :func:`send_error` on request, and
+:mod:`~structllm.server.messages.serving` rewrites its errors.
 """
 
 from __future__ import annotations
@@ -29,9 +35,12 @@ from structllm.errors import (
 from structllm.server.protocol.bodies import error_body
 
 __all__ = [
+    "ANTHROPIC_ERROR_TYPES",
     "ASCIIJSONResponse",
     "ModelNotFoundError",
     "RequestTimeoutError",
+    "anthropic_error_json",
+    "anthropic_path",
     "error_json",
     "error_response",
     "install_handlers",
@@ -56,6 +65,19 @@ _STATUS_TYPES = {
 }
 
 
+#: Anthropic's error types by status (other 4xx: invalid_request_error)
+ANTHROPIC_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
 class ModelNotFoundError(Exception):
     """The request names a model this server does not serve (404)."""
 
@@ -75,6 +97,19 @@ def error_json(status: int, message: str, param: str | None = None) -> bytes:
         param=param,
         code=status,
     )
+    return json.dumps(body, ensure_ascii=True).encode()
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether ``path`` is one of Anthropic's routes (its errors are Anthropic's)."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def anthropic_error_json(status: int, message: str) -> bytes:
+    """An Anthropic error body, ASCII-only."""
+    default = "invalid_request_error" if status < 500 else "api_error"
+    kind = ANTHROPIC_ERROR_TYPES.get(status, default)
+    body = {"type": "error", "error": {"type": kind, "message": message}}
     return json.dumps(body, ensure_ascii=True).encode()
 
 
@@ -120,10 +155,20 @@ def error_response(exc: BaseException, *, retry_after: int) -> Response | None:
 
 
 async def send_error(
-    send: Send, status: int, message: str, headers: dict[str, str] | None = None
+    send: Send,
+    status: int,
+    message: str,
+    headers: dict[str, str] | None = None,
+    *,
+    anthropic: bool = False,
 ) -> None:
-    """Send a whole error response on a raw ASGI ``send``."""
-    body = error_json(status, message)
+    """Send a whole error response on a raw ASGI ``send`` (in Anthropic's
+    shape when ``anthropic``)."""
+    body = (
+        anthropic_error_json(status, message)
+        if anthropic
+        else error_json(status, message)
+    )
     raw = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),

@@ -1,14 +1,16 @@
 """Who may call the server: API keys and CORS.
 
-:class:`ApiKeyMiddleware` requires ``Authorization: Bearer KEY`` on the
-``/v1`` routes, ``/tokenize`` and ``/detokenize`` (and ``/metrics`` with
-``--metrics-require-auth``) once any ``--api-key`` is configured; ``/health``
-and ``/version`` stay open. The given key is hashed and compared with
-``hmac.compare_digest`` against the hash of every configured key, all of
-them, so neither the time taken nor an early exit tells which key, or which
-prefix or length, came close. A refusal is a 401 with an OpenAI error body
-and ``WWW-Authenticate: Bearer``; neither the key given nor any configured
-one appears in it. :func:`api_keys` reads the keys from the flags and from
+:class:`ApiKeyMiddleware` requires ``Authorization: Bearer KEY`` or
+Anthropic's ``x-api-key: KEY`` (either one valid is enough, on every route,
+as llama.cpp accepts both) on the ``/v1`` routes, ``/tokenize`` and
+``/detokenize`` (and ``/metrics`` with ``--metrics-require-auth``) once any
+``--api-key`` is configured; ``/health`` and ``/version`` stay open. Each
+given key is hashed and compared with ``hmac.compare_digest`` against the
+hash of every configured key, all of them, so neither the time taken nor an
+early exit tells which key, or which prefix or length, came close. A refusal
+is a 401 with an OpenAI error body (Anthropic's on ``/v1/messages``) and
+``WWW-Authenticate: Bearer``; neither the key given nor any configured one
+appears in it. :func:`api_keys` reads the keys from the flags and from
 ``STRUCTLLM_API_KEY``.
 
 :func:`add_cors` installs Starlette's ``CORSMiddleware`` only when
@@ -29,7 +31,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from structllm.config import ServerConfig
-from structllm.server.http.errors import json_error, send_error
+from structllm.server.http.errors import anthropic_path, json_error, send_error
 
 __all__ = ["API_KEY_ENV", "ApiKeyMiddleware", "add_cors", "api_keys"]
 
@@ -37,7 +39,7 @@ __all__ = ["API_KEY_ENV", "ApiKeyMiddleware", "add_cors", "api_keys"]
 API_KEY_ENV = "STRUCTLLM_API_KEY"
 
 #: routes under the key besides everything below /v1
-_PROTECTED = frozenset({"/tokenize", "/detokenize"})
+_PROTECTED = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 
 
 def api_keys(flags: Iterable[str], environ: Mapping[str, str]) -> tuple[str, ...]:
@@ -75,27 +77,41 @@ class ApiKeyMiddleware:
         if header is None:
             return False
         scheme, _, token = header.strip().partition(b" ")
-        given = _digest(token.strip())
+        return self._known(token) and scheme.lower() == b"bearer"
+
+    def _known(self, key: bytes | None) -> bool:
+        """True when ``key`` is one of the keys, in constant time."""
+        if key is None:
+            return False
+        given = _digest(key.strip())
         match = False
         for digest in self._digests:  # every key, whatever matched before
             match |= hmac.compare_digest(given, digest)
-        return match and scheme.lower() == b"bearer"
+        return match
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.protects(scope["path"]):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if scope["type"] != "http" or not self.protects(path):
             await self._app(scope, receive, send)
             return
-        header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-        if self.authorized(header):
+        bearer = self.authorized(_header(scope, b"authorization"))
+        x_api_key = self._known(_header(scope, b"x-api-key"))
+        if bearer or x_api_key:
             await self._app(scope, receive, send)
             return
         await send_error(
             send,
             401,
             "a valid API key is required: send the header 'Authorization: "
-            "Bearer <key>'",
+            "Bearer <key>' or 'x-api-key: <key>'",
             {"www-authenticate": "Bearer"},
+            anthropic=anthropic_path(path),
         )
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    """The first header ``name`` (ASGI names are lower-case), if any."""
+    return next((v for k, v in scope["headers"] if k == name), None)
 
 
 class _CORS(CORSMiddleware):

@@ -1,0 +1,285 @@
+"""``POST /v1/messages``: an Anthropic conversation through the chat template,
+one answer, whole or as Anthropic's events; ``/v1/messages/count_tokens``.
+
+A request is validated as a
+:class:`~structllm.server.messages.protocol.MessagesRequest`, its
+conversation rendered with the model's chat template exactly as chat
+completions renders the same conversation (so with greedy sampling both
+routes answer alike), and it becomes one engine request. Tool calls are
+found in the answer by the parser chat uses for the same ``tool_choice``
+(:mod:`~structllm.text.tool_parser`); a forced call is held to a grammar.
+Every error these routes send is Anthropic's shape
+(``{"type": "error", "error": {...}}``).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import attrs
+from fastapi import Request
+from fastapi.responses import Response
+
+from structllm.engine.frontend.async_llm import AsyncLLM
+from structllm.engine.frontend.inputs import OFF_LOOP_CHARS, Prompt, check_prompt_bytes
+from structllm.errors import InvalidRequestError, unwrap_group
+from structllm.outputs import CompletionOutput, RequestOutput
+from structllm.server.http.body import maybe_off_loop, validate
+from structllm.server.http.errors import ASCIIJSONResponse, anthropic_error_json
+from structllm.server.http.sse import deadline
+from structllm.server.messages.protocol import (
+    CountTokensRequest,
+    CountTokensResponse,
+    MessageResponse,
+    MessagesErrorResponse,
+    MessagesPrompt,
+    MessagesRequest,
+    MessageStartEvent,
+    MessagesUsage,
+    PingEvent,
+    TextBlock,
+    ToolUseBlock,
+)
+from structllm.server.messages.streaming import (
+    EmitEvent,
+    MessageEvents,
+    NamedEventStream,
+    new_tool_use_id,
+    stop_reason,
+)
+from structllm.server.protocol import bodies
+from structllm.server.protocol.constraints import check_constraints, renamed
+from structllm.server.protocol.tools import NamedToolChoice
+from structllm.server.serving import Job, Serving
+from structllm.text.auto_tool_parser import AutoParser
+from structllm.text.tool_parser import (
+    CallListParser,
+    NamedCallParser,
+    ToolCallParser,
+    parse,
+)
+
+__all__ = ["MessagesServing", "anthropic_errors", "parser_for"]
+
+#: errors from the engine about the forced call's grammar name this field
+_CONSTRAINT_FIELD = "tool_choice"
+
+
+def new_message_id() -> str:
+    return f"msg_{uuid.uuid4().hex[:24]}"
+
+
+def parser_for(req: MessagesPrompt) -> ToolCallParser | None:
+    """The parser chat uses for the same ``tool_choice``; None: plain text.
+
+    (Chat's ``tool_calls.parser_for`` takes a ``ChatRequest``; this is its
+    choice, from the mode and the tools.)
+    """
+    mode = req.tool_mode
+    if isinstance(mode, NamedToolChoice):
+        return NamedCallParser(mode.function.name)
+    if mode == "required":
+        return CallListParser()
+    if mode == "auto" and req.tools:
+        names = [t.name for t in req.tools]
+        return AutoParser(names, parallel=req.parallel_tool_use)
+    return None
+
+
+def anthropic_errors(response: Response) -> Response:
+    """``response`` with an OpenAI error body rewritten in Anthropic's shape
+    (the message starts with the field it names, as the 400s of validation do)."""
+    if response.status_code < 400 or response.media_type != "application/json":
+        return response
+    try:
+        body = json.loads(bytes(response.body))
+    except ValueError:
+        return response
+    error = body.get("error") if isinstance(body, dict) else None
+    if body.get("type") == "error" or not isinstance(error, dict):
+        return response
+    headers = {
+        k: v
+        for k, v in response.headers.items()
+        if k not in ("content-length", "content-type")
+    }
+    message, param = str(error.get("message", "")), error.get("param")
+    if param and not message.startswith(f"{param}:"):
+        message = f"{param}: {message}"  # Anthropic's body has no param
+    return Response(
+        anthropic_error_json(response.status_code, message),
+        status_code=response.status_code,
+        headers=headers,
+        media_type="application/json",
+    )
+
+
+@attrs.define(eq=False)
+class MessagesServing(Serving):
+    """The Messages endpoints' logic (the routes only call ``create`` and
+    ``count_tokens``)."""
+
+    async def guarded(
+        self, request: Request, handler: Callable[[Any, bool], Awaitable[Response]]
+    ) -> Response:
+        return anthropic_errors(await super().guarded(request, handler))
+
+    def error_response(self, exc: BaseException) -> Response | None:
+        response = super().error_response(exc)
+        return None if response is None else anthropic_errors(response)
+
+    async def count_tokens(self, body: Any, big: bool) -> Response:
+        llm = self.slot.get()
+        req = await maybe_off_loop(big, validate, CountTokensRequest, body)
+        self.check_model(req.model)
+        await check_constraints(req.constraint_checks)  # a 400 here as there
+        prompt = await self._render(llm, req)
+        response = CountTokensResponse(input_tokens=len(prompt.token_ids))
+        return ASCIIJSONResponse(bodies.dump(response))
+
+    async def create(self, body: Any, big: bool) -> Response:
+        llm = self.slot.get()
+        req = await maybe_off_loop(big, validate, MessagesRequest, body)
+        self.check_model(req.model)
+        await check_constraints(req.constraint_checks)
+        prompt = await self._render(llm, req)
+        self.check_length(llm, prompt.token_ids, req.max_tokens, "max_tokens")
+        job = Job(0, 0, prompt, req.to_sampling_params())
+        if req.stream:
+            return self._stream(llm, req, job)
+        with renamed(_CONSTRAINT_FIELD):
+            finals = await self.run_to_end([job])
+        out = finals[0]
+        c = out.outputs[0]
+        content, called = _content(req, c)
+        reason, sequence = stop_reason(c, called)
+        response = MessageResponse(
+            id=new_message_id(),
+            model=self.config.model_name,
+            content=content,
+            stop_reason=reason,
+            stop_sequence=sequence,
+            usage=MessagesUsage(
+                input_tokens=len(prompt.token_ids),
+                output_tokens=len(c.token_ids),
+                cache_read_input_tokens=out.num_cached_tokens or 0,
+            ),
+        )
+        return ASCIIJSONResponse(bodies.dump(response))
+
+    async def _render(self, llm: AsyncLLM, req: MessagesPrompt) -> Prompt:
+        """The conversation through the chat template, as chat renders it."""
+        messages = req.template_messages()
+        size = sum(len(m["content"]) for m in messages)
+        cap = llm.max_prompt_bytes
+        if cap is not None and 4 * size > cap:  # 4: the most bytes per char
+            text = "".join(m["content"] for m in messages)
+            check_prompt_bytes(text, cap, field="messages")
+        options = req.template_options()
+        tools = options["tools"]
+        rendered = size + (len(json.dumps(tools)) if tools else 0)
+
+        def render() -> tuple[str, tuple[int, ...]]:
+            text = llm.tokenizer.apply_chat_template(messages, **options)
+            # the template writes BOS itself: tokenise without special tokens
+            return text, tuple(llm.tokenizer.encode(text, add_special_tokens=False))
+
+        try:
+            text, ids = await maybe_off_loop(rendered > OFF_LOOP_CHARS, render)
+        except InvalidRequestError as exc:
+            if exc.field != "continue_final_message":
+                raise
+            # chat's field: here it is the final (prefill) message
+            field = f"messages[{len(req.messages) - 1}]"
+            message = str(exc).replace("continue_final_message", field, 1)
+            raise InvalidRequestError(message, field=field) from None
+        return Prompt(text, ids)
+
+    def _stream(
+        self, llm: AsyncLLM, req: MessagesRequest, job: Job
+    ) -> NamedEventStream:
+        """The answer as Anthropic's events.
+
+        What can be refused is refused before the 200 (a 400, or 503 on
+        overload); a failure after it is the last event, ``error``.
+        """
+        llm.check_admission(job.prompt.token_ids, count=1, params=job.params)
+        events = MessageEvents(parser_for(req))
+        start = MessageStartEvent(
+            message=MessageResponse(
+                id=new_message_id(),
+                model=self.config.model_name,
+                content=[],
+                stop_reason=None,
+                stop_sequence=None,
+                usage=MessagesUsage(
+                    input_tokens=len(job.prompt.token_ids),
+                    output_tokens=0,
+                    cache_read_input_tokens=0,
+                ),
+            )
+        )
+
+        async def produce(emit: EmitEvent) -> None:
+            await emit(start)
+            await emit(PingEvent())
+
+            async def on_output(o: RequestOutput) -> None:
+                c = o.outputs[0]
+                for event in events.feed(c.text, c.finished):
+                    await emit(event)
+                if c.finished:
+                    for event in events.finish(c, o.num_generated_tokens):
+                        await emit(event)
+
+            try:
+                with deadline(self.config.request_timeout), renamed(_CONSTRAINT_FIELD):
+                    await self.observe(job, on_output)
+            except BaseExceptionGroup as group:
+                await self._fail(emit, unwrap_group(group), group)
+            except Exception as exc:  # RequestTimeoutError, the engine's errors
+                await self._fail(emit, exc, exc)
+
+        return NamedEventStream(produce)
+
+    async def _fail(
+        self, emit: EmitEvent, exc: BaseException, raised: BaseException
+    ) -> None:
+        """The ``error`` event for a known failure; anything else re-raised."""
+        response = self.error_response(exc)
+        if response is None:
+            raise raised
+        await emit(
+            MessagesErrorResponse.model_validate(json.loads(bytes(response.body)))
+        )
+
+
+def _content(
+    req: MessagesRequest, c: CompletionOutput
+) -> tuple[list[TextBlock | ToolUseBlock], bool]:
+    """A whole answer's blocks, and whether it called tools.
+
+    An answer whose calls did not complete (cut by ``max_tokens``) is its
+    text, as in chat. (With a reasoning parser, the thinking it splits off
+    becomes a ``thinking`` block before these, here and in
+    :class:`~structllm.server.messages.streaming.MessageEvents`.)
+    """
+    parser = parser_for(req)
+    parsed = parse(parser, c.text) if parser is not None else None
+    if parsed is None or not parsed.calls or not parsed.complete:
+        return [TextBlock(text=c.text)], False
+    inputs = [json.loads(call.arguments) for call in parsed.calls]
+    if not all(isinstance(i, dict) for i in inputs):  # Anthropic's input is one
+        return [TextBlock(text=c.text)], False
+    blocks: list[TextBlock | ToolUseBlock] = []
+    if parsed.content and parsed.content.strip():
+        # the whitespace before the calls is no part of the text
+        blocks.append(TextBlock(text=parsed.content.rstrip()))
+    blocks += [
+        ToolUseBlock(id=new_tool_use_id(), name=call.name, input=i)
+        for call, i in zip(parsed.calls, inputs, strict=True)
+    ]
+    return blocks, True

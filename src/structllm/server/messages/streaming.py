@@ -1,0 +1,207 @@
+"""The events of a streamed message, and the named-event SSE that carries them.
+
+Anthropic's stream is ``message_start``, ``ping``, then for each content
+block ``content_block_start``, its deltas (``text_delta`` or
+``input_json_delta``) and ``content_block_stop``, then ``message_delta``
+(``stop_reason``, ``stop_sequence``, the output tokens) and
+``message_stop``; a failure after the 200 is an ``error`` event. Each is an
+SSE event named after its ``type`` (the ``anthropic`` client skips events
+without a name) and there is no ``[DONE]``.
+
+:class:`MessageEvents` is the pure part: it turns the engine's text deltas
+into events, through the request's tool-call parser when there is one
+(:mod:`~structllm.text.tool_parser`: text becomes text blocks, each call a
+``tool_use`` block whose input arrives as JSON fragments). Whitespace at the
+end of the text is held back until more text follows: before a call it is
+dropped, as the text block of a whole answer with calls leaves it out. A message whose
+answer is empty still has one (empty) text block, as a whole response does.
+:class:`NamedEventStream` is :class:`~structllm.server.http.sse.EventStream`
+with ``event:`` lines.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Awaitable, Callable
+
+import anyio
+import attrs
+from fastapi.responses import Response
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from structllm.outputs import CompletionOutput
+from structllm.server.http.sse import cancel_on_disconnect
+from structllm.server.messages.protocol import (
+    ContentBlockDeltaEvent,
+    ContentBlockStartEvent,
+    ContentBlockStopEvent,
+    InputJsonDelta,
+    MessageDelta,
+    MessageDeltaEvent,
+    MessageDeltaUsage,
+    MessageStopEvent,
+    StopReason,
+    TextBlock,
+    TextDelta,
+    ToolUseBlock,
+)
+from structllm.server.protocol import bodies
+from structllm.text.tool_parser import (
+    ArgumentsDelta,
+    CallStart,
+    ContentDelta,
+    ToolCallParser,
+    ToolEvent,
+)
+
+__all__ = [
+    "EmitEvent",
+    "MessageEvents",
+    "NamedEventStream",
+    "new_tool_use_id",
+    "stop_reason",
+]
+
+#: sends one named event: its ``type`` names it
+EmitEvent = Callable[[BaseModel], Awaitable[None]]
+
+
+def new_tool_use_id() -> str:
+    return f"toolu_{uuid.uuid4().hex[:24]}"
+
+
+def stop_reason(
+    c: CompletionOutput, called: bool
+) -> tuple[StopReason | None, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence`` for a finished output."""
+    if c.finish_reason == "length":
+        return "max_tokens", None
+    if c.finish_reason != "stop":
+        return None, None  # aborted or failed: no answer reaches the client
+    if called:
+        return "tool_use", None
+    if isinstance(c.stop_reason, str):
+        return "stop_sequence", c.stop_reason
+    return "end_turn", None
+
+
+@attrs.define
+class MessageEvents:
+    """One streamed message's blocks: which is open, and the calls seen."""
+
+    #: the request's tool-call parser; None: every delta is text
+    parser: ToolCallParser | None
+    #: the open block's index and type (-1, None before the first)
+    index: int = -1
+    open: str | None = None
+    called: bool = False
+    #: whitespace at the end of the text so far, held back: it is sent
+    #: before more text, and dropped before a call (as a whole answer's
+    #: text block leaves it out)
+    pending: str = ""
+
+    def feed(self, text: str, finished: bool) -> list[BaseModel]:
+        """The events for the next piece of the answer."""
+        if self.parser is None:
+            events: list[ToolEvent] = [ContentDelta(text)]
+        else:
+            events = self.parser.feed(text)
+            if finished:
+                events += self.parser.finish()
+        out: list[BaseModel] = []
+        for e in events:
+            if isinstance(e, ContentDelta):
+                text = e.text.rstrip()
+                if not text:
+                    self.pending += e.text
+                    continue
+                out += self._text(self.pending + text)
+                self.pending = e.text[len(text) :]
+            elif isinstance(e, CallStart):
+                self.pending = ""
+                block = ToolUseBlock(id=new_tool_use_id(), name=e.name, input={})
+                out += self._start(block)
+                self.called = True
+            elif isinstance(e, ArgumentsDelta) and e.text:
+                # a call's arguments follow its start: the open block
+                partial = InputJsonDelta(partial_json=e.text)
+                out.append(ContentBlockDeltaEvent(index=self.index, delta=partial))
+        return out
+
+    def finish(self, c: CompletionOutput, output_tokens: int) -> list[BaseModel]:
+        """Close the open block (opening an empty text block if none was),
+        then ``message_delta`` and ``message_stop``."""
+        out: list[BaseModel] = []
+        if self.pending and not self.called:
+            out += self._text(self.pending)
+        self.pending = ""
+        if self.open is None:
+            out += self._start(TextBlock(text=""))
+        out.append(ContentBlockStopEvent(index=self.index))
+        self.open = None
+        reason, sequence = stop_reason(c, self.called)
+        out.append(
+            MessageDeltaEvent(
+                delta=MessageDelta(stop_reason=reason, stop_sequence=sequence),
+                usage=MessageDeltaUsage(output_tokens=output_tokens),
+            )
+        )
+        out.append(MessageStopEvent())
+        return out
+
+    def _text(self, text: str) -> list[BaseModel]:
+        """A text delta, opening a text block first if none is open."""
+        out = [] if self.open == "text" else self._start(TextBlock(text=""))
+        out.append(ContentBlockDeltaEvent(index=self.index, delta=TextDelta(text=text)))
+        return out
+
+    def _start(self, block: TextBlock | ToolUseBlock) -> list[BaseModel]:
+        out: list[BaseModel] = []
+        if self.open is not None:
+            out.append(ContentBlockStopEvent(index=self.index))
+        self.index += 1
+        self.open = block.type
+        out.append(ContentBlockStartEvent(index=self.index, content_block=block))
+        return out
+
+
+class NamedEventStream(Response):
+    """Server-sent events ``event: TYPE`` / ``data: JSON`` from
+    ``produce(emit)``, cancelled if the client leaves."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, produce: Callable[[EmitEvent], Awaitable[None]]) -> None:
+        super().__init__(status_code=200, media_type=self.media_type)
+        self._produce = produce
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                ],
+            }
+        )
+
+        async def emit(event: BaseModel) -> None:
+            data = bodies.dump(event)
+            text = json.dumps(data, ensure_ascii=True, separators=(",", ":"))
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": f"event: {data['type']}\ndata: {text}\n\n".encode(),
+                    "more_body": True,
+                }
+            )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cancel_on_disconnect, receive, tg.cancel_scope)
+            await self._produce(emit)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            tg.cancel_scope.cancel()

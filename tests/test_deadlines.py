@@ -288,6 +288,19 @@ async def test_a_request_timeout_from_the_body_or_header_is_408(how: str) -> Non
         r = await s.http.post("/v1/chat/completions/batch", json=batch, headers=headers)
         assert "longer than 0.2s" in assert_error(r, 408)
         await s.wait_idle()
+        if how == "header":  # the Messages API has no timeout field
+            msg = {
+                "model": "tiny-random",
+                "max_tokens": 2000,
+                "messages": [{"role": "user", "content": "hi"}],
+            }
+            r = await s.http.post("/v1/messages", json=msg, headers=headers)
+            assert r.status_code == 408, r.text
+            r = await s.http.post(
+                "/v1/messages", json={**msg, "stream": True}, headers=headers
+            )
+            assert "timeout_error" in r.text.rsplit("event:", 1)[-1]
+            await s.wait_idle()
         metrics = (await s.http.get("/metrics")).text
         assert "structllm_deadline_expired_requests_total" in metrics
         assert "structllm_deadline_skipped_tokens_total" in metrics

@@ -164,6 +164,8 @@ async def test_cancelled_while_the_pin_prefills_pins_nothing() -> None:
                     pytest.fail("pinned before the cancellation")
         assert scope.cancelled_caught
         await assert_core_holds_nothing(llm)
+        # nor does the router count it on its replica any more
+        assert [r.live_requests for r in llm.statistics().replicas] == [0]
 
 
 async def test_pins_beyond_the_cap_are_refused_and_others_serve_on() -> None:

@@ -109,6 +109,7 @@ async def test_a_cancelled_caller_ends_every_sample() -> None:
                 pytest.fail("the race ended before its caller was cancelled")
         assert scope.cancelled_caught
         await assert_core_holds_nothing(llm)
+        assert [r.live_requests for r in llm.statistics().replicas] == [0]
 
 
 async def test_abort_of_the_race_id_ends_it_with_none() -> None:

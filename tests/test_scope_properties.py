@@ -212,6 +212,8 @@ async def mix(fates: list[tuple[str, int, float]]) -> None:
         await assert_core_holds_nothing(llm)
         state = (await llm.inspect_cores())[0]
         assert state is not None and state.pins == []
+        # and the front end places nothing on the replica any more
+        assert [r.live_requests for r in llm.statistics().replicas] == [0]
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])

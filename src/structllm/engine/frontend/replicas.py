@@ -246,7 +246,8 @@ class ReplicaSet:
         """Release the pin ``core_id`` (or abort its prefill) where it lives."""
         self.router.unpin(core_id)
         k = self.pins.pop(core_id, None)
-        if k is None:
+        self.forget(core_id)  # still prefilling: no longer placed
+        if k is None:  # its core is gone: any replica's abort is harmless
             self.send_nowait(AbortRequests([core_id]))
         else:
             self.clients[k].send_nowait(AbortRequests([core_id]))

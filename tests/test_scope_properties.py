@@ -146,7 +146,7 @@ class ScopedScheduler(RuleBasedStateMachine):
 def test_scoped_scheduler() -> None:
     run_state_machine_as_test(
         ScopedScheduler,
-        settings=settings(max_examples=100, stateful_step_count=30, deadline=None),
+        settings=settings(max_examples=200, stateful_step_count=30, deadline=None),
     )
 
 
@@ -218,7 +218,7 @@ async def mix(fates: list[tuple[str, int, float]]) -> None:
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 @settings(
-    max_examples=int(os.environ.get("STRUCTLLM_ASYNC_EXAMPLES", "15")),
+    max_examples=int(os.environ.get("STRUCTLLM_ASYNC_EXAMPLES", "30")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -20,8 +20,8 @@ server = ServerPreset.tinyllama2()
 TEST_API_KEY = "sk-this-is-the-secret-key"
 
 MODELS_ALIAS = (
-    "deliberate difference: structllm lists models at /v1/models, behind the key "
-    "like every /v1 route; llama.cpp's /models alias is public"
+    "deliberate difference: structllm's /models is /v1/models under a second "
+    "path, behind the key as /v1/models is; llama.cpp's /models is public"
 )
 ERROR_TYPE = (
     "deliberate difference: the 401's error type is vLLM's 'AuthenticationError' "
@@ -92,9 +92,7 @@ def test_correct_api_key():
     )
     assert res.status_code == 200
     assert "error" not in res.body
-    # structllm: llama.cpp's /completions answers "content"; OpenAI's
-    # /v1/completions answers "choices"
-    assert "choices" in res.body
+    assert "content" in res.body
 
 
 def test_correct_api_key_anthropic_header():
@@ -112,9 +110,7 @@ def test_correct_api_key_anthropic_header():
     )
     assert res.status_code == 200
     assert "error" not in res.body
-    # structllm: OpenAI's /v1/completions answers "choices" (llama.cpp's
-    # /completions: "content")
-    assert "choices" in res.body
+    assert "content" in res.body
 
 
 def test_openai_library_correct_api_key():

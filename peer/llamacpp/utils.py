@@ -11,9 +11,10 @@ servers). Options structllm has no flag for raise ``NotApplicable``.
 llama.cpp's server-wide sampling defaults (``--temp``, ``--seed``,
 ``--n-predict``) have no structllm flag for chat, so ``make_request`` and
 ``make_stream_request`` put them into each request body that does not set
-them, which is what llama.cpp does with them. llama.cpp serves the OpenAI
-routes both under ``/v1`` and without it; structllm under ``/v1`` only, so
-``/chat/completions``, ``/completions`` and ``/models`` get the prefix.
+them, which is what llama.cpp does with them (``n_predict`` on the native
+``/completion``, ``max_tokens`` on the OpenAI routes). Paths are used as the
+tests give them: structllm serves llama.cpp's native routes and its
+``/v1``-less aliases too.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = [
     "close_pool",
     "match_regex",
     "n_prompt_tokens",
+    "n_text_tokens",
     "parallel_function_calls",
 ]
 
@@ -46,8 +48,8 @@ DEFAULT_HTTP_TIMEOUT = 60
 #: Running servers by their ``structllm serve`` arguments.
 _POOL: dict[tuple[str, ...], StructllmServer] = {}
 
-_OPENAI_ROUTES = ("/chat/completions", "/completions", "/models")
-_SAMPLING_ROUTES = ("/v1/chat/completions", "/v1/completions")
+_SAMPLING_ROUTES = ("/v1/chat/completions", "/v1/completions", "/chat/completions")
+_NATIVE_ROUTES = ("/completion", "/completions")
 
 
 class NotApplicable(Exception):
@@ -85,6 +87,7 @@ class ServerProcess:
     n_slots: int | None = None
     n_predict: int | None = None
     api_key: str | None = None
+    n_batch: int | None = None
     jinja: bool | None = None
     chat_template: str | None = None
 
@@ -101,10 +104,13 @@ class ServerProcess:
             args += ["--max-model-len", str(self.n_ctx // (self.n_slots or 1))]
         if self.n_slots:
             args += ["--max-num-seqs", str(self.n_slots)]
-        if self.n_predict:
+        if self.n_predict and self.n_predict > 0:  # -1: no limit
             args += ["--default-max-tokens", str(self.n_predict)]
         if self.api_key:
             args += ["--api-key", self.api_key]
+        if self.n_batch:
+            # llama.cpp's logical batch: the most tokens one step computes
+            args += ["--max-num-batched-tokens", str(self.n_batch)]
         return args
 
     def start(self, timeout_seconds: int | None = DEFAULT_HTTP_TIMEOUT) -> None:
@@ -120,15 +126,16 @@ class ServerProcess:
         """Pooled servers stop at the end of the session (``close_pool``)."""
 
     def _url(self, path: str) -> str:
-        if path.startswith(_OPENAI_ROUTES):
-            path = "/v1" + path
         return f"http://{self.server_host}:{self.server_port}{path}"
 
     def _with_defaults(self, url: str, data: Any) -> Any:
-        if isinstance(data, dict) and url.endswith(_SAMPLING_ROUTES):
+        path = url.split(str(self.server_port), 1)[1]
+        native = path in _NATIVE_ROUTES
+        if isinstance(data, dict) and (native or path in _SAMPLING_ROUTES):
             data = {"temperature": self.temperature, "seed": self.seed, **data}
-            if self.n_predict is not None and "max_tokens" not in data:
-                data["max_tokens"] = self.n_predict
+            limit = "n_predict" if native else "max_tokens"
+            if self.n_predict is not None and limit not in data:
+                data[limit] = self.n_predict
         return data
 
     def make_request(
@@ -243,6 +250,14 @@ def n_prompt_tokens(messages: list[dict]) -> int:
 
     tok = load_tokenizer("tiny")
     return len(tok.encode(tok.apply_chat_template(messages)))
+
+
+def n_text_tokens(text: str) -> int:
+    """structllm: ``n_prompt`` of a plain prompt: its tokens with tiny's tokenizer
+    (as ``/completion`` tokenises it; tiny has no BOS)."""
+    from structllm.text.tokenizer import load_tokenizer
+
+    return len(load_tokenizer("tiny").encode(text))
 
 
 def match_regex(regex: str, text: str) -> bool:

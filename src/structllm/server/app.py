@@ -6,8 +6,11 @@ folder per API, each with its route (``api_router``), its protocol models
 :mod:`~structllm.server.chat`, :mod:`~structllm.server.chat_batch` (vLLM's
 ``/v1/chat/completions/batch``), :mod:`~structllm.server.messages` (Anthropic's
 Messages API), :mod:`~structllm.server.tokenize`,
-:mod:`~structllm.server.models` and :mod:`~structllm.server.operations`
-(``/health``, ``/metrics``, ``/version``). Adding an API is adding a room.
+:mod:`~structllm.server.models`, :mod:`~structllm.server.operations`
+(``/health``, ``/metrics``, ``/version``), :mod:`~structllm.server.ollama`
+(Ollama's ``/api/*``) and :mod:`~structllm.server.llamacpp` (llama.cpp's
+native routes and its aliases without ``/v1``). Adding an API is adding a
+room.
 Beside them, what the rooms share:
 
 - :mod:`~structllm.server.serving` -- the serving base: the disconnect and
@@ -52,10 +55,14 @@ from structllm.server.http.drain import Drain, DrainMiddleware
 from structllm.server.http.errors import error_json, install_handlers
 from structllm.server.http.limits import ConcurrencyLimit, LimitState
 from structllm.server.http.security import ApiKeyMiddleware, add_cors
+from structllm.server.llamacpp import api_router as llamacpp
+from structllm.server.llamacpp.serving import LlamaCppServing
 from structllm.server.messages import api_router as messages
 from structllm.server.messages.serving import MessagesServing
 from structllm.server.metrics import Gauges, Metrics
 from structllm.server.models import api_router as models
+from structllm.server.ollama import api_router as ollama
+from structllm.server.ollama.serving import OllamaServing
 from structllm.server.operations import api_router as operations
 from structllm.server.protocol.bodies import now
 from structllm.server.serving import EngineSlot, ServerConfig, Serving
@@ -106,6 +113,8 @@ def build_app(
     app.state.chat_batch = ChatBatchServing(slot, config, metrics)
     app.state.messages = MessagesServing(slot, config, metrics)
     app.state.tokenize = TokenizeServing(slot, config, metrics)
+    app.state.ollama = OllamaServing(slot, config, metrics)
+    app.state.llamacpp = LlamaCppServing(slot, config, metrics)
     for api in (
         completions,
         chat,
@@ -114,6 +123,8 @@ def build_app(
         models,
         operations,
         tokenize,
+        ollama,
+        llamacpp,
     ):
         app.include_router(api.router)
     openapi.install(app)

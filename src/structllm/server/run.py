@@ -210,10 +210,20 @@ def _openai_error_bodies() -> None:
     hypercorn answers a request h11 cannot parse with an empty body from
     ``H11Protocol._send_error_response``; there is no hook for it, so that
     one method is replaced (checked by tests/test_api_boundary.py).
+
+    The response goes out as one write. Sent event by event, as hypercorn
+    does, the write of the head is a checkpoint under trio, and the app may
+    answer the request h11 did parse meanwhile (an HTTP/1.0 POST without
+    Content-Length has an empty body; the bytes after it are the error):
+    h11 refuses the app's response and that moves our side to ERROR, so the
+    error's body was never sent (its Content-Length promised, 0 bytes
+    written; tests/test_http10.py). asyncio's writes do not yield, which
+    is why only trio lost it.
     """
     from itertools import chain
 
     import h11
+    from hypercorn.events import RawData
     from hypercorn.protocol.h11 import H11Protocol
 
     if getattr(H11Protocol, "_structllm_bodies", False):
@@ -227,14 +237,19 @@ def _openai_error_bodies() -> None:
             (b"content-length", str(len(body)).encode()),
             (b"connection", b"close"),
         ]
-        await self._send_h11_event(
+        events = [
             h11.Response(
                 status_code=status_code,
                 headers=list(chain(headers, self.config.response_headers("h11"))),
-            )
-        )
-        await self._send_h11_event(h11.Data(data=body))
-        await self._send_h11_event(h11.EndOfMessage())
+            ),
+            h11.Data(data=body),
+            h11.EndOfMessage(),
+        ]
+        try:
+            data = b"".join(self.connection.send(e) or b"" for e in events)
+        except h11.LocalProtocolError:
+            return  # a response had already started: nothing more to say
+        await self.send(RawData(data=data))
 
     H11Protocol._send_error_response = send_error_response  # type: ignore[method-assign]
     H11Protocol._structllm_bodies = True  # type: ignore[attr-defined]

@@ -1,8 +1,11 @@
-"""Graceful shutdown of the ``/v1/`` routes: :class:`Drain` and its middleware.
+"""Graceful shutdown of the generating routes: :class:`Drain` and its middleware.
 
-``start()``: new requests get 503, the listener stays open. ``cut()``:
-requests still running are cancelled; one that already sent its 200 gets a
-final error event and ``[DONE]``, one that did not gets a 503.
+The routes drained are those under ``/v1/`` and the other APIs' generating
+routes (:data:`GENERATING`: llama.cpp's ``/completion``, Ollama's
+``/api/chat``...). ``start()``: new requests get 503, the listener stays
+open. ``cut()``: requests still running are cancelled; one that already
+sent its 200 gets a final error event and ``[DONE]`` (an NDJSON stream: a
+last ``{"error": ...}`` line), one that did not gets a 503.
 :func:`drain_then_stop` is the whole sequence ``structllm serve`` runs on
 SIGINT or SIGTERM.
 """
@@ -10,6 +13,7 @@ SIGINT or SIGTERM.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,12 +23,23 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from structllm.server.http.errors import error_json, send_error
 
-__all__ = ["Drain", "DrainMiddleware", "drain_then_stop"]
+__all__ = ["GENERATING", "Drain", "DrainMiddleware", "drain_then_stop", "drains"]
+
+#: routes outside ``/v1/`` that generate: llama.cpp's native ones and its
+#: ``/v1``-less alias of chat, and Ollama's
+GENERATING = frozenset(
+    {"/completion", "/completions", "/chat/completions", "/api/generate", "/api/chat"}
+)
+
+
+def drains(path: str) -> bool:
+    """Whether a request to ``path`` is refused and cut by a drain."""
+    return path.startswith("/v1/") or path in GENERATING
 
 
 @attrs.define(eq=False)
 class Drain:
-    """Graceful shutdown of the ``/v1/`` routes (an ASGI middleware's state).
+    """Graceful shutdown of the generating routes (an ASGI middleware's state).
 
     ``start()``: new requests get 503, the listener stays open. ``cut()``:
     requests still running are cancelled; one that already sent its 200
@@ -70,7 +85,7 @@ class Drain:
 
     def middleware(self, app: ASGIApp) -> ASGIApp:
         async def drained(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            if scope["type"] != "http" or not drains(scope["path"]):
                 await app(scope, receive, send)
                 return
             if self.draining:
@@ -99,15 +114,20 @@ class Drain:
             if not cancel.cancelled_caught or finished:
                 return
             with contextlib.suppress(OSError, RuntimeError):
+                message = "the server shut down before the response finished"
                 if not started:
                     await send_error(send, 503, "the server is shutting down")
-                elif _is_event_stream(started):
-                    tail = (
-                        "data: "
-                        + error_json(
-                            503, "the server shut down before the response finished"
-                        ).decode()
+                elif _content_type(started).startswith(b"application/x-ndjson"):
+                    line = json.dumps({"error": message}) + "\n"
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "body": line.encode(),
+                            "more_body": False,
+                        }
                     )
+                elif _content_type(started).startswith(b"text/event-stream"):
+                    tail = "data: " + error_json(503, message).decode()
                     await send(
                         {
                             "type": "http.response.body",
@@ -123,11 +143,11 @@ class Drain:
         return drained
 
 
-def _is_event_stream(start: dict[str, Any]) -> bool:
-    return any(
-        k.lower() == b"content-type" and v.startswith(b"text/event-stream")
-        for k, v in start.get("headers", [])
-    )
+def _content_type(start: dict[str, Any]) -> bytes:
+    for k, v in start.get("headers", []):
+        if k.lower() == b"content-type":
+            return bytes(v)
+    return b""
 
 
 class DrainMiddleware:

@@ -2,15 +2,18 @@
 
 :class:`ApiKeyMiddleware` requires ``Authorization: Bearer KEY`` or
 Anthropic's ``x-api-key: KEY`` (either one valid is enough, on every route,
-as llama.cpp accepts both) on the ``/v1`` routes, ``/tokenize`` and
-``/detokenize`` (and ``/metrics`` with ``--metrics-require-auth``) once any
-``--api-key`` is configured; ``/health`` and ``/version`` stay open. Each
-given key is hashed and compared with ``hmac.compare_digest`` against the
-hash of every configured key, all of them, so neither the time taken nor an
-early exit tells which key, or which prefix or length, came close. A refusal
-is a 401 with an OpenAI error body (Anthropic's on ``/v1/messages``) and
-``WWW-Authenticate: Bearer``; neither the key given nor any configured one
-appears in it. :func:`api_keys` reads the keys from the flags and from
+as llama.cpp accepts both) on the ``/v1`` routes, ``/tokenize``,
+``/detokenize`` and ``/tokenizer_info``, llama.cpp's native routes and
+``/v1``-less aliases (``/completion``, ``/props``, ``/models``...), Ollama's
+``/api/`` routes (and ``/metrics`` with ``--metrics-require-auth``) once any
+``--api-key`` is configured; ``/health``, ``/version`` and ``/api/version``
+stay open. Each given key is hashed and compared with
+``hmac.compare_digest`` against the hash of every configured key, all of
+them, so neither the time taken nor an early exit tells which key, or which
+prefix or length, came close. A refusal is a 401 with an OpenAI error body
+(Anthropic's on ``/v1/messages``) and ``WWW-Authenticate: Bearer``; neither
+the key given nor any configured one appears in it. :func:`api_keys` reads
+the keys from the flags and from
 ``STRUCTLLM_API_KEY``.
 
 :func:`add_cors` installs Starlette's ``CORSMiddleware`` only when
@@ -38,8 +41,24 @@ __all__ = ["API_KEY_ENV", "ApiKeyMiddleware", "add_cors", "api_keys"]
 #: the environment variable holding API keys (comma-separated)
 API_KEY_ENV = "STRUCTLLM_API_KEY"
 
-#: routes under the key besides everything below /v1
-_PROTECTED = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
+#: routes under the key besides everything below /v1 and Ollama's /api
+_PROTECTED = frozenset(
+    {
+        "/tokenize",
+        "/detokenize",
+        "/tokenizer_info",
+        # llama.cpp's native routes and its aliases of the /v1 ones
+        "/completion",
+        "/completions",
+        "/chat/completions",
+        "/models",
+        "/props",
+        "/slots",
+        "/apply-template",
+    }
+)
+#: Ollama's routes that stay open (as /version does)
+_OPEN = frozenset({"/api/version"})
 
 
 def api_keys(flags: Iterable[str], environ: Mapping[str, str]) -> tuple[str, ...]:
@@ -69,6 +88,7 @@ class ApiKeyMiddleware:
             path == "/v1"
             or path.startswith("/v1/")
             or path in _PROTECTED
+            or (path.startswith("/api/") and path not in _OPEN)
             or (self._metrics and path == "/metrics")
         )
 

@@ -5,7 +5,8 @@ for ``http.disconnect`` (Starlette's ``StreamingResponse`` may only notice a
 disconnect at its next write): when the client leaves, the producer is
 cancelled, its ``stream`` block exits and the engine aborts the request.
 :func:`cancel_on_disconnect` is that watcher, used for non-streaming
-requests as well. :class:`deadline` is ``fail_after`` raising
+requests as well. :class:`NDJSONStream` is the same with one JSON object a
+line (Ollama's streams). :class:`deadline` is ``fail_after`` raising
 :class:`~structllm.server.http.errors.RequestTimeoutError`.
 """
 
@@ -22,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from structllm.server.http.errors import RequestTimeoutError
 
-__all__ = ["Emit", "EventStream", "cancel_on_disconnect", "deadline"]
+__all__ = ["Emit", "EventStream", "NDJSONStream", "cancel_on_disconnect", "deadline"]
 
 #: sends one ``data:`` event: a JSON object, or a bare string (``[DONE]``)
 Emit = Callable[[dict[str, Any] | str], Awaitable[None]]
@@ -37,13 +38,18 @@ class EventStream(Response):
         super().__init__(status_code=200, media_type=self.media_type)
         self._produce = produce
 
+    @staticmethod
+    def frame(data: str) -> bytes:
+        """One event on the wire."""
+        return f"data: {data}\n\n".encode()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send(
             {
                 "type": "http.response.start",
                 "status": 200,
                 "headers": [
-                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"content-type", f"{self.media_type}; charset=utf-8".encode()),
                     (b"cache-control", b"no-cache"),
                 ],
             }
@@ -54,7 +60,7 @@ class EventStream(Response):
             await send(
                 {
                     "type": "http.response.body",
-                    "body": f"data: {data}\n\n".encode(),
+                    "body": self.frame(data),
                     "more_body": True,
                 }
             )
@@ -64,6 +70,16 @@ class EventStream(Response):
             await self._produce(emit)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             tg.cancel_scope.cancel()
+
+
+class NDJSONStream(EventStream):
+    """Newline-delimited JSON from ``produce(emit)``: one object a line."""
+
+    media_type = "application/x-ndjson"
+
+    @staticmethod
+    def frame(data: str) -> bytes:
+        return f"{data}\n".encode()
 
 
 async def cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:

@@ -3,11 +3,18 @@ routes, outside ``/v1``)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from structllm.errors import EngineLoadingError
 from structllm.server import openapi
+from structllm.server.llamacpp.serving import (
+    LlamaCppServing,
+    is_native_tokenize,
+    with_content,
+)
 from structllm.server.tokenize.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -32,7 +39,14 @@ router = APIRouter()
 )
 async def tokenize(request: Request) -> Response:
     serving: TokenizeServing = request.app.state.tokenize
-    return await serving.guarded(request, serving.tokenize)
+    native: LlamaCppServing = request.app.state.llamacpp  # llama.cpp's "content"
+
+    async def either(body: Any, big: bool) -> Response:
+        if is_native_tokenize(body):
+            return await native.tokenize(body, big)
+        return await serving.tokenize(body, big)
+
+    return await serving.guarded(request, either)
 
 
 @router.post(
@@ -44,7 +58,8 @@ async def tokenize(request: Request) -> Response:
 )
 async def detokenize(request: Request) -> Response:
     serving: TokenizeServing = request.app.state.tokenize
-    return await serving.guarded(request, serving.detokenize)
+    # llama.cpp sends the same request and reads "content"
+    return with_content(await serving.guarded(request, serving.detokenize))
 
 
 @router.get(

@@ -1,0 +1,462 @@
+"""Ollama's API on the engine: one request model in, NDJSON lines out.
+
+``/api/generate`` renders ``prompt`` (and ``system``) with the model's chat
+template as Ollama does, or takes it as it is with ``raw``; a ``context``
+from an earlier answer is prepended. ``/api/chat`` renders ``messages`` and
+``tools``; calls are found in the answer as on ``/v1/chat/completions``
+with ``tool_choice: "auto"``. Both stream NDJSON unless ``stream: false``:
+one object per piece of text with ``done: false``, then one with ``done:
+true``, ``done_reason`` and the counts and durations (nanoseconds; the
+prompt's time is the time to the first token). A request without a prompt
+(or messages) only "loads" the model: ``done_reason: "load"``.
+
+Errors are Ollama's ``{"error": "message"}`` with the status the OpenAI
+routes give (400 naming the field, 404 for another model, 503...), and a
+stream that fails after its 200 ends with such a line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import attrs
+from fastapi import Request
+from fastapi.responses import Response
+
+import structllm
+from structllm.engine.frontend.async_llm import AsyncLLM
+from structllm.engine.frontend.inputs import (
+    OFF_LOOP_CHARS,
+    Prompt,
+    check_prompt_bytes,
+    parse_prompt_off_loop,
+)
+from structllm.errors import InvalidRequestError, unwrap_group
+from structllm.outputs import CompletionOutput, Logprob, RequestOutput
+from structllm.server.http.body import maybe_off_loop, validate
+from structllm.server.http.errors import ASCIIJSONResponse, ModelNotFoundError
+from structllm.server.http.sse import Emit, NDJSONStream, deadline
+from structllm.server.ollama.protocol import (
+    OllamaChatMessage,
+    OllamaChatRequest,
+    OllamaChatResponse,
+    OllamaDetails,
+    OllamaGenerateRequest,
+    OllamaGenerateResponse,
+    OllamaLogprob,
+    OllamaModel,
+    OllamaProcesses,
+    OllamaRunningModel,
+    OllamaShowRequest,
+    OllamaShowResponse,
+    OllamaTags,
+    OllamaVersion,
+    call,
+)
+from structllm.server.protocol.bodies import dump
+from structllm.server.protocol.constraints import check_constraints, renamed
+from structllm.server.protocol.logprobs import MIN_LOGPROB
+from structllm.server.serving import Job, Serving
+from structllm.text.auto_tool_parser import AutoParser
+from structllm.text.tool_parser import ContentDelta, ToolCallParser, ToolEvent, collect
+
+__all__ = ["OllamaServing", "ollama_error"]
+
+#: builds a line: (a delta, or the final output; done) -> the object to send
+#: (None: nothing to send for this delta)
+_Line = Callable[[RequestOutput, bool], dict[str, Any] | None]
+
+
+def _logprobs(c: CompletionOutput, top: int | None) -> dict[str, Any]:
+    """``{"logprobs": [...]}`` for ``c``'s tokens, or nothing when not asked."""
+    if c.logprobs is None:
+        return {}
+
+    def entry(v: Logprob) -> dict[str, Any]:
+        text = v.decoded_token or ""
+        return {
+            "token": text,
+            "logprob": max(v.logprob, MIN_LOGPROB),
+            "bytes": list(text.encode()),
+        }
+
+    out = []
+    for token_id, d in zip(c.token_ids, c.logprobs, strict=True):
+        item = entry(d[token_id])
+        if top:
+            ranked = sorted(
+                d.values(), key=lambda v: v.rank if v.rank is not None else 1 << 30
+            )
+            item["top_logprobs"] = [entry(v) for v in ranked[:top]]
+        out.append(OllamaLogprob.model_validate(item))
+    return {"logprobs": out}
+
+
+def _rfc3339(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
+
+
+def ollama_error(response: Response) -> Response:
+    """An OpenAI error response as Ollama's ``{"error": "message"}``."""
+    if response.status_code < 400 or response.media_type != "application/json":
+        return response
+    try:
+        error = json.loads(bytes(response.body))["error"]
+    except (ValueError, KeyError, TypeError):
+        return response
+    message = error.get("message", "") if isinstance(error, dict) else str(error)
+    headers = {
+        k: v
+        for k, v in response.headers.items()
+        if k not in ("content-length", "content-type")
+    }
+    return ASCIIJSONResponse(
+        {"error": message}, status_code=response.status_code, headers=headers
+    )
+
+
+@attrs.frozen
+class _Timing:
+    """When a request started and produced its first output (monotonic)."""
+
+    start: float = attrs.field(factory=time.monotonic)
+    first: list[float] = attrs.field(factory=list)
+
+    def saw_output(self) -> None:
+        if not self.first:
+            self.first.append(time.monotonic())
+
+    def fields(self, out: RequestOutput) -> dict[str, Any]:
+        end = time.monotonic()
+        first = self.first[0] if self.first else end
+        c = out.outputs[0]
+        return {
+            "done_reason": "length" if c.finish_reason == "length" else "stop",
+            "total_duration": int((end - self.start) * 1e9),
+            "load_duration": 0,
+            "prompt_eval_count": len(out.prompt_token_ids),
+            "prompt_eval_duration": int((first - self.start) * 1e9),
+            "eval_count": len(c.token_ids),
+            "eval_duration": int((end - first) * 1e9),
+        }
+
+
+@attrs.define(eq=False)
+class OllamaServing(Serving):
+    """``/api/generate``, ``/api/chat`` and the model routes."""
+
+    #: wall-clock time the server started (the model's ``modified_at``)
+    started: float = attrs.field(init=False, factory=time.time)
+
+    async def guarded(
+        self, request: Request, handler: Callable[[Any, bool], Awaitable[Response]]
+    ) -> Response:
+        return ollama_error(await super().guarded(request, handler))
+
+    def check_model(self, name: str | None) -> None:
+        """The served name, also with Ollama's default tag ``:latest``."""
+        served = self.config.model_name
+        if name and name not in (served, f"{served}:latest"):
+            raise ModelNotFoundError(
+                f"model {name!r} not found; this server serves {served!r}"
+            )
+
+    # -- generate ------------------------------------------------------------------
+
+    async def generate(self, body: Any, big: bool) -> Response:
+        llm = self.slot.get()
+        req = await maybe_off_loop(big, validate, OllamaGenerateRequest, body)
+        self.check_model(req.model)
+        if not req.prompt and not req.context:
+            return self._loaded(OllamaGenerateResponse, response="")
+        await check_constraints(req.constraint_checks)
+        text = req.prompt or ""
+        if req.raw and req.context:  # it goes on from the context: no BOS
+            check_prompt_bytes(text, llm.max_prompt_bytes, "prompt")
+            ids = await maybe_off_loop(
+                len(text) > OFF_LOOP_CHARS,
+                lambda: llm.tokenizer.encode(text, add_special_tokens=False),
+            )
+            prompt = Prompt(text, tuple(ids))
+        elif req.raw:
+            prompt = await parse_prompt_off_loop(
+                text, llm.tokenizer, max_bytes=llm.max_prompt_bytes
+            )
+        else:
+            messages = [{"role": "user", "content": text}]
+            if req.system:
+                messages.insert(0, {"role": "system", "content": req.system})
+            prompt = await self._render(llm, messages, None)
+        if req.context:
+            prompt = Prompt(None, (*req.context, *prompt.token_ids))
+        job = Job(0, 0, prompt, req.to_sampling_params())
+        self._check_fits(llm, req.options, prompt)
+
+        def line(out: RequestOutput, done: bool) -> dict[str, Any]:
+            c = out.outputs[0]
+            extra = _logprobs(c, req.top_logprobs) if not streamed_end(done) else {}
+            if not done:
+                return self._line(OllamaGenerateResponse, response=c.text, **extra)
+            return self._line(
+                OllamaGenerateResponse,
+                response="" if req.streaming else c.text,
+                context=[*prompt.token_ids, *c.token_ids],
+                **extra,
+                **timing.fields(out),
+            )
+
+        def streamed_end(done: bool) -> bool:
+            """The last line of a stream: every token's logprobs were sent."""
+            return done and req.streaming
+
+        timing = _Timing()
+        return await self._answer(llm, job, req.streaming, line, timing)
+
+    # -- chat ------------------------------------------------------------------------
+
+    async def chat(self, body: Any, big: bool) -> Response:
+        llm = self.slot.get()
+        req = await maybe_off_loop(big, validate, OllamaChatRequest, body)
+        self.check_model(req.model)
+        if not req.messages:
+            message = OllamaChatMessage(content="")
+            return self._loaded(OllamaChatResponse, message=message)
+        await check_constraints(req.constraint_checks)
+        prompt = await self._render(llm, req.template_messages(), req.template_tools())
+        job = Job(0, 0, prompt, req.to_sampling_params())
+        self._check_fits(llm, req.options, prompt)
+        names = [t.function.name for t in req.tools or ()]
+        parser: ToolCallParser | None = AutoParser(names) if names else None
+        events: list[ToolEvent] = []
+
+        def line(out: RequestOutput, done: bool) -> dict[str, Any] | None:
+            c = out.outputs[0]
+            logprobs = {} if done and req.streaming else _logprobs(c, req.top_logprobs)
+            if parser is None:
+                content = c.text if not done or not req.streaming else ""
+                message = OllamaChatMessage(content=content)
+            elif not done:  # the parser holds back what may be a call
+                new = parser.feed(c.text)
+                events.extend(new)
+                content = "".join(e.text for e in new if isinstance(e, ContentDelta))
+                if not content and not logprobs:
+                    return None
+                message = OllamaChatMessage(content=content)
+            else:
+                if not req.streaming:
+                    events.extend(parser.feed(c.text))
+                new = parser.finish()
+                events.extend(new)
+                parsed = collect(events, complete=parser.complete)
+                calls = [call(p.name, p.arguments) for p in parsed.calls]
+                if req.streaming:
+                    content = "".join(
+                        e.text for e in new if isinstance(e, ContentDelta)
+                    )
+                else:
+                    content = parsed.content or ""
+                if not parsed.complete:  # cut short: the text as it is
+                    calls = []
+                    content = c.text if not req.streaming else content
+                message = OllamaChatMessage(content=content)
+                if calls:
+                    message = OllamaChatMessage(content=content, tool_calls=calls)
+            if not done:
+                return self._line(OllamaChatResponse, message=message, **logprobs)
+            return self._line(
+                OllamaChatResponse, message=message, **logprobs, **timing.fields(out)
+            )
+
+        timing = _Timing()
+        return await self._answer(llm, job, req.streaming, line, timing)
+
+    # -- the model ------------------------------------------------------------------
+
+    def tags(self) -> OllamaTags:
+        return OllamaTags(models=[self._model()])
+
+    def processes(self) -> OllamaProcesses:
+        llm = self.slot.get()
+        model = self._model()
+        forever = datetime.now(UTC) + timedelta(days=365 * 100)
+        running = OllamaRunningModel(
+            **dump(model),
+            expires_at=forever.isoformat().replace("+00:00", "Z"),
+            size_vram=0,
+            context_length=llm.max_model_len,
+        )
+        return OllamaProcesses(models=[running])
+
+    async def show(self, body: Any, big: bool) -> Response:
+        llm = self.slot.get()
+        req = validate(OllamaShowRequest, body)
+        name = req.model or req.name
+        if name is None:
+            raise InvalidRequestError("model: required", field="model")
+        self.check_model(name)
+        model = self._model()
+        show = OllamaShowResponse(
+            modelfile=f"# served by structllm\nFROM {llm.engine_config.model}\n",
+            parameters="",
+            template=llm.tokenizer.chat_template or "",
+            details=model.details,
+            model_info={
+                "general.architecture": model.details.family,
+                "general.basename": self.config.model_name,
+                "context_length": llm.max_model_len,
+                "vocab_size": llm.vocab_size,
+            },
+            capabilities=["completion", "tools"],
+            modified_at=model.modified_at,
+        )
+        return ASCIIJSONResponse(dump(show))
+
+    @staticmethod
+    def version() -> OllamaVersion:
+        return OllamaVersion(version=structllm.__version__)
+
+    def _model(self) -> OllamaModel:
+        llm = self.slot.get()
+        ref = llm.engine_config.model
+        name = self.config.model_name
+        return OllamaModel(
+            name=name,
+            model=name,
+            modified_at=_rfc3339(self.started),  # when this server started
+            size=_size(ref),
+            digest=_digest(ref),
+            details=OllamaDetails(
+                format="gguf" if ref.endswith(".gguf") else "safetensors"
+            ),
+        )
+
+    # -- shared -----------------------------------------------------------------------
+
+    async def _render(
+        self,
+        llm: AsyncLLM,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+    ) -> Prompt:
+        """``messages`` through the chat template, tokenised (as chat does)."""
+        size = sum(len(m["content"]) for m in messages)
+        cap = llm.max_prompt_bytes
+        if cap is not None and 4 * size > cap:  # 4: the most bytes per char
+            text = "".join(m["content"] for m in messages)
+            check_prompt_bytes(text, cap, field="messages")
+
+        def render() -> tuple[str, tuple[int, ...]]:
+            text = llm.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tools=tools
+            )
+            return text, tuple(llm.tokenizer.encode(text, add_special_tokens=False))
+
+        rendered = size + (len(json.dumps(tools)) if tools else 0)
+        text, ids = await maybe_off_loop(rendered > OFF_LOOP_CHARS, render)
+        return Prompt(text, ids)
+
+    def _check_fits(self, llm: AsyncLLM, options: Any, prompt: Prompt) -> None:
+        max_tokens = options.max_tokens if options is not None else None
+        self.check_length(llm, prompt.token_ids, max_tokens, "options.num_predict")
+        num_ctx = options.num_ctx if options is not None else None
+        if num_ctx is None:
+            return
+        if num_ctx > llm.max_model_len:
+            raise InvalidRequestError(
+                f"options.num_ctx: {num_ctx} is above this server's context of "
+                f"{llm.max_model_len} tokens (--max-model-len)",
+                field="options.num_ctx",
+            )
+        need = len(prompt.token_ids) + (max_tokens or 0)
+        if need > num_ctx:
+            raise InvalidRequestError(
+                f"options.num_ctx: the prompt has {len(prompt.token_ids)} tokens"
+                + (f" and num_predict is {max_tokens}" if max_tokens else "")
+                + f"; that does not fit in {num_ctx}",
+                field="options.num_ctx",
+            )
+
+    def _line(self, model: type[Any], **fields: Any) -> dict[str, Any]:
+        done = "done_reason" in fields
+        return dump(
+            model(
+                model=self.config.model_name,
+                created_at=_rfc3339(time.time()),
+                done=done,
+                **fields,
+            )
+        )
+
+    def _loaded(self, model: type[Any], **fields: Any) -> Response:
+        """Ollama's answer to a request that only loads the model."""
+        return ASCIIJSONResponse(self._line(model, done_reason="load", **fields))
+
+    async def _answer(
+        self,
+        llm: AsyncLLM,
+        job: Job,
+        streaming: bool,
+        line: _Line,
+        timing: _Timing,
+    ) -> Response:
+        """The whole answer, or its NDJSON stream (refused first if it must be)."""
+
+        async def on_output(out: RequestOutput) -> None:
+            timing.saw_output()
+
+        if not streaming:
+            with renamed("format"):
+                final = await self.observe(job, on_output)
+            whole = line(final, True)
+            assert whole is not None
+            return ASCIIJSONResponse(whole)
+        llm.check_admission(job.prompt.token_ids, count=1, params=job.params)
+
+        async def produce(emit: Emit) -> None:
+            async def send(out: RequestOutput) -> None:
+                timing.saw_output()
+                if out.outputs[0].text and (event := line(out, False)) is not None:
+                    await emit(event)
+
+            try:
+                with deadline(self.config.request_timeout), renamed("format"):
+                    final = await self.observe(job, send)
+                last = line(final, True)
+                assert last is not None
+                await emit(last)
+            except Exception as exc:
+                response = self.error_response(unwrap_group(exc))
+                if response is None:
+                    raise
+                await emit(json.loads(bytes(ollama_error(response).body)))
+
+        return NDJSONStream(produce)
+
+
+def _size(ref: str) -> int:
+    """Bytes of the weights when ``ref`` is a local file or directory."""
+    path = Path(ref)
+    try:
+        if path.is_file():
+            return path.stat().st_size
+        if path.is_dir():
+            return sum(
+                p.stat().st_size
+                for p in path.iterdir()
+                if p.suffix in (".safetensors", ".gguf", ".bin")
+            )
+    except OSError:
+        pass
+    return 0
+
+
+def _digest(ref: str) -> str:
+    """A stand-in for Ollama's blob digest: the model reference's sha256."""
+    return hashlib.sha256(os.fsencode(ref)).hexdigest()

@@ -301,6 +301,16 @@ async def test_a_request_timeout_from_the_body_or_header_is_408(how: str) -> Non
             )
             assert "timeout_error" in r.text.rsplit("event:", 1)[-1]
             await s.wait_idle()
+            # llama.cpp's and Ollama's streams
+            native = {"prompt": "hi", "n_predict": 2000, "stream": True}
+            r = await s.http.post("/completion", json=native, headers=headers)
+            assert "longer than 0.2s" in r.text.rstrip().rsplit("\n", 1)[-1]
+            await s.wait_idle()
+            generate = {**msg, "prompt": "hi", "options": {"num_predict": 2000}}
+            del generate["messages"], generate["max_tokens"]
+            r = await s.http.post("/api/generate", json=generate, headers=headers)
+            assert "longer than 0.2s" in r.text.rstrip().rsplit("\n", 1)[-1]
+            await s.wait_idle()
         metrics = (await s.http.get("/metrics")).text
         assert "structllm_deadline_expired_requests_total" in metrics
         assert "structllm_deadline_skipped_tokens_total" in metrics

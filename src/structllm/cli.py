@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     from structllm.bench.prefix import add_prefix_args
 
     add_prefix_args(pfx)
+    scp = bsub.add_parser("scopes", help="deadlines (EDF vs FCFS) and pinned prefixes")
+    from structllm.bench.scopes import add_scopes_args
+
+    add_scopes_args(scp)
     comp = sub.add_parser("completion", help="print a shell completion script")
     comp.add_argument("shell", choices=["bash"], help="bash (zsh: via bashcompinit)")
     return parser
@@ -193,6 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from structllm.bench.prefix import run_prefix
 
         return run_prefix(ns)
+    if ns.command == "bench" and ns.bench == "scopes":
+        from structllm.bench.scopes import run_scopes
+
+        return run_scopes(ns)
     if ns.command == "bench" and ns.bench == "throughput":
         from structllm.bench.throughput import run_throughput
 

@@ -142,6 +142,29 @@ class EngineConfig:
     enable_prefix_caching: bool = setting(
         True, help="reuse the KV blocks of repeated prompt prefixes", topic="engine"
     )
+    scheduling_order: Literal["edf", "fcfs"] = setting(
+        "edf",
+        help="within a priority, edf: requests with the earliest deadline first "
+        "(a caller's cancel scope, or a server request's timeout), then the "
+        "others first-come first-served; fcfs: arrival order only (expired "
+        "requests are dropped either way)",
+        topic="engine",
+    )
+    deadline_starvation_s: float = setting(
+        30.0,
+        help="with --scheduling-order edf, a request without a deadline ranks "
+        "as if due this many seconds after it arrived, so deadlines never "
+        "starve it",
+        validator=_POSITIVE,
+        topic="engine",
+    )
+    max_pinned_fraction: float = setting(
+        0.5,
+        help="the largest fraction of the KV blocks that pinned prefixes "
+        "(AsyncLLM.pin) may hold; a pin beyond it is refused",
+        validator=at_least(0, at_most=1),
+        topic="engine",
+    )
     num_threads: int | None = setting(
         None,
         help="CPU threads for Paddle's math (default: every usable core)",

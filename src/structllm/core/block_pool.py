@@ -16,6 +16,10 @@ num_blocks`` and, when no request is live, ``num_used == 0``.
 Allocation takes free-uncached blocks first, then evicts free-cached ones
 least recently freed first. A referenced block is never evicted.
 
+A **pin** (:meth:`BlockPool.pin`) is a named reference to the cached blocks
+of a prefix: they stay referenced, so never evicted, and keep their hashes
+through :meth:`~BlockPool.reset_prefix_cache`, until :meth:`~BlockPool.unpin`.
+
 A block's hash names its contents: the hash of its tokens chained to the
 hash of the block before it (:func:`hash_block_tokens`), so equal hashes
 mean an equal prefix of the whole sequence, not just equal blocks.
@@ -82,6 +86,9 @@ class BlockPoolStatistics:
     num_cached: int = 0
     #: cached blocks whose hash was dropped to reuse the block, ever
     total_evictions: int = 0
+    #: pins held, and the blocks they hold (a subset of num_used)
+    num_pins: int = 0
+    num_pinned: int = 0
 
     @property
     def usage(self) -> float:
@@ -101,6 +108,8 @@ class BlockPool:
     _cached: dict[BlockHash, int] = attrs.field(init=False, factory=dict)
     _num_free_cached: int = attrs.field(init=False, default=0)
     _total_evictions: int = attrs.field(init=False, default=0)
+    #: pin name -> the blocks it holds a reference to
+    _pins: dict[str, list[int]] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self._free = OrderedDict.fromkeys(range(self.num_blocks))
@@ -228,19 +237,54 @@ class BlockPool:
         return self._hashes[block]
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached hash; return how many were dropped.
+        """Forget every cached hash but the pinned blocks'; return how many
+        were dropped.
 
         Free-cached blocks become free-uncached; held blocks stay with their
         owners, unshareable from now on. Never fails, whatever is running.
         """
-        dropped = len(self._cached)
-        for b in self._cached.values():
+        keep = self.pinned_blocks()
+        dropped = 0
+        for h, b in list(self._cached.items()):
+            if b in keep:
+                continue
+            dropped += 1
+            del self._cached[h]
             self._hashes[b] = None
             if self._ref_counts[b] == 0:
                 self._free.move_to_end(b, last=False)
-        self._cached.clear()
         self._num_free_cached = 0
         return dropped
+
+    # -- pins -----------------------------------------------------------------
+
+    def pin(self, name: str, hashes: Sequence[BlockHash]) -> list[int]:
+        """Hold the cached blocks of the longest cached prefix of ``hashes``
+        under ``name``; return them. A name already pinned is refused."""
+        if name in self._pins:
+            raise ValueError(f"{name!r} is pinned already")
+        blocks = self.lookup(hashes)
+        self.incref(blocks)
+        self._pins[name] = blocks
+        return blocks
+
+    def unpin(self, name: str) -> bool:
+        """Drop the pin ``name`` (its blocks' reference); False if none."""
+        blocks = self._pins.pop(name, None)
+        if blocks is None:
+            return False
+        self.free(reversed(blocks))
+        return True
+
+    def is_pinned(self, name: str) -> bool:
+        return name in self._pins
+
+    def pinned_names(self) -> list[str]:
+        return list(self._pins)
+
+    def pinned_blocks(self) -> set[int]:
+        """The blocks the pins hold (one that two pins share, once)."""
+        return {b for blocks in self._pins.values() for b in blocks}
 
     def audit(self) -> None:
         """Raise AssertionError unless the books balance (for tests)."""
@@ -254,6 +298,10 @@ class BlockPool:
                 assert self._cached.get(h) == b, f"block {b}: hash not registered"
         assert len(self._cached) == sum(h is not None for h in self._hashes)
         assert self._num_free_cached == sum(self._hashes[b] is not None for b in free)
+        for name, blocks in self._pins.items():
+            for b in blocks:
+                assert self._ref_counts[b] >= 1, f"pin {name!r}: block {b} is free"
+                assert self._hashes[b] is not None, f"pin {name!r}: {b} uncached"
         # uncached free blocks are all in front of the cached ones
         states = [self._hashes[b] is not None for b in self._free]
         assert states == sorted(states), "a cached block is ahead of an uncached one"
@@ -270,4 +318,6 @@ class BlockPool:
             num_used=self.num_used,
             num_cached=self._num_free_cached,
             total_evictions=self._total_evictions,
+            num_pins=len(self._pins),
+            num_pinned=len(self.pinned_blocks()),
         )

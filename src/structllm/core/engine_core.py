@@ -185,6 +185,8 @@ class EngineCore:
                 disable_by_batch_size=None
                 if spec is None
                 else spec.disable_by_batch_size,
+                scheduling_order=config.scheduling_order,
+                deadline_starvation_s=config.deadline_starvation_s,
             )
         except EngineConfigError:
             raise
@@ -263,6 +265,8 @@ class EngineCore:
         check_prompt(
             prompt, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
+        if r.pin:
+            self._check_pin(r)
         # No separate "fits in the pool" check: __init__ refuses a pool that
         # cannot hold one max_model_len sequence, and check_prompt refuses
         # prompts of max_model_len tokens, so every admitted prompt fits.
@@ -279,11 +283,57 @@ class EngineCore:
             max_new_tokens=max_new,
             generator=make_generator(r.params.seed),
             cache_salt=r.cache_salt,
+            deadline=r.deadline,
+            group=r.group,
+            pin=r.pin,
         )
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
-        """Abort in any state, freeing blocks now; unknown ids are ignored."""
+    def _check_pin(self, r: CoreRequest) -> None:
+        """Refuse a pin that holds nothing, or more than the cap leaves."""
+        if not self.config.enable_prefix_caching:
+            raise InvalidRequestError(
+                "pin: a pinned prefix lives in the prefix cache; "
+                "enable_prefix_caching is off",
+                field="pin",
+            )
+        if self.pool.is_pinned(r.request_id):
+            raise InvalidRequestError(
+                f"pin: {r.request_id!r} is pinned already", field="pin"
+            )
+        bs = self.pool.block_size
+        need = len(r.prompt_token_ids) // bs
+        if need == 0:
+            raise InvalidRequestError(
+                f"pin: the prompt ({len(r.prompt_token_ids)} tokens) fills no "
+                f"KV block of {bs} tokens; only full blocks are cached",
+                field="pin",
+            )
+        cap = int(self.config.max_pinned_fraction * self.pool.num_blocks)
+        # held, and what the pin requests in flight will hold (counted whole)
+        held = len(self.pool.pinned_blocks()) + sum(
+            len(q.prompt_token_ids) // bs
+            for q in self.scheduler.requests.values()
+            if q.pin
+        )
+        if held + need > cap:
+            raise InvalidRequestError(
+                f"pin: the prompt fills {need} KV blocks and pins hold {held}, "
+                f"beyond the cap of {cap} (max_pinned_fraction="
+                f"{self.config.max_pinned_fraction:g} of {self.pool.num_blocks} "
+                "blocks); release a pin or raise the cap",
+                field="pin",
+            )
+
+    def abort_requests(
+        self, request_ids: Iterable[str], groups: Iterable[str] = ()
+    ) -> list[str]:
+        """Abort in any state, freeing blocks now, and release the pins
+        named; ``groups``: every member of these races too. Unknown ids
+        are ignored."""
         ids = list(request_ids)
+        names = set(groups)
+        if names:
+            ids += [r for r, q in self.scheduler.requests.items() if q.group in names]
         self.structured.forget(ids)
         aborted = [r.request_id for r in self.scheduler.abort_requests(ids)]
         if self.draft is not None:
@@ -301,7 +351,8 @@ class EngineCore:
         """Forget every cached prefix block; return how many were forgotten.
 
         Safe at any time: running requests keep their blocks (no longer
-        shareable), later requests recompute what they need.
+        shareable), later requests recompute what they need. Pinned
+        prefixes stay cached (see :meth:`BlockPool.pin`).
         """
         return self.scheduler.reset_prefix_cache()
 
@@ -315,8 +366,15 @@ class EngineCore:
             if chunk.request.first_scheduled_time is None:
                 chunk.request.first_scheduled_time = now
         schedule_s = time.perf_counter() - start
+        self.structured.forget([r.request_id for r in sched.expired])
+        expired = tuple(
+            RequestStepOutput(r.request_id, (), finish_reason="abort")
+            for r in sched.expired
+        )
         if sched.is_empty:
-            return self._step_output((), sched, start, schedule_s, rejected=rejected)
+            return self._step_output(
+                expired, sched, start, schedule_s, rejected=rejected
+            )
         by_id = {c.request.request_id: c.request for c in sched.chunks}
         ran = self.runner.execute(sched)
         before = {rid: len(by_id[rid].output_token_ids) for rid in ran.sampled}
@@ -354,7 +412,7 @@ class EngineCore:
                 )
             )
         return self._step_output(
-            tuple(outputs),
+            (*expired, *outputs),
             sched,
             start,
             schedule_s,
@@ -411,6 +469,8 @@ class EngineCore:
             num_drafts=s.num_drafts,
             num_draft_tokens=s.num_draft_tokens,
             num_accepted_tokens=s.num_accepted_tokens,
+            num_expired=s.num_expired,
+            expired_tokens_skipped=s.expired_tokens_skipped,
         )
 
     def statistics(self) -> EngineCoreStatistics:

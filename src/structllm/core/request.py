@@ -53,6 +53,14 @@ class CoreRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     arrival_time: float = 0.0
     #: requests with different salts never share prefix-cache blocks
     cache_salt: str | None = None
+    #: the caller's deadline (``time.monotonic()`` of this machine): the core
+    #: orders by it and drops the request once it passes (None: no deadline)
+    deadline: float | None = None
+    #: a race's name: ``AbortRequests(groups=[group])`` ends every member
+    group: str | None = None
+    #: on finishing, keep the prompt's full blocks cached and held, under this
+    #: request's id, until an abort names it (``AsyncLLM.pin``)
+    pin: bool = False
 
 
 class RejectedRequest(msgspec.Struct, frozen=True, array_like=True):
@@ -117,6 +125,10 @@ class StepOutput(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    #: requests dropped because their deadline passed, and the tokens the
+    #: model would still have run for them, at most (cumulative)
+    num_expired: int = 0
+    expired_tokens_skipped: int = 0
 
 
 class RequestStatus(enum.Enum):
@@ -169,6 +181,12 @@ class Request:
     #: they are sent with the first sampled token
     prompt_logprobs: list[TokenLogprobs] = attrs.Factory(list)
     prompt_logprobs_sent: bool = False
+    #: the caller's deadline (time.monotonic); past it the core drops it
+    deadline: float | None = None
+    #: the scheduling order's due time (see Scheduler.add_request)
+    due: float = 0.0
+    group: str | None = None
+    pin: bool = False
     #: speculative decoding: the most tokens to propose next (adapts to how
     #: many were accepted; None: the configured number), decode steps to
     #: run without proposals, and verifications in a row that accepted none
@@ -200,6 +218,34 @@ class Request:
         return [*self.prompt_token_ids[start:], *self.output_token_ids[: stop - p]]
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        """Lower runs first: priority, then arrival order."""
-        return (self.priority, self.sequence_number)
+    def sort_key(self) -> tuple[int, float, int]:
+        """Lower runs first: priority, due time, then arrival order."""
+        return (self.priority, self.due, self.sequence_number)
+
+    def past_deadline(self, now: float) -> bool:
+        return self.deadline is not None and self.deadline <= now
+
+    @property
+    def num_tokens_left(self) -> int:
+        """Tokens the model would still run for it, at most: the pending
+        ones and one per output it may still sample after the next."""
+        outputs_left = self.max_new_tokens - len(self.output_token_ids) - 1
+        return self.num_pending_tokens + max(0, outputs_left)
+
+    def check_stop(self, token: int) -> tuple[FinishReason, int | None] | None:
+        """Whether ``token``, just appended to the outputs, ends the request:
+        (finish reason, stop reason), or None."""
+        params = self.params
+        n = len(self.output_token_ids)
+        if n >= params.min_tokens:
+            if token in params.stop_token_ids:
+                return "stop", token
+            if token in self.eos_token_ids and not params.ignore_eos:
+                return "stop", None
+        if self.grammar is not None and self.grammar.is_terminated():
+            # EOS accepted, or nothing but EOS may follow: neither min_tokens
+            # nor ignore_eos extends a complete structured output
+            return "stop", None
+        if n >= self.max_new_tokens:
+            return "length", None
+        return None

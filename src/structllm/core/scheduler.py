@@ -33,6 +33,12 @@ Policy, in order, each step:
    (:func:`_adapt`): output that does not repeat its context soon stops
    paying for verification.
 
+Within a priority, requests rank by due time (``scheduling_order="edf"``:
+the deadline, else arrival plus ``deadline_starvation_s``, so deadlines never
+starve the others; ``"fcfs"``: arrival). Each step first drops (``"abort"``)
+every request past its deadline, in any state. A pin request that finishes
+pins its prompt's cached full blocks under its id until an abort names it.
+
 Prefix caching (``enable_prefix_caching``): a request admitted takes the
 longest chain of cached full blocks matching its tokens (prompt, and for a
 preempted request its outputs too) and computes only the rest; at least its
@@ -50,7 +56,8 @@ progresses every step the waiting one could have been admitted.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 
@@ -98,13 +105,22 @@ class Scheduler:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    #: what deadlines are compared with (time.monotonic; tests pass their own)
+    clock: Callable[[], float] = time.monotonic
+    num_expired: int = 0
+    expired_tokens_skipped: int = 0
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``; the caller has validated it (see EngineCore)."""
         if request.request_id in self.requests:
             raise ValueError(f"request {request.request_id!r} is already live")
+        if self.pool.is_pinned(request.request_id):
+            raise ValueError(f"{request.request_id!r} names a held pin")
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
+        if self.config.scheduling_order == "edf":
+            wait = request.arrival_time + self.config.deadline_starvation_s
+            request.due = wait if request.deadline is None else request.deadline
         if self.config.enable_prefix_caching:
             self._extend_hashes(request)
         bisect.insort(self.waiting, request, key=_key)
@@ -117,6 +133,7 @@ class Scheduler:
         return bool(self.requests)
 
     def schedule(self) -> SchedulerOutput:
+        expired = self._drop_expired()
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
@@ -202,7 +219,17 @@ class Scheduler:
             budget -= n
         if self._speculating():
             self._add_drafts(chunks, budget)
-        return SchedulerOutput(tuple(chunks), tuple(preempted))
+        return SchedulerOutput(tuple(chunks), tuple(preempted), expired)
+
+    def _drop_expired(self) -> tuple[Request, ...]:
+        """Finish (``"abort"``) every request whose deadline has passed."""
+        now = self.clock()
+        expired = tuple(r for r in self.requests.values() if r.past_deadline(now))
+        for req in expired:
+            self.num_expired += 1
+            self.expired_tokens_skipped += req.num_tokens_left
+            self._finish(req, "abort", None)
+        return expired
 
     def _speculating(self) -> bool:
         limit = self.config.disable_by_batch_size
@@ -288,7 +315,7 @@ class Scheduler:
                     # only a sampler fallback can get here (a broken matcher)
                     error = True
                     break
-                stop = _check_stop(req, token)
+                stop = req.check_stop(token)
                 if stop is not None:
                     break
             # (a stop inside an accepted run leaves the rest uncounted)
@@ -318,13 +345,15 @@ class Scheduler:
             del req.block_ids[keep:]
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
-        """Abort in any state; unknown or finished ids are ignored."""
+        """Abort in any state, and release the pins named; unknown or
+        finished ids are ignored."""
         aborted = []
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is not None:
                 self._finish(req, "abort", None)
                 aborted.append(req)
+            self.pool.unpin(rid)
         return aborted
 
     def statistics(self) -> SchedulerStatistics:
@@ -341,6 +370,8 @@ class Scheduler:
             num_drafts=self.num_drafts,
             num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens,
+            num_expired=self.num_expired,
+            expired_tokens_skipped=self.expired_tokens_skipped,
         )
 
     def _extend_hashes(self, req: Request) -> None:
@@ -382,6 +413,10 @@ class Scheduler:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
+        if req.pin and reason in ("stop", "length"):
+            # the prompt's full blocks as later lookups find them
+            full = len(req.prompt_token_ids) // self.pool.block_size
+            self.pool.pin(req.request_id, req.block_hashes[:full])
         self._release(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
@@ -411,22 +446,5 @@ def _adapt(req: Request, accepted: int, proposed: int, most: int) -> None:
     req.spec_window = min(most, 2 * proposed if accepted == proposed else accepted + 1)
 
 
-def _key(req: Request) -> tuple[int, int]:
+def _key(req: Request) -> tuple[int, float, int]:
     return req.sort_key
-
-
-def _check_stop(req: Request, token: int) -> tuple[FinishReason, int | None] | None:
-    params = req.params
-    n = len(req.output_token_ids)
-    if n >= params.min_tokens:
-        if token in params.stop_token_ids:
-            return "stop", token
-        if token in req.eos_token_ids and not params.ignore_eos:
-            return "stop", None
-    if req.grammar is not None and req.grammar.is_terminated():
-        # EOS accepted, or nothing but EOS may follow: neither min_tokens nor
-        # ignore_eos extends a complete structured output
-        return "stop", None
-    if n >= req.max_new_tokens:
-        return "length", None
-    return None

@@ -6,6 +6,8 @@ the runner and the engine core read these.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import attrs
 
 from structllm.config import EngineConfig
@@ -54,6 +56,16 @@ class SchedulerConfig:
     num_speculative_tokens: int = attrs.field(default=0, validator=at_least(0))
     #: no proposals while more requests than this run (None: no limit)
     disable_by_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
+    #: within a priority: "edf", earliest deadline first; "fcfs", arrival
+    scheduling_order: Literal["edf", "fcfs"] = attrs.field(
+        default=_ENGINE.scheduling_order.default,
+        validator=attrs.validators.in_(("edf", "fcfs")),
+    )
+    #: edf: a request without a deadline is due this long after it arrives
+    deadline_starvation_s: float = attrs.field(
+        default=_ENGINE.deadline_starvation_s.default,
+        validator=at_least(0, above=True),
+    )
 
     def __attrs_post_init__(self) -> None:
         if (
@@ -85,6 +97,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
     preempted: tuple[str, ...]
+    #: requests whose deadline passed, dropped (finished "abort") this step
+    expired: tuple[Request, ...] = ()
 
     @property
     def num_batched_tokens(self) -> int:
@@ -117,6 +131,11 @@ class SchedulerStatistics:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    #: requests dropped because their deadline passed, ever, and the tokens
+    #: the model would still have run for them (at most: max_tokens bounds
+    #: their decode)
+    num_expired: int = 0
+    expired_tokens_skipped: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

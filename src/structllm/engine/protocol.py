@@ -77,7 +77,11 @@ class Start(msgspec.Struct, tag=True):
 
 
 class AbortRequests(msgspec.Struct, tag=True):
+    """End these requests (and release the pins of these ids) and every
+    member of these groups (a race's samples), before the next step."""
+
     request_ids: list[str]
+    groups: list[str] = msgspec.field(default_factory=list)
 
 
 class ResetPrefixCache(msgspec.Struct, tag=True):
@@ -110,6 +114,9 @@ class CoreState(msgspec.Struct, tag=True):
     num_blocks: int
     #: structured-output grammars compiling or queued
     grammars_compiling: int = 0
+    #: the ids of the pins it holds, and the blocks they hold (in blocks_used)
+    pins: list[str] = msgspec.field(default_factory=list)
+    blocks_pinned: int = 0
 
 
 class Shutdown(msgspec.Struct, tag=True):

@@ -45,6 +45,10 @@ class EngineStatistics:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    #: requests the core dropped because their deadline passed, and the
+    #: tokens it would still have run for them, at most (since open())
+    deadline_expired_requests: int = 0
+    deadline_skipped_tokens: int = 0
     #: each replica's own snapshot (its ``live_requests``: those placed on
     #: it); the counts above are their sums, ``ready`` and ``healthy`` true
     #: when any replica is, ``dead`` when all are

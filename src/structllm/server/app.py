@@ -176,6 +176,15 @@ def _gauges(slot: EngineSlot) -> Gauges:
                 "Speculative decoding: proposed tokens accepted.",
                 s.spec_decode_num_accepted_tokens,
             ),
+            "deadline_expired_requests_total": (
+                "Requests the engine dropped unfinished when their deadline passed.",
+                s.deadline_expired_requests,
+            ),
+            "deadline_skipped_tokens_total": (
+                "Tokens the engine did not run for requests past their deadline "
+                "(at most: max_tokens bounds their decode).",
+                s.deadline_skipped_tokens,
+            ),
         }
 
     return gauges

@@ -7,7 +7,10 @@ and a deadline, strict: no NaN, bounded depth; big bodies parsed in a
 worker thread), runs the endpoint's handler in a task group that also watches the connection (a
 client that leaves cancels it, the request's ``stream`` block exits and the
 engine aborts it within one step) under ``--request-timeout``, and turns the
-known errors into OpenAI error responses. ``run_to_end()`` and
+known errors into OpenAI error responses. A request's time limit is the
+least of ``--request-timeout``, its ``X-Request-Timeout`` header and its
+body's ``timeout`` (:meth:`Serving.limit`); the engine sees it as the
+request's deadline (it ranks and drops work by it). ``run_to_end()`` and
 ``stream()`` run the requests of one response (prompts times ``n``), the
 latter as server-sent events whose chunks a :class:`StreamFormat` writes
 (each API's is a :class:`Chunks`).
@@ -17,6 +20,7 @@ latter as server-sent events whose chunks a :class:`StreamFormat` writes
 
 from __future__ import annotations
 
+import contextvars
 import json
 import math
 import time
@@ -74,6 +78,7 @@ class Job:
     prompt_index: int
     prompt: Prompt
     params: SamplingParams
+    priority: int = 0
 
 
 class StreamFormat(Protocol):
@@ -113,6 +118,12 @@ class Serving:
         is the disconnect, which a watcher task waits for.
         """
         config = self.config
+        try:
+            _header_timeout.set(header_timeout(request))
+        except InvalidRequestError as exc:
+            refused = self.error_response(exc)
+            assert refused is not None  # a 400
+            return refused
         body = await receive_json(request, config.max_body_bytes, config.body_timeout)
         if isinstance(body, Response):
             return body
@@ -120,7 +131,7 @@ class Serving:
             response = None
             async with anyio.create_task_group() as tg:
                 tg.start_soon(cancel_on_disconnect, request.receive, tg.cancel_scope)
-                with deadline(config.request_timeout):
+                with deadline(self.limit(None)):
                     response = await handler(body.value, body.big)
                 tg.cancel_scope.cancel()
             if response is None:  # the client went away
@@ -134,6 +145,16 @@ class Serving:
 
     def error_response(self, exc: BaseException) -> Response | None:
         return error_response(exc, retry_after=self.config.retry_after)
+
+    def limit(self, timeout: float | None) -> float | None:
+        """Seconds this request may take: the least of ``--request-timeout``,
+        the ``X-Request-Timeout`` header and ``timeout`` (the body's)."""
+        limits = [
+            t
+            for t in (self.config.request_timeout, _header_timeout.get(), timeout)
+            if t is not None
+        ]
+        return min(limits) if limits else None
 
     # -- checks shared by the endpoints ----------------------------------------
 
@@ -209,6 +230,7 @@ class Serving:
         jobs: Sequence[Job],
         fmt: StreamFormat,
         constraint_field: str | None = None,
+        timeout: float | None = None,
     ) -> EventStream:
         """The jobs' chunks as server-sent events, then ``[DONE]``.
 
@@ -216,7 +238,9 @@ class Serving:
         bad prompt is a 400 and overload a 503, streaming or not. Errors
         after that (a timeout, an engine death, a grammar only the engine
         core could refuse, named as ``constraint_field``) are the last event.
+        ``timeout``: the body's (see :meth:`limit`).
         """
+        limit = self.limit(timeout)
         for prompt in {job.prompt_index: job.prompt for job in jobs}.values():
             llm.check_admission(
                 prompt.token_ids, count=len(jobs), params=jobs[0].params
@@ -288,7 +312,7 @@ class Serving:
 
         async def produce_with_deadline(emit: Emit) -> None:
             try:
-                with deadline(self.config.request_timeout):
+                with deadline(limit):
                     await produce(emit)
             except RequestTimeoutError as exc:  # the 200 is sent: say it here
                 response = self.error_response(exc)
@@ -319,7 +343,9 @@ class Serving:
             rid = record.engine_request_id(job.index)
             if record.prompt_chars and record.prompt is None:
                 record.prompt = self.prompt_text(prompt)[: record.prompt_chars]
-        s = self.slot.get().stream(prompt, job.params, request_id=rid)
+        s = self.slot.get().stream(
+            prompt, job.params, request_id=rid, priority=job.priority
+        )
         try:
             async with s:
                 async for out in s:
@@ -384,3 +410,26 @@ class Chunks(Generic[_R]):
         if c.finish_reason is not None:
             extra["stop_reason"] = c.stop_reason
         return extra
+
+
+#: the X-Request-Timeout header's seconds, for the request being served
+_header_timeout: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "structllm_header_timeout", default=None
+)
+
+
+def header_timeout(request: Request) -> float | None:
+    """The ``X-Request-Timeout`` header: positive seconds, or None if absent."""
+    raw = request.headers.get("x-request-timeout")
+    if raw is None:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise InvalidRequestError(
+            f"X-Request-Timeout must be a positive number of seconds, not {raw!r:.40}",
+            field="X-Request-Timeout",
+        )
+    return seconds

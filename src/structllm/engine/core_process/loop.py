@@ -269,7 +269,7 @@ def _loop(
             if isinstance(msg, CoreRequest):
                 _add(core, msg, send)
             elif isinstance(msg, AbortRequests):
-                core.abort_requests(msg.request_ids)
+                core.abort_requests(msg.request_ids, msg.groups)
             elif isinstance(msg, ResetPrefixCache):
                 send(PrefixCacheReset(core.reset_prefix_cache()))
             elif isinstance(msg, InspectCore):
@@ -326,6 +326,8 @@ def _state(core: EngineCore) -> CoreState:
         blocks_used=core.pool.num_used,
         num_blocks=core.pool.num_blocks,
         grammars_compiling=core.structured.num_compiling,
+        pins=sorted(core.pool.pinned_names()),
+        blocks_pinned=len(core.pool.pinned_blocks()),
     )
 
 

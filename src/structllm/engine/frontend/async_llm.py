@@ -17,6 +17,8 @@ This module is the public API; the work is split by job as vLLM splits it:
   one-slot mailbox; the offline ``LLM`` uses the same processor;
 - :mod:`~structllm.engine.frontend.inputs` checks a request's arguments and builds
   the request the core takes (shared with ``LLM`` too);
+- :mod:`~structllm.engine.frontend.scopes` holds races and pins, the
+  requests whose scope the core knows beyond a deadline;
 - this module admits requests (:meth:`AsyncLLM.submit`, :meth:`AsyncLLM.release`:
   the public pair :class:`~structllm.engine.frontend.request_stream.RequestStream`
   and ``generate()`` are built on) and ties each one to whoever consumes it.
@@ -45,6 +47,7 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 import attrs
+import msgspec
 
 from structllm.config import EngineConfig, FrontendConfig, split_fields
 from structllm.engine.frontend.core_client import health_timeout
@@ -67,6 +70,12 @@ from structllm.engine.frontend.request_stream import (
     run_all_to_end,
     run_to_end,
 )
+from structllm.engine.frontend.scopes import (
+    PinnedPrefix,
+    core_deadline,
+    open_pin,
+    run_race,
+)
 from structllm.engine.protocol import AbortRequests, CoreState, Ready
 from structllm.engine.statistics import EngineStatistics
 from structllm.errors import EngineDeadError, InvalidRequestError, unwrap_group
@@ -74,7 +83,7 @@ from structllm.outputs import RequestOutput
 from structllm.params import OutputKind, SamplingParams
 from structllm.text.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["AsyncLLM", "EngineStatistics", "RequestStream"]
+__all__ = ["AsyncLLM", "EngineStatistics", "PinnedPrefix", "RequestStream"]
 
 
 class AsyncLLM:
@@ -231,6 +240,37 @@ class AsyncLLM:
         finally:
             del self._samples[rid]
 
+    async def race(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        *,
+        n: int,
+        accept: Callable[[RequestOutput], bool] | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> RequestOutput | None:
+        """``n`` samples of ``prompt`` at once (seeds ``seed + i``, ids
+        ``{request_id}-{i}``); the first to finish that ``accept`` takes (it
+        gets each finished sample's final output, "stop" or "length";
+        default: any), the others ended before the core's next step; None
+        if none is taken. A cancelled caller, an ``accept`` that raises, or
+        ``abort(request_id)`` ends all (:mod:`~structllm.engine.frontend.scopes`).
+        """
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        params = SamplingParams() if params is None else params
+        return await run_race(self, prompt, params, n, accept, rid, priority)
+
+    def pin(
+        self, prompt: PromptInput, *, request_id: str | None = None
+    ) -> AbstractAsyncContextManager[PinnedPrefix]:
+        """``async with llm.pin(prefix) as pinned:`` prefill ``prefix`` once and
+        keep its full KV blocks cached, never evicted, for the block; leaving
+        it by any path releases them before the core's next step. Beyond
+        ``max_pinned_fraction`` of the blocks, InvalidRequestError (``pin``)."""
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        return open_pin(self, prompt, rid)
+
     async def abort(self, request_id: str) -> None:
         """End ``request_id`` now: cancels its stream block; idempotent."""
         for sample in self._samples.get(request_id, ()):
@@ -258,7 +298,8 @@ class AsyncLLM:
         """Forget every cached prefix block; return how many were forgotten.
 
         Blocks in use stay with their requests (and are not cached again
-        when freed). Raises EngineDeadError if the core dies first.
+        when freed); pinned prefixes stay cached. Raises EngineDeadError if
+        the core dies first.
         """
         return await self._client.reset_prefix_cache()
 
@@ -317,6 +358,9 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        *,
+        group: str | None = None,
+        pin: bool = False,
     ) -> RequestState:
         """Register a request and send it to a core; its state (``mailbox``
         of outputs, ``finish_reason``, ``snapshot()``) until :meth:`release`.
@@ -325,6 +369,12 @@ class AsyncLLM:
         prompt is parsed and the engine is ready, registration and
         submission happen without an await: cancellation cannot split them.
         Every state must be released, on every path.
+
+        The caller's effective deadline (``anyio.current_effective_deadline``)
+        goes with it: the core ranks waiting work by it and drops the request
+        once it passes, before the scope's own abort arrives. ``group``: a
+        race's name; ``pin``: keep its prompt's blocks once prefilled (see
+        :mod:`~structllm.engine.frontend.scopes`).
         """
         state, request = await process_inputs(
             prompt,
@@ -336,6 +386,9 @@ class AsyncLLM:
             admit=self._admit,
         )
         # No await since _admit's checks: registered and submitted, or neither.
+        request = msgspec.structs.replace(
+            request, deadline=core_deadline(), group=group, pin=pin
+        )
         self._client.submit_nowait(request)
         self._processor.add(state)
         return state

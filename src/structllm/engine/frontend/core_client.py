@@ -174,6 +174,9 @@ class CoreClient:
     #: over every core start, as prefix_cache)
     spec_decode: tuple[int, int, int] = (0, 0, 0)
     _core_spec_decode: tuple[int, int, int] = (0, 0, 0)
+    #: requests dropped at their deadline, and tokens skipped (as above)
+    expired: tuple[int, int] = (0, 0)
+    _core_expired: tuple[int, int] = (0, 0)
     #: questions to the core (reset_prefix_cache(), inspect()) waiting for
     #: their answers, oldest first: the core answers in the order it was asked
     _questions: list[_Question] = attrs.Factory(list)
@@ -236,6 +239,8 @@ class CoreClient:
             spec_decode_num_drafts=client.spec_decode[0],
             spec_decode_num_draft_tokens=client.spec_decode[1],
             spec_decode_num_accepted_tokens=client.spec_decode[2],
+            deadline_expired_requests=client.expired[0],
+            deadline_skipped_tokens=client.expired[1],
         )
 
     async def reset_prefix_cache(self) -> int:
@@ -354,11 +359,18 @@ class CoreClient:
             )
         )
         self._core_spec_decode = spec
+        expired = (step.num_expired, step.expired_tokens_skipped)
+        self.expired = (
+            self.expired[0] + expired[0] - self._core_expired[0],
+            self.expired[1] + expired[1] - self._core_expired[1],
+        )
+        self._core_expired = expired
 
     def _on_core_gone(self) -> None:
         self.relay.on_change()
         self._core_prefix_cache = (0, 0)  # the next core counts from zero
         self._core_spec_decode = (0, 0, 0)
+        self._core_expired = (0, 0)
         for asked in self._questions:
             asked.answer = EngineDeadError("the engine core stopped before answering")
             asked.done.set()

@@ -88,6 +88,8 @@ class ReplicaSet:
     placement: dict[str, int] = attrs.Factory(dict)
     #: live requests placed on each replica
     load: list[int] = attrs.field(init=False)
+    #: pin (its core id) -> the replica that holds it
+    pins: dict[str, int] = attrs.Factory(dict)
     router: PrefixRouter = attrs.field(init=False)
     closing: bool = False
     _changed: anyio.Event = attrs.Factory(anyio.Event)
@@ -187,6 +189,8 @@ class ReplicaSet:
         lost = [rid for rid, k in self.placement.items() if k == replica]
         for rid in lost:
             self.forget(rid)
+        for pin in [p for p, k in self.pins.items() if k == replica]:
+            del self.pins[pin]  # the core that held it is gone
         self.router.forget_replica(replica)
         what = "the engine core died"
         if len(self.clients) > 1:
@@ -224,8 +228,29 @@ class ReplicaSet:
             self.placement[core_id] = k
             self.load[k] += 1
             self.router.record(hashes, k)
+            if request.pin:
+                self.pins[core_id] = k
+                self.router.pin(core_id, hashes, k)
             return
         raise error
+
+    def abort_group_nowait(self, group: str, core_ids: list[str]) -> None:
+        """End the race ``group``, whose live members are ``core_ids``: one
+        message to each replica that holds one (to all, if none is known)."""
+        places = {self.forget(rid) for rid in core_ids}
+        targets = range(len(self.clients)) if None in places else places
+        for k in sorted(k for k in targets if k is not None):
+            self.clients[k].send_nowait(AbortRequests([], groups=[group]))
+
+    def unpin_nowait(self, core_id: str) -> None:
+        """Release the pin ``core_id`` (or abort its prefill) where it lives."""
+        self.router.unpin(core_id)
+        k = self.pins.pop(core_id, None)
+        self.forget(core_id)  # still prefilling: no longer placed
+        if k is None:  # its core is gone: any replica's abort is harmless
+            self.send_nowait(AbortRequests([core_id]))
+        else:
+            self.clients[k].send_nowait(AbortRequests([core_id]))
 
     def send_nowait(self, msg: Message) -> None:
         """Aborts go where their requests live; other messages go to all."""
@@ -326,6 +351,8 @@ class ReplicaSet:
             spec_decode_num_accepted_tokens=sum(
                 s.spec_decode_num_accepted_tokens for s in each
             ),
+            deadline_expired_requests=sum(s.deadline_expired_requests for s in each),
+            deadline_skipped_tokens=sum(s.deadline_skipped_tokens for s in each),
             replicas=each,
         )
 

@@ -6,7 +6,9 @@ caches hash them), unless that replica's live requests exceed the
 least-loaded ready replica's by more than :func:`affinity_slack`; a prompt
 with no such prefix goes to the ready replica with the fewest live requests
 (ties: the lowest index). So the turns of a conversation, and the samples
-of one prompt, meet their cached prefix. :class:`PrefixRouter` is that
+of one prompt, meet their cached prefix. A pinned prefix
+(``AsyncLLM.pin``) outranks both: a prompt that starts with one goes to
+the replica holding it, whatever the load, while the pin lasts. :class:`PrefixRouter` is that
 rule, pure and synchronous; :class:`~structllm.engine.frontend.replicas.ReplicaSet`
 asks it and sends. Live requests are the front end's own count of what it
 placed on each replica and has not seen end, not the core's waiting +
@@ -74,6 +76,12 @@ class PrefixRouter:
     #: full-block hash -> the replica most recently sent a prompt with that
     #: prefix; least recently routed first
     _owners: OrderedDict[BlockHash, int] = attrs.field(init=False, factory=OrderedDict)
+    #: pin name -> (its prefix's block hashes, its replica)
+    _pins: dict[str, tuple[tuple[BlockHash, ...], int]] = attrs.field(
+        init=False, factory=dict
+    )
+    #: the last block hash of each pinned prefix -> its replica
+    _pinned: dict[BlockHash, int] = attrs.field(init=False, factory=dict)
 
     def prefix_hashes(
         self, token_ids: Sequence[int], cache_salt: str | None = None
@@ -96,14 +104,40 @@ class PrefixRouter:
                 return k
         return None
 
+    def pin(self, name: str, hashes: Sequence[BlockHash], replica: int) -> None:
+        """``replica`` holds the pin ``name`` of the prefix ``hashes``."""
+        if hashes:
+            self._pins[name] = (tuple(hashes), replica)
+            self._pinned[hashes[-1]] = replica
+
+    def unpin(self, name: str) -> None:
+        pinned = self._pins.pop(name, None)
+        if pinned is not None:
+            del self._pinned[pinned[0][-1]]
+            for other, k in self._pins.values():  # another pin of the same
+                self._pinned[other[-1]] = k
+
+    def pinned(self, hashes: Sequence[BlockHash]) -> int | None:
+        """The replica pinning the longest of these prefixes, if any."""
+        for h in reversed(hashes):
+            k = self._pinned.get(h)
+            if k is not None:
+                return k
+        return None
+
     def order(
         self, hashes: Sequence[BlockHash], load: Sequence[int], ready: Sequence[bool]
     ) -> list[int]:
-        """The ready replicas, best first: the affine one when its load is
-        within the slack of the least, then by load and index."""
+        """The ready replicas, best first: one pinning a prefix of the
+        prompt, else the affine one when its load is within the slack of
+        the least, then by load and index."""
         order = sorted(
             (k for k, up in enumerate(ready) if up), key=lambda k: (load[k], k)
         )
+        k = self.pinned(hashes)
+        if k is not None and ready[k]:
+            order.remove(k)
+            return [k, *order]
         k = self.affine(hashes)
         if (
             k is not None
@@ -131,6 +165,8 @@ class PrefixRouter:
         """``replica``'s cache is gone (its core died): drop its prefixes."""
         for h in [h for h, k in self._owners.items() if k == replica]:
             del self._owners[h]
+        for name in [p for p, (_, k) in self._pins.items() if k == replica]:
+            self.unpin(name)
 
     def clear(self) -> None:
         """Every cache was reset."""

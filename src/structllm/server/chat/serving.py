@@ -39,6 +39,7 @@ from structllm.server.chat.protocol import (
 from structllm.server.chat.tool_calls import StreamedCalls
 from structllm.server.http.body import maybe_off_loop, validate
 from structllm.server.http.errors import ASCIIJSONResponse
+from structllm.server.http.sse import deadline
 from structllm.server.protocol import bodies
 from structllm.server.protocol import logprobs as lp
 from structllm.server.protocol.constraints import check_constraints, renamed
@@ -114,13 +115,16 @@ class ChatServing(Serving):
         self.check_model(req.model)
         chat = await self.render(llm, req)
         prompt, params = chat.prompt, chat.params
-        jobs = [Job(j, 0, prompt, params.for_choice(j)) for j in range(req.choices)]
+        jobs = [
+            Job(j, 0, prompt, params.for_choice(j), req.priority or 0)
+            for j in range(req.choices)
+        ]
         top_logprobs = params.logprobs or 0
         if req.stream:
             chunks = _Chunks(self, req, bodies.new_id("chatcmpl"), top_logprobs, chat)
             with renamed(req.constraint_field):
-                return self.stream(llm, jobs, chunks, req.constraint_field)
-        with renamed(req.constraint_field):
+                return self.stream(llm, jobs, chunks, req.constraint_field, req.timeout)
+        with renamed(req.constraint_field), deadline(self.limit(req.timeout)):
             finals = await self.run_to_end(jobs)
         extra: dict[str, Any] = {}
         if req.return_token_ids:

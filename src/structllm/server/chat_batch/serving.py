@@ -30,6 +30,7 @@ from structllm.server.chat.protocol import (
 from structllm.server.chat_batch.protocol import BatchChatRequest
 from structllm.server.http.body import maybe_off_loop, validate
 from structllm.server.http.errors import ASCIIJSONResponse
+from structllm.server.http.sse import deadline
 from structllm.server.protocol import bodies
 from structllm.server.protocol.constraints import check_constraints, renamed
 from structllm.server.protocol.logprobs import chat_logprobs
@@ -55,8 +56,9 @@ class ChatBatchServing(Serving):
             prompt = await self._render(llm, req)
             limit = req.max_completion_tokens or req.max_tokens
             self.check_length(llm, prompt.token_ids, limit, req.limit_field)
-            jobs.append(Job(i, i, prompt, req.to_sampling_params(None)))
-        with renamed(first.constraint_field):
+            params = req.to_sampling_params(None)
+            jobs.append(Job(i, i, prompt, params, req.priority or 0))
+        with renamed(first.constraint_field), deadline(self.limit(first.timeout)):
             finals = await self.run_to_end(jobs)
         response = ChatCompletionResponse(
             **self.head(bodies.new_id("chatcmpl")),

@@ -24,6 +24,7 @@ from structllm.server.completions.protocol import (
 )
 from structllm.server.http.body import maybe_off_loop, validate
 from structllm.server.http.errors import ASCIIJSONResponse
+from structllm.server.http.sse import deadline
 from structllm.server.protocol import bodies
 from structllm.server.protocol import logprobs as lp
 from structllm.server.protocol.constraints import check_constraints, renamed
@@ -54,15 +55,15 @@ class CompletionServing(Serving):
             self.check_length(llm, prompt.token_ids, req.max_tokens, req.limit_field)
             prompts.append(attrs.evolve(prompt, cache_salt=req.cache_salt))
         jobs = [
-            Job(i * req.choices + j, i, p, params.for_choice(j))
+            Job(i * req.choices + j, i, p, params.for_choice(j), req.priority or 0)
             for i, p in enumerate(prompts)
             for j in range(req.choices)
         ]
         if req.stream:
             with renamed(req.constraint_field):
                 chunks = _Chunks(self, req, bodies.new_id("cmpl"))
-                return self.stream(llm, jobs, chunks, req.constraint_field)
-        with renamed(req.constraint_field):
+                return self.stream(llm, jobs, chunks, req.constraint_field, req.timeout)
+        with renamed(req.constraint_field), deadline(self.limit(req.timeout)):
             finals = await self.run_to_end(jobs)
         by_index = {job.index: job for job in jobs}
         response = CompletionResponse(

@@ -228,6 +228,7 @@ class LlamaCppServing(Serving):
         self, llm: AsyncLLM, req: LlamaCompletionRequest, job: Job, field: str | None
     ) -> EventStream:
         llm.check_admission(job.prompt.token_ids, count=1, params=job.params)
+        limit = self.limit(None)  # --request-timeout, or X-Request-Timeout's
 
         async def produce(emit: Emit) -> None:
             start = time.monotonic()
@@ -253,7 +254,7 @@ class LlamaCppServing(Serving):
                 await emit(chunk)
 
             try:
-                with deadline(self.config.request_timeout), renamed(field):
+                with deadline(limit), renamed(field):
                     final = await self.observe(job, send)
                 end = time.monotonic()
                 run = _Run(final, start, first[0] if first else end, end)

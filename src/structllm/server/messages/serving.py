@@ -207,6 +207,7 @@ class MessagesServing(Serving):
         overload); a failure after it is the last event, ``error``.
         """
         llm.check_admission(job.prompt.token_ids, count=1, params=job.params)
+        limit = self.limit(None)  # --request-timeout, or X-Request-Timeout's
         events = MessageEvents(parser_for(req))
         start = MessageStartEvent(
             message=MessageResponse(
@@ -236,7 +237,7 @@ class MessagesServing(Serving):
                         await emit(event)
 
             try:
-                with deadline(self.config.request_timeout), renamed(_CONSTRAINT_FIELD):
+                with deadline(limit), renamed(_CONSTRAINT_FIELD):
                     await self.observe(job, on_output)
             except BaseExceptionGroup as group:
                 await self._fail(emit, unwrap_group(group), group)

@@ -418,6 +418,7 @@ class OllamaServing(Serving):
             assert whole is not None
             return ASCIIJSONResponse(whole)
         llm.check_admission(job.prompt.token_ids, count=1, params=job.params)
+        limit = self.limit(None)  # --request-timeout, or X-Request-Timeout's
 
         async def produce(emit: Emit) -> None:
             async def send(out: RequestOutput) -> None:
@@ -426,7 +427,7 @@ class OllamaServing(Serving):
                     await emit(event)
 
             try:
-                with deadline(self.config.request_timeout), renamed("format"):
+                with deadline(limit), renamed("format"):
                     final = await self.observe(job, send)
                 last = line(final, True)
                 assert last is not None

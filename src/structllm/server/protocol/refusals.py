@@ -43,7 +43,6 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "service_tier": ("there is one service tier", ("auto", "default")),
     # vLLM's extensions
     "request_id": ("send the request id as the X-Request-Id header", ()),
-    "priority": ("request priorities are not exposed over HTTP", (0,)),
     "truncate_prompt_tokens": ("prompt truncation is not supported", ()),
     "truncation_side": ("prompt truncation is not supported", ()),
     "logprob_token_ids": ("logprobs of chosen token ids are not supported", ()),

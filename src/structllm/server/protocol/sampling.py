@@ -98,6 +98,10 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = None
 
 
+#: the longest ``timeout`` a body may ask for, in seconds (a day)
+MAX_TIMEOUT_S = 86400.0
+
+
 class SamplingRequest(BaseModel):
     """Fields shared by completions and chat."""
 
@@ -141,6 +145,11 @@ class SamplingRequest(BaseModel):
     user: Text | None = None
     #: vLLM: requests with different salts never share prefix-cache blocks
     cache_salt: CacheSalt | None = None
+    #: vLLM: lower runs first (the engine's scheduling priority)
+    priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] | None = None
+    #: seconds the request may take (capped by --request-timeout; the
+    #: X-Request-Timeout header sets it too): the engine's deadline for it
+    timeout: Annotated[float, Field(gt=0.0, le=MAX_TIMEOUT_S)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: SchemaObject | str | None = None

@@ -301,6 +301,17 @@ async def test_a_request_timeout_from_the_body_or_header_is_408(how: str) -> Non
             )
             assert "timeout_error" in r.text.rsplit("event:", 1)[-1]
             await s.wait_idle()
+            # the Responses API, whole and streamed
+            resp = {"input": "hi", "max_output_tokens": 2000}
+            r = await s.http.post("/v1/responses", json=resp, headers=headers)
+            assert "longer than 0.2s" in assert_error(r, 408)
+            await s.wait_idle()
+            r = await s.http.post(
+                "/v1/responses", json={**resp, "stream": True}, headers=headers
+            )
+            last = events(r.text)[-1]
+            assert last["type"] == "error" and "longer than 0.2s" in last["message"]
+            await s.wait_idle()
             # llama.cpp's and Ollama's streams
             native = {"prompt": "hi", "n_predict": 2000, "stream": True}
             r = await s.http.post("/completion", json=native, headers=headers)

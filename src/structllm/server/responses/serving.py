@@ -155,6 +155,7 @@ class ResponsesServing(Serving):
         """The events; what can be refused is refused before the 200."""
         llm.check_admission(job.prompt.token_ids, count=1, params=job.params)
         seq = run.output.seq
+        limit = self.limit(None)  # --request-timeout, or X-Request-Timeout's
 
         async def produce(emit: Emit) -> None:
             head = self._response(llm, run, None)
@@ -173,7 +174,7 @@ class ResponsesServing(Serving):
 
             try:
                 with (
-                    deadline(self.config.request_timeout),
+                    deadline(limit),
                     _responses_fields(constraint_field),
                 ):
                     final = await self.observe(job, on_output)

@@ -15,6 +15,7 @@ from structllm import (
     InvalidRequestError,
     SamplingParams,
 )
+from structllm.testing.faults import inject_fault
 from tests.test_server_app import open_server
 
 pytestmark = pytest.mark.anyio
@@ -53,21 +54,22 @@ async def test_hit_rate_and_reset(executor: str) -> None:
 
 
 async def test_counts_survive_a_core_restart() -> None:
-    engine = {**ENGINE, "fault": "exit_at_step:1", "restart_backoff": 0.01}
+    engine = {**ENGINE, "restart_backoff": 0.01}
     one = SamplingParams(temperature=0, max_tokens=1)  # one step per request
-    async with AsyncLLM.open("tiny-random", executor="process", **engine) as llm:
-        await llm.complete(PROMPT, one)  # step 0
-        before = llm.statistics()
-        assert before.prefix_cache_queries == 41
-        with pytest.raises(EngineDeadError):
-            await llm.complete(PROMPT, one)  # the core exits at step 1
-        with anyio.fail_after(30):
-            await llm.wait_statistics(lambda s: s.ready and s.restarts == 1)
-        out = await llm.complete(PROMPT, GREEDY)
-        assert out.num_cached_tokens == 0  # a new core has an empty cache
-        stats = llm.statistics()
-        assert stats.prefix_cache_queries >= before.prefix_cache_queries + 41
-        assert stats.prefix_cache_hits >= before.prefix_cache_hits
+    with inject_fault("exit_at_step:1"):
+        async with AsyncLLM.open("tiny-random", executor="process", **engine) as llm:
+            await llm.complete(PROMPT, one)  # step 0
+            before = llm.statistics()
+            assert before.prefix_cache_queries == 41
+            with pytest.raises(EngineDeadError):
+                await llm.complete(PROMPT, one)  # the core exits at step 1
+            with anyio.fail_after(30):
+                await llm.wait_statistics(lambda s: s.ready and s.restarts == 1)
+            out = await llm.complete(PROMPT, GREEDY)
+            assert out.num_cached_tokens == 0  # a new core has an empty cache
+            stats = llm.statistics()
+            assert stats.prefix_cache_queries >= before.prefix_cache_queries + 41
+            assert stats.prefix_cache_hits >= before.prefix_cache_hits
 
 
 async def test_reset_fails_cleanly_when_the_engine_is_closing() -> None:

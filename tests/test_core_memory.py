@@ -18,7 +18,13 @@ import pytest
 from structllm.config import EngineConfig
 from structllm.core.engine_core import EngineCore
 from structllm.core.request import Request
-from structllm.structured.compiler import GrammarCompiler, estimate_grammar_bytes
+from structllm.structured import compiler as compiler_module
+from structllm.structured.compiler import (
+    GrammarCompiler,
+    estimate_grammar_bytes,
+    is_validated,
+    validate,
+)
 from structllm.structured.spec import StructuredOutputs
 from structllm.structured.vocabulary import GrammarVocabulary
 from structllm.text.byte_tokenizer import ByteTokenizer
@@ -80,6 +86,25 @@ def test_grammar_cache_count_bound(vocabulary: GrammarVocabulary) -> None:
     stats = compiler.statistics()
     assert stats.size == 4
     assert stats.estimated_bytes == sum(g.estimated_bytes for g in grammars[-4:])
+
+
+def test_validated_specs_keep_a_digest_not_the_spec() -> None:
+    """The front end's record of validated specs: 1,024 entries of 16 bytes,
+    however long the schemas (a key itself holds the whole spec)."""
+    big = [
+        StructuredOutputs(json={"enum": [f"value {k} {i}" for i in range(2000)]})
+        for k in range(3)
+    ]
+    for spec in big:
+        validate(spec)
+        assert is_validated(spec)
+    assert not is_validated(StructuredOutputs(json={"enum": ["never validated"]}))
+    for k in range(1030):
+        validate(StructuredOutputs(regex=f"v{k}"))
+    valid = compiler_module._VALID
+    assert len(valid) == 1024
+    assert all(len(key) == 16 for key in valid)
+    assert not is_validated(big[0])  # the oldest went first
 
 
 def test_idle_core_after_mixed_requests_keeps_nothing_of_them() -> None:

@@ -34,6 +34,7 @@ result is kept. A :class:`CompiledGrammar` is immutable and shareable; its
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import threading
 from typing import TYPE_CHECKING, Literal
@@ -260,7 +261,7 @@ def is_validated(
     constraint: StructuredOutputs, *, json_whitespace: JsonWhitespace = "compact"
 ) -> bool:
     """True when :func:`validate` has passed *constraint* (and remembers it)."""
-    return (*constraint.key, json_whitespace) in _VALID
+    return _valid_key(constraint, json_whitespace) in _VALID
 
 
 def validate(
@@ -277,7 +278,7 @@ def validate(
     ms; known-good keys are remembered, so a repeated spec costs nothing.
     Thread-safe.
     """
-    key = (*constraint.key, json_whitespace)
+    key = _valid_key(constraint, json_whitespace)
     if key in _VALID:
         return
     try:
@@ -293,9 +294,19 @@ def validate(
             _VALID.pop(next(iter(_VALID)))
 
 
-#: keys that validate() has passed, oldest first
-_VALID: dict[tuple[str, str, str], None] = {}
+#: digests of the keys that validate() has passed, oldest first: at most
+#: 1,024 of 16 bytes, whatever the size of the specs (a key itself holds
+#: the canonical spec, which may be megabytes of JSON schema)
+_VALID: dict[bytes, None] = {}
 _VALID_LOCK = threading.Lock()
+
+
+def _valid_key(constraint: StructuredOutputs, json_whitespace: str) -> bytes:
+    kind, spec = constraint.key
+    h = hashlib.blake2b(f"{kind}\0{json_whitespace}\0".encode(), digest_size=16)
+    h.update(spec.encode("utf-8", "surrogatepass"))  # a lone surrogate is text too
+    return h.digest()
+
 
 _NAMES = {
     "json": "JSON schema",

@@ -15,9 +15,10 @@ from 6 fixed specs, half a spec never seen before) and aborts (10%, after
 0-30 steps). They go in rounds of ``--every`` requests, ``--concurrency`` at
 a time; after each round the core is idle and the tool records:
 
-- RSS, and glibc's view (``mallinfo2``): ``live`` bytes malloc handed out
-  and not freed (small blocks and mmapped ones), ``kept`` bytes freed but
-  held in its arenas;
+- RSS, and glibc's view (``mallinfo2``): ``used``, bytes malloc handed out
+  from its arenas and not freed; ``mmapped``, the blocks it mapped on their
+  own (large ones: their size, touched or not, so not all resident);
+  ``kept``, bytes freed but held in its arenas;
 - the size of every structure that can grow, with its bound;
 - with ``--trace``: Python's traced memory (tracemalloc, from after the
   warm-up), and at the end its top growers from the first round to the
@@ -87,12 +88,14 @@ _libc = ctypes.CDLL(None)
 
 
 def malloc_mib() -> dict[str, float]:
-    """glibc's view, MiB: ``live`` (allocated, not freed: arenas' in-use
-    blocks and mmapped ones), ``kept`` (freed, held in the arenas)."""
+    """glibc's view, MiB: ``used`` (allocated from the arenas, not freed),
+    ``mmapped`` (large blocks mapped on their own, not freed), ``kept``
+    (freed, held in the arenas)."""
     _libc.mallinfo2.restype = MallInfo2
     m = _libc.mallinfo2()
     return {
-        "live": round((m.uordblks + m.hblkhd) / 2**20, 2),
+        "used": round(m.uordblks / 2**20, 2),
+        "mmapped": round(m.hblkhd / 2**20, 2),
         "kept": round(m.fordblks / 2**20, 2),
     }
 
@@ -302,15 +305,25 @@ def run_round(
 
 
 def top_growers(
-    first: tracemalloc.Snapshot, last: tracemalloc.Snapshot, top: int = 12
+    snapshots: list[tracemalloc.Snapshot], top: int = 12
 ) -> list[dict[str, Any]]:
+    """The lines whose traced memory grew most from the first round's end to
+    the last's (what the first round allocates once is not counted), each
+    with its KiB after every round: growth that stops, or not."""
     ignore = [tracemalloc.Filter(False, tracemalloc.__file__)]
-    diff = last.filter_traces(ignore).compare_to(first.filter_traces(ignore), "lineno")
+    snaps = [s.filter_traces(ignore) for s in snapshots]
+    diff = snaps[-1].compare_to(snaps[1], "lineno")
+    per_round = [
+        {st.traceback[0]: st.size for st in s.statistics("lineno")} for s in snaps
+    ]
     return [
         {
             "kib": round(d.size_diff / 1024, 1),
             "blocks": d.count_diff,
             "at": f"{d.traceback[0].filename}:{d.traceback[0].lineno}",
+            "kib_per_round": [
+                round(r.get(d.traceback[0], 0) / 1024, 1) for r in per_round
+            ],
         }
         for d in diff[:top]
         if d.size_diff > 0
@@ -318,12 +331,17 @@ def top_growers(
 
 
 def released(what: str, release: Any) -> dict[str, float]:
-    """Live malloc bytes (MiB) that ``release()`` gave back."""
+    """Bytes (MiB) malloc got back from ``release()`` (arenas and mmapped)."""
+
+    def live() -> float:
+        m = malloc_mib()
+        return m["used"] + m["mmapped"]
+
     gc.collect()
-    before = malloc_mib()["live"]
+    before = live()
     release()
     gc.collect()
-    return {what: round(before - malloc_mib()["live"], 2)}
+    return {what: round(before - live(), 2)}
 
 
 def measure(ns: argparse.Namespace) -> dict[str, Any]:
@@ -341,7 +359,8 @@ def measure(ns: argparse.Namespace) -> dict[str, Any]:
     outcomes: Counter[str] = Counter()
     start = time.monotonic()
     print(
-        f"{'requests':>8} {'rss':>7} {'live':>7} {'kept':>6} {'traced':>7} "
+        f"{'requests':>8} {'rss':>7} {'used':>7} {'mmapped':>7} {'kept':>6} "
+        f"{'traced':>7} "
         f"{'prefix':>6} {'grammars':>8} {'sizes':>5} {'numba':>5} {'idle':>5}",
         file=sys.stderr,
     )
@@ -360,13 +379,14 @@ def measure(ns: argparse.Namespace) -> dict[str, Any]:
         if ns.trace:
             row["traced_mib"] = round(tracemalloc.get_traced_memory()[0] / 2**20, 2)
             snap = tracemalloc.take_snapshot()
-            snapshots = [snapshots[0] if snapshots else snap, snap]
+            snapshots.append(snap)
         rounds.append(row)
         s = row["structures"]
         idle = s["scheduler.requests"] == 0 and s["grammars_compiling"] == 0
+        m = row["malloc_mib"]
         print(
-            f"{row['requests']:>8} {row['rss_mib']:>7} {row['malloc_mib']['live']:>7} "
-            f"{row['malloc_mib']['kept']:>6} {row.get('traced_mib', '-'):>7} "
+            f"{row['requests']:>8} {row['rss_mib']:>7} {m['used']:>7} "
+            f"{m['mmapped']:>7} {m['kept']:>6} {row.get('traced_mib', '-'):>7} "
             f"{s['prefix_cache_blocks']:>6} {s['grammar_cache']:>8} "
             f"{s['distinct_step_sizes']:>5} {s['numba_specialisations']:>5} "
             f"{'yes' if idle else 'NO':>5}",
@@ -402,8 +422,8 @@ def measure(ns: argparse.Namespace) -> dict[str, Any]:
             "allocator_kept_mib": round(end["rss_mib"] - trimmed["rss_mib"], 1),
         },
     }
-    if len(snapshots) == 2:
-        result["attribution"]["traced_growers"] = top_growers(*snapshots)
+    if len(snapshots) > 2:
+        result["attribution"]["traced_growers"] = top_growers(snapshots)
     core.close()
     return result
 

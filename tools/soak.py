@@ -22,13 +22,12 @@ The baseline is taken after a warm-up, so that what the processes allocate
 once and keep does not count: 64 streams, ``--warmup`` hang-ups, and the
 largest batches the soak can make (64 requests of 200-character prompts and
 200 tokens at once: steps of ``--max-num-batched-tokens`` prompt tokens, a
-full KV cache, preemptions), ``--warmup-rounds`` times. The engine keeps,
-per compiled program, the oneDNN primitives and buffers of up to 64 step
-sizes (``compiled.py``), and the allocators keep freed memory; both
-plateau. ``--hangup-rounds N`` repeats step 2 and records the RSS of each
-process after each round: growth that stops is the allocator, growth per
-round a leak (``plateau_pct``: the change over the second half of the
-rounds).
+full KV cache, preemptions), ``--warmup-rounds`` times. The allocators
+keep freed memory. ``--hangup-rounds N`` repeats step 2 and records the
+RSS of each process after each round: growth that stops is the allocator,
+growth per round a leak (``plateau_pct``: the change over the second half
+of the rounds). ``tools/core_memory.py`` measures the engine core alone
+under mixed requests and attributes its growth, cache by cache.
 
 Prints one JSON object per loop; exits 1 if any check failed. ``nox -s
 soak`` runs it on both loops.

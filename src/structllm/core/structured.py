@@ -21,7 +21,10 @@ ready, while every other request keeps stepping.
 The vocabulary is built on first use, in a compile thread (0.1-1 s for a
 large tokenizer: not at model load, and not on the step loop), from the
 tokenizer the core was given. Compiled grammars are cached by ``(kind,
-canonical spec)`` (:class:`~structllm.structured.GrammarCompiler`).
+canonical spec)`` (:class:`~structllm.structured.GrammarCompiler`), at most
+:data:`GRAMMAR_CACHE_SIZE` of them and :data:`GRAMMAR_CACHE_BYTES`
+(estimated): the engine's one cache that grows with distinct requests
+(docs/operations.md).
 Threads: a compile thread exists only while jobs are queued
 (:class:`_CompilePool`); llguidance compiles with the GIL released. The
 manager is used by the step loop only; the compile threads touch nothing
@@ -48,6 +51,7 @@ from structllm.text.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
     "COMPILE_THREADS",
+    "GRAMMAR_CACHE_BYTES",
     "GRAMMAR_CACHE_SIZE",
     "RejectedRequest",
     "StructuredOutputManager",
@@ -59,6 +63,9 @@ __all__ = [
 COMPILE_THREADS = 1
 #: compiled grammars kept (LRU by spec)
 GRAMMAR_CACHE_SIZE = 256
+#: and their memory, as the compiler estimates it: 256 short specs take
+#: ~8-33 MiB, so the count binds for them; large schemas (MiBs each) meet this
+GRAMMAR_CACHE_BYTES = 64 * 2**20
 
 
 def grammar_vocabulary(
@@ -85,9 +92,11 @@ class StructuredOutputManager:
         *,
         threads: int = COMPILE_THREADS,
         cache_size: int = GRAMMAR_CACHE_SIZE,
+        cache_bytes: int = GRAMMAR_CACHE_BYTES,
     ) -> None:
         self._make_vocabulary = vocabulary
         self._cache_size = cache_size
+        self._cache_bytes = cache_bytes
         self._compiler: GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
         self._pool = _CompilePool(threads)
@@ -199,7 +208,9 @@ class StructuredOutputManager:
         with self._compiler_lock:
             if self._compiler is None:
                 self._compiler = GrammarCompiler(
-                    self._make_vocabulary(), cache_size=self._cache_size
+                    self._make_vocabulary(),
+                    cache_size=self._cache_size,
+                    cache_bytes=self._cache_bytes,
                 )
             compiler = self._compiler
         return compiler.compile(constraint)

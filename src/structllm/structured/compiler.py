@@ -6,6 +6,15 @@ turns a request's constraint into a :class:`CompiledGrammar`, from a bounded
 LRU cache keyed by ``(kind, canonical spec)``; each request then takes its
 own :class:`~structllm.structured.matcher.GrammarMatcher` from it.
 
+The cache is bounded twice: by entries (``cache_size``) and by memory
+(``cache_bytes``). A count alone bounds nothing in bytes: llguidance's
+compiled grammar (its lexer and parser tables, native memory) holds 30-130
+KiB for a short spec and about 55-130 bytes per character of grammar text
+beyond that, 2.9 MiB for one nested JSON schema of 52,000 characters
+(``tools/core_memory.py``, docs/operations.md), so 256 such specs would keep
+740 MiB. llguidance reports no size, so each entry counts
+:func:`estimate_grammar_bytes`, an upper estimate from its grammar text.
+
 Errors: a constraint llguidance cannot compile (an unknown JSON Schema
 keyword or format, an unsatisfiable schema, a regex with look-around, a
 grammar that does not parse) raises
@@ -25,6 +34,7 @@ result is kept. A :class:`CompiledGrammar` is immutable and shareable; its
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import threading
 from typing import TYPE_CHECKING, Literal
@@ -45,6 +55,7 @@ __all__ = [
     "CompiledGrammar",
     "CompilerStatistics",
     "GrammarCompiler",
+    "estimate_grammar_bytes",
     "grammar_text",
     "is_validated",
     "validate",
@@ -54,6 +65,19 @@ __all__ = [
 #: items and ``": "`` after keys, nothing else (what most models write, and a
 #: model cannot emit whitespace forever); ``"flexible"``: any JSON whitespace.
 JsonWhitespace = Literal["compact", "flexible"]
+
+#: :func:`estimate_grammar_bytes`: what any compiled grammar holds (measured 29-130
+#: KiB with llguidance 1.9), and what each character of its text adds
+#: (measured 55 for a nested JSON schema, 120 for a 300-way choice)
+GRAMMAR_BASE_BYTES = 128 * 1024
+GRAMMAR_BYTES_PER_CHAR = 128
+
+
+def estimate_grammar_bytes(llguidance_grammar: str) -> int:
+    """An upper estimate of the memory a grammar compiled from this text holds
+    (llguidance's tables; a matcher's use adds a little to them: 0.65 MiB
+    over 30 runs of the 2.9 MiB schema above)."""
+    return GRAMMAR_BASE_BYTES + GRAMMAR_BYTES_PER_CHAR * len(llguidance_grammar)
 
 
 @attrs.frozen(eq=False)
@@ -68,6 +92,12 @@ class CompiledGrammar:
     vocabulary: GrammarVocabulary = attrs.field(repr=False)
     _prototype: llguidance.LLMatcher = attrs.field(repr=False, alias="prototype")
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock, repr=False)
+
+    @property
+    def estimated_bytes(self) -> int:
+        """What the cache counts this grammar as holding
+        (:func:`estimate_grammar_bytes`)."""
+        return estimate_grammar_bytes(self.llguidance_grammar)
 
     def matcher(self) -> GrammarMatcher:
         """A fresh matcher at the start of the grammar (one per request)."""
@@ -84,14 +114,21 @@ class CompilerStatistics:
     misses: int
     size: int
     capacity: int
+    #: the cached grammars' :func:`estimate_grammar_bytes`, and the budget for them
+    estimated_bytes: int = 0
+    capacity_bytes: int = 0
 
 
 @attrs.define(eq=False)
 class GrammarCompiler:
-    """Compiles constraints for one vocabulary, with a bounded LRU cache."""
+    """Compiles constraints for one vocabulary, with a bounded LRU cache:
+    at most ``cache_size`` grammars and ``cache_bytes`` of them (estimated),
+    the least recently used evicted first; the newest is kept whatever its
+    size (it is what its request runs)."""
 
     vocabulary: GrammarVocabulary
     cache_size: int = attrs.field(default=256, kw_only=True)
+    cache_bytes: int = attrs.field(default=64 * 2**20, kw_only=True)
     json_whitespace: JsonWhitespace = attrs.field(default="compact", kw_only=True)
     #: llguidance's parser limits (None: its defaults)
     limits: llguidance.LLParserLimits | None = attrs.field(default=None, kw_only=True)
@@ -102,10 +139,14 @@ class GrammarCompiler:
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
     _hits: int = attrs.field(init=False, default=0)
     _misses: int = attrs.field(init=False, default=0)
+    #: the cached grammars' estimated bytes, summed
+    _bytes: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         if self.cache_size < 1:
             raise ValueError(f"cache_size must be >= 1, got {self.cache_size}")
+        if self.cache_bytes < 1:
+            raise ValueError(f"cache_bytes must be >= 1, got {self.cache_bytes}")
         if self.json_whitespace not in ("compact", "flexible"):
             raise ValueError(
                 f"json_whitespace must be 'compact' or 'flexible', "
@@ -129,9 +170,13 @@ class GrammarCompiler:
         compiled = self._compile(constraint)
         with self._lock:
             kept = self._cache.setdefault(key, compiled)
+            if kept is compiled:
+                self._bytes += compiled.estimated_bytes
             self._cache.move_to_end(key)
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            while len(self._cache) > self.cache_size or (
+                self._bytes > self.cache_bytes and len(self._cache) > 1
+            ):
+                self._bytes -= self._cache.popitem(last=False)[1].estimated_bytes
         return kept
 
     def cached(self, constraint: StructuredOutputs) -> CompiledGrammar | None:
@@ -154,11 +199,14 @@ class GrammarCompiler:
                 misses=self._misses,
                 size=len(self._cache),
                 capacity=self.cache_size,
+                estimated_bytes=self._bytes,
+                capacity_bytes=self.cache_bytes,
             )
 
     def clear_cache(self) -> None:
         with self._lock:
             self._cache.clear()
+            self._bytes = 0
 
     # --- compiling ----------------------------------------------------------
 
@@ -213,7 +261,7 @@ def is_validated(
     constraint: StructuredOutputs, *, json_whitespace: JsonWhitespace = "compact"
 ) -> bool:
     """True when :func:`validate` has passed *constraint* (and remembers it)."""
-    return (*constraint.key, json_whitespace) in _VALID
+    return _valid_key(constraint, json_whitespace) in _VALID
 
 
 def validate(
@@ -230,7 +278,7 @@ def validate(
     ms; known-good keys are remembered, so a repeated spec costs nothing.
     Thread-safe.
     """
-    key = (*constraint.key, json_whitespace)
+    key = _valid_key(constraint, json_whitespace)
     if key in _VALID:
         return
     try:
@@ -246,9 +294,19 @@ def validate(
             _VALID.pop(next(iter(_VALID)))
 
 
-#: keys that validate() has passed, oldest first
-_VALID: dict[tuple[str, str, str], None] = {}
+#: digests of the keys that validate() has passed, oldest first: at most
+#: 1,024 of 16 bytes, whatever the size of the specs (a key itself holds
+#: the canonical spec, which may be megabytes of JSON schema)
+_VALID: dict[bytes, None] = {}
 _VALID_LOCK = threading.Lock()
+
+
+def _valid_key(constraint: StructuredOutputs, json_whitespace: str) -> bytes:
+    kind, spec = constraint.key
+    h = hashlib.blake2b(f"{kind}\0{json_whitespace}\0".encode(), digest_size=16)
+    h.update(spec.encode("utf-8", "surrogatepass"))  # a lone surrogate is text too
+    return h.digest()
+
 
 _NAMES = {
     "json": "JSON schema",

@@ -1,0 +1,132 @@
+"""The engine core's memory is bounded by construction (docs/operations.md).
+
+What tools/core_memory.py measures, as properties that need no clock and no
+RSS: an idle core holds nothing of the requests it served, and the one
+cache that grows with distinct requests, the grammar cache, keeps to its
+entry and byte bounds however large the grammars.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from structllm.config import EngineConfig
+from structllm.core.engine_core import EngineCore
+from structllm.core.request import Request
+from structllm.structured import compiler as compiler_module
+from structllm.structured.compiler import (
+    GrammarCompiler,
+    estimate_grammar_bytes,
+    is_validated,
+    validate,
+)
+from structllm.structured.spec import StructuredOutputs
+from structllm.structured.vocabulary import GrammarVocabulary
+from structllm.text.byte_tokenizer import ByteTokenizer
+
+
+def _core_memory() -> ModuleType:
+    path = Path(__file__).parent.parent / "tools" / "core_memory.py"
+    spec = importlib.util.spec_from_file_location("core_memory", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _choice(k: int, n: int) -> StructuredOutputs:
+    """A spec never seen before; the same length for every ``k`` < 1000."""
+    return StructuredOutputs(choice=tuple(f"w{k:03d}_{i}" for i in range(n)))
+
+
+@pytest.fixture(scope="module")
+def vocabulary() -> GrammarVocabulary:
+    return GrammarVocabulary.from_tokenizer(ByteTokenizer())
+
+
+def test_grammar_cache_keeps_its_byte_budget(vocabulary: GrammarVocabulary) -> None:
+    one = estimate_grammar_bytes(
+        GrammarCompiler(vocabulary).compile(_choice(0, 200)).llguidance_grammar
+    )
+    compiler = GrammarCompiler(vocabulary, cache_size=100, cache_bytes=3 * one)
+    for k in range(12):
+        newest = compiler.compile(_choice(k, 200))
+        stats = compiler.statistics()
+        assert stats.estimated_bytes <= stats.capacity_bytes == 3 * one
+        assert stats.size <= 3
+        assert compiler.cached(_choice(k, 200)) is newest  # the newest stays
+    assert compiler.cached(_choice(0, 200)) is None  # the oldest went first
+    # the budget binds, not the count: 12 specs, 3 kept
+    assert compiler.statistics().size == 3
+    compiler.clear_cache()
+    assert compiler.statistics().estimated_bytes == 0
+
+
+def test_grammar_larger_than_the_budget_is_kept_alone(
+    vocabulary: GrammarVocabulary,
+) -> None:
+    compiler = GrammarCompiler(vocabulary, cache_bytes=1)
+    small = compiler.compile(StructuredOutputs(regex="a+"))
+    big = compiler.compile(_choice(1, 50))
+    assert compiler.cached(_choice(1, 50)) is big
+    assert compiler.cached(StructuredOutputs(regex="a+")) is None
+    stats = compiler.statistics()
+    assert (stats.size, stats.estimated_bytes) == (1, big.estimated_bytes)
+    assert small.estimated_bytes < big.estimated_bytes
+
+
+def test_grammar_cache_count_bound(vocabulary: GrammarVocabulary) -> None:
+    compiler = GrammarCompiler(vocabulary, cache_size=4)
+    grammars = [compiler.compile(StructuredOutputs(regex=f"x{k}")) for k in range(9)]
+    stats = compiler.statistics()
+    assert stats.size == 4
+    assert stats.estimated_bytes == sum(g.estimated_bytes for g in grammars[-4:])
+
+
+def test_validated_specs_keep_a_digest_not_the_spec() -> None:
+    """The front end's record of validated specs: 1,024 entries of 16 bytes,
+    however long the schemas (a key itself holds the whole spec)."""
+    big = [
+        StructuredOutputs(json={"enum": [f"value {k} {i}" for i in range(2000)]})
+        for k in range(3)
+    ]
+    for spec in big:
+        validate(spec)
+        assert is_validated(spec)
+    assert not is_validated(StructuredOutputs(json={"enum": ["never validated"]}))
+    for k in range(1030):
+        validate(StructuredOutputs(regex=f"v{k}"))
+    valid = compiler_module._VALID
+    assert len(valid) == 1024
+    assert all(len(key) == 16 for key in valid)
+    assert not is_validated(big[0])  # the oldest went first
+
+
+def test_idle_core_after_mixed_requests_keeps_nothing_of_them() -> None:
+    """Prefix hits, n > 1, stop ids, logprobs, grammars (new and cached) and
+    aborts: once idle, no request, block or compile job is left, and every
+    cache is within its bound."""
+    tool = _core_memory()
+    core = EngineCore(EngineConfig(model="tiny-random", **tool.ENGINE))
+    try:
+        mixed = tool.Mixed(3, core.vocab_size, core.max_model_len)
+        step_sizes: set[int] = set()
+        outcomes = tool.run_round(core, mixed, 30, 12, step_sizes)
+        assert sum(outcomes.values()) == 30
+        assert outcomes["aborted"] and outcomes["length"]
+        sizes = tool.structures(core, step_sizes)
+        assert sizes["scheduler.requests"] == 0
+        assert sizes["scheduler.waiting"] == sizes["scheduler.running"] == 0
+        assert sizes["grammars_compiling"] == 0
+        assert 0 < sizes["grammar_cache"] <= 256
+        assert 0 < sizes["prefix_cache_blocks"] <= core.pool.num_blocks
+        assert core.pool.num_used == 0
+        gc.collect()
+        assert not [o for o in gc.get_objects() if isinstance(o, Request)]
+    finally:
+        core.close()

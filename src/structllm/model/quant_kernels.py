@@ -983,7 +983,11 @@ def _dequantize_quad(
 # Each _gemv_* writes y[r] = w[r] . x for rows start..stop-1: a row's blocks
 # are dequantized into registers (16 lanes at a time, the dequantizer's
 # arithmetic) and multiplied into running sums that stay there until the
-# row ends; nothing is stored between the weight bytes and the sum.
+# row ends; nothing is stored between the weight bytes and the sum. The
+# 32-value types take two rows a pass (the last odd row alone): each ``x``
+# vector loaded once for both, and twice the independent sums and weight
+# streams in flight, 1.1x on a matrix in L2 and 1.3-2x on SmolLM2's step,
+# whose weights come from L3 or memory (a row at a time waited on them).
 
 
 @_jit()
@@ -991,23 +995,31 @@ def _gemv_q8_0(
     x: np.ndarray, w: np.ndarray, y: np.ndarray, start: int, stop: int
 ) -> None:  # pragma: no cover - compiled
     nb = x.shape[0] // 32
-    for r in range(start, stop):
+    pairs = (stop - start) // 2
+    for i in range(pairs):
+        r = start + 2 * i
+        row, row2 = w[r], w[r + 1]
+        a0 = a1 = b0 = b1 = _vzero()
+        for k in range(nb):
+            o = 34 * k
+            x0, x1 = _vfloats(x, 32 * k), _vfloats(x, 32 * k + 16)
+            d = _vsplat(_f16_at(row, o))
+            a0 += d * _vfloat(_vint8s(row, o + 2)) * x0
+            a1 += d * _vfloat(_vint8s(row, o + 18)) * x1
+            d = _vsplat(_f16_at(row2, o))
+            b0 += d * _vfloat(_vint8s(row2, o + 2)) * x0
+            b1 += d * _vfloat(_vint8s(row2, o + 18)) * x1
+        y[r] = _vsum(a0 + a1)
+        y[r + 1] = _vsum(b0 + b1)
+    for r in range(start + 2 * pairs, stop):
         row = w[r]
-        a0 = a1 = a2 = a3 = _vzero()
-        for p in range(nb // 2):  # two blocks a pass: four independent sums
-            o, k = 68 * p, 64 * p
+        a0 = a1 = _vzero()
+        for k in range(nb):
+            o = 34 * k
             d = _vsplat(_f16_at(row, o))
-            a0 += d * _vfloat(_vint8s(row, o + 2)) * _vfloats(x, k)
-            a1 += d * _vfloat(_vint8s(row, o + 18)) * _vfloats(x, k + 16)
-            d = _vsplat(_f16_at(row, o + 34))
-            a2 += d * _vfloat(_vint8s(row, o + 36)) * _vfloats(x, k + 32)
-            a3 += d * _vfloat(_vint8s(row, o + 52)) * _vfloats(x, k + 48)
-        if nb % 2:
-            o, k = 34 * (nb - 1), 32 * (nb - 1)
-            d = _vsplat(_f16_at(row, o))
-            a0 += d * _vfloat(_vint8s(row, o + 2)) * _vfloats(x, k)
-            a1 += d * _vfloat(_vint8s(row, o + 18)) * _vfloats(x, k + 16)
-        y[r] = _vsum((a0 + a1) + (a2 + a3))
+            a0 += d * _vfloat(_vint8s(row, o + 2)) * _vfloats(x, 32 * k)
+            a1 += d * _vfloat(_vint8s(row, o + 18)) * _vfloats(x, 32 * k + 16)
+        y[r] = _vsum(a0 + a1)
 
 
 @_jit()
@@ -1016,7 +1028,24 @@ def _gemv_q4_0(
 ) -> None:  # pragma: no cover - compiled
     nb = x.shape[0] // 32
     low, four, eight = _vsplat(15), _vsplat(4), _vsplat(8)
-    for r in range(start, stop):
+    pairs = (stop - start) // 2
+    for i in range(pairs):
+        r = start + 2 * i
+        row, row2 = w[r], w[r + 1]
+        a0 = a1 = b0 = b1 = _vzero()
+        for b in range(nb):
+            x0, x1 = _vfloats(x, 32 * b), _vfloats(x, 32 * b + 16)
+            d = _vsplat(_f16_at(row, 18 * b))
+            q = _vbytes(row, 18 * b + 2)
+            a0 += d * _vfloat((q & low) - eight) * x0
+            a1 += d * _vfloat((q >> four) - eight) * x1
+            d = _vsplat(_f16_at(row2, 18 * b))
+            q = _vbytes(row2, 18 * b + 2)
+            b0 += d * _vfloat((q & low) - eight) * x0
+            b1 += d * _vfloat((q >> four) - eight) * x1
+        y[r] = _vsum(a0 + a1)
+        y[r + 1] = _vsum(b0 + b1)
+    for r in range(start + 2 * pairs, stop):
         row = w[r]
         a0 = a1 = _vzero()
         for b in range(nb):
@@ -1033,7 +1062,26 @@ def _gemv_q4_1(
 ) -> None:  # pragma: no cover - compiled
     nb = x.shape[0] // 32
     low, four = _vsplat(15), _vsplat(4)
-    for r in range(start, stop):
+    pairs = (stop - start) // 2
+    for i in range(pairs):
+        r = start + 2 * i
+        row, row2 = w[r], w[r + 1]
+        a0 = a1 = b0 = b1 = _vzero()
+        for b in range(nb):
+            x0, x1 = _vfloats(x, 32 * b), _vfloats(x, 32 * b + 16)
+            d = _vsplat(_f16_at(row, 20 * b))
+            m = _vsplat(_f16_at(row, 20 * b + 2))
+            q = _vbytes(row, 20 * b + 4)
+            a0 += (d * _vfloat(q & low) + m) * x0
+            a1 += (d * _vfloat(q >> four) + m) * x1
+            d = _vsplat(_f16_at(row2, 20 * b))
+            m = _vsplat(_f16_at(row2, 20 * b + 2))
+            q = _vbytes(row2, 20 * b + 4)
+            b0 += (d * _vfloat(q & low) + m) * x0
+            b1 += (d * _vfloat(q >> four) + m) * x1
+        y[r] = _vsum(a0 + a1)
+        y[r + 1] = _vsum(b0 + b1)
+    for r in range(start + 2 * pairs, stop):
         row = w[r]
         a0 = a1 = _vzero()
         for b in range(nb):

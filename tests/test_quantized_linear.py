@@ -154,3 +154,34 @@ def test_quantizing_at_load_is_refused_where_it_cannot_be(tmp_path: Path) -> Non
         load_model_shard(tmp_path / "m.gguf", 2, 0, quantization="q8_0")
     with pytest.raises(EngineConfigError, match="must be one of"):
         load_model(tmp_path / "m.gguf", quantization="int3")
+
+
+def test_q8_activations_run_the_q8_kernels(tmp_path: Path) -> None:
+    directory = _checkpoint(tmp_path, "llama")
+    loaded = load_model(directory, quantization="q4_1", quantized_activations="q8")
+    linears = [lin for _, lin in loaded.model.weights.linears()]
+    assert all(
+        isinstance(lin, QuantizedLinear) and lin.activations == "q8" for lin in linears
+    )
+    lin = linears[0]
+    assert isinstance(lin, QuantizedLinear)
+    part = lin.parts[0]
+    x = np.random.default_rng(0).standard_normal((3, lin.in_features), np.float32)
+    got = lin(paddle.to_tensor(x)).numpy()
+    n = lin.in_features
+    want = quant_kernels.matmul(x, part.raw, part.qtype, part.rows, n, activations="q8")
+    np.testing.assert_array_equal(got, want)  # the q8 kernel's, not the float one's
+    floats = quant_kernels.matmul(x, part.raw, part.qtype, part.rows, n)
+    assert not np.array_equal(want, floats)
+    # the load compiled (or loaded) the kernels the steps call
+    assert quant_kernels._matmul.signatures and quant_kernels._matmul8.signatures
+
+
+def test_q8_activations_are_refused_where_they_cannot_be(tmp_path: Path) -> None:
+    directory = _checkpoint(tmp_path, "llama")
+    with pytest.raises(EngineConfigError, match="float model takes float") as info:
+        load_model(directory, quantized_activations="q8")
+    assert info.value.field == "quantized_activations"
+    with pytest.raises(EngineConfigError, match="must be one of float, q8") as info:
+        load_model(directory, quantization="q8_0", quantized_activations="q4")
+    assert info.value.field == "quantized_activations"

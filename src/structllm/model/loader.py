@@ -220,6 +220,7 @@ def load_model(
     backend: str = "auto",
     num_threads: int | None = None,
     quantization: str = "auto",
+    quantized_activations: str = "float",
 ) -> LoadedModel:
     """Load ``model`` (any reference ``structllm.models.resolve_model`` takes)
     ready to run.
@@ -230,6 +231,11 @@ def load_model(
     float32; ``q8_0``, ``q4_0``, ``q4_1``, ``q4_k`` quantize a float
     checkpoint's projections at load, as llama.cpp's ``llama-quantize``
     would (the embedding lookup, norms and biases stay float32).
+    ``quantized_activations``: how the quantized projections take their
+    input, ``float`` (the float product) or ``q8`` (quantized to 8 bits
+    first, as llama.cpp does: faster, llama.cpp's results); ``q8`` needs
+    quantized weights. The quantized kernels are compiled (or loaded from
+    numba's cache) here, before the first step.
     """
     path = resolve_model(model)
     if path is None:
@@ -291,6 +297,18 @@ def load_model(
         num_threads=num_threads,
         linears=linears,
     )
+    if linears:
+        from structllm.model import quantized
+
+        quantized.set_activations(linears.items(), quantized_activations)
+        quantized.warm_up(linears.items())
+    elif quantized_activations != "float":
+        raise EngineConfigError(
+            f"quantized_activations={quantized_activations!r}: a float model "
+            "takes float activations (q8 needs quantized weights: a GGUF "
+            "file, or quantization=q8_0/q4_0/q4_1)",
+            field="quantized_activations",
+        )
     return LoadedModel(config=config, model=llm, path=path)
 
 

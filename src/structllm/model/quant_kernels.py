@@ -2419,18 +2419,22 @@ def quantize(w: np.ndarray, qtype: int) -> np.ndarray:
     return raw.reshape(rows, size)
 
 
-def warm_up() -> None:
+def warm_up(*, q8: bool = False) -> None:
     """Compile the kernels (or load them from numba's disk cache) for a
     writable and a read-only (mmap) weight, threaded too when the engine
-    has threads, so a first step never pauses to compile."""
+    has threads, so a first step never pauses to compile; with ``q8``, the
+    q8-activation kernels too. One call compiles every type and every
+    ``T`` (the type and the token count are run-time arguments)."""
     if numba is None:  # pragma: no cover
         return
     x = np.zeros((1, 32), np.float32)
     w = np.zeros((8, 34), np.uint8)
     frozen = w.copy()
     frozen.flags.writeable = False
+    modes = ("float", "q8") if q8 else ("float",)
     for weight in (w, frozen):
-        matmul(x, weight, GGMLType.Q8_0, 8, 32, threaded=False)
-        if kernels._threads > 1:
-            matmul(x, weight, GGMLType.Q8_0, 8, 32, threaded=True)
+        for act in modes:
+            matmul(x, weight, GGMLType.Q8_0, 8, 32, threaded=False, activations=act)
+            if kernels._threads > 1:
+                matmul(x, weight, GGMLType.Q8_0, 8, 32, threaded=True, activations=act)
         dequantize_rows(weight, GGMLType.Q8_0, 32)

@@ -17,7 +17,7 @@ from structllm.model._paddle import paddle
 from structllm.model.linear import DenseLinear
 from structllm.model.loader import build_model, load_model
 from structllm.model.parallel import load_model_shard
-from structllm.model.quantized import QuantizedLinear
+from structllm.model.quantized import QuantizedEmbedding, QuantizedLinear
 from structllm.models import make_tiny_model
 from tests.gguf_convert import convert
 from tests.test_gguf_loading import _logits
@@ -96,6 +96,22 @@ def test_the_weights_stay_as_small_as_the_file(tmp_path: Path) -> None:
         if isinstance(lin, QuantizedLinear)
     )
     assert kept == projections + head
+
+
+def test_the_embedding_stays_in_its_blocks(tmp_path: Path) -> None:
+    directory = _checkpoint(tmp_path, "llama", tie_word_embeddings=True)
+    convert(directory, tmp_path / "m.gguf", qtype="Q8_0")
+    kept = load_model(tmp_path / "m.gguf").model.weights
+    table = load_model(tmp_path / "m.gguf", quantization="none").model.weights.embed
+    assert isinstance(kept.embed, QuantizedEmbedding)
+    head = kept.lm_head
+    assert isinstance(head, QuantizedLinear)
+    assert np.shares_memory(kept.embed.part.raw, head.parts[0].raw)  # no copy
+    ids = paddle.to_tensor(np.array([5, 0, 5, table.shape[0] - 1], np.int64))
+    want = paddle.nn.functional.embedding(ids, table).numpy()
+    np.testing.assert_array_equal(kept.embed.lookup(ids).numpy(), want)
+    with pytest.raises(IndexError):
+        kept.embed.lookup(paddle.to_tensor(np.array([table.shape[0]], np.int64)))
 
 
 def test_the_predictors_refuse_quantized_weights_by_name(tmp_path: Path) -> None:

@@ -91,7 +91,7 @@ def read_gguf_quantized(
     file: GGUFFile,
     config: ModelConfig,
     shapes: Mapping[str, tuple[int, ...]],
-) -> tuple[dict[str, np.ndarray], dict[str, Linear]]:
+) -> tuple[dict[str, Any], dict[str, Linear]]:
     """The weights of ``file`` with its projections kept in their blocks:
     ``(tensors, linears)`` for :func:`~structllm.model.loader.build_model`.
 
@@ -100,11 +100,18 @@ def read_gguf_quantized(
     :class:`QuantizedLinear` over the file's own rows (q/k rows of a Llama
     file put back in Hugging Face order, row by row); a tied head reads the
     embedding's rows. Everything else (norms, biases, the embedding the
-    lookup reads, projections of other types) is float32 in ``tensors``.
+    lookup reads, projections of other types) is float32 in ``tensors``,
+    but for the embedding of a file whose projections are kept: a
+    :class:`~structllm.model.quantized.QuantizedEmbedding` over its rows (the
+    tied head's), when their type is one the kernels read.
     """
     from structllm.model import quant_kernels
     from structllm.model.loader import projection_loaders
-    from structllm.model.quantized import QuantizedLinear, QuantizedPart
+    from structllm.model.quantized import (
+        QuantizedEmbedding,
+        QuantizedLinear,
+        QuantizedPart,
+    )
 
     names = _tensor_names(file, config, shapes)
     loaders: dict[str, Any] = dict(projection_loaders(config))
@@ -137,11 +144,19 @@ def read_gguf_quantized(
         linears[module] = QuantizedLinear.fuse(parts, in_features, bias)
         if loader is not None:
             consumed.update(p + ".weight" for p in pieces)
-    tensors = {
-        hf: _dequantized(file, config, hf, names[hf])
+    embed = "model.embed_tokens.weight"
+    info = file.tensors[names[embed]]
+    tensors: dict[str, Any] = {}
+    if linears and int(info.type) in kept:  # eager only, as the Linears
+        raw = file.raw(info.name).reshape(info.shape[0], -1)
+        part = QuantizedPart(raw, int(info.type))
+        tensors[embed] = QuantizedEmbedding(part, info.shape[1])
+        consumed.add(embed)
+    tensors.update(
+        (hf, _dequantized(file, config, hf, names[hf]))
         for hf in shapes
         if hf not in consumed
-    }
+    )
     return tensors, linears
 
 

@@ -39,6 +39,7 @@ from structllm.model.llama import (
     ModelWeights,
 )
 from structllm.model.protocol import CausalLM
+from structllm.model.quantized import QuantizedEmbedding
 from structllm.models import resolve_model
 
 __all__ = [
@@ -366,7 +367,9 @@ def build_model(
     can). Tensors the model does not use are refused.
     """
     t = {
-        n: x if isinstance(x, paddle.Tensor) else paddle.to_tensor(x)
+        n: x
+        if isinstance(x, (paddle.Tensor, QuantizedEmbedding))
+        else paddle.to_tensor(x)
         for n, x in tensors.items()
     }
     weights = fuse_weights(config, t, dtype, linears)
@@ -572,8 +575,18 @@ def fuse_weights(
                 k_norm=take(a + "k_norm.weight") if c.qk_norm else None,
             )
         )
-    embed = take("model.embed_tokens.weight")
+    embed_name = "model.embed_tokens.weight"
+    embed = (
+        t.pop(embed_name)
+        if isinstance(t.get(embed_name), QuantizedEmbedding)
+        else take(embed_name)
+    )
     if c.tie_word_embeddings and "lm_head" not in supplied:
+        if isinstance(embed, QuantizedEmbedding):
+            raise ModelLoadError(
+                "a quantized embedding's tied head must be given as a Linear "
+                "(linears['lm_head'])"
+            )
         lm_head: Linear = DenseLinear(embed, transposed=True)  # (V, H)
     else:
         lm_head = linear("lm_head", h, c.vocab_size)

@@ -268,6 +268,11 @@ def _vsum(v: Any) -> float:  # pragma: no cover - compiled
     return 0.0
 
 
+def _prefetch(w: np.ndarray, index: int) -> None:  # pragma: no cover - compiled
+    """Ask for the cache line of byte ``index`` of ``w``'s data (flat, past
+    its end allowed: a prefetch never faults) ahead of its use."""
+
+
 def _module_class(name: str, base: Any) -> Any:
     """A class of this module by that name: pickled by reference (numba's
     cache pickles the vector types of a kernel's signature; a class pickled
@@ -396,6 +401,19 @@ def _define_vectors() -> tuple[Any, Any]:
     g["_vfloat"] = intrinsic(fvec, to_float, 1)
     g["_vlane"] = intrinsic(ivec, lane, 0)
     g["_vsum"] = intrinsic(types.float32, total, 1)
+
+    def prefetch(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        array = context.make_array(sig.args[0])(context, builder, args[0])
+        i8p = i8.as_pointer()
+        address = builder.bitcast(builder.gep(array.data, [args[1]]), i8p)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        cgutils = importlib.import_module("numba.core.cgutils")
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        # a read, kept in every cache level, of data
+        builder.call(fn, [address, *(ir.Constant(i32, k) for k in (0, 3, 1))])
+        return context.get_dummy_value()
+
+    g["_prefetch"] = intrinsic(types.none, prefetch, 2)
 
     def binary(op: Any, vtype: Any, instruction: str, flags: bool) -> None:
         def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
@@ -988,6 +1006,14 @@ def _dequantize_quad(
 # vector loaded once for both, and twice the independent sums and weight
 # streams in flight, 1.1x on a matrix in L2 and 1.3-2x on SmolLM2's step,
 # whose weights come from L3 or memory (a row at a time waited on them).
+# They and Q4_K/Q6_K prefetch the bytes _PREFETCH ahead (the next rows',
+# contiguous): SmolLM2's 120 Q4_1 layer GEMVs took 9.3 ms of one thread's
+# CPU time against 15 without (4 to 16 KB ahead measured alike), where
+# numpy streams the same mapped bytes at 14-18 GB/s.
+
+
+#: how far ahead of the row pair being read the GEMVs prefetch, in bytes
+_PREFETCH = 8192
 
 
 @_jit()
@@ -999,9 +1025,11 @@ def _gemv_q8_0(
     for i in range(pairs):
         r = start + 2 * i
         row, row2 = w[r], w[r + 1]
+        ahead = r * w.shape[1] + _PREFETCH
         a0 = a1 = b0 = b1 = _vzero()
         for k in range(nb):
             o = 34 * k
+            _prefetch(w, ahead + 2 * o)
             x0, x1 = _vfloats(x, 32 * k), _vfloats(x, 32 * k + 16)
             d = _vsplat(_f16_at(row, o))
             a0 += d * _vfloat(_vint8s(row, o + 2)) * x0
@@ -1032,8 +1060,12 @@ def _gemv_q4_0(
     for i in range(pairs):
         r = start + 2 * i
         row, row2 = w[r], w[r + 1]
+        ahead = r * w.shape[1] + _PREFETCH
         a0 = a1 = b0 = b1 = _vzero()
         for b in range(nb):
+            if b % 2 == 0:  # the pair's next 72 bytes
+                _prefetch(w, ahead + 36 * b)
+                _prefetch(w, ahead + 36 * b + 64)
             x0, x1 = _vfloats(x, 32 * b), _vfloats(x, 32 * b + 16)
             d = _vsplat(_f16_at(row, 18 * b))
             q = _vbytes(row, 18 * b + 2)
@@ -1066,8 +1098,12 @@ def _gemv_q4_1(
     for i in range(pairs):
         r = start + 2 * i
         row, row2 = w[r], w[r + 1]
+        ahead = r * w.shape[1] + _PREFETCH
         a0 = a1 = b0 = b1 = _vzero()
         for b in range(nb):
+            if b % 2 == 0:  # the pair's next 80 bytes
+                _prefetch(w, ahead + 40 * b)
+                _prefetch(w, ahead + 40 * b + 64)
             x0, x1 = _vfloats(x, 32 * b), _vfloats(x, 32 * b + 16)
             d = _vsplat(_f16_at(row, 20 * b))
             m = _vsplat(_f16_at(row, 20 * b + 2))
@@ -1144,6 +1180,7 @@ def _gemv_q4_k(
     low, four = _vsplat(15), _vsplat(4)
     for r in range(start, stop):
         row = w[r]
+        ahead = r * w.shape[1] + _PREFETCH
         a0 = a1 = a2 = a3 = _vzero()
         for b in range(nb):
             o = 144 * b
@@ -1151,6 +1188,8 @@ def _gemv_q4_k(
             dmin = _f16_at(row, o + 2)
             scales = row[o + 4 : o + 16]
             for p in range(4):  # 64 values: 32 low nibbles, then 32 high
+                if p < 3:  # the block's 144 bytes ahead
+                    _prefetch(w, ahead + o + 64 * p)
                 qs, e = o + 16 + 32 * p, 256 * b + 64 * p
                 sc, m = _scale_min_k4(2 * p, scales)
                 d1, m1 = _vsplat(d * np.float32(sc)), _vsplat(dmin * np.float32(m))
@@ -1206,6 +1245,7 @@ def _gemv_q6_k(
     low, three, four, offset = _vsplat(15), _vsplat(3), _vsplat(4), _vsplat(32)
     for r in range(start, stop):
         row = w[r]
+        ahead = r * w.shape[1] + _PREFETCH
         a0 = a1 = _vzero()
         for b in range(nb):
             o = 210 * b
@@ -1213,6 +1253,8 @@ def _gemv_q6_k(
             for h in range(2):  # two halves of 128 values
                 qh = o + 128 + 32 * h
                 for k in range(4):  # 32 values: ql nibble k // 2, qh bits 2 k
+                    if h == 0:  # the block's 210 bytes ahead
+                        _prefetch(w, ahead + o + 64 * k)
                     ql = o + 64 * h + 32 * (k % 2)
                     shift, high = _vsplat(4 * (k // 2)), _vsplat(2 * k)
                     e = 128 * h + 32 * k

@@ -201,3 +201,17 @@ def test_q8_activations_are_refused_where_they_cannot_be(tmp_path: Path) -> None
     with pytest.raises(EngineConfigError, match="must be one of float, q8") as info:
         load_model(directory, quantization="q8_0", quantized_activations="q4")
     assert info.value.field == "quantized_activations"
+
+
+def test_dropping_copied_pieces_pages_keeps_the_map_readable(tmp_path: Path) -> None:
+    from structllm.model.gguf_loader import _unmap_copied
+
+    directory = _checkpoint(tmp_path, "llama", hidden_size=256, intermediate_size=512)
+    convert(directory, tmp_path / "m.gguf", qtype="Q8_0")
+    with GGUFFile.open(tmp_path / "m.gguf") as f:
+        raw = f.raw("blk.0.ffn_up.weight")  # 512 rows of 272 bytes: whole pages
+        before = raw.copy()
+        _unmap_copied([raw], [])  # its pages dropped: read again from the file
+        np.testing.assert_array_equal(raw, before)
+        _unmap_copied([raw], [raw])  # a part that reads the map keeps it
+        np.testing.assert_array_equal(raw, before)

@@ -1493,10 +1493,13 @@ def _gemv2_32(
     x0, x1 = x[t], x[t + 1]
     y0, y1 = y[t], y[t + 1]
     nb = x.shape[1] // 32
+    size = w.shape[1] // nb  # a block's bytes
     for r in range(start, stop):
         row = w[r]
+        ahead = r * w.shape[1] + _PREFETCH
         a0 = a1 = c0 = c1 = _vzero()
         for b in range(nb):
+            _prefetch(w, ahead + size * b)
             v0, v1 = _blk32(qtype, row, b)
             a0 += v0 * _vfloats(x0, 32 * b)
             a1 += v1 * _vfloats(x0, 32 * b + 16)
@@ -1521,10 +1524,13 @@ def _gemv4_32(
     x0, x1, x2, x3 = x[t], x[t + 1], x[t + 2], x[t + 3]
     y0, y1, y2, y3 = y[t], y[t + 1], y[t + 2], y[t + 3]
     nb = x.shape[1] // 32
+    size = w.shape[1] // nb  # a block's bytes
     for r in range(start, stop):
         row = w[r]
+        ahead = r * w.shape[1] + _PREFETCH
         a0 = a1 = b0 = b1 = c0 = c1 = e0 = e1 = _vzero()
         for b in range(nb):
+            _prefetch(w, ahead + size * b)
             v0, v1 = _blk32(qtype, row, b)
             k = 32 * b
             a0 += v0 * _vfloats(x0, k)
@@ -1743,9 +1749,11 @@ def _gemv8_q8_0(
 ) -> None:  # pragma: no cover - compiled
     for r in range(start, stop):
         row = w[r]
+        ahead = r * w.shape[1] + _PREFETCH
         a0 = a1 = _vzero()
         for p in range(nb // 2):
             oa = 68 * p
+            _prefetch(w, ahead + oa)
             d = _vsplat2(_f16_at(row, oa), _f16_at(row, oa + 34)) * _vfloats(dx, 16 * p)
             dot = _vdots(_bq8x2(row, oa + 2, oa + 36), _bint8s(xq, 64 * p))
             a0 += d * _vfloat(dot)
@@ -1772,9 +1780,11 @@ def _gemv8_q4_0(
     three = _vsplat(3)
     for r in range(start, stop):
         row = w[r]
+        ahead = r * w.shape[1] + _PREFETCH
         a0 = _vzero()
         for p in range((nb + 1) // 2):
             oa = 36 * p
+            _prefetch(w, ahead + oa)
             ob = oa + 18 if 2 * p + 1 < nb else oa
             d = _vsplat2(_f16_at(row, oa), _f16_at(row, ob)) * _vfloats(dx, 16 * p)
             dot = _vdot(_bnib2(row, oa + 2, ob + 2), _bint8s(xq, 64 * p))
@@ -1796,9 +1806,11 @@ def _gemv8_q4_1(
 ) -> None:  # pragma: no cover - compiled
     for r in range(start, stop):
         row = w[r]
+        ahead = r * w.shape[1] + _PREFETCH
         a0 = a1 = _vzero()
         for p in range((nb + 1) // 2):
             oa = 40 * p
+            _prefetch(w, ahead + oa)
             ob = oa + 20 if 2 * p + 1 < nb else oa
             d = _vsplat2(_f16_at(row, oa), _f16_at(row, ob)) * _vfloats(dx, 16 * p)
             m = _vsplat2(_f16_at(row, oa + 2), _f16_at(row, ob + 2))
@@ -1944,10 +1956,13 @@ def _gemv8x2(
     q0, d0, s0, f0 = xq[t], dx[t], sx[t], xs4[t]
     q1, d1, s1, f1 = xq[t + 1], dx[t + 1], sx[t + 1], xs4[t + 1]
     y0, y1 = out[t], out[t + 1]
+    pair = 2 * (w.shape[1] // nb)  # two blocks' bytes
     for r in range(start, stop):
         row = w[r]
+        ahead = r * w.shape[1] + _PREFETCH
         a0 = c0 = a1 = c1 = _vzero()
         for p in range((nb + 1) // 2):
+            _prefetch(w, ahead + pair * p)
             q, dw, m = _w8(qtype, row, p, nb)
             a0, c0 = _acc8(qtype, q, dw, m, q0, d0, s0, f0, p, a0, c0)
             a1, c1 = _acc8(qtype, q, dw, m, q1, d1, s1, f1, p, a1, c1)
@@ -1976,10 +1991,13 @@ def _gemv8x4(
     q2, d2, s2, f2 = xq[t + 2], dx[t + 2], sx[t + 2], xs4[t + 2]
     q3, d3, s3, f3 = xq[t + 3], dx[t + 3], sx[t + 3], xs4[t + 3]
     y0, y1, y2, y3 = out[t], out[t + 1], out[t + 2], out[t + 3]
+    pair = 2 * (w.shape[1] // nb)  # two blocks' bytes
     for r in range(start, stop):
         row = w[r]
+        ahead = r * w.shape[1] + _PREFETCH
         a0 = c0 = a1 = c1 = a2 = c2 = a3 = c3 = _vzero()
         for p in range((nb + 1) // 2):
+            _prefetch(w, ahead + pair * p)
             q, dw, m = _w8(qtype, row, p, nb)
             a0, c0 = _acc8(qtype, q, dw, m, q0, d0, s0, f0, p, a0, c0)
             a1, c1 = _acc8(qtype, q, dw, m, q1, d1, s1, f1, p, a1, c1)

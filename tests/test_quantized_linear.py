@@ -201,6 +201,9 @@ def test_q8_activations_are_refused_where_they_cannot_be(tmp_path: Path) -> None
     with pytest.raises(EngineConfigError, match="must be one of float, q8") as info:
         load_model(directory, quantization="q8_0", quantized_activations="q4")
     assert info.value.field == "quantized_activations"
+    with pytest.raises(EngineConfigError, match="take float activations") as info:
+        load_model_shard(directory, 2, 0, quantized_activations="q8")
+    assert info.value.field == "quantized_activations"
 
 
 def test_dropping_copied_pieces_pages_keeps_the_map_readable(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from structllm.model._paddle import paddle
 from structllm.model.linear import DenseLinear
 from structllm.model.loader import build_model, load_model
 from structllm.model.parallel import load_model_shard
-from structllm.model.quantized import QuantizedLinear
+from structllm.model.quantized import QuantizedEmbedding, QuantizedLinear
 from structllm.models import make_tiny_model
 from tests.gguf_convert import convert
 from tests.test_gguf_loading import _logits
@@ -98,6 +98,22 @@ def test_the_weights_stay_as_small_as_the_file(tmp_path: Path) -> None:
     assert kept == projections + head
 
 
+def test_the_embedding_stays_in_its_blocks(tmp_path: Path) -> None:
+    directory = _checkpoint(tmp_path, "llama", tie_word_embeddings=True)
+    convert(directory, tmp_path / "m.gguf", qtype="Q8_0")
+    kept = load_model(tmp_path / "m.gguf").model.weights
+    table = load_model(tmp_path / "m.gguf", quantization="none").model.weights.embed
+    assert isinstance(kept.embed, QuantizedEmbedding)
+    head = kept.lm_head
+    assert isinstance(head, QuantizedLinear)
+    assert np.shares_memory(kept.embed.part.raw, head.parts[0].raw)  # no copy
+    ids = paddle.to_tensor(np.array([5, 0, 5, table.shape[0] - 1], np.int64))
+    want = paddle.nn.functional.embedding(ids, table).numpy()
+    np.testing.assert_array_equal(kept.embed.lookup(ids).numpy(), want)
+    with pytest.raises(IndexError):
+        kept.embed.lookup(paddle.to_tensor(np.array([table.shape[0]], np.int64)))
+
+
 def test_the_predictors_refuse_quantized_weights_by_name(tmp_path: Path) -> None:
     directory = _checkpoint(tmp_path, "llama")
     convert(directory, tmp_path / "m.gguf", qtype="Q8_0")
@@ -154,3 +170,51 @@ def test_quantizing_at_load_is_refused_where_it_cannot_be(tmp_path: Path) -> Non
         load_model_shard(tmp_path / "m.gguf", 2, 0, quantization="q8_0")
     with pytest.raises(EngineConfigError, match="must be one of"):
         load_model(tmp_path / "m.gguf", quantization="int3")
+
+
+def test_q8_activations_run_the_q8_kernels(tmp_path: Path) -> None:
+    directory = _checkpoint(tmp_path, "llama")
+    loaded = load_model(directory, quantization="q4_1", quantized_activations="q8")
+    linears = [lin for _, lin in loaded.model.weights.linears()]
+    assert all(
+        isinstance(lin, QuantizedLinear) and lin.activations == "q8" for lin in linears
+    )
+    lin = linears[0]
+    assert isinstance(lin, QuantizedLinear)
+    part = lin.parts[0]
+    x = np.random.default_rng(0).standard_normal((3, lin.in_features), np.float32)
+    got = lin(paddle.to_tensor(x)).numpy()
+    n = lin.in_features
+    want = quant_kernels.matmul(x, part.raw, part.qtype, part.rows, n, activations="q8")
+    np.testing.assert_array_equal(got, want)  # the q8 kernel's, not the float one's
+    floats = quant_kernels.matmul(x, part.raw, part.qtype, part.rows, n)
+    assert not np.array_equal(want, floats)
+    # the load compiled (or loaded) the kernels the steps call
+    assert quant_kernels._matmul.signatures and quant_kernels._matmul8.signatures
+
+
+def test_q8_activations_are_refused_where_they_cannot_be(tmp_path: Path) -> None:
+    directory = _checkpoint(tmp_path, "llama")
+    with pytest.raises(EngineConfigError, match="float model takes float") as info:
+        load_model(directory, quantized_activations="q8")
+    assert info.value.field == "quantized_activations"
+    with pytest.raises(EngineConfigError, match="must be one of float, q8") as info:
+        load_model(directory, quantization="q8_0", quantized_activations="q4")
+    assert info.value.field == "quantized_activations"
+    with pytest.raises(EngineConfigError, match="take float activations") as info:
+        load_model_shard(directory, 2, 0, quantized_activations="q8")
+    assert info.value.field == "quantized_activations"
+
+
+def test_dropping_copied_pieces_pages_keeps_the_map_readable(tmp_path: Path) -> None:
+    from structllm.model.gguf_loader import _unmap_copied
+
+    directory = _checkpoint(tmp_path, "llama", hidden_size=256, intermediate_size=512)
+    convert(directory, tmp_path / "m.gguf", qtype="Q8_0")
+    with GGUFFile.open(tmp_path / "m.gguf") as f:
+        raw = f.raw("blk.0.ffn_up.weight")  # 512 rows of 272 bytes: whole pages
+        before = raw.copy()
+        _unmap_copied([raw], [])  # its pages dropped: read again from the file
+        np.testing.assert_array_equal(raw, before)
+        _unmap_copied([raw], [raw])  # a part that reads the map keeps it
+        np.testing.assert_array_equal(raw, before)

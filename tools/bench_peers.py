@@ -187,7 +187,9 @@ def real_model(ns: argparse.Namespace, work: Path) -> int:
             # memory comparison on the file both engines then read
             run(quantize, "--allow-requantize", shipped, gguf, kind)
         llama = None if "llama.cpp" in ns.skip else binary
-        compare(ns, work, gguf, llama, gguf, ["--prompt-kind", "text"], f"smollm2_{kind}")
+        compare(
+            ns, work, gguf, llama, gguf, ["--prompt-kind", "text"], f"smollm2_{kind}"
+        )
     return 0
 
 
@@ -210,9 +212,11 @@ def compare(
             f"{q(llama_server)} -m {q(gguf)} -t {t} -tb {t} -np 16 -c 8192 "
             "--port {port}"
         )
+    # the same KV cache in tokens: llama.cpp's -c 8192 is shared by its 16
+    # slots; 512 blocks of 16 (structllm's default is what 512 MiB holds)
     serve = (
         f"{q(sys.executable)} -m structllm.cli serve {q(model)} --port {{port}} "
-        f"--max-num-seqs 16 --max-model-len 4096 --num-threads {t}"
+        f"--max-num-seqs 16 --max-model-len 4096 --num-blocks 512 --num-threads {t}"
     )
     for loop in ("asyncio", "trio"):
         if loop not in ns.skip:

@@ -13,7 +13,10 @@ Numpy only; the file is read through ``structllm.formats.gguf``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import ctypes
+import mmap
+import sys
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,7 +94,7 @@ def read_gguf_quantized(
     file: GGUFFile,
     config: ModelConfig,
     shapes: Mapping[str, tuple[int, ...]],
-) -> tuple[dict[str, np.ndarray], dict[str, Linear]]:
+) -> tuple[dict[str, Any], dict[str, Linear]]:
     """The weights of ``file`` with its projections kept in their blocks:
     ``(tensors, linears)`` for :func:`~structllm.model.loader.build_model`.
 
@@ -100,11 +103,18 @@ def read_gguf_quantized(
     :class:`QuantizedLinear` over the file's own rows (q/k rows of a Llama
     file put back in Hugging Face order, row by row); a tied head reads the
     embedding's rows. Everything else (norms, biases, the embedding the
-    lookup reads, projections of other types) is float32 in ``tensors``.
+    lookup reads, projections of other types) is float32 in ``tensors``,
+    but for the embedding of a file whose projections are kept: a
+    :class:`~structllm.model.quantized.QuantizedEmbedding` over its rows (the
+    tied head's), when their type is one the kernels read.
     """
     from structllm.model import quant_kernels
     from structllm.model.loader import projection_loaders
-    from structllm.model.quantized import QuantizedLinear, QuantizedPart
+    from structllm.model.quantized import (
+        QuantizedEmbedding,
+        QuantizedLinear,
+        QuantizedPart,
+    )
 
     names = _tensor_names(file, config, shapes)
     loaders: dict[str, Any] = dict(projection_loaders(config))
@@ -119,9 +129,10 @@ def read_gguf_quantized(
         if not all(int(info.type) in kept for info in infos):
             continue
         in_features = infos[0].shape[1]
-        parts = []
+        parts, mapped = [], []
         for piece, info in zip(pieces, infos, strict=True):
             raw = file.raw(info.name).reshape(info.shape[0], -1)
+            mapped.append(raw)
             parts.append(
                 QuantizedPart(_in_hf_order(config, piece, raw), int(info.type))
             )
@@ -134,15 +145,49 @@ def read_gguf_quantized(
                 )
             )
             consumed.update(biases)
-        linears[module] = QuantizedLinear.fuse(parts, in_features, bias)
+        linears[module] = linear = QuantizedLinear.fuse(parts, in_features, bias)
+        _unmap_copied(mapped, (p.raw for p in linear.parts))
         if loader is not None:
             consumed.update(p + ".weight" for p in pieces)
-    tensors = {
-        hf: _dequantized(file, config, hf, names[hf])
+    embed = "model.embed_tokens.weight"
+    info = file.tensors[names[embed]]
+    tensors: dict[str, Any] = {}
+    if linears and int(info.type) in kept:  # eager only, as the Linears
+        raw = file.raw(info.name).reshape(info.shape[0], -1)
+        part = QuantizedPart(raw, int(info.type))
+        tensors[embed] = QuantizedEmbedding(part, info.shape[1])
+        consumed.add(embed)
+    tensors.update(
+        (hf, _dequantized(file, config, hf, names[hf]))
         for hf in shapes
         if hf not in consumed
-    }
+    )
     return tensors, linears
+
+
+#: ``madvise``'s advice to drop a range's pages from the process (Linux)
+_MADV_DONTNEED = 4
+
+
+def _unmap_copied(mapped: list[np.ndarray], kept: Iterable[np.ndarray]) -> None:
+    """Drop from the process the file pages of pieces a fused weight copied
+    (q/k/v, gate/up): the copy is what the kernels read, and the map's pages
+    would stay resident beside it (43 MB of SmolLM2 Q4_1's 98). The map is
+    read-only and shared, so a page dropped here that a neighbouring tensor
+    still uses is read back from the page cache on its next access."""
+    if sys.platform != "linux":
+        return
+    kept = list(kept)
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    for raw in mapped:
+        if any(np.shares_memory(raw, k) for k in kept):
+            continue  # a part reads the map itself
+        start = -(-raw.ctypes.data // page) * page  # whole pages inside it
+        stop = (raw.ctypes.data + raw.nbytes) // page * page
+        if stop > start:
+            madvise(start, stop - start, _MADV_DONTNEED)
 
 
 def _paddle_tensor(array: np.ndarray) -> Any:

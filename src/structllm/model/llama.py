@@ -26,6 +26,7 @@ from structllm.model.linear import Backend, Linear
 
 if TYPE_CHECKING:
     from structllm.model.lora import LoRASlots
+    from structllm.model.quantized import QuantizedEmbedding
 
 __all__ = [
     "LAYER_PROJECTIONS",
@@ -67,7 +68,8 @@ class DecoderLayerWeights:
 
 @attrs.define(eq=False)
 class ModelWeights:
-    embed: paddle.Tensor  # (V, H)
+    #: (V, H); a quantized model's stays in its blocks (the lookups dequantize)
+    embed: paddle.Tensor | QuantizedEmbedding
     layers: list[DecoderLayerWeights]
     norm: paddle.Tensor  # (H,)
     #: H -> V; a tied head reads ``embed`` (``DenseLinear(embed, transposed=True)``)
@@ -290,7 +292,7 @@ class LlamaForCausalLM:
     ) -> paddle.Tensor:  # (T, H), before the final norm
         c = self.config
         w = self.weights
-        x = paddle.nn.functional.embedding(input_ids, w.embed)  # (T, H)
+        x = _embed_tokens(w.embed, input_ids)  # (T, H)
         if meta.use_kernels:
             return self._residual_stream_kernels(x, positions, kv_caches, meta)
         self.checked_positions(positions)
@@ -418,6 +420,14 @@ class LlamaForCausalLM:
         return (
             logits.astype(paddle.float32) if logits.dtype != paddle.float32 else logits
         )
+
+
+def _embed_tokens(
+    embed: paddle.Tensor | QuantizedEmbedding, ids: paddle.Tensor
+) -> paddle.Tensor:  # (T,) int64 -> (T, H)
+    if isinstance(embed, paddle.Tensor):
+        return paddle.nn.functional.embedding(ids, embed)
+    return embed.lookup(ids)
 
 
 def attention_inputs(

@@ -39,6 +39,7 @@ from structllm.model.llama import (
     ModelWeights,
 )
 from structllm.model.protocol import CausalLM
+from structllm.model.quantized import QuantizedEmbedding
 from structllm.models import resolve_model
 
 __all__ = [
@@ -220,6 +221,7 @@ def load_model(
     backend: str = "auto",
     num_threads: int | None = None,
     quantization: str = "auto",
+    quantized_activations: str = "float",
 ) -> LoadedModel:
     """Load ``model`` (any reference ``structllm.models.resolve_model`` takes)
     ready to run.
@@ -230,6 +232,11 @@ def load_model(
     float32; ``q8_0``, ``q4_0``, ``q4_1``, ``q4_k`` quantize a float
     checkpoint's projections at load, as llama.cpp's ``llama-quantize``
     would (the embedding lookup, norms and biases stay float32).
+    ``quantized_activations``: how the quantized projections take their
+    input, ``float`` (the float product) or ``q8`` (quantized to 8 bits
+    first, as llama.cpp does: faster, llama.cpp's results); ``q8`` needs
+    quantized weights. The quantized kernels are compiled (or loaded from
+    numba's cache) here, before the first step.
     """
     path = resolve_model(model)
     if path is None:
@@ -291,6 +298,18 @@ def load_model(
         num_threads=num_threads,
         linears=linears,
     )
+    if linears:
+        from structllm.model import quantized
+
+        quantized.set_activations(linears.items(), quantized_activations)
+        quantized.warm_up(linears.items())
+    elif quantized_activations != "float":
+        raise EngineConfigError(
+            f"quantized_activations={quantized_activations!r}: a float model "
+            "takes float activations (q8 needs quantized weights: a GGUF "
+            "file, or quantization=q8_0/q4_0/q4_1)",
+            field="quantized_activations",
+        )
     return LoadedModel(config=config, model=llm, path=path)
 
 
@@ -348,7 +367,9 @@ def build_model(
     can). Tensors the model does not use are refused.
     """
     t = {
-        n: x if isinstance(x, paddle.Tensor) else paddle.to_tensor(x)
+        n: x
+        if isinstance(x, (paddle.Tensor, QuantizedEmbedding))
+        else paddle.to_tensor(x)
         for n, x in tensors.items()
     }
     weights = fuse_weights(config, t, dtype, linears)
@@ -554,8 +575,18 @@ def fuse_weights(
                 k_norm=take(a + "k_norm.weight") if c.qk_norm else None,
             )
         )
-    embed = take("model.embed_tokens.weight")
+    embed_name = "model.embed_tokens.weight"
+    embed = (
+        t.pop(embed_name)
+        if isinstance(t.get(embed_name), QuantizedEmbedding)
+        else take(embed_name)
+    )
     if c.tie_word_embeddings and "lm_head" not in supplied:
+        if isinstance(embed, QuantizedEmbedding):
+            raise ModelLoadError(
+                "a quantized embedding's tied head must be given as a Linear "
+                "(linears['lm_head'])"
+            )
         lm_head: Linear = DenseLinear(embed, transposed=True)  # (V, H)
     else:
         lm_head = linear("lm_head", h, c.vocab_size)

@@ -297,14 +297,16 @@ def load_model_shard(
     backend: str = "auto",
     on_progress: Callable[[LoadProgress], None] | None = None,
     quantization: str = "auto",
+    quantized_activations: str = "float",
 ) -> LoadedModel:
     """Rank ``rank``'s shard of ``model`` (a directory or a built-in name),
     as :func:`~structllm.model.loader.load_model` takes its arguments.
 
     Shards are float32: a GGUF file's quantized weights are dequantized and
     each rank keeps its slice (``quantization`` auto or none); quantizing a
-    shard at load (q8_0...) is refused by name, as is any quantized format
-    the ranks cannot split.
+    shard at load (q8_0...) is refused by name, as are q8 activations
+    (``quantized_activations``: float shards take float activations) and
+    any quantized format the ranks cannot split.
 
     ``load_format="dummy"`` (and ``"tiny-random"``) draws the whole model's
     random weights from ``seed`` and keeps the rank's slices, so every rank
@@ -318,6 +320,13 @@ def load_model_shard(
             f"quantization={quantization} with tensor_parallel_size {tp_size}: "
             "tensor-parallel ranks hold float32 shards",
             field="quantization",
+        )
+    if quantized_activations != "float":
+        raise EngineConfigError(
+            f"quantized_activations={quantized_activations!r} with "
+            f"tensor_parallel_size {tp_size}: tensor-parallel ranks hold float32 "
+            "shards, which take float activations",
+            field="quantized_activations",
         )
     config, path = _model_config(model)
     if path is None:

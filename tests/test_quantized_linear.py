@@ -218,3 +218,19 @@ def test_dropping_copied_pieces_pages_keeps_the_map_readable(tmp_path: Path) -> 
         np.testing.assert_array_equal(raw, before)
         _unmap_copied([raw], [raw])  # a part that reads the map keeps it
         np.testing.assert_array_equal(raw, before)
+
+
+def test_the_engine_takes_quantized_activations(tmp_path: Path) -> None:
+    """``quantized_activations`` reaches the model through the engine's
+    settings: q8 runs (its greedy tokens are the q8 kernels', so only the run
+    and the refusal are asserted here), and a float model refuses it by name."""
+    from structllm import LLM, SamplingParams
+
+    directory = _checkpoint(tmp_path, "llama")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = LLM(str(directory), quantization="q4_1", quantized_activations="q8")
+    out = llm.generate(["hello"], params)[0]
+    assert len(out.outputs[0].token_ids) == 4
+    with pytest.raises(EngineConfigError) as info:
+        LLM(str(directory), quantized_activations="q8")
+    assert info.value.field == "quantized_activations"

@@ -98,6 +98,12 @@ class EngineConfig:
         "q8_0/q4_0/q4_1/q4_k: quantize a float checkpoint's projections at load",
         topic="model",
     )
+    quantized_activations: Literal["float", "q8"] = setting(
+        "float",
+        help="how quantized projections take their input: float, or q8 "
+        "(quantized to 8 bits first, as llama.cpp does; needs quantized weights)",
+        topic="model",
+    )
     seed: int = setting(0, help="seed for dummy weights", cli=False)
     block_size: int = setting(
         16, help="tokens per KV block", validator=_ONE, topic="engine"

@@ -503,6 +503,7 @@ def load_engine_model(
         "seed": config.seed,
         "backend": config.model_backend,
         "quantization": config.quantization,
+        "quantized_activations": config.quantized_activations,
         "on_progress": on_progress,
     }
     tp = config.tensor_parallel_size

@@ -180,7 +180,13 @@ async def test_vllm_fields_are_null_when_not_asked_for(server: Server) -> None:
     assert "token_ids" in chat["choices"][0]
     assert chat["choices"][0]["token_ids"] is None
 
-    asked = {"prompt": "Hi", "max_tokens": 2, "return_token_ids": True}
+    # ignore_eos: two tokens, so the stream has two choices' chunks
+    asked = {
+        "prompt": "Hi",
+        "max_tokens": 2,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     got = (await post(server, "/v1/completions", asked))["choices"][0]
     assert got["prompt_token_ids"] and got["token_ids"]
 

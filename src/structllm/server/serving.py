@@ -36,12 +36,12 @@ from pydantic import BaseModel
 
 from structllm.config import ServerConfig
 from structllm.engine.frontend.async_llm import AsyncLLM
-from structllm.engine.frontend.inputs import Prompt
+from structllm.engine.frontend.inputs import OFF_LOOP_CHARS, Prompt, check_prompt_bytes
 from structllm.errors import EngineLoadingError, InvalidRequestError, unwrap_group
 from structllm.outputs import CompletionOutput, RequestOutput
 from structllm.params import SamplingParams
 from structllm.server.http.access import current_record
-from structllm.server.http.body import receive_json
+from structllm.server.http.body import maybe_off_loop, receive_json
 from structllm.server.http.errors import (
     ModelNotFoundError,
     RequestTimeoutError,
@@ -177,6 +177,38 @@ class Serving:
                 f"would need {len(ids) + max_tokens}",
                 field=field,
             )
+
+    @staticmethod
+    async def render_messages(
+        llm: AsyncLLM,
+        messages: list[dict[str, Any]],
+        options: dict[str, Any],
+        cache_salt: str | None = None,
+    ) -> Prompt:
+        """``messages`` through the chat template (``options``: the other
+        keywords of ``apply_chat_template``), tokenised; every API that takes
+        a conversation renders it here, so they all write the same prompt.
+
+        The text is checked against ``--max-prompt-bytes`` first (as
+        ``messages``), and a long conversation is rendered and tokenised in a
+        worker thread.
+        """
+        size = sum(len(m["content"]) for m in messages)
+        cap = llm.max_prompt_bytes
+        if cap is not None and 4 * size > cap:  # 4: the most bytes per char
+            text = "".join(m["content"] for m in messages)
+            check_prompt_bytes(text, cap, field="messages")
+        tools = options.get("tools")
+        # the template writes the tools out too: count them for the thread
+        rendered = size + (len(json.dumps(tools)) if tools else 0)
+
+        def render() -> tuple[str, tuple[int, ...]]:
+            text = llm.tokenizer.apply_chat_template(messages, **options)
+            # the template writes BOS itself: tokenise without special tokens
+            return text, tuple(llm.tokenizer.encode(text, add_special_tokens=False))
+
+        text, ids = await maybe_off_loop(rendered > OFF_LOOP_CHARS, render)
+        return Prompt(text, ids, cache_salt)
 
     def prompt_text(self, prompt: Prompt) -> str:
         if prompt.text is not None:

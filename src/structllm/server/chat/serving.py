@@ -16,14 +16,13 @@ is what ``/v1/responses`` renders its requests with too.
 from __future__ import annotations
 
 import copy
-import json
 from typing import Any
 
 import attrs
 from fastapi.responses import Response
 
 from structllm.engine.frontend.async_llm import AsyncLLM
-from structllm.engine.frontend.inputs import OFF_LOOP_CHARS, Prompt, check_prompt_bytes
+from structllm.engine.frontend.inputs import Prompt
 from structllm.outputs import RequestOutput
 from structllm.params import SamplingParams
 from structllm.server.chat import reasoning, tool_calls
@@ -78,31 +77,17 @@ class ChatServing(Serving):
 
     async def render(self, llm: AsyncLLM, req: ChatRequest) -> RenderedChat:
         """Check ``req``'s constraints, render and tokenise its messages
-        (off the event loop when long), check the length."""
+        (:meth:`~structllm.server.serving.Serving.render_messages`), check
+        the length; the parameters and the reasoning parser it runs with."""
         await check_constraints(req.constraint_checks)
         params = req.to_sampling_params(None)
-        messages = req.template_messages()
-        size = sum(len(m["content"]) for m in messages)
-        cap = llm.max_prompt_bytes
-        if cap is not None and 4 * size > cap:  # 4: the most bytes per char
-            text = "".join(m["content"] for m in messages)
-            check_prompt_bytes(text, cap, field="messages")
-        options = req.template_options()
-        tools = options["tools"]
-        # the template writes the tools out too: count them for the thread
-        rendered = size + (len(json.dumps(tools)) if tools else 0)
-
-        def render() -> tuple[str, tuple[int, ...]]:
-            text = llm.tokenizer.apply_chat_template(messages, **options)
-            # the template writes BOS itself: tokenise without special tokens
-            return text, tuple(llm.tokenizer.encode(text, add_special_tokens=False))
-
-        text, ids = await maybe_off_loop(rendered > OFF_LOOP_CHARS, render)
-        prompt = Prompt(text, ids, req.cache_salt)
+        prompt = await self.render_messages(
+            llm, req.template_messages(), req.template_options(), req.cache_salt
+        )
         limit = req.max_completion_tokens or req.max_tokens
-        self.check_length(llm, ids, limit, req.limit_field)
+        self.check_length(llm, prompt.token_ids, limit, req.limit_field)
         parser = reasoning.choice_parser(
-            self.reasoning_parser_name(llm), text, req.chat_template_kwargs
+            self.reasoning_parser_name(llm), prompt.text or "", req.chat_template_kwargs
         )
         constraint, parser = reasoning.after_thinking(params.structured_outputs, parser)
         if constraint is not params.structured_outputs:

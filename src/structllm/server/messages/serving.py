@@ -24,9 +24,10 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from structllm.engine.frontend.async_llm import AsyncLLM
-from structllm.engine.frontend.inputs import OFF_LOOP_CHARS, Prompt, check_prompt_bytes
+from structllm.engine.frontend.inputs import Prompt
 from structllm.errors import InvalidRequestError, unwrap_group
 from structllm.outputs import CompletionOutput, RequestOutput
+from structllm.server.chat.tool_calls import call_parser
 from structllm.server.http.body import maybe_off_loop, validate
 from structllm.server.http.errors import ASCIIJSONResponse, anthropic_error_json
 from structllm.server.http.sse import deadline
@@ -52,15 +53,8 @@ from structllm.server.messages.streaming import (
 )
 from structllm.server.protocol import bodies
 from structllm.server.protocol.constraints import check_constraints, renamed
-from structllm.server.protocol.tools import NamedToolChoice
 from structllm.server.serving import Job, Serving
-from structllm.text.auto_tool_parser import AutoParser
-from structllm.text.tool_parser import (
-    CallListParser,
-    NamedCallParser,
-    ToolCallParser,
-    parse,
-)
+from structllm.text.tool_parser import ToolCallParser, parse
 
 __all__ = ["MessagesServing", "anthropic_errors", "parser_for"]
 
@@ -73,20 +67,9 @@ def new_message_id() -> str:
 
 
 def parser_for(req: MessagesPrompt) -> ToolCallParser | None:
-    """The parser chat uses for the same ``tool_choice``; None: plain text.
-
-    (Chat's ``tool_calls.parser_for`` takes a ``ChatRequest``; this is its
-    choice, from the mode and the tools.)
-    """
-    mode = req.tool_mode
-    if isinstance(mode, NamedToolChoice):
-        return NamedCallParser(mode.function.name)
-    if mode == "required":
-        return CallListParser()
-    if mode == "auto" and req.tools:
-        names = [t.name for t in req.tools]
-        return AutoParser(names, parallel=req.parallel_tool_use)
-    return None
+    """The parser chat uses for the same ``tool_choice``; None: plain text."""
+    names = [t.name for t in req.tools or ()]
+    return call_parser(req.tool_mode, names, parallel=req.parallel_tool_use)
 
 
 def anthropic_errors(response: Response) -> Response:
@@ -172,23 +155,10 @@ class MessagesServing(Serving):
 
     async def _render(self, llm: AsyncLLM, req: MessagesPrompt) -> Prompt:
         """The conversation through the chat template, as chat renders it."""
-        messages = req.template_messages()
-        size = sum(len(m["content"]) for m in messages)
-        cap = llm.max_prompt_bytes
-        if cap is not None and 4 * size > cap:  # 4: the most bytes per char
-            text = "".join(m["content"] for m in messages)
-            check_prompt_bytes(text, cap, field="messages")
-        options = req.template_options()
-        tools = options["tools"]
-        rendered = size + (len(json.dumps(tools)) if tools else 0)
-
-        def render() -> tuple[str, tuple[int, ...]]:
-            text = llm.tokenizer.apply_chat_template(messages, **options)
-            # the template writes BOS itself: tokenise without special tokens
-            return text, tuple(llm.tokenizer.encode(text, add_special_tokens=False))
-
         try:
-            text, ids = await maybe_off_loop(rendered > OFF_LOOP_CHARS, render)
+            return await self.render_messages(
+                llm, req.template_messages(), req.template_options()
+            )
         except InvalidRequestError as exc:
             if exc.field != "continue_final_message":
                 raise
@@ -196,7 +166,6 @@ class MessagesServing(Serving):
             field = f"messages[{len(req.messages) - 1}]"
             message = str(exc).replace("continue_final_message", field, 1)
             raise InvalidRequestError(message, field=field) from None
-        return Prompt(text, ids)
 
     def _stream(
         self, llm: AsyncLLM, req: MessagesRequest, job: Job

@@ -94,14 +94,21 @@ async def open_server(
                 slot.llm = None
 
 
-def events(body: str) -> list[Any]:
-    """The ``data:`` events of an SSE body, JSON-decoded except ``[DONE]``."""
+def events(body: str, *, named: bool = False) -> list[Any]:
+    """The ``data:`` events of an SSE body, JSON-decoded except ``[DONE]``
+    (``named``: each has an ``event:`` line too, naming its ``type``)."""
     out: list[Any] = []
     for block in body.split("\n\n"):
         if block:
+            name = None
+            if named:
+                name, block = block.split("\n", 1)
+                assert name.startswith("event: "), name
             assert block.startswith("data: "), block
             data = block.removeprefix("data: ")
             out.append(data if data == "[DONE]" else json.loads(data))
+            if name is not None:
+                assert out[-1]["type"] == name.removeprefix("event: ")
     return out
 
 

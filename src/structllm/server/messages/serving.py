@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from structllm.engine.frontend.async_llm import AsyncLLM
 from structllm.engine.frontend.inputs import Prompt
@@ -30,7 +31,7 @@ from structllm.outputs import CompletionOutput, RequestOutput
 from structllm.server.chat.tool_calls import call_parser
 from structllm.server.http.body import maybe_off_loop, validate
 from structllm.server.http.errors import ASCIIJSONResponse, anthropic_error_json
-from structllm.server.http.sse import deadline
+from structllm.server.http.sse import Emit, EventStream, deadline
 from structllm.server.messages.protocol import (
     CountTokensRequest,
     CountTokensResponse,
@@ -47,7 +48,6 @@ from structllm.server.messages.protocol import (
 from structllm.server.messages.streaming import (
     EmitEvent,
     MessageEvents,
-    NamedEventStream,
     new_tool_use_id,
     stop_reason,
 )
@@ -167,9 +167,7 @@ class MessagesServing(Serving):
             message = str(exc).replace("continue_final_message", field, 1)
             raise InvalidRequestError(message, field=field) from None
 
-    def _stream(
-        self, llm: AsyncLLM, req: MessagesRequest, job: Job
-    ) -> NamedEventStream:
+    def _stream(self, llm: AsyncLLM, req: MessagesRequest, job: Job) -> EventStream:
         """The answer as Anthropic's events.
 
         What can be refused is refused before the 200 (a 400, or 503 on
@@ -193,7 +191,10 @@ class MessagesServing(Serving):
             )
         )
 
-        async def produce(emit: EmitEvent) -> None:
+        async def produce(emit_json: Emit) -> None:
+            async def emit(event: BaseModel) -> None:
+                await emit_json(bodies.dump(event))
+
             await emit(start)
             await emit(PingEvent())
 
@@ -213,7 +214,7 @@ class MessagesServing(Serving):
             except Exception as exc:  # RequestTimeoutError, the engine's errors
                 await self._fail(emit, exc, exc)
 
-        return NamedEventStream(produce)
+        return EventStream(produce, named=True)  # event: its type; no [DONE]
 
     async def _fail(
         self, emit: EmitEvent, exc: BaseException, raised: BaseException

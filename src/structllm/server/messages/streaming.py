@@ -1,4 +1,4 @@
-"""The events of a streamed message, and the named-event SSE that carries them.
+"""The events of a streamed message.
 
 Anthropic's stream is ``message_start``, ``ping``, then for each content
 block ``content_block_start``, its deltas (``text_delta`` or
@@ -15,24 +15,19 @@ into events, through the request's tool-call parser when there is one
 end of the text is held back until more text follows: before a call it is
 dropped, as the text block of a whole answer with calls leaves it out. A message whose
 answer is empty still has one (empty) text block, as a whole response does.
-:class:`NamedEventStream` is :class:`~structllm.server.http.sse.EventStream`
-with ``event:`` lines.
+:class:`~structllm.server.http.sse.EventStream` with ``named=True`` carries
+them.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Awaitable, Callable
 
-import anyio
 import attrs
-from fastapi.responses import Response
 from pydantic import BaseModel
-from starlette.types import Receive, Scope, Send
 
 from structllm.outputs import CompletionOutput
-from structllm.server.http.sse import cancel_on_disconnect
 from structllm.server.messages.protocol import (
     ContentBlockDeltaEvent,
     ContentBlockStartEvent,
@@ -47,7 +42,6 @@ from structllm.server.messages.protocol import (
     TextDelta,
     ToolUseBlock,
 )
-from structllm.server.protocol import bodies
 from structllm.text.tool_parser import (
     ArgumentsDelta,
     CallStart,
@@ -59,7 +53,6 @@ from structllm.text.tool_parser import (
 __all__ = [
     "EmitEvent",
     "MessageEvents",
-    "NamedEventStream",
     "new_tool_use_id",
     "stop_reason",
 ]
@@ -165,43 +158,3 @@ class MessageEvents:
         self.open = block.type
         out.append(ContentBlockStartEvent(index=self.index, content_block=block))
         return out
-
-
-class NamedEventStream(Response):
-    """Server-sent events ``event: TYPE`` / ``data: JSON`` from
-    ``produce(emit)``, cancelled if the client leaves."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, produce: Callable[[EmitEvent], Awaitable[None]]) -> None:
-        super().__init__(status_code=200, media_type=self.media_type)
-        self._produce = produce
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", b"text/event-stream; charset=utf-8"),
-                    (b"cache-control", b"no-cache"),
-                ],
-            }
-        )
-
-        async def emit(event: BaseModel) -> None:
-            data = bodies.dump(event)
-            text = json.dumps(data, ensure_ascii=True, separators=(",", ":"))
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": f"event: {data['type']}\ndata: {text}\n\n".encode(),
-                    "more_body": True,
-                }
-            )
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(cancel_on_disconnect, receive, tg.cancel_scope)
-            await self._produce(emit)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            tg.cancel_scope.cancel()

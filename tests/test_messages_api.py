@@ -17,16 +17,19 @@ from typing import Any
 import anthropic
 import anyio
 import anyio.to_thread
+import httpx
 import jsonschema
 import pytest
 
 from structllm.outputs import CompletionOutput
+from structllm.server.app import build_app
 from structllm.server.messages import protocol as messages_api
 from structllm.server.messages.protocol import MessagesRequest
+from structllm.server.messages.serving import MessagesServing, parser_for
 from structllm.server.messages.serving import _content as whole_content
-from structllm.server.messages.serving import parser_for
 from structllm.server.messages.streaming import MessageEvents
 from structllm.server.protocol import bodies
+from structllm.server.serving import EngineSlot, ServerConfig
 from tests.test_server_app import Exchange, Server, open_server, open_socket_server
 
 pytestmark = pytest.mark.anyio
@@ -464,6 +467,73 @@ async def test_other_errors_are_anthropic_shaped() -> None:
             "top_p": 0.5,
         }
         assert (await s.http.post("/v1/messages", json=ok)).status_code == 200
+
+
+def anthropic_error(r: httpx.Response, status: int) -> str:
+    """The type of an Anthropic error response with ``status``."""
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    assert set(body["error"]) == {"type", "message"}, body
+    return str(body["error"]["type"])
+
+
+async def test_the_apps_own_errors_are_anthropic_shaped_on_its_routes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """404, 405, a bug's 500 and the concurrency limit's 503, not only the
+    serving's errors, answer in Anthropic's shape on /v1/messages."""
+    async with open_server(engine=ENGINE, max_concurrent_requests=1) as s:
+        r = await s.http.get("/v1/messages")
+        assert anthropic_error(r, 405) == "invalid_request_error"
+        r = await s.http.post("/v1/messages/nope", json=BASE)
+        assert anthropic_error(r, 404) == "not_found_error"
+        r = await s.http.post("/v1/nope", json=BASE)  # elsewhere OpenAI's
+        assert r.status_code == 404 and r.json()["error"]["code"] == 404
+        body = {**BASE, "max_tokens": 800, "temperature": 0, "stream": True}
+        x = Exchange(json.dumps(body).encode())
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(x.run, s.app, "/v1/messages")
+                await x.first_chunk.wait()
+                r = await s.http.post("/v1/messages", json=BASE)
+                assert anthropic_error(r, 503) == "overloaded_error"
+                assert "retry-after" in r.headers
+                x.hang_up.set()
+        await s.wait_idle()
+
+    async def broken(self: Any, body: Any, big: bool) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(MessagesServing, "count_tokens", broken)
+    app = build_app(EngineSlot(), ServerConfig(model_name="tiny-random"))
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        r = await http.post("/v1/messages/count_tokens", json=BASE)
+        assert anthropic_error(r, 500) == "api_error"
+        assert "RuntimeError" in r.json()["error"]["message"]
+
+
+async def test_a_drain_refuses_then_cuts_a_stream_with_an_error_event() -> None:
+    """New requests get Anthropic's 503; a stream cut by the drain ends with
+    an ``error`` event in Anthropic's shape, and no ``[DONE]``."""
+    body = {**BASE, "max_tokens": 800, "temperature": 0, "stream": True}
+    async with open_server(engine=ENGINE) as s:
+        x = Exchange(json.dumps(body).encode())
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(x.run, s.app, "/v1/messages")
+                await x.first_chunk.wait()
+                s.drain.start()
+                r = await s.http.post("/v1/messages", json=BASE)
+                assert anthropic_error(r, 503) == "overloaded_error"
+                s.drain.cut()
+                await s.drain.wait_idle()
+        got = streamed(x.text)  # every event named, [DONE] would fail here
+        assert got[0][0] == "message_start" and got[-1][0] == "error"
+        assert got[-1][1]["error"]["type"] == "overloaded_error"
+        assert "message_stop" not in [n for n, _ in got]
+        await s.wait_idle()
 
 
 async def test_request_timeout_is_408_or_a_last_error_event() -> None:

@@ -16,6 +16,7 @@ is what ``/v1/responses`` renders its requests with too.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -60,6 +61,26 @@ class RenderedChat:
     #: no reasoning parser)
     reasoning: ReasoningParser | None
 
+    @classmethod
+    def with_reasoning(
+        cls,
+        parser_name: str | None,
+        prompt: Prompt,
+        params: SamplingParams,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> RenderedChat:
+        """``prompt`` and ``params`` with the reasoning parser ``parser_name``
+        (None: none) for an output that continues ``prompt``, and the output
+        constraint held to the answer (every API that renders a conversation
+        finishes it here)."""
+        parser = reasoning.choice_parser(
+            parser_name, prompt.text or "", template_kwargs
+        )
+        constraint, parser = reasoning.after_thinking(params.structured_outputs, parser)
+        if constraint is not params.structured_outputs:
+            params = attrs.evolve(params, structured_outputs=constraint)
+        return cls(prompt, params, parser)
+
     def reasoning_parser(self) -> ReasoningParser | None:
         """A fresh reasoning parser for one choice."""
         return None if self.reasoning is None else copy.copy(self.reasoning)
@@ -86,13 +107,9 @@ class ChatServing(Serving):
         )
         limit = req.max_completion_tokens or req.max_tokens
         self.check_length(llm, prompt.token_ids, limit, req.limit_field)
-        parser = reasoning.choice_parser(
-            self.reasoning_parser_name(llm), prompt.text or "", req.chat_template_kwargs
+        return RenderedChat.with_reasoning(
+            self.reasoning_parser_name(llm), prompt, params, req.chat_template_kwargs
         )
-        constraint, parser = reasoning.after_thinking(params.structured_outputs, parser)
-        if constraint is not params.structured_outputs:
-            params = attrs.evolve(params, structured_outputs=constraint)
-        return RenderedChat(prompt, params, parser)
 
     async def create(self, body: Any, big: bool) -> Response:
         llm = self.slot.get()

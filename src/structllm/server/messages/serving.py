@@ -8,6 +8,10 @@ completions renders the same conversation (so with greedy sampling both
 routes answer alike), and it becomes one engine request. Tool calls are
 found in the answer by the parser chat uses for the same ``tool_choice``
 (:mod:`~structllm.text.tool_parser`); a forced call is held to a grammar.
+With a reasoning parser (``--reasoning-parser``, as chat's), the thinking is
+split off first and comes back as a ``thinking`` block before the answer's
+blocks (streamed: ``thinking_delta`` events and an empty ``signature_delta``);
+``thinking: {"type": "enabled"}`` needs one, and is refused by name without.
 Every error these routes send is Anthropic's shape
 (``{"type": "error", "error": {...}}``).
 """
@@ -28,6 +32,8 @@ from structllm.engine.frontend.async_llm import AsyncLLM
 from structllm.engine.frontend.inputs import Prompt
 from structllm.errors import InvalidRequestError, unwrap_group
 from structllm.outputs import CompletionOutput, RequestOutput
+from structllm.server.chat import reasoning
+from structllm.server.chat.serving import RenderedChat
 from structllm.server.chat.tool_calls import call_parser
 from structllm.server.http.body import maybe_off_loop, validate
 from structllm.server.http.errors import ASCIIJSONResponse, anthropic_error_json
@@ -43,6 +49,8 @@ from structllm.server.messages.protocol import (
     MessagesUsage,
     PingEvent,
     TextBlock,
+    ThinkingBlock,
+    ThinkingEnabled,
     ToolUseBlock,
 )
 from structllm.server.messages.streaming import (
@@ -54,6 +62,7 @@ from structllm.server.messages.streaming import (
 from structllm.server.protocol import bodies
 from structllm.server.protocol.constraints import check_constraints, renamed
 from structllm.server.serving import Job, Serving
+from structllm.text.reasoning import ReasoningParser, split
 from structllm.text.tool_parser import ToolCallParser, parse
 
 __all__ = ["MessagesServing", "anthropic_errors", "parser_for"]
@@ -114,11 +123,27 @@ class MessagesServing(Serving):
         response = super().error_response(exc)
         return None if response is None else anthropic_errors(response)
 
+    def reasoning_parser_name(self, llm: AsyncLLM, req: MessagesPrompt) -> str | None:
+        """The reasoning parser this server runs (``--reasoning-parser``,
+        ``auto`` by the chat template); ``thinking`` enabled needs one."""
+        name = reasoning.parser_name(
+            self.config.reasoning_parser, llm.tokenizer.chat_template
+        )
+        if name is None and isinstance(req.thinking, ThinkingEnabled):
+            raise InvalidRequestError(
+                "thinking: extended thinking needs a reasoning parser, and this "
+                "server has none (--reasoning-parser, or a model whose chat "
+                "template calls for one)",
+                field="thinking",
+            )
+        return name
+
     async def count_tokens(self, body: Any, big: bool) -> Response:
         llm = self.slot.get()
         req = await maybe_off_loop(big, validate, CountTokensRequest, body)
         self.check_model(req.model)
-        await check_constraints(req.constraint_checks)  # a 400 here as there
+        self.reasoning_parser_name(llm, req)  # a 400 here as there
+        await check_constraints(req.constraint_checks)
         prompt = await self._render(llm, req)
         response = CountTokensResponse(input_tokens=len(prompt.token_ids))
         return ASCIIJSONResponse(bodies.dump(response))
@@ -127,17 +152,21 @@ class MessagesServing(Serving):
         llm = self.slot.get()
         req = await maybe_off_loop(big, validate, MessagesRequest, body)
         self.check_model(req.model)
+        parser_name = self.reasoning_parser_name(llm, req)
         await check_constraints(req.constraint_checks)
         prompt = await self._render(llm, req)
         self.check_length(llm, prompt.token_ids, req.max_tokens, "max_tokens")
-        job = Job(0, 0, prompt, req.to_sampling_params())
+        chat = RenderedChat.with_reasoning(
+            parser_name, prompt, req.to_sampling_params(), req.template_kwargs
+        )
+        job = Job(0, 0, chat.prompt, chat.params)
         if req.stream:
-            return self._stream(llm, req, job)
+            return self._stream(llm, req, job, chat.reasoning_parser())
         with renamed(_CONSTRAINT_FIELD):
             finals = await self.run_to_end([job])
         out = finals[0]
         c = out.outputs[0]
-        content, called = _content(req, c)
+        content, called = _content(req, c, chat.reasoning_parser())
         reason, sequence = stop_reason(c, called)
         response = MessageResponse(
             id=new_message_id(),
@@ -167,7 +196,13 @@ class MessagesServing(Serving):
             message = str(exc).replace("continue_final_message", field, 1)
             raise InvalidRequestError(message, field=field) from None
 
-    def _stream(self, llm: AsyncLLM, req: MessagesRequest, job: Job) -> EventStream:
+    def _stream(
+        self,
+        llm: AsyncLLM,
+        req: MessagesRequest,
+        job: Job,
+        thinking: ReasoningParser | None,
+    ) -> EventStream:
         """The answer as Anthropic's events.
 
         What can be refused is refused before the 200 (a 400, or 503 on
@@ -175,7 +210,7 @@ class MessagesServing(Serving):
         """
         llm.check_admission(job.prompt.token_ids, count=1, params=job.params)
         limit = self.limit(None)  # --request-timeout, or X-Request-Timeout's
-        events = MessageEvents(parser_for(req))
+        events = MessageEvents(parser_for(req), thinking)
         start = MessageStartEvent(
             message=MessageResponse(
                 id=new_message_id(),
@@ -229,23 +264,31 @@ class MessagesServing(Serving):
 
 
 def _content(
-    req: MessagesRequest, c: CompletionOutput
-) -> tuple[list[TextBlock | ToolUseBlock], bool]:
+    req: MessagesRequest, c: CompletionOutput, thinking: ReasoningParser | None
+) -> tuple[list[ThinkingBlock | TextBlock | ToolUseBlock], bool]:
     """A whole answer's blocks, and whether it called tools.
 
-    An answer whose calls did not complete (cut by ``max_tokens``) is its
-    text, as in chat. (With a reasoning parser, the thinking it splits off
-    becomes a ``thinking`` block before these, here and in
-    :class:`~structllm.server.messages.streaming.MessageEvents`.)
+    With a reasoning parser, the thinking it splits off is a ``thinking``
+    block before the others (when there is any), as in
+    :class:`~structllm.server.messages.streaming.MessageEvents`. An answer
+    whose calls did not complete (cut by ``max_tokens``) is its text, as in
+    chat.
     """
+    answer = c.text
+    head: list[ThinkingBlock | TextBlock | ToolUseBlock] = []
+    if thinking is not None:
+        d = split(thinking, c.text)
+        answer = d.content
+        if d.reasoning:
+            head.append(ThinkingBlock(thinking=d.reasoning))
     parser = parser_for(req)
-    parsed = parse(parser, c.text) if parser is not None else None
+    parsed = parse(parser, answer) if parser is not None else None
     if parsed is None or not parsed.calls or not parsed.complete:
-        return [TextBlock(text=c.text)], False
+        return [*head, TextBlock(text=answer)], False
     inputs = [json.loads(call.arguments) for call in parsed.calls]
     if not all(isinstance(i, dict) for i in inputs):  # Anthropic's input is one
-        return [TextBlock(text=c.text)], False
-    blocks: list[TextBlock | ToolUseBlock] = []
+        return [*head, TextBlock(text=answer)], False
+    blocks = head
     if parsed.content and parsed.content.strip():
         # the whitespace before the calls is no part of the text
         blocks.append(TextBlock(text=parsed.content.rstrip()))

@@ -115,6 +115,7 @@ class ChatServing(Serving):
         llm = self.slot.get()
         req = await maybe_off_loop(big, validate, ChatRequest, body)
         self.check_model(req.model)
+        timed = self.wants_metrics(req.include_metrics)
         chat = await self.render(llm, req)
         prompt, params = chat.prompt, chat.params
         jobs = [
@@ -125,7 +126,9 @@ class ChatServing(Serving):
         if req.stream:
             chunks = _Chunks(self, req, bodies.new_id("chatcmpl"), top_logprobs, chat)
             with renamed(req.constraint_field):
-                return self.stream(llm, jobs, chunks, req.constraint_field, req.timeout)
+                return self.stream(
+                    llm, jobs, chunks, req.constraint_field, req.timeout, timed
+                )
         with renamed(req.constraint_field), deadline(self.limit(req.timeout)):
             finals = await self.run_to_end(jobs)
         extra: dict[str, Any] = {}
@@ -133,6 +136,8 @@ class ChatServing(Serving):
             extra["prompt_token_ids"] = list(prompt.token_ids)
         if (pl := lp.prompt_logprobs(finals[0])) is not None:
             extra["prompt_logprobs"] = pl  # the prompt's: every choice's
+        if timed:
+            extra["metrics"] = self.request_metrics(jobs)
         choices = [
             _choice(req, i, finals[i], top_logprobs, chat.reasoning_parser())
             for i in sorted(finals)
@@ -249,5 +254,8 @@ class _Chunks(Chunks[ChatRequest]):
             extra["prompt_logprobs"] = pl
         return self._chunk([choice], usage, **extra)
 
-    def closing(self, usage: bodies.Usage) -> ChatCompletionStreamResponse:
-        return self._chunk([], usage)
+    def closing(
+        self, usage: bodies.Usage, metrics: bodies.PerRequestMetrics | None
+    ) -> ChatCompletionStreamResponse:
+        extra = {} if metrics is None else {"metrics": metrics}
+        return self._chunk([], usage, **extra)

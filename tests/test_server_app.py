@@ -195,14 +195,17 @@ async def test_n_choices_logprobs_and_token_ids() -> None:
 
 async def test_models_health_and_metrics() -> None:
     async with open_server(load=False) as s:
-        assert (await s.http.get("/health")).status_code == 503
+        health = await s.http.get("/health")
+        assert health.status_code == 503 and health.content == b""
         r = await s.http.get("/v1/models")
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         r = await s.http.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
         assert await s.metric("structllm_engine_healthy") == 0
     async with open_server() as s:
-        assert (await s.http.get("/health")).status_code == 200
+        health = await s.http.get("/health")
+        assert health.status_code == 200
+        assert health.json() == {"status": "ok"}  # llama.cpp's body
         models = models_api.ModelList.model_validate(
             (await s.http.get("/v1/models")).json()
         )

@@ -284,6 +284,21 @@ async def test_forced_tool_use_whole_and_streamed(choice: dict[str, Any]) -> Non
         await s.wait_idle()
 
 
+def in_pieces(events: MessageEvents, out: CompletionOutput) -> list[dict[str, Any]]:
+    """The events for ``out``'s text fed in pieces of three characters, in
+    Anthropic's order (checked), dumped."""
+    text, got = out.text, []
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    for i, piece in enumerate(pieces):
+        got += events.feed(piece, i == len(pieces) - 1)
+    got += events.finish(out, len(out.token_ids))
+    dumped = [bodies.dump(e) for e in got]
+    check_sequence(
+        [("message_start", {}), ("ping", {})] + [(e["type"], e) for e in dumped]
+    )
+    return dumped
+
+
 def test_auto_calls_in_text_whole_and_as_events() -> None:
     """A call the model writes under ``auto``: a text block, then a tool_use
     block, whole and from pieces of three characters."""
@@ -300,16 +315,7 @@ def test_auto_calls_in_text_whole_and_as_events() -> None:
     assert isinstance(use, messages_api.ToolUseBlock)
     assert (use.name, use.input) == ("get_weather", {"city": "Paris"})
 
-    events = MessageEvents(parser_for(req))
-    got = []
-    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
-    for i, piece in enumerate(pieces):
-        got += events.feed(piece, i == len(pieces) - 1)
-    got += events.finish(out, 3)
-    dumped = [bodies.dump(e) for e in got]
-    check_sequence(
-        [("message_start", {}), ("ping", {})] + [(e["type"], e) for e in dumped]
-    )
+    dumped = in_pieces(MessageEvents(parser_for(req)), out)
     starts = [e["content_block"] for e in dumped if e["type"] == "content_block_start"]
     assert [b["type"] for b in starts] == ["text", "tool_use"]
     deltas = [e["delta"] for e in dumped if e["type"] == "content_block_delta"]
@@ -364,15 +370,7 @@ def test_thinking_then_a_call_whole_and_as_events() -> None:
         "signature": "",
     }
     events = MessageEvents(parser_for(req), ReasoningParser("reasoning"))
-    got = []
-    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
-    for i, piece in enumerate(pieces):
-        got += events.feed(piece, i == len(pieces) - 1)
-    got += events.finish(out, 3)
-    dumped = [bodies.dump(e) for e in got]
-    check_sequence(
-        [("message_start", {}), ("ping", {})] + [(e["type"], e) for e in dumped]
-    )
+    dumped = in_pieces(events, out)
     starts = [e["content_block"] for e in dumped if e["type"] == "content_block_start"]
     assert [b["type"] for b in starts] == ["thinking", "text", "tool_use"]
     assert starts[0] == {"type": "thinking", "thinking": "", "signature": ""}

@@ -361,6 +361,14 @@ async def test_per_request_metrics(server: Server) -> None:
             assert not any("metrics" in c for c in chunks[:-1])
         two = {"prompt": ["Hi", "there"], **five}
         assert (await post(s, "/v1/completions", two))["metrics"] is None
+        batch = {"messages": [CHAT, CHAT], **five}
+        got = await post(s, "/v1/chat/completions/batch", batch)
+        assert got["metrics"] is None  # two conversations
+        batch = {"messages": [CHAT], **five}
+        got = await post(s, "/v1/chat/completions/batch", batch)
+        assert set(got["metrics"]) == METRICS
+    batch = {"messages": [CHAT], "include_metrics": True}
+    await refused(server, "/v1/chat/completions/batch", batch, "include_metrics")
     for path, base in routes:  # the fixture's server: no flag
         got = await post(server, path, {**base, "max_tokens": 2})
         assert "metrics" in got and got["metrics"] is None  # vLLM's null

@@ -56,6 +56,7 @@ class ChatBatchServing(Serving):
         reqs = await maybe_off_loop(big, BatchChatRequest.conversations, body)
         first = reqs[0]  # the fields besides messages are the same in each
         self.check_model(first.model)
+        timed = self.wants_metrics(first.include_metrics)
         chats = [await self._chat.render(llm, req) for req in reqs]
         jobs = [
             Job(i, i, chat.prompt, chat.params, req.priority or 0)
@@ -71,6 +72,7 @@ class ChatBatchServing(Serving):
             **self.head(bodies.new_id("chatcmpl")),
             choices=choices,
             usage=self.final_usage(jobs, finals),
+            metrics=self.request_metrics(jobs) if timed else None,
         )
         return ASCIIJSONResponse(bodies.dump(response))
 

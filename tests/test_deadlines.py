@@ -309,7 +309,7 @@ async def test_a_request_timeout_from_the_body_or_header_is_408(how: str) -> Non
             r = await s.http.post(
                 "/v1/responses", json={**resp, "stream": True}, headers=headers
             )
-            last = events(r.text)[-1]
+            last = events(r.text, named=True)[-1]  # event: error
             assert last["type"] == "error" and "longer than 0.2s" in last["message"]
             await s.wait_idle()
             # llama.cpp's and Ollama's streams

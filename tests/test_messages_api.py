@@ -17,16 +17,20 @@ from typing import Any
 import anthropic
 import anyio
 import anyio.to_thread
+import httpx
 import jsonschema
 import pytest
 
 from structllm.outputs import CompletionOutput
+from structllm.server.app import build_app
 from structllm.server.messages import protocol as messages_api
 from structllm.server.messages.protocol import MessagesRequest
+from structllm.server.messages.serving import MessagesServing, parser_for
 from structllm.server.messages.serving import _content as whole_content
-from structllm.server.messages.serving import parser_for
 from structllm.server.messages.streaming import MessageEvents
 from structllm.server.protocol import bodies
+from structllm.server.serving import EngineSlot, ServerConfig
+from structllm.text.reasoning import ReasoningParser
 from tests.test_server_app import Exchange, Server, open_server, open_socket_server
 
 pytestmark = pytest.mark.anyio
@@ -280,6 +284,21 @@ async def test_forced_tool_use_whole_and_streamed(choice: dict[str, Any]) -> Non
         await s.wait_idle()
 
 
+def in_pieces(events: MessageEvents, out: CompletionOutput) -> list[dict[str, Any]]:
+    """The events for ``out``'s text fed in pieces of three characters, in
+    Anthropic's order (checked), dumped."""
+    text, got = out.text, []
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    for i, piece in enumerate(pieces):
+        got += events.feed(piece, i == len(pieces) - 1)
+    got += events.finish(out, len(out.token_ids))
+    dumped = [bodies.dump(e) for e in got]
+    check_sequence(
+        [("message_start", {}), ("ping", {})] + [(e["type"], e) for e in dumped]
+    )
+    return dumped
+
+
 def test_auto_calls_in_text_whole_and_as_events() -> None:
     """A call the model writes under ``auto``: a text block, then a tool_use
     block, whole and from pieces of three characters."""
@@ -289,23 +308,14 @@ def test_auto_calls_in_text_whole_and_as_events() -> None:
     )
     req = MessagesRequest.model_validate({**BASE, "tools": [WEATHER]})
     out = CompletionOutput(text=text, token_ids=(1, 2, 3), finish_reason="stop")
-    blocks, called = whole_content(req, out)
+    blocks, called = whole_content(req, out, None)
     assert called and [b.type for b in blocks] == ["text", "tool_use"]
     assert blocks[0].text == "Let me look."  # type: ignore[union-attr]
     use = blocks[1]
     assert isinstance(use, messages_api.ToolUseBlock)
     assert (use.name, use.input) == ("get_weather", {"city": "Paris"})
 
-    events = MessageEvents(parser_for(req))
-    got = []
-    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
-    for i, piece in enumerate(pieces):
-        got += events.feed(piece, i == len(pieces) - 1)
-    got += events.finish(out, 3)
-    dumped = [bodies.dump(e) for e in got]
-    check_sequence(
-        [("message_start", {}), ("ping", {})] + [(e["type"], e) for e in dumped]
-    )
+    dumped = in_pieces(MessageEvents(parser_for(req)), out)
     starts = [e["content_block"] for e in dumped if e["type"] == "content_block_start"]
     assert [b["type"] for b in starts] == ["text", "tool_use"]
     deltas = [e["delta"] for e in dumped if e["type"] == "content_block_delta"]
@@ -338,8 +348,139 @@ def test_streamed_text_is_the_whole_text(pieces: list[str], auto: bool) -> None:
         e["delta"]["text"] for e in dumped if e["type"] == "content_block_delta"
     )
     assert text == out.text
-    assert [b.text for b in whole_content(req, out)[0]] == [out.text]  # type: ignore[union-attr]
+    assert [b.text for b in whole_content(req, out, None)[0]] == [out.text]  # type: ignore[union-attr]
     assert sum(e["type"] == "content_block_start" for e in dumped) == 1
+
+
+def test_thinking_then_a_call_whole_and_as_events() -> None:
+    """With a reasoning parser: a thinking block (its signature empty, as
+    llama.cpp's), then the answer's blocks; streamed in pieces of three
+    characters, the same blocks, the thinking closed by a signature_delta."""
+    text = (
+        "Paris, I think.</think>\n\nLet me look.\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    )
+    req = MessagesRequest.model_validate({**BASE, "tools": [WEATHER]})
+    out = CompletionOutput(text=text, token_ids=(1, 2, 3), finish_reason="stop")
+    blocks, called = whole_content(req, out, ReasoningParser("reasoning"))
+    assert called and [b.type for b in blocks] == ["thinking", "text", "tool_use"]
+    assert bodies.dump(blocks[0]) == {
+        "type": "thinking",
+        "thinking": "Paris, I think.",
+        "signature": "",
+    }
+    events = MessageEvents(parser_for(req), ReasoningParser("reasoning"))
+    dumped = in_pieces(events, out)
+    starts = [e["content_block"] for e in dumped if e["type"] == "content_block_start"]
+    assert [b["type"] for b in starts] == ["thinking", "text", "tool_use"]
+    assert starts[0] == {"type": "thinking", "thinking": "", "signature": ""}
+
+    def joined(index: int, kind: str, key: str) -> str:
+        return "".join(
+            e["delta"][key]
+            for e in dumped
+            if e["type"] == "content_block_delta"
+            and e["index"] == index
+            and e["delta"]["type"] == kind
+        )
+
+    assert joined(0, "thinking_delta", "thinking") == "Paris, I think."
+    assert joined(1, "text_delta", "text") == blocks[1].text  # type: ignore[union-attr]
+    stop = dumped.index({"type": "content_block_stop", "index": 0})
+    assert dumped[stop - 1]["delta"] == {"type": "signature_delta", "signature": ""}
+    signed = [
+        e
+        for e in dumped
+        if e["type"] == "content_block_delta" and "signature" in e["delta"]
+    ]
+    assert len(signed) == 1
+
+
+async def test_thinking_needs_a_reasoning_parser() -> None:
+    """deepseek_r1's output starts in the thinking, and a random model never
+    closes it: the whole output is one thinking block (chat's
+    reasoning_content), then an empty text block, whole and streamed."""
+    enabled = {"type": "enabled", "budget_tokens": 8}
+    body = {**BASE, "max_tokens": 10, "temperature": 0, "thinking": enabled}
+    async with open_server(engine=ENGINE) as s:
+        r = await s.http.post("/v1/messages", json=body)
+        assert anthropic_error(r, 400) == "invalid_request_error"
+        assert r.json()["error"]["message"].startswith("thinking: ")
+        r = await s.http.post("/v1/messages", json={**body, "thinking": None})
+        assert r.status_code == 200, r.text
+    async with open_server(engine=ENGINE, reasoning_parser="deepseek_r1") as s:
+        chat = await s.http.post(
+            "/v1/chat/completions",
+            json={"messages": BASE["messages"], "max_tokens": 10, "temperature": 0},
+        )
+        thought = chat.json()["choices"][0]["message"]["reasoning_content"]
+        r = await s.http.post("/v1/messages", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["content"] == [
+            {"type": "thinking", "thinking": thought, "signature": ""},
+            {"type": "text", "text": ""},
+        ]
+        r = await s.http.post("/v1/messages", json={**body, "stream": True})
+        got = streamed(r.text)
+        check_sequence(got)
+        starts = [e["content_block"] for n, e in got if n == "content_block_start"]
+        assert [b["type"] for b in starts] == ["thinking", "text"]
+        deltas = [e["delta"] for n, e in got if n == "content_block_delta"]
+        assert "".join(d.get("thinking", "") for d in deltas) == thought
+        assert deltas[-1] == {"type": "signature_delta", "signature": ""}
+        # Anthropic's rule: the budget is below max_tokens
+        over = {**body, "thinking": {**enabled, "budget_tokens": 10}}
+        r = await s.http.post("/v1/messages", json=over)
+        assert anthropic_error(r, 400) == "invalid_request_error"
+        assert r.json()["error"]["message"].startswith("thinking.budget_tokens:")
+        # a replayed assistant message's thinking is left out of the prompt
+        replay = [
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "hmm", "signature": ""},
+                    {"type": "text", "text": "Hello"},
+                ],
+            },
+            {"role": "user", "content": "again"},
+        ]
+        plain = [replay[0], {"role": "assistant", "content": "Hello"}, replay[2]]
+        counts = [
+            (
+                await s.http.post("/v1/messages/count_tokens", json={"messages": m})
+            ).json()["input_tokens"]
+            for m in (replay, plain)
+        ]
+        assert counts[0] == counts[1]
+        async with open_socket_server(s) as url:
+            client = anthropic.AsyncAnthropic(base_url=url, api_key="x", max_retries=0)
+            async with client.messages.stream(
+                model="tiny-random",
+                max_tokens=10,
+                thinking=enabled,  # type: ignore[arg-type]
+                messages=BASE["messages"],
+                extra_body=GREEDY,
+            ) as stream:
+                final = await stream.get_final_message()
+            await client.close()
+        assert final.content[0].type == "thinking"
+        assert final.content[0].thinking == thought
+        redacted = {"type": "redacted_thinking", "data": "x"}
+        r = await s.http.post(
+            "/v1/messages",
+            json={
+                **BASE,
+                "messages": [
+                    replay[0],
+                    {"role": "assistant", "content": [redacted]},
+                    replay[2],
+                ],
+            },
+        )
+        assert anthropic_error(r, 400) == "invalid_request_error"
+        assert r.json()["error"]["message"].startswith("messages[1].content[0].type:")
+        await s.wait_idle()
 
 
 # -- what is refused -----------------------------------------------------------------
@@ -361,7 +502,9 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({**BASE, "messages": []}, "messages"),
     ({**BASE, "logprobs": True}, "logprobs"),  # not Anthropic's
     ({**BASE, "n": 2}, "n"),
-    ({**BASE, "thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    # without a reasoning parser
+    ({**BASE, "thinking": {"type": "enabled", "budget_tokens": 2}}, "thinking"),
+    ({**BASE, "thinking": {"type": "adaptive"}}, "thinking"),
     ({**BASE, "mcp_servers": [{"type": "url"}]}, "mcp_servers"),
     ({**BASE, "service_tier": "priority"}, "service_tier"),
     (
@@ -464,6 +607,73 @@ async def test_other_errors_are_anthropic_shaped() -> None:
             "top_p": 0.5,
         }
         assert (await s.http.post("/v1/messages", json=ok)).status_code == 200
+
+
+def anthropic_error(r: httpx.Response, status: int) -> str:
+    """The type of an Anthropic error response with ``status``."""
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    assert set(body["error"]) == {"type", "message"}, body
+    return str(body["error"]["type"])
+
+
+async def test_the_apps_own_errors_are_anthropic_shaped_on_its_routes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """404, 405, a bug's 500 and the concurrency limit's 503, not only the
+    serving's errors, answer in Anthropic's shape on /v1/messages."""
+    async with open_server(engine=ENGINE, max_concurrent_requests=1) as s:
+        r = await s.http.get("/v1/messages")
+        assert anthropic_error(r, 405) == "invalid_request_error"
+        r = await s.http.post("/v1/messages/nope", json=BASE)
+        assert anthropic_error(r, 404) == "not_found_error"
+        r = await s.http.post("/v1/nope", json=BASE)  # elsewhere OpenAI's
+        assert r.status_code == 404 and r.json()["error"]["code"] == 404
+        body = {**BASE, "max_tokens": 800, "temperature": 0, "stream": True}
+        x = Exchange(json.dumps(body).encode())
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(x.run, s.app, "/v1/messages")
+                await x.first_chunk.wait()
+                r = await s.http.post("/v1/messages", json=BASE)
+                assert anthropic_error(r, 503) == "overloaded_error"
+                assert "retry-after" in r.headers
+                x.hang_up.set()
+        await s.wait_idle()
+
+    async def broken(self: Any, body: Any, big: bool) -> Any:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(MessagesServing, "count_tokens", broken)
+    app = build_app(EngineSlot(), ServerConfig(model_name="tiny-random"))
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        r = await http.post("/v1/messages/count_tokens", json=BASE)
+        assert anthropic_error(r, 500) == "api_error"
+        assert "RuntimeError" in r.json()["error"]["message"]
+
+
+async def test_a_drain_refuses_then_cuts_a_stream_with_an_error_event() -> None:
+    """New requests get Anthropic's 503; a stream cut by the drain ends with
+    an ``error`` event in Anthropic's shape, and no ``[DONE]``."""
+    body = {**BASE, "max_tokens": 800, "temperature": 0, "stream": True}
+    async with open_server(engine=ENGINE) as s:
+        x = Exchange(json.dumps(body).encode())
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(x.run, s.app, "/v1/messages")
+                await x.first_chunk.wait()
+                s.drain.start()
+                r = await s.http.post("/v1/messages", json=BASE)
+                assert anthropic_error(r, 503) == "overloaded_error"
+                s.drain.cut()
+                await s.drain.wait_idle()
+        got = streamed(x.text)  # every event named, [DONE] would fail here
+        assert got[0][0] == "message_start" and got[-1][0] == "error"
+        assert got[-1][1]["error"]["type"] == "overloaded_error"
+        assert "message_stop" not in [n for n, _ in got]
+        await s.wait_idle()
 
 
 async def test_request_timeout_is_408_or_a_last_error_event() -> None:

@@ -83,7 +83,7 @@ async def respond_stream(s: Server, **body: Any) -> list[dict[str, Any]]:
     body = {"temperature": 0, "max_output_tokens": 8, "stream": True, **body}
     r = await s.http.post("/v1/responses", json=body)
     assert r.status_code == 200, r.text
-    return events(r.text)
+    return events(r.text, named=True)  # event: its type, as OpenAI sends
 
 
 async def chat_text(s: Server, messages: list[dict[str, Any]], **body: Any) -> str:
@@ -575,7 +575,7 @@ async def test_a_timeout_after_the_200_is_an_error_event() -> None:
     engine = {**ENGINE, "max_model_len": 2048}
     async with open_server(engine=engine, request_timeout=0.2) as s:
         r = await s.http.post("/v1/responses", json={**body, "stream": True})
-        stream = events(r.text)
+        stream = events(r.text, named=True)
         assert [e["type"] for e in stream[:2]] == [
             "response.created",
             "response.in_progress",

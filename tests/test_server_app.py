@@ -94,14 +94,21 @@ async def open_server(
                 slot.llm = None
 
 
-def events(body: str) -> list[Any]:
-    """The ``data:`` events of an SSE body, JSON-decoded except ``[DONE]``."""
+def events(body: str, *, named: bool = False) -> list[Any]:
+    """The ``data:`` events of an SSE body, JSON-decoded except ``[DONE]``
+    (``named``: each has an ``event:`` line too, naming its ``type``)."""
     out: list[Any] = []
     for block in body.split("\n\n"):
         if block:
+            name = None
+            if named:
+                name, block = block.split("\n", 1)
+                assert name.startswith("event: "), name
             assert block.startswith("data: "), block
             data = block.removeprefix("data: ")
             out.append(data if data == "[DONE]" else json.loads(data))
+            if name is not None:
+                assert out[-1]["type"] == name.removeprefix("event: ")
     return out
 
 
@@ -188,14 +195,17 @@ async def test_n_choices_logprobs_and_token_ids() -> None:
 
 async def test_models_health_and_metrics() -> None:
     async with open_server(load=False) as s:
-        assert (await s.http.get("/health")).status_code == 503
+        health = await s.http.get("/health")
+        assert health.status_code == 503 and health.content == b""
         r = await s.http.get("/v1/models")
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         r = await s.http.post("/v1/completions", json={"prompt": "x"})
         assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
         assert await s.metric("structllm_engine_healthy") == 0
     async with open_server() as s:
-        assert (await s.http.get("/health")).status_code == 200
+        health = await s.http.get("/health")
+        assert health.status_code == 200
+        assert health.json() == {"status": "ok"}  # llama.cpp's body
         models = models_api.ModelList.model_validate(
             (await s.http.get("/v1/models")).json()
         )

@@ -15,11 +15,13 @@ as in ``test_server_structured.py``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
+import attrs
 import httpx
 import openai
 import pytest
@@ -29,7 +31,8 @@ from structllm.server.app import build_app
 from structllm.server.completions.protocol import CompletionRequest
 from structllm.server.http.body import validate
 from structllm.server.http.drain import Drain
-from structllm.server.serving import EngineSlot, ServerConfig
+from structllm.server.protocol import bodies
+from structllm.server.serving import EngineSlot, JobTiming, ServerConfig
 from tests.test_server_app import Server, events, open_socket_server
 
 pytestmark = pytest.mark.anyio
@@ -40,10 +43,11 @@ CHAT = [{"role": "user", "content": "Say hi"}]
 GREEDY = {"temperature": 0, "seed": 0}
 
 
-@pytest.fixture
-async def server() -> AsyncIterator[Server]:
+@contextlib.asynccontextmanager
+async def open_tiny(**config: Any) -> AsyncIterator[Server]:
+    """``tiny`` behind the app, with these ``ServerConfig`` fields."""
     slot, drain = EngineSlot(), Drain()
-    app = build_app(slot, ServerConfig(model_name=MODEL), drain)
+    app = build_app(slot, ServerConfig(model_name=MODEL, **config), drain)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
         kw = {"executor": "inline", "show_progress": False, **ENGINE}
@@ -53,6 +57,12 @@ async def server() -> AsyncIterator[Server]:
                 yield Server(app, slot, drain, http)
             finally:
                 slot.llm = None
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[Server]:
+    async with open_tiny() as s:
+        yield s
 
 
 async def post(s: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -180,7 +190,13 @@ async def test_vllm_fields_are_null_when_not_asked_for(server: Server) -> None:
     assert "token_ids" in chat["choices"][0]
     assert chat["choices"][0]["token_ids"] is None
 
-    asked = {"prompt": "Hi", "max_tokens": 2, "return_token_ids": True}
+    # ignore_eos: two tokens, so the stream has two choices' chunks
+    asked = {
+        "prompt": "Hi",
+        "max_tokens": 2,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     got = (await post(server, "/v1/completions", asked))["choices"][0]
     assert got["prompt_token_ids"] and got["token_ids"]
 
@@ -283,6 +299,84 @@ async def test_tokenizer_info(server: Server) -> None:
     assert "<|im_start|>" in info["chat_template"]
     assert info["model_max_length"] == ENGINE["max_model_len"]
     assert info["added_tokens_decoder"]["2"] == "<|im_end|>"
+
+
+# -- vLLM's per-request metrics ------------------------------------------------------
+
+METRICS = {
+    "time_to_first_token_ms",
+    "generation_time_ms",
+    "queue_time_ms",
+    "mean_itl_ms",
+    "tokens_per_second",
+}
+
+
+def test_metrics_from_timings() -> None:
+    """vLLM's arithmetic: scheduled at start + queue time; the ITL over the
+    gaps between tokens; tokens/s from being scheduled to the last token."""
+    timing = JobTiming(start=1.0, first=2.0, last=3.0, queue_time=0.5, tokens=10)
+    got = bodies.dump(timing.metrics())
+    assert got == pytest.approx(
+        {
+            "time_to_first_token_ms": 500.0,
+            "generation_time_ms": 1000.0,
+            "queue_time_ms": 500.0,
+            "mean_itl_ms": 1000.0 / 9,
+            "tokens_per_second": 10 / 1.5,
+        }
+    )
+    one = bodies.dump(attrs.evolve(timing, tokens=1).metrics())
+    assert one["mean_itl_ms"] is None and one["tokens_per_second"] == 1 / 1.5
+    unknown = bodies.dump(JobTiming(start=1.0, queue_time=0.25).metrics())
+    assert unknown == {**dict.fromkeys(METRICS), "queue_time_ms": 250.0}
+
+
+async def test_per_request_metrics(server: Server) -> None:
+    """With --enable-per-request-metrics: whole responses of one choice carry
+    them, a stream in its closing usage chunk only; several choices, several
+    prompts and ``include_metrics: false`` get null. Without the flag they are
+    null and ``include_metrics: true`` is refused by name."""
+    five = {"max_tokens": 5, "ignore_eos": True}
+    routes = (
+        ("/v1/completions", {"prompt": "Hi"}),
+        ("/v1/chat/completions", {"messages": CHAT}),
+    )
+    async with open_tiny(enable_per_request_metrics=True) as s:
+        for path, base in routes:
+            got = (await post(s, path, {**base, **five}))["metrics"]
+            assert set(got) == METRICS, got
+            assert all(v >= 0 for v in got.values()), got
+            assert got["tokens_per_second"] > 0
+            assert got["mean_itl_ms"] == pytest.approx(got["generation_time_ms"] / 4)
+            several = await post(s, path, {**base, **five, "n": 2})
+            assert several["metrics"] is None
+            off = {**base, **five, "include_metrics": False}
+            assert (await post(s, path, off))["metrics"] is None
+            usage = {"stream": True, "stream_options": {"include_usage": True}}
+            r = await s.http.post(path, json={**base, **five, **usage})
+            chunks = [e for e in events(r.text) if e != "[DONE]"]
+            assert set(chunks[-1]["metrics"]) == METRICS
+            assert chunks[-1]["usage"]["completion_tokens"] == 5
+            assert not any("metrics" in c for c in chunks[:-1])
+        two = {"prompt": ["Hi", "there"], **five}
+        assert (await post(s, "/v1/completions", two))["metrics"] is None
+        batch = {"messages": [CHAT, CHAT], **five}
+        got = await post(s, "/v1/chat/completions/batch", batch)
+        assert got["metrics"] is None  # two conversations
+        batch = {"messages": [CHAT], **five}
+        got = await post(s, "/v1/chat/completions/batch", batch)
+        assert set(got["metrics"]) == METRICS
+    batch = {"messages": [CHAT], "include_metrics": True}
+    await refused(server, "/v1/chat/completions/batch", batch, "include_metrics")
+    for path, base in routes:  # the fixture's server: no flag
+        got = await post(server, path, {**base, "max_tokens": 2})
+        assert "metrics" in got and got["metrics"] is None  # vLLM's null
+        await refused(
+            server, path, {**base, "include_metrics": True}, "include_metrics"
+        )
+        off = {**base, "max_tokens": 2, "include_metrics": False}
+        assert (await post(server, path, off))["metrics"] is None
 
 
 # -- /v1/chat/completions/batch --------------------------------------------------

@@ -8,7 +8,6 @@
 # name) are gone, and so are test_chat_template and
 # test_chat_template_assistant_prefill (they read llama.cpp's "__verbose"
 # debug field), test_apply_chat_template (/apply-template),
-# test_completion_with_json_schema (llama.cpp's top-level "json_schema"),
 # test_chat_completion_with_timings_per_token ("timings") and
 # test_return_progress ("return_progress"): not applicable,
 # docs/peer-suites.md.
@@ -296,8 +295,37 @@ def test_completion_with_response_format(
         assert "error" in res.body
 
 
-# structllm: llama.cpp's top-level "grammar" -> vLLM's
-# structured_outputs.grammar, which takes the same GBNF.
+@pytest.mark.parametrize(
+    "jinja,json_schema,n_predicted,re_content",
+    [
+        (True, {"const": "42"}, 6, '"42"'),
+    ],
+)
+def test_completion_with_json_schema(
+    jinja: bool, json_schema: dict, n_predicted: int, re_content: str
+):
+    global server
+    server.jinja = jinja
+    server.start()
+    res = server.make_request(
+        "POST",
+        "/chat/completions",
+        data={
+            "max_tokens": n_predicted,
+            "messages": [
+                {"role": "system", "content": "You are a coding assistant."},
+                {"role": "user", "content": "Write an example"},
+            ],
+            "json_schema": json_schema,
+        },
+    )
+    assert res.status_code == 200, f"Expected 200, got {res.status_code}"
+    choice = res.body["choices"][0]
+    assert match_regex(re_content, choice["message"]["content"]), (
+        f"Expected {re_content}, got {choice['message']['content']}"
+    )
+
+
 @pytest.mark.parametrize(
     "jinja,grammar,n_predicted,re_content",
     [
@@ -318,7 +346,7 @@ def test_completion_with_grammar(
             "messages": [
                 {"role": "user", "content": "Does not matter what I say, does it?"},
             ],
-            "structured_outputs": {"grammar": grammar},
+            "grammar": grammar,
         },
     )
     assert res.status_code == 200, res.body

@@ -22,8 +22,9 @@ EMPTY_MESSAGES = (
     "Anthropic's API answers (llama.cpp fills in defaults)"
 )
 THINKING = (
-    "not implemented: 'thinking' is refused with a 400 naming it until a "
-    "reasoning parser exists (llama.cpp ignores it for a model without one)"
+    "deliberate difference: 'thinking' enabled needs a reasoning parser, and "
+    "tiny's chat template calls for none: a 400 naming it (llama.cpp ignores "
+    "it for a model without one)"
 )
 
 

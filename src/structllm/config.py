@@ -442,6 +442,13 @@ class ServerConfig:
         help="one structured line per request on the structllm.access logger",
         topic="logging",
     )
+    enable_per_request_metrics: bool = setting(
+        False,
+        help="vLLM's per-request timings (a 'metrics' object: time to first "
+        "token, generation and queue time, mean inter-token latency, tokens/s) "
+        "in chat and completion responses of one choice",
+        topic="logging",
+    )
     max_log_len: int = setting(
         0,
         help="log at most this many characters of the prompt in the access "

@@ -36,12 +36,12 @@ from pydantic import BaseModel
 
 from structllm.config import ServerConfig
 from structllm.engine.frontend.async_llm import AsyncLLM
-from structllm.engine.frontend.inputs import Prompt
+from structllm.engine.frontend.inputs import OFF_LOOP_CHARS, Prompt, check_prompt_bytes
 from structllm.errors import EngineLoadingError, InvalidRequestError, unwrap_group
 from structllm.outputs import CompletionOutput, RequestOutput
-from structllm.params import SamplingParams
+from structllm.params import OutputKind, SamplingParams
 from structllm.server.http.access import current_record
-from structllm.server.http.body import receive_json
+from structllm.server.http.body import maybe_off_loop, receive_json
 from structllm.server.http.errors import (
     ModelNotFoundError,
     RequestTimeoutError,
@@ -53,7 +53,15 @@ from structllm.server.protocol import bodies
 from structllm.server.protocol.constraints import rename_field
 from structllm.server.protocol.sampling import SamplingRequest
 
-__all__ = ["Chunks", "EngineSlot", "Job", "ServerConfig", "Serving", "StreamFormat"]
+__all__ = [
+    "Chunks",
+    "EngineSlot",
+    "Job",
+    "JobTiming",
+    "ServerConfig",
+    "Serving",
+    "StreamFormat",
+]
 
 _R = TypeVar("_R", bound=SamplingRequest)
 
@@ -70,6 +78,44 @@ class EngineSlot:
         return self.llm
 
 
+@attrs.define(eq=False)
+class JobTiming:
+    """When one job's outputs arrived (monotonic seconds), for vLLM's
+    per-request ``metrics``; :meth:`Serving.observe` fills it in."""
+
+    start: float | None = None
+    first: float | None = None
+    last: float | None = None
+    #: the engine's: from arrival in the core to being scheduled
+    queue_time: float | None = None
+    tokens: int = 0
+
+    def metrics(self) -> bodies.PerRequestMetrics:
+        """The timings as vLLM reports them (null where unknown). Being
+        scheduled is ``queue_time`` after the start: the front end's time to
+        the core counts as queueing."""
+        start, first, last, n = self.start, self.first, self.last, self.tokens
+        if start is None or first is None or last is None or self.queue_time is None:
+            return bodies.PerRequestMetrics(
+                time_to_first_token_ms=None,
+                generation_time_ms=None,
+                queue_time_ms=None
+                if self.queue_time is None
+                else self.queue_time * 1e3,
+                mean_itl_ms=None,
+                tokens_per_second=None,
+            )
+        scheduled = start + self.queue_time
+        generation = last - first
+        return bodies.PerRequestMetrics(
+            time_to_first_token_ms=max(first - scheduled, 0.0) * 1e3,
+            generation_time_ms=generation * 1e3,
+            queue_time_ms=self.queue_time * 1e3,
+            mean_itl_ms=generation * 1e3 / (n - 1) if n > 1 else None,
+            tokens_per_second=n / (last - scheduled) if last > scheduled else None,
+        )
+
+
 @attrs.frozen
 class Job:
     """One choice to generate: choice ``index`` of prompt ``prompt_index``."""
@@ -79,6 +125,7 @@ class Job:
     prompt: Prompt
     params: SamplingParams
     priority: int = 0
+    timing: JobTiming = attrs.field(factory=JobTiming, eq=False)
 
 
 class StreamFormat(Protocol):
@@ -92,7 +139,9 @@ class StreamFormat(Protocol):
     def delta(
         self, job: Job, out: RequestOutput, usage: bodies.Usage | None
     ) -> BaseModel: ...
-    def closing(self, usage: bodies.Usage) -> BaseModel: ...
+    def closing(
+        self, usage: bodies.Usage, metrics: bodies.PerRequestMetrics | None
+    ) -> BaseModel: ...
 
 
 @attrs.define(eq=False)
@@ -178,6 +227,38 @@ class Serving:
                 field=field,
             )
 
+    @staticmethod
+    async def render_messages(
+        llm: AsyncLLM,
+        messages: list[dict[str, Any]],
+        options: dict[str, Any],
+        cache_salt: str | None = None,
+    ) -> Prompt:
+        """``messages`` through the chat template (``options``: the other
+        keywords of ``apply_chat_template``), tokenised; every API that takes
+        a conversation renders it here, so they all write the same prompt.
+
+        The text is checked against ``--max-prompt-bytes`` first (as
+        ``messages``), and a long conversation is rendered and tokenised in a
+        worker thread.
+        """
+        size = sum(len(m["content"]) for m in messages)
+        cap = llm.max_prompt_bytes
+        if cap is not None and 4 * size > cap:  # 4: the most bytes per char
+            text = "".join(m["content"] for m in messages)
+            check_prompt_bytes(text, cap, field="messages")
+        tools = options.get("tools")
+        # the template writes the tools out too: count them for the thread
+        rendered = size + (len(json.dumps(tools)) if tools else 0)
+
+        def render() -> tuple[str, tuple[int, ...]]:
+            text = llm.tokenizer.apply_chat_template(messages, **options)
+            # the template writes BOS itself: tokenise without special tokens
+            return text, tuple(llm.tokenizer.encode(text, add_special_tokens=False))
+
+        text, ids = await maybe_off_loop(rendered > OFF_LOOP_CHARS, render)
+        return Prompt(text, ids, cache_salt)
+
     def prompt_text(self, prompt: Prompt) -> str:
         if prompt.text is not None:
             return prompt.text
@@ -210,6 +291,25 @@ class Serving:
             sum(f.num_cached_tokens or 0 for f in finals.values()),
         )
 
+    def wants_metrics(self, include_metrics: bool | None) -> bool:
+        """Whether a response carries vLLM's per-request ``metrics``: with
+        ``--enable-per-request-metrics``, unless the request's
+        ``include_metrics`` is false; ``true`` without the flag is refused."""
+        enabled = self.config.enable_per_request_metrics
+        if include_metrics and not enabled:
+            raise InvalidRequestError(
+                "include_metrics: per-request metrics are off on this server "
+                "(start it with --enable-per-request-metrics)",
+                field="include_metrics",
+            )
+        return enabled and include_metrics is not False
+
+    @staticmethod
+    def request_metrics(jobs: Sequence[Job]) -> bodies.PerRequestMetrics | None:
+        """The response's ``metrics``: its one job's timings; None for several
+        (prompts or ``n``), which one set of timings cannot describe, as vLLM."""
+        return jobs[0].timing.metrics() if len(jobs) == 1 else None
+
     # -- running requests --------------------------------------------------------
 
     async def run_to_end(self, jobs: Sequence[Job]) -> dict[int, RequestOutput]:
@@ -231,8 +331,12 @@ class Serving:
         fmt: StreamFormat,
         constraint_field: str | None = None,
         timeout: float | None = None,
+        metrics: bool = False,
     ) -> EventStream:
         """The jobs' chunks as server-sent events, then ``[DONE]``.
+
+        ``metrics``: the closing usage chunk carries the per-request
+        ``metrics`` (:meth:`request_metrics`), as vLLM's last chunk does.
 
         What can be refused is refused first, before the 200 is promised: a
         bad prompt is a 400 and overload a 503, streaming or not. Errors
@@ -297,7 +401,8 @@ class Serving:
                 await emit(json.loads(bytes(response.body)))
             else:
                 if fmt.include_usage:
-                    await emit(bodies.dump(fmt.closing(usage())))
+                    timings = self.request_metrics(jobs) if metrics else None
+                    await emit(bodies.dump(fmt.closing(usage(), timings)))
             await emit("[DONE]")
 
         async def produce_several(emit: Emit) -> None:
@@ -338,18 +443,32 @@ class Serving:
         last = start
         first = True
         prompt = job.prompt
+        timing = job.timing
+        timing.start = start
+        params = job.params
+        if (
+            self.config.enable_per_request_metrics
+            and params.output_kind is OutputKind.FINAL
+        ):
+            # every step's output, so the first token's time is known (the
+            # final output is the same either way)
+            params = attrs.evolve(params, output_kind=OutputKind.DELTA)
         rid = None
         if record is not None:
             rid = record.engine_request_id(job.index)
             if record.prompt_chars and record.prompt is None:
                 record.prompt = self.prompt_text(prompt)[: record.prompt_chars]
         s = self.slot.get().stream(
-            prompt, job.params, request_id=rid, priority=job.priority
+            prompt, params, request_id=rid, priority=job.priority
         )
         try:
             async with s:
                 async for out in s:
                     now = time.monotonic()
+                    if out.outputs[0].token_ids:
+                        if timing.first is None:
+                            timing.first = now
+                        timing.last = now
                     if first:
                         metrics.ttft.observe(now - start)
                         first = False
@@ -366,6 +485,8 @@ class Serving:
             # also when cancelled (client gone, timeout): synchronous, no await
             result = s.final_output
             if result is not None:
+                timing.queue_time = result.queue_time
+                timing.tokens = len(result.outputs[0].token_ids)
                 metrics.record_finished(result, time.monotonic() - start)
                 if record is not None:
                     record.finished(

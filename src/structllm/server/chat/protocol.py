@@ -12,7 +12,7 @@ from pydantic_core import PydanticCustomError
 from structllm.errors import InvalidRequestError
 from structllm.params import SamplingParams
 from structllm.server.chat.messages import ChatPrompt
-from structllm.server.protocol.bodies import Body, Usage
+from structllm.server.protocol.bodies import Body, PerRequestMetrics, Usage
 from structllm.server.protocol.fields import Count, Logprobs
 from structllm.server.protocol.formats import field_error
 from structllm.server.protocol.logprobs import (
@@ -97,6 +97,8 @@ class ChatCompletionResponse(Body):
     prompt_token_ids: list[int] | None = None
     #: with ``prompt_logprobs``: the prompt's (shared by the choices), as vLLM
     prompt_logprobs: PromptLogprobs | None = None
+    #: vLLM's per-request timings (--enable-per-request-metrics, one choice)
+    metrics: PerRequestMetrics | None = None
 
 
 class FunctionCallDelta(Body):
@@ -143,7 +145,7 @@ class ChatStreamChoice(Body):
 class ChatCompletionStreamResponse(Body):
     """One ``data:`` event of a streaming ``POST /v1/chat/completions``."""
 
-    _omit_unset = frozenset({"usage", "prompt_token_ids", "prompt_logprobs"})
+    _omit_unset = frozenset({"usage", "prompt_token_ids", "prompt_logprobs", "metrics"})
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -155,6 +157,8 @@ class ChatCompletionStreamResponse(Body):
     prompt_token_ids: list[int] | None = None
     #: with ``prompt_logprobs``, in choice 0's first chunk that has tokens
     prompt_logprobs: PromptLogprobs | None = None
+    #: in the closing usage chunk, as in a whole response
+    metrics: PerRequestMetrics | None = None
 
 
 class ChatRequest(SamplingRequest, ChatPrompt):

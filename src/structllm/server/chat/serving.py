@@ -16,14 +16,14 @@ is what ``/v1/responses`` renders its requests with too.
 from __future__ import annotations
 
 import copy
-import json
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 from fastapi.responses import Response
 
 from structllm.engine.frontend.async_llm import AsyncLLM
-from structllm.engine.frontend.inputs import OFF_LOOP_CHARS, Prompt, check_prompt_bytes
+from structllm.engine.frontend.inputs import Prompt
 from structllm.outputs import RequestOutput
 from structllm.params import SamplingParams
 from structllm.server.chat import reasoning, tool_calls
@@ -61,6 +61,26 @@ class RenderedChat:
     #: no reasoning parser)
     reasoning: ReasoningParser | None
 
+    @classmethod
+    def with_reasoning(
+        cls,
+        parser_name: str | None,
+        prompt: Prompt,
+        params: SamplingParams,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> RenderedChat:
+        """``prompt`` and ``params`` with the reasoning parser ``parser_name``
+        (None: none) for an output that continues ``prompt``, and the output
+        constraint held to the answer (every API that renders a conversation
+        finishes it here)."""
+        parser = reasoning.choice_parser(
+            parser_name, prompt.text or "", template_kwargs
+        )
+        constraint, parser = reasoning.after_thinking(params.structured_outputs, parser)
+        if constraint is not params.structured_outputs:
+            params = attrs.evolve(params, structured_outputs=constraint)
+        return cls(prompt, params, parser)
+
     def reasoning_parser(self) -> ReasoningParser | None:
         """A fresh reasoning parser for one choice."""
         return None if self.reasoning is None else copy.copy(self.reasoning)
@@ -78,41 +98,24 @@ class ChatServing(Serving):
 
     async def render(self, llm: AsyncLLM, req: ChatRequest) -> RenderedChat:
         """Check ``req``'s constraints, render and tokenise its messages
-        (off the event loop when long), check the length."""
+        (:meth:`~structllm.server.serving.Serving.render_messages`), check
+        the length; the parameters and the reasoning parser it runs with."""
         await check_constraints(req.constraint_checks)
         params = req.to_sampling_params(None)
-        messages = req.template_messages()
-        size = sum(len(m["content"]) for m in messages)
-        cap = llm.max_prompt_bytes
-        if cap is not None and 4 * size > cap:  # 4: the most bytes per char
-            text = "".join(m["content"] for m in messages)
-            check_prompt_bytes(text, cap, field="messages")
-        options = req.template_options()
-        tools = options["tools"]
-        # the template writes the tools out too: count them for the thread
-        rendered = size + (len(json.dumps(tools)) if tools else 0)
-
-        def render() -> tuple[str, tuple[int, ...]]:
-            text = llm.tokenizer.apply_chat_template(messages, **options)
-            # the template writes BOS itself: tokenise without special tokens
-            return text, tuple(llm.tokenizer.encode(text, add_special_tokens=False))
-
-        text, ids = await maybe_off_loop(rendered > OFF_LOOP_CHARS, render)
-        prompt = Prompt(text, ids, req.cache_salt)
-        limit = req.max_completion_tokens or req.max_tokens
-        self.check_length(llm, ids, limit, req.limit_field)
-        parser = reasoning.choice_parser(
-            self.reasoning_parser_name(llm), text, req.chat_template_kwargs
+        prompt = await self.render_messages(
+            llm, req.template_messages(), req.template_options(), req.cache_salt
         )
-        constraint, parser = reasoning.after_thinking(params.structured_outputs, parser)
-        if constraint is not params.structured_outputs:
-            params = attrs.evolve(params, structured_outputs=constraint)
-        return RenderedChat(prompt, params, parser)
+        limit = req.max_completion_tokens or req.max_tokens
+        self.check_length(llm, prompt.token_ids, limit, req.limit_field)
+        return RenderedChat.with_reasoning(
+            self.reasoning_parser_name(llm), prompt, params, req.chat_template_kwargs
+        )
 
     async def create(self, body: Any, big: bool) -> Response:
         llm = self.slot.get()
         req = await maybe_off_loop(big, validate, ChatRequest, body)
         self.check_model(req.model)
+        timed = self.wants_metrics(req.include_metrics)
         chat = await self.render(llm, req)
         prompt, params = chat.prompt, chat.params
         jobs = [
@@ -123,7 +126,9 @@ class ChatServing(Serving):
         if req.stream:
             chunks = _Chunks(self, req, bodies.new_id("chatcmpl"), top_logprobs, chat)
             with renamed(req.constraint_field):
-                return self.stream(llm, jobs, chunks, req.constraint_field, req.timeout)
+                return self.stream(
+                    llm, jobs, chunks, req.constraint_field, req.timeout, timed
+                )
         with renamed(req.constraint_field), deadline(self.limit(req.timeout)):
             finals = await self.run_to_end(jobs)
         extra: dict[str, Any] = {}
@@ -131,6 +136,8 @@ class ChatServing(Serving):
             extra["prompt_token_ids"] = list(prompt.token_ids)
         if (pl := lp.prompt_logprobs(finals[0])) is not None:
             extra["prompt_logprobs"] = pl  # the prompt's: every choice's
+        if timed:
+            extra["metrics"] = self.request_metrics(jobs)
         choices = [
             _choice(req, i, finals[i], top_logprobs, chat.reasoning_parser())
             for i in sorted(finals)
@@ -247,5 +254,8 @@ class _Chunks(Chunks[ChatRequest]):
             extra["prompt_logprobs"] = pl
         return self._chunk([choice], usage, **extra)
 
-    def closing(self, usage: bodies.Usage) -> ChatCompletionStreamResponse:
-        return self._chunk([], usage)
+    def closing(
+        self, usage: bodies.Usage, metrics: bodies.PerRequestMetrics | None
+    ) -> ChatCompletionStreamResponse:
+        extra = {} if metrics is None else {"metrics": metrics}
+        return self._chunk([], usage, **extra)

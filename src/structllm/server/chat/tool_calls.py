@@ -1,7 +1,8 @@
 """Tool calls on the response side: a choice's message, or its deltas.
 
-:func:`parser_for` picks the :mod:`~structllm.text.tool_parser` parser the
-request's ``tool_choice`` calls for (none for ``"none"``). :func:`message`
+:func:`call_parser` picks the :mod:`~structllm.text.tool_parser` parser a
+``tool_choice`` calls for (none for ``"none"``; :func:`parser_for`, a chat
+request's). :func:`message`
 builds a whole answer; :class:`StreamedCalls` turns each streamed piece of
 text into a content delta and OpenAI tool-call deltas: the first delta of a
 call carries its ``index``, ``id`` (``call_`` + 24 random hex digits),
@@ -21,6 +22,7 @@ split off first and calls are looked for in the answer alone
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -52,6 +54,7 @@ from structllm.text.tool_parser import (
 __all__ = [
     "AnswerParser",
     "StreamedCalls",
+    "call_parser",
     "message",
     "new_call_id",
     "parser_for",
@@ -62,17 +65,27 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parser_for(req: ChatRequest) -> ToolCallParser | None:
-    """The parser for ``req``'s ``tool_choice``; None when nothing is parsed."""
-    mode = req.tool_mode
+def call_parser(
+    mode: str | NamedToolChoice, names: Sequence[str], *, parallel: bool
+) -> ToolCallParser | None:
+    """The parser for a ``tool_choice`` mode (``"none"``, ``"auto"``,
+    ``"required"`` or a named function) over the tools ``names``; None when
+    nothing is parsed. Every API that takes tools finds its calls with it."""
     if isinstance(mode, NamedToolChoice):
         return NamedCallParser(mode.function.name)
     if mode == "required":
         return CallListParser()
-    if mode == "auto" and req.tools:
-        names = [t.function.name for t in req.tools]
-        return AutoParser(names, parallel=req.parallel_tool_calls is not False)
+    if mode == "auto" and names:
+        return AutoParser(list(names), parallel=parallel)
     return None
+
+
+def parser_for(req: ChatRequest) -> ToolCallParser | None:
+    """The parser for ``req``'s ``tool_choice``; None when nothing is parsed."""
+    names = [t.function.name for t in req.tools or ()]
+    return call_parser(
+        req.tool_mode, names, parallel=req.parallel_tool_calls is not False
+    )
 
 
 def finish_reason(

@@ -11,7 +11,7 @@ from pydantic_core import PydanticCustomError
 
 from structllm.outputs import FinishReason
 from structllm.params import SamplingParams
-from structllm.server.protocol.bodies import Body, Usage
+from structllm.server.protocol.bodies import Body, PerRequestMetrics, Usage
 from structllm.server.protocol.fields import MAX_CHOICES, Logprobs, Prompts
 from structllm.server.protocol.logprobs import (
     CompletionLogprobs,
@@ -54,6 +54,8 @@ class CompletionResponse(Body):
     system_fingerprint: str
     choices: list[CompletionChoice]
     usage: Usage
+    #: vLLM's per-request timings (--enable-per-request-metrics, one choice)
+    metrics: PerRequestMetrics | None = None
 
 
 class CompletionStreamChoice(Body):
@@ -78,7 +80,7 @@ class CompletionStreamChoice(Body):
 class CompletionStreamResponse(Body):
     """One ``data:`` event of a streaming ``POST /v1/completions``."""
 
-    _omit_unset = frozenset({"usage"})
+    _omit_unset = frozenset({"usage", "metrics"})
 
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -87,6 +89,8 @@ class CompletionStreamResponse(Body):
     system_fingerprint: str
     choices: list[CompletionStreamChoice]
     usage: Usage | None = None
+    #: in the closing usage chunk, as in a whole response
+    metrics: PerRequestMetrics | None = None
 
 
 class CompletionRequest(SamplingRequest):

@@ -42,6 +42,7 @@ class CompletionServing(Serving):
         llm = self.slot.get()  # 503 while loading, before anything streams
         req = await maybe_off_loop(big, validate, CompletionRequest, body)
         self.check_model(req.model)
+        timed = self.wants_metrics(req.include_metrics)
         await check_constraints(req.constraint_checks)
         params = req.to_sampling_params(self.config.default_max_tokens)
         prompts = []
@@ -62,7 +63,9 @@ class CompletionServing(Serving):
         if req.stream:
             with renamed(req.constraint_field):
                 chunks = _Chunks(self, req, bodies.new_id("cmpl"))
-                return self.stream(llm, jobs, chunks, req.constraint_field, req.timeout)
+                return self.stream(
+                    llm, jobs, chunks, req.constraint_field, req.timeout, timed
+                )
         with renamed(req.constraint_field), deadline(self.limit(req.timeout)):
             finals = await self.run_to_end(jobs)
         by_index = {job.index: job for job in jobs}
@@ -70,6 +73,7 @@ class CompletionServing(Serving):
             **self.head(bodies.new_id("cmpl")),
             choices=[self._choice(req, by_index[i], finals[i]) for i in sorted(finals)],
             usage=self.final_usage(jobs, finals),
+            metrics=self.request_metrics(jobs) if timed else None,
         )
         return ASCIIJSONResponse(bodies.dump(response))
 
@@ -172,5 +176,8 @@ class _Chunks(Chunks[CompletionRequest]):
         )
         return self._chunk([choice], usage)
 
-    def closing(self, usage: bodies.Usage) -> CompletionStreamResponse:
-        return self._chunk([], usage)
+    def closing(
+        self, usage: bodies.Usage, metrics: bodies.PerRequestMetrics | None
+    ) -> CompletionStreamResponse:
+        extra: dict[str, Any] = {} if metrics is None else {"metrics": metrics}
+        return CompletionStreamResponse(**self.head(usage), choices=[], **extra)

@@ -33,7 +33,7 @@ import attrs
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from structllm.errors import unwrap_group
-from structllm.server.http.errors import send_error
+from structllm.server.http.errors import anthropic_path, send_error
 
 __all__ = [
     "ACCESS_LOGGER",
@@ -169,7 +169,12 @@ class RequestContextMiddleware:
             # it was given, without the id: answer here, it sees it started
             if record.status is None:
                 name = type(unwrap_group(exc)).__name__
-                await send_error(send_with_id, 500, f"internal error: {name}")
+                await send_error(
+                    send_with_id,
+                    500,
+                    f"internal error: {name}",
+                    anthropic=anthropic_path(scope["path"]),
+                )
             raise
         finally:
             _current.reset(token)

@@ -5,7 +5,9 @@ routes (:data:`GENERATING`: llama.cpp's ``/completion``, Ollama's
 ``/api/chat``...). ``start()``: new requests get 503, the listener stays
 open. ``cut()``: requests still running are cancelled; one that already
 sent its 200 gets a final error event and ``[DONE]`` (an NDJSON stream: a
-last ``{"error": ...}`` line), one that did not gets a 503.
+last ``{"error": ...}`` line; a Messages stream: Anthropic's ``error``
+event), one that did not gets a 503. On Anthropic's routes every error is
+in Anthropic's shape.
 :func:`drain_then_stop` is the whole sequence ``structllm serve`` runs on
 SIGINT or SIGTERM.
 """
@@ -21,7 +23,12 @@ import anyio
 import attrs
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from structllm.server.http.errors import error_json, send_error
+from structllm.server.http.errors import (
+    anthropic_error_json,
+    anthropic_path,
+    error_json,
+    send_error,
+)
 
 __all__ = ["GENERATING", "Drain", "DrainMiddleware", "drain_then_stop", "drains"]
 
@@ -88,12 +95,14 @@ class Drain:
             if scope["type"] != "http" or not drains(scope["path"]):
                 await app(scope, receive, send)
                 return
+            anthropic = anthropic_path(scope["path"])
             if self.draining:
                 await send_error(
                     send,
                     503,
                     "the server is shutting down",
                     {"retry-after": str(self.retry_after), "connection": "close"},
+                    anthropic=anthropic,
                 )
                 return
             started: dict[str, Any] = {}
@@ -116,7 +125,9 @@ class Drain:
             with contextlib.suppress(OSError, RuntimeError):
                 message = "the server shut down before the response finished"
                 if not started:
-                    await send_error(send, 503, "the server is shutting down")
+                    await send_error(
+                        send, 503, "the server is shutting down", anthropic=anthropic
+                    )
                 elif _content_type(started).startswith(b"application/x-ndjson"):
                     line = json.dumps({"error": message}) + "\n"
                     await send(
@@ -127,11 +138,10 @@ class Drain:
                         }
                     )
                 elif _content_type(started).startswith(b"text/event-stream"):
-                    tail = "data: " + error_json(503, message).decode()
                     await send(
                         {
                             "type": "http.response.body",
-                            "body": f"{tail}\n\ndata: [DONE]\n\n".encode(),
+                            "body": _last_event(message, anthropic=anthropic),
                             "more_body": False,
                         }
                     )
@@ -141,6 +151,15 @@ class Drain:
                     )
 
         return drained
+
+
+def _last_event(message: str, *, anthropic: bool) -> bytes:
+    """The event that ends a stream cut short: an OpenAI error and ``[DONE]``,
+    or Anthropic's ``error`` event (its streams have no ``[DONE]``)."""
+    if anthropic:
+        body = anthropic_error_json(503, message).decode()
+        return f"event: error\ndata: {body}\n\n".encode()
+    return f"data: {error_json(503, message).decode()}\n\ndata: [DONE]\n\n".encode()
 
 
 def _content_type(start: dict[str, Any]) -> bytes:

@@ -7,9 +7,11 @@ too. Bodies are ASCII-only JSON, so rendering one can never fail.
 
 Anthropic's Messages routes (:func:`anthropic_path`) answer in Anthropic's
 shape instead (``{"type": "error", "error": {"type":
-"invalid_request_error", "message": ...}}``): :func:`anthropic_error_json`
-writes it, :func:`send_error` on request, and
-:mod:`~structllm.server.messages.serving` rewrites its errors.
+"invalid_request_error", "message": ...}}``), whoever answers:
+:func:`anthropic_error_json` writes it; the middlewares (auth, limits,
+drain, access) pass ``anthropic=`` to :func:`send_error`, the app's
+handlers answer through :func:`path_error`, and
+:mod:`~structllm.server.messages.serving` rewrites its own errors.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ __all__ = [
     "error_response",
     "install_handlers",
     "json_error",
+    "path_error",
     "send_error",
 ]
 
@@ -137,6 +140,25 @@ def json_error(
     )
 
 
+def path_error(
+    path: str,
+    status: int,
+    message: str,
+    *,
+    headers: Mapping[str, str] | None = None,
+) -> Response:
+    """An error response for a request to ``path``: Anthropic's shape on its
+    routes, OpenAI's elsewhere."""
+    if not anthropic_path(path):
+        return json_error(status, message, headers=headers)
+    return Response(
+        anthropic_error_json(status, message),
+        status_code=status,
+        headers=headers,
+        media_type="application/json",
+    )
+
+
 def error_response(exc: BaseException, *, retry_after: int) -> Response | None:
     """The response for a known error, or None for one that is a bug."""
     if isinstance(exc, InvalidRequestError):
@@ -179,7 +201,8 @@ async def send_error(
 
 
 def install_handlers(app: FastAPI) -> None:
-    """404, 405, FastAPI's own validation errors and bugs: OpenAI bodies."""
+    """404, 405, FastAPI's own validation errors and bugs: OpenAI bodies
+    (Anthropic's on its routes)."""
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
@@ -188,14 +211,18 @@ def install_handlers(app: FastAPI) -> None:
             message = f"no route {request.url.path!r}"
         elif exc.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path!r}"
-        return json_error(exc.status_code, message, headers=exc.headers)
+        return path_error(
+            request.url.path, exc.status_code, message, headers=exc.headers
+        )
 
     async def invalid(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
-        return json_error(400, f"invalid request: {exc.errors()[:1]}")
+        message = f"invalid request: {exc.errors()[:1]}"
+        return path_error(request.url.path, 400, message)
 
     async def internal(request: Request, exc: Exception) -> Response:
-        return json_error(500, f"internal error: {type(exc).__name__}")
+        message = f"internal error: {type(exc).__name__}"
+        return path_error(request.url.path, 500, message)
 
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, invalid)

@@ -7,7 +7,8 @@ in the app, from their headers to the end of their response (a stream
 until its ``[DONE]``), and answers a request beyond
 ``--max-concurrent-requests``, or beyond
 ``--max-concurrent-requests-per-client`` for its peer address, with 503 and
-``Retry-After`` before reading its body. ``/health`` and ``/metrics`` are
+``Retry-After`` before reading its body (Anthropic's error shape on its
+routes). ``/health`` and ``/metrics`` are
 never refused, so monitoring sees a full server. Connections without a
 request in flight are bounded in time, not number: ``--header-timeout``
 closes one idle or still sending its headers.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import attrs
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from structllm.server.http.errors import send_error
+from structllm.server.http.errors import anthropic_path, send_error
 
 __all__ = ["ConcurrencyLimit", "LimitState"]
 
@@ -79,7 +80,13 @@ class ConcurrencyLimit:
         reason = state.refusal(client)
         if reason is not None:
             state.refused += 1
-            await send_error(send, 503, reason, {"retry-after": self._retry_after})
+            await send_error(
+                send,
+                503,
+                reason,
+                {"retry-after": self._retry_after},
+                anthropic=anthropic_path(scope["path"]),
+            )
             return
         state.enter(client)
         try:

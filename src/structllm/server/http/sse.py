@@ -3,7 +3,9 @@
 :class:`EventStream` is a server-sent-events response that owns a watcher
 for ``http.disconnect`` (Starlette's ``StreamingResponse`` may only notice a
 disconnect at its next write): when the client leaves, the producer is
-cancelled, its ``stream`` block exits and the engine aborts the request.
+cancelled, its ``stream`` block exits and the engine aborts the request. Its
+events may be named (``event:`` lines, as Anthropic's and the Responses
+API's streams are).
 :func:`cancel_on_disconnect` is that watcher, used for non-streaming
 requests as well. :class:`NDJSONStream` is the same with one JSON object a
 line (Ollama's streams). :class:`deadline` is ``fail_after`` raising
@@ -30,18 +32,28 @@ Emit = Callable[[dict[str, Any] | str], Awaitable[None]]
 
 
 class EventStream(Response):
-    """Server-sent events from ``produce(emit)``, cancelled if the client leaves."""
+    """Server-sent events from ``produce(emit)``, cancelled if the client leaves.
+
+    ``named``: each JSON event also has an ``event:`` line, its ``type``, as
+    the streams of Anthropic's Messages and OpenAI's Responses APIs do (the
+    ``anthropic`` client skips events without one).
+    """
 
     media_type = "text/event-stream"
 
-    def __init__(self, produce: Callable[[Emit], Awaitable[None]]) -> None:
+    def __init__(
+        self, produce: Callable[[Emit], Awaitable[None]], *, named: bool = False
+    ) -> None:
         super().__init__(status_code=200, media_type=self.media_type)
         self._produce = produce
+        self._named = named
 
     @staticmethod
-    def frame(data: str) -> bytes:
+    def frame(data: str, name: str | None = None) -> bytes:
         """One event on the wire."""
-        return f"data: {data}\n\n".encode()
+        if name is None:
+            return f"data: {data}\n\n".encode()
+        return f"event: {name}\ndata: {data}\n\n".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send(
@@ -57,10 +69,13 @@ class EventStream(Response):
 
         async def emit(event: dict[str, Any] | str) -> None:
             data = event if isinstance(event, str) else json.dumps(event)
+            name = None
+            if self._named and isinstance(event, dict):
+                name = str(event["type"])
             await send(
                 {
                     "type": "http.response.body",
-                    "body": self.frame(data),
+                    "body": self.frame(data, name),
                     "more_body": True,
                 }
             )
@@ -78,7 +93,7 @@ class NDJSONStream(EventStream):
     media_type = "application/x-ndjson"
 
     @staticmethod
-    def frame(data: str) -> bytes:
+    def frame(data: str, name: str | None = None) -> bytes:
         return f"{data}\n".encode()
 
 

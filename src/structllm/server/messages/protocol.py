@@ -4,10 +4,12 @@ its content blocks, and the response, event and error models.
 Requests are validated as Anthropic validates them: a field the Messages API
 does not define is a 400 naming it (Anthropic's own "Extra inputs are not
 permitted"), and the fields it defines that structllm does not implement are
-refused by name with the reason (:data:`MESSAGES_REFUSED`): ``thinking``
-until a reasoning parser exists, server tools, MCP, containers. Content
-blocks other than ``text``, ``tool_use`` and ``tool_result`` are refused by
-their path (``messages[0].content[1].type``): the models read text only.
+refused by name with the reason (:data:`MESSAGES_REFUSED`): server tools,
+MCP, containers. ``thinking`` is the chat template's ``enable_thinking``
+(enabled, it needs a reasoning parser: the serving refuses it without one).
+Content blocks other than ``text``, ``tool_use``, ``tool_result`` and
+``thinking`` (sent back, left out of the prompt) are refused by their path
+(``messages[0].content[1].type``): the models read text only.
 ``cache_control`` is accepted everywhere Anthropic allows it and does
 nothing: the prefix cache needs no breakpoints.
 
@@ -100,20 +102,18 @@ __all__ = [
     "MessagesTool",
     "MessagesUsage",
     "PingEvent",
+    "SignatureDelta",
     "StopReason",
     "TextBlock",
     "TextDelta",
+    "ThinkingBlock",
+    "ThinkingDelta",
+    "ThinkingEnabled",
     "ToolUseBlock",
 ]
 
 #: Anthropic's fields that structllm does not implement: (reason, no-op values)
 MESSAGES_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
-    # thinking blocks come with a reasoning parser (text/reasoning.py): the
-    # serving's answer would then split them off like the tool calls
-    "thinking": (
-        "extended thinking is not supported: this server has no reasoning parser",
-        ({"type": "disabled"},),
-    ),
     "container": ("containers (code execution) are not supported", ()),
     "mcp_servers": ("MCP servers are not supported", ([],)),
     "context_management": ("context management is not supported", ()),
@@ -135,12 +135,10 @@ _BLOCK_REASONS = {
     "image": "image blocks are not supported: the model reads text only",
     "document": "document blocks are not supported: the model reads text only",
     "search_result": "search_result blocks are not supported",
-    "thinking": "thinking blocks are not supported: this server has no "
-    "reasoning parser",
-    "redacted_thinking": "redacted_thinking blocks are not supported: this "
-    "server has no reasoning parser",
+    "redacted_thinking": "redacted_thinking blocks are not supported: their "
+    "thinking is encrypted by the server that wrote it",
 }
-_BLOCKS = ("text", "tool_use", "tool_result")
+_BLOCKS = ("text", "tool_use", "tool_result", "thinking")
 
 
 # -- request blocks ---------------------------------------------------------------
@@ -183,6 +181,19 @@ class ToolUseBlockParam(BaseModel):
     cache_control: CacheControl | None = None
 
 
+class ThinkingBlockParam(BaseModel):
+    """An assistant's thinking, sent back as it came: accepted and left out
+    of the prompt (Anthropic's models do not see earlier turns' thinking
+    either), so a tool loop can replay whole assistant messages."""
+
+    model_config = OBJECT_CONFIG
+
+    type: Literal["thinking"]
+    thinking: Text
+    signature: Text
+    cache_control: CacheControl | None = None
+
+
 class ToolResultBlockParam(BaseModel):
     """The answer to a ``tool_use`` block, in the next user message."""
 
@@ -218,9 +229,14 @@ def _block_tag(value: Any) -> str | None:
 ContentBlock = Annotated[
     Annotated[TextBlockParam, Tag("[text]")]
     | Annotated[ToolUseBlockParam, Tag("[tool_use]")]
-    | Annotated[ToolResultBlockParam, Tag("[tool_result]")],
+    | Annotated[ToolResultBlockParam, Tag("[tool_result]")]
+    | Annotated[ThinkingBlockParam, Tag("[thinking]")],
     Discriminator(_block_tag),
 ]
+#: a request's blocks
+BlockParam = (
+    TextBlockParam | ToolUseBlockParam | ToolResultBlockParam | ThinkingBlockParam
+)
 
 
 class MessageParam(BaseModel):
@@ -253,11 +269,14 @@ class MessageParam(BaseModel):
     @model_validator(mode="after")
     def _roles(self) -> MessageParam:
         for i, block in enumerate(self.blocks):
-            if isinstance(block, ToolUseBlockParam) and self.role != "assistant":
+            if (
+                isinstance(block, ToolUseBlockParam | ThinkingBlockParam)
+                and self.role != "assistant"
+            ):
                 raise PydanticCustomError(
                     "field",
-                    "only assistant messages carry tool_use blocks",
-                    {"name": f"content[{i}]"},
+                    "only assistant messages carry {kind} blocks",
+                    {"name": f"content[{i}]", "kind": block.type},
                 )
             if isinstance(block, ToolResultBlockParam) and self.role != "user":
                 raise PydanticCustomError(
@@ -268,7 +287,7 @@ class MessageParam(BaseModel):
         return self
 
     @property
-    def blocks(self) -> list[TextBlockParam | ToolUseBlockParam | ToolResultBlockParam]:
+    def blocks(self) -> list[BlockParam]:
         return [] if isinstance(self.content, str) else list(self.content)
 
     def template_dicts(self) -> list[dict[str, Any]]:
@@ -372,6 +391,24 @@ class Metadata(BaseModel):
     user_id: Text | None = None
 
 
+class ThinkingEnabled(BaseModel):
+    """Extended thinking: served with a reasoning parser (the serving refuses
+    it without one). The budget is checked as Anthropic checks it (below
+    ``max_tokens``) but does not cut the thinking: ``max_tokens`` bounds the
+    thinking and the answer together."""
+
+    model_config = OBJECT_CONFIG
+
+    type: Literal["enabled"]
+    budget_tokens: Count
+
+
+class ThinkingDisabled(BaseModel):
+    model_config = OBJECT_CONFIG
+
+    type: Literal["disabled"]
+
+
 # -- requests ---------------------------------------------------------------------
 
 
@@ -394,6 +431,12 @@ class MessagesPrompt(BaseModel):
     ] = ""
     tools: Annotated[list[MessagesTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: MessagesToolChoice | None = None
+    #: the chat template's ``enable_thinking``; the thinking comes back as
+    #: thinking blocks whenever a reasoning parser finds some
+    thinking: (
+        Annotated[ThinkingEnabled | ThinkingDisabled, Field(discriminator="type")]
+        | None
+    ) = None
     #: the request-wide caching breakpoint: accepted, no effect
     cache_control: CacheControl | None = None
 
@@ -548,9 +591,17 @@ class MessagesPrompt(BaseModel):
         return {
             "add_generation_prompt": not self.prefill,
             "continue_final_message": self.prefill,
-            "template_kwargs": None,
+            "template_kwargs": self.template_kwargs,
             "tools": [t.template_dict() for t in tools] if tools else None,
         }
+
+    @property
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """``thinking`` as the chat template's switch (Qwen3's
+        ``enable_thinking``; other templates ignore it)."""
+        if self.thinking is None:
+            return None
+        return {"enable_thinking": self.thinking.type == "enabled"}
 
 
 class CountTokensRequest(MessagesPrompt):
@@ -567,6 +618,20 @@ class MessagesRequest(MessagesPrompt):
     top_k: TopK | None = None
     metadata: Metadata | None = None
     stream: bool | None = None
+
+    @model_validator(mode="after")
+    def _budget_below_max_tokens(self) -> MessagesRequest:
+        thinking = self.thinking
+        if isinstance(thinking, ThinkingEnabled) and (
+            thinking.budget_tokens >= self.max_tokens
+        ):
+            raise PydanticCustomError(
+                "field",
+                "must be below max_tokens ({max_tokens}): max_tokens bounds the "
+                "thinking and the answer together",
+                {"name": "thinking.budget_tokens", "max_tokens": self.max_tokens},
+            )
+        return self
 
     def to_sampling_params(self) -> SamplingParams:
         kw = {
@@ -594,6 +659,15 @@ class TextBlock(Body):
     text: str
 
 
+class ThinkingBlock(Body):
+    """The thinking a reasoning parser split off, before the answer's blocks."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    #: empty, as llama.cpp sends: a local model's thinking has no signature
+    signature: str = ""
+
+
 class ToolUseBlock(Body):
     type: Literal["tool_use"] = "tool_use"
     #: ``toolu_`` + 24 hex digits
@@ -618,7 +692,7 @@ class MessageResponse(Body):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextBlock | ToolUseBlock]
+    content: list[ThinkingBlock | TextBlock | ToolUseBlock]
     stop_reason: StopReason | None
     #: the stop sequence that ended the answer (``stop_reason`` "stop_sequence")
     stop_sequence: str | None
@@ -638,8 +712,8 @@ class MessageStartEvent(Body):
 class ContentBlockStartEvent(Body):
     type: Literal["content_block_start"] = "content_block_start"
     index: int
-    #: empty: ``text`` "" or ``input`` {}, filled by the deltas
-    content_block: TextBlock | ToolUseBlock
+    #: empty: ``thinking`` "", ``text`` "" or ``input`` {}, filled by the deltas
+    content_block: ThinkingBlock | TextBlock | ToolUseBlock
 
 
 class PingEvent(Body):
@@ -651,6 +725,18 @@ class TextDelta(Body):
     text: str
 
 
+class ThinkingDelta(Body):
+    type: Literal["thinking_delta"] = "thinking_delta"
+    thinking: str
+
+
+class SignatureDelta(Body):
+    """The last delta of a thinking block (its signature: empty here)."""
+
+    type: Literal["signature_delta"] = "signature_delta"
+    signature: str = ""
+
+
 class InputJsonDelta(Body):
     type: Literal["input_json_delta"] = "input_json_delta"
     #: a fragment of the call's input, as JSON text
@@ -660,7 +746,7 @@ class InputJsonDelta(Body):
 class ContentBlockDeltaEvent(Body):
     type: Literal["content_block_delta"] = "content_block_delta"
     index: int
-    delta: TextDelta | InputJsonDelta
+    delta: TextDelta | InputJsonDelta | ThinkingDelta | SignatureDelta
 
 
 class ContentBlockStopEvent(Body):

@@ -8,6 +8,10 @@ completions renders the same conversation (so with greedy sampling both
 routes answer alike), and it becomes one engine request. Tool calls are
 found in the answer by the parser chat uses for the same ``tool_choice``
 (:mod:`~structllm.text.tool_parser`); a forced call is held to a grammar.
+With a reasoning parser (``--reasoning-parser``, as chat's), the thinking is
+split off first and comes back as a ``thinking`` block before the answer's
+blocks (streamed: ``thinking_delta`` events and an empty ``signature_delta``);
+``thinking: {"type": "enabled"}`` needs one, and is refused by name without.
 Every error these routes send is Anthropic's shape
 (``{"type": "error", "error": {...}}``).
 """
@@ -22,14 +26,18 @@ from typing import Any
 import attrs
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from structllm.engine.frontend.async_llm import AsyncLLM
-from structllm.engine.frontend.inputs import OFF_LOOP_CHARS, Prompt, check_prompt_bytes
+from structllm.engine.frontend.inputs import Prompt
 from structllm.errors import InvalidRequestError, unwrap_group
 from structllm.outputs import CompletionOutput, RequestOutput
+from structllm.server.chat import reasoning
+from structllm.server.chat.serving import RenderedChat
+from structllm.server.chat.tool_calls import call_parser
 from structllm.server.http.body import maybe_off_loop, validate
 from structllm.server.http.errors import ASCIIJSONResponse, anthropic_error_json
-from structllm.server.http.sse import deadline
+from structllm.server.http.sse import Emit, EventStream, deadline
 from structllm.server.messages.protocol import (
     CountTokensRequest,
     CountTokensResponse,
@@ -41,26 +49,21 @@ from structllm.server.messages.protocol import (
     MessagesUsage,
     PingEvent,
     TextBlock,
+    ThinkingBlock,
+    ThinkingEnabled,
     ToolUseBlock,
 )
 from structllm.server.messages.streaming import (
     EmitEvent,
     MessageEvents,
-    NamedEventStream,
     new_tool_use_id,
     stop_reason,
 )
 from structllm.server.protocol import bodies
 from structllm.server.protocol.constraints import check_constraints, renamed
-from structllm.server.protocol.tools import NamedToolChoice
 from structllm.server.serving import Job, Serving
-from structllm.text.auto_tool_parser import AutoParser
-from structllm.text.tool_parser import (
-    CallListParser,
-    NamedCallParser,
-    ToolCallParser,
-    parse,
-)
+from structllm.text.reasoning import ReasoningParser, split
+from structllm.text.tool_parser import ToolCallParser, parse
 
 __all__ = ["MessagesServing", "anthropic_errors", "parser_for"]
 
@@ -73,20 +76,9 @@ def new_message_id() -> str:
 
 
 def parser_for(req: MessagesPrompt) -> ToolCallParser | None:
-    """The parser chat uses for the same ``tool_choice``; None: plain text.
-
-    (Chat's ``tool_calls.parser_for`` takes a ``ChatRequest``; this is its
-    choice, from the mode and the tools.)
-    """
-    mode = req.tool_mode
-    if isinstance(mode, NamedToolChoice):
-        return NamedCallParser(mode.function.name)
-    if mode == "required":
-        return CallListParser()
-    if mode == "auto" and req.tools:
-        names = [t.name for t in req.tools]
-        return AutoParser(names, parallel=req.parallel_tool_use)
-    return None
+    """The parser chat uses for the same ``tool_choice``; None: plain text."""
+    names = [t.name for t in req.tools or ()]
+    return call_parser(req.tool_mode, names, parallel=req.parallel_tool_use)
 
 
 def anthropic_errors(response: Response) -> Response:
@@ -131,11 +123,27 @@ class MessagesServing(Serving):
         response = super().error_response(exc)
         return None if response is None else anthropic_errors(response)
 
+    def reasoning_parser_name(self, llm: AsyncLLM, req: MessagesPrompt) -> str | None:
+        """The reasoning parser this server runs (``--reasoning-parser``,
+        ``auto`` by the chat template); ``thinking`` enabled needs one."""
+        name = reasoning.parser_name(
+            self.config.reasoning_parser, llm.tokenizer.chat_template
+        )
+        if name is None and isinstance(req.thinking, ThinkingEnabled):
+            raise InvalidRequestError(
+                "thinking: extended thinking needs a reasoning parser, and this "
+                "server has none (--reasoning-parser, or a model whose chat "
+                "template calls for one)",
+                field="thinking",
+            )
+        return name
+
     async def count_tokens(self, body: Any, big: bool) -> Response:
         llm = self.slot.get()
         req = await maybe_off_loop(big, validate, CountTokensRequest, body)
         self.check_model(req.model)
-        await check_constraints(req.constraint_checks)  # a 400 here as there
+        self.reasoning_parser_name(llm, req)  # a 400 here as there
+        await check_constraints(req.constraint_checks)
         prompt = await self._render(llm, req)
         response = CountTokensResponse(input_tokens=len(prompt.token_ids))
         return ASCIIJSONResponse(bodies.dump(response))
@@ -144,17 +152,21 @@ class MessagesServing(Serving):
         llm = self.slot.get()
         req = await maybe_off_loop(big, validate, MessagesRequest, body)
         self.check_model(req.model)
+        parser_name = self.reasoning_parser_name(llm, req)
         await check_constraints(req.constraint_checks)
         prompt = await self._render(llm, req)
         self.check_length(llm, prompt.token_ids, req.max_tokens, "max_tokens")
-        job = Job(0, 0, prompt, req.to_sampling_params())
+        chat = RenderedChat.with_reasoning(
+            parser_name, prompt, req.to_sampling_params(), req.template_kwargs
+        )
+        job = Job(0, 0, chat.prompt, chat.params)
         if req.stream:
-            return self._stream(llm, req, job)
+            return self._stream(llm, req, job, chat.reasoning_parser())
         with renamed(_CONSTRAINT_FIELD):
             finals = await self.run_to_end([job])
         out = finals[0]
         c = out.outputs[0]
-        content, called = _content(req, c)
+        content, called = _content(req, c, chat.reasoning_parser())
         reason, sequence = stop_reason(c, called)
         response = MessageResponse(
             id=new_message_id(),
@@ -172,23 +184,10 @@ class MessagesServing(Serving):
 
     async def _render(self, llm: AsyncLLM, req: MessagesPrompt) -> Prompt:
         """The conversation through the chat template, as chat renders it."""
-        messages = req.template_messages()
-        size = sum(len(m["content"]) for m in messages)
-        cap = llm.max_prompt_bytes
-        if cap is not None and 4 * size > cap:  # 4: the most bytes per char
-            text = "".join(m["content"] for m in messages)
-            check_prompt_bytes(text, cap, field="messages")
-        options = req.template_options()
-        tools = options["tools"]
-        rendered = size + (len(json.dumps(tools)) if tools else 0)
-
-        def render() -> tuple[str, tuple[int, ...]]:
-            text = llm.tokenizer.apply_chat_template(messages, **options)
-            # the template writes BOS itself: tokenise without special tokens
-            return text, tuple(llm.tokenizer.encode(text, add_special_tokens=False))
-
         try:
-            text, ids = await maybe_off_loop(rendered > OFF_LOOP_CHARS, render)
+            return await self.render_messages(
+                llm, req.template_messages(), req.template_options()
+            )
         except InvalidRequestError as exc:
             if exc.field != "continue_final_message":
                 raise
@@ -196,11 +195,14 @@ class MessagesServing(Serving):
             field = f"messages[{len(req.messages) - 1}]"
             message = str(exc).replace("continue_final_message", field, 1)
             raise InvalidRequestError(message, field=field) from None
-        return Prompt(text, ids)
 
     def _stream(
-        self, llm: AsyncLLM, req: MessagesRequest, job: Job
-    ) -> NamedEventStream:
+        self,
+        llm: AsyncLLM,
+        req: MessagesRequest,
+        job: Job,
+        thinking: ReasoningParser | None,
+    ) -> EventStream:
         """The answer as Anthropic's events.
 
         What can be refused is refused before the 200 (a 400, or 503 on
@@ -208,7 +210,7 @@ class MessagesServing(Serving):
         """
         llm.check_admission(job.prompt.token_ids, count=1, params=job.params)
         limit = self.limit(None)  # --request-timeout, or X-Request-Timeout's
-        events = MessageEvents(parser_for(req))
+        events = MessageEvents(parser_for(req), thinking)
         start = MessageStartEvent(
             message=MessageResponse(
                 id=new_message_id(),
@@ -224,7 +226,10 @@ class MessagesServing(Serving):
             )
         )
 
-        async def produce(emit: EmitEvent) -> None:
+        async def produce(emit_json: Emit) -> None:
+            async def emit(event: BaseModel) -> None:
+                await emit_json(bodies.dump(event))
+
             await emit(start)
             await emit(PingEvent())
 
@@ -244,7 +249,7 @@ class MessagesServing(Serving):
             except Exception as exc:  # RequestTimeoutError, the engine's errors
                 await self._fail(emit, exc, exc)
 
-        return NamedEventStream(produce)
+        return EventStream(produce, named=True)  # event: its type; no [DONE]
 
     async def _fail(
         self, emit: EmitEvent, exc: BaseException, raised: BaseException
@@ -259,23 +264,31 @@ class MessagesServing(Serving):
 
 
 def _content(
-    req: MessagesRequest, c: CompletionOutput
-) -> tuple[list[TextBlock | ToolUseBlock], bool]:
+    req: MessagesRequest, c: CompletionOutput, thinking: ReasoningParser | None
+) -> tuple[list[ThinkingBlock | TextBlock | ToolUseBlock], bool]:
     """A whole answer's blocks, and whether it called tools.
 
-    An answer whose calls did not complete (cut by ``max_tokens``) is its
-    text, as in chat. (With a reasoning parser, the thinking it splits off
-    becomes a ``thinking`` block before these, here and in
-    :class:`~structllm.server.messages.streaming.MessageEvents`.)
+    With a reasoning parser, the thinking it splits off is a ``thinking``
+    block before the others (when there is any), as in
+    :class:`~structllm.server.messages.streaming.MessageEvents`. An answer
+    whose calls did not complete (cut by ``max_tokens``) is its text, as in
+    chat.
     """
+    answer = c.text
+    head: list[ThinkingBlock | TextBlock | ToolUseBlock] = []
+    if thinking is not None:
+        d = split(thinking, c.text)
+        answer = d.content
+        if d.reasoning:
+            head.append(ThinkingBlock(thinking=d.reasoning))
     parser = parser_for(req)
-    parsed = parse(parser, c.text) if parser is not None else None
+    parsed = parse(parser, answer) if parser is not None else None
     if parsed is None or not parsed.calls or not parsed.complete:
-        return [TextBlock(text=c.text)], False
+        return [*head, TextBlock(text=answer)], False
     inputs = [json.loads(call.arguments) for call in parsed.calls]
     if not all(isinstance(i, dict) for i in inputs):  # Anthropic's input is one
-        return [TextBlock(text=c.text)], False
-    blocks: list[TextBlock | ToolUseBlock] = []
+        return [*head, TextBlock(text=answer)], False
+    blocks = head
     if parsed.content and parsed.content.strip():
         # the whitespace before the calls is no part of the text
         blocks.append(TextBlock(text=parsed.content.rstrip()))

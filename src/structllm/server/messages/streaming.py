@@ -1,4 +1,4 @@
-"""The events of a streamed message, and the named-event SSE that carries them.
+"""The events of a streamed message.
 
 Anthropic's stream is ``message_start``, ``ping``, then for each content
 block ``content_block_start``, its deltas (``text_delta`` or
@@ -9,30 +9,29 @@ SSE event named after its ``type`` (the ``anthropic`` client skips events
 without a name) and there is no ``[DONE]``.
 
 :class:`MessageEvents` is the pure part: it turns the engine's text deltas
-into events, through the request's tool-call parser when there is one
+into events, the thinking split off first when there is a reasoning parser
+(a ``thinking`` block of ``thinking_delta`` events, closed by an empty
+``signature_delta`` as llama.cpp sends), then through the request's
+tool-call parser when there is one
 (:mod:`~structllm.text.tool_parser`: text becomes text blocks, each call a
 ``tool_use`` block whose input arrives as JSON fragments). Whitespace at the
 end of the text is held back until more text follows: before a call it is
 dropped, as the text block of a whole answer with calls leaves it out. A message whose
 answer is empty still has one (empty) text block, as a whole response does.
-:class:`NamedEventStream` is :class:`~structllm.server.http.sse.EventStream`
-with ``event:`` lines.
+:class:`~structllm.server.http.sse.EventStream` with ``named=True`` carries
+them.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Awaitable, Callable
 
-import anyio
 import attrs
-from fastapi.responses import Response
 from pydantic import BaseModel
-from starlette.types import Receive, Scope, Send
 
 from structllm.outputs import CompletionOutput
-from structllm.server.http.sse import cancel_on_disconnect
+from structllm.server.chat.tool_calls import AnswerParser
 from structllm.server.messages.protocol import (
     ContentBlockDeltaEvent,
     ContentBlockStartEvent,
@@ -42,24 +41,25 @@ from structllm.server.messages.protocol import (
     MessageDeltaEvent,
     MessageDeltaUsage,
     MessageStopEvent,
+    SignatureDelta,
     StopReason,
     TextBlock,
     TextDelta,
+    ThinkingBlock,
+    ThinkingDelta,
     ToolUseBlock,
 )
-from structllm.server.protocol import bodies
+from structllm.text.reasoning import ReasoningParser
 from structllm.text.tool_parser import (
     ArgumentsDelta,
     CallStart,
     ContentDelta,
     ToolCallParser,
-    ToolEvent,
 )
 
 __all__ = [
     "EmitEvent",
     "MessageEvents",
-    "NamedEventStream",
     "new_tool_use_id",
     "stop_reason",
 ]
@@ -93,6 +93,8 @@ class MessageEvents:
 
     #: the request's tool-call parser; None: every delta is text
     parser: ToolCallParser | None
+    #: splits the thinking off first (a thinking block); None: no reasoning
+    reasoning: ReasoningParser | None = None
     #: the open block's index and type (-1, None before the first)
     index: int = -1
     open: str | None = None
@@ -101,16 +103,20 @@ class MessageEvents:
     #: before more text, and dropped before a call (as a whole answer's
     #: text block leaves it out)
     pending: str = ""
+    _answer: AnswerParser = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._answer = AnswerParser(self.parser, self.reasoning)
 
     def feed(self, text: str, finished: bool) -> list[BaseModel]:
         """The events for the next piece of the answer."""
-        if self.parser is None:
-            events: list[ToolEvent] = [ContentDelta(text)]
-        else:
-            events = self.parser.feed(text)
-            if finished:
-                events += self.parser.finish()
+        thought, events = self._answer.feed(text, finished)
         out: list[BaseModel] = []
+        if thought:
+            if self.open != "thinking":
+                out += self._start(ThinkingBlock(thinking=""))
+            delta = ThinkingDelta(thinking=thought)
+            out.append(ContentBlockDeltaEvent(index=self.index, delta=delta))
         for e in events:
             if isinstance(e, ContentDelta):
                 text = e.text.rstrip()
@@ -131,16 +137,15 @@ class MessageEvents:
         return out
 
     def finish(self, c: CompletionOutput, output_tokens: int) -> list[BaseModel]:
-        """Close the open block (opening an empty text block if none was),
-        then ``message_delta`` and ``message_stop``."""
+        """Close the open block (opening an empty text block if the answer
+        has none), then ``message_delta`` and ``message_stop``."""
         out: list[BaseModel] = []
         if self.pending and not self.called:
             out += self._text(self.pending)
         self.pending = ""
-        if self.open is None:
+        if self.open in (None, "thinking"):
             out += self._start(TextBlock(text=""))
-        out.append(ContentBlockStopEvent(index=self.index))
-        self.open = None
+        out += self._close()
         reason, sequence = stop_reason(c, self.called)
         out.append(
             MessageDeltaEvent(
@@ -157,51 +162,21 @@ class MessageEvents:
         out.append(ContentBlockDeltaEvent(index=self.index, delta=TextDelta(text=text)))
         return out
 
-    def _start(self, block: TextBlock | ToolUseBlock) -> list[BaseModel]:
-        out: list[BaseModel] = []
-        if self.open is not None:
-            out.append(ContentBlockStopEvent(index=self.index))
+    def _start(
+        self, block: ThinkingBlock | TextBlock | ToolUseBlock
+    ) -> list[BaseModel]:
+        out = self._close()
         self.index += 1
         self.open = block.type
         out.append(ContentBlockStartEvent(index=self.index, content_block=block))
         return out
 
-
-class NamedEventStream(Response):
-    """Server-sent events ``event: TYPE`` / ``data: JSON`` from
-    ``produce(emit)``, cancelled if the client leaves."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, produce: Callable[[EmitEvent], Awaitable[None]]) -> None:
-        super().__init__(status_code=200, media_type=self.media_type)
-        self._produce = produce
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", b"text/event-stream; charset=utf-8"),
-                    (b"cache-control", b"no-cache"),
-                ],
-            }
-        )
-
-        async def emit(event: BaseModel) -> None:
-            data = bodies.dump(event)
-            text = json.dumps(data, ensure_ascii=True, separators=(",", ":"))
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": f"event: {data['type']}\ndata: {text}\n\n".encode(),
-                    "more_body": True,
-                }
-            )
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(cancel_on_disconnect, receive, tg.cancel_scope)
-            await self._produce(emit)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            tg.cancel_scope.cancel()
+    def _close(self) -> list[BaseModel]:
+        """Close the open block: a thinking block ends with its signature."""
+        out: list[BaseModel] = []
+        if self.open == "thinking":
+            out.append(ContentBlockDeltaEvent(index=self.index, delta=SignatureDelta()))
+        if self.open is not None:
+            out.append(ContentBlockStopEvent(index=self.index))
+        self.open = None
+        return out

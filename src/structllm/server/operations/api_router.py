@@ -11,7 +11,7 @@ from structllm.server import openapi
 from structllm.server.http.drain import Drain
 from structllm.server.http.errors import ASCIIJSONResponse
 from structllm.server.metrics import CONTENT_TYPE
-from structllm.server.operations.protocol import VersionResponse
+from structllm.server.operations.protocol import HealthResponse, VersionResponse
 from structllm.server.protocol.bodies import dump
 from structllm.server.serving import Serving
 
@@ -24,21 +24,22 @@ router = APIRouter()
     "/health",
     response_model=None,
     responses={
-        200: {"description": "The engine serves."},
+        200: {"model": HealthResponse, "description": "The engine serves."},
         503: {
             "description": "Loading, restarting, draining, dead, or the engine "
-            "process has been silent too long."
+            "process has been silent too long (empty body)."
         },
     },
-    summary="Health check (empty body)",
+    summary="Health check",
 )
 async def health(request: Request) -> Response:
+    """200 with llama.cpp's ``{"status": "ok"}``, or an empty 503."""
     serving: Serving = request.app.state.serving
     drain: Drain = request.app.state.drain
     llm = serving.slot.llm
-    if llm is None or drain.draining:
-        return Response(status_code=503)  # loading, or shutting down
-    return Response(status_code=200 if llm.statistics().healthy else 503)
+    if llm is None or drain.draining or not llm.statistics().healthy:
+        return Response(status_code=503)  # loading, shutting down, or failing
+    return ASCIIJSONResponse(dump(HealthResponse()))
 
 
 @router.get(

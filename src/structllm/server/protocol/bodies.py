@@ -22,6 +22,7 @@ __all__ = [
     "Body",
     "ErrorInfo",
     "ErrorResponse",
+    "PerRequestMetrics",
     "PromptTokensDetails",
     "Usage",
     "dump",
@@ -90,6 +91,22 @@ class Usage(Body):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+
+
+class PerRequestMetrics(Body):
+    """vLLM's per-request timings (``--enable-per-request-metrics``), in
+    milliseconds; null where unknown (``mean_itl_ms`` for one token)."""
+
+    #: from being scheduled to the first output token
+    time_to_first_token_ms: float | None
+    #: from the first output token to the last
+    generation_time_ms: float | None
+    #: waiting in the scheduler before being scheduled
+    queue_time_ms: float | None
+    #: generation time over the gaps between output tokens
+    mean_itl_ms: float | None
+    #: output tokens over the time from being scheduled to the last token
+    tokens_per_second: float | None
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:

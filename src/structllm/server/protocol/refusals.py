@@ -56,7 +56,6 @@ REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "kv_transfer_params": ("KV transfer is not supported", ()),
     "vllm_xargs": ("vLLM's extra arguments are not supported", ()),
     "thinking_token_budget": ("a thinking budget is not supported", ()),
-    "include_metrics": ("per-request metrics are not implemented", (False,)),
 }
 
 #: refused by ``/v1/completions`` only

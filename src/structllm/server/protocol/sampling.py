@@ -142,6 +142,9 @@ class SamplingRequest(BaseModel):
     return_token_ids: bool | None = None
     #: vLLM: logprobs name tokens as "token_id:N" instead of their text
     return_tokens_as_token_ids: bool | None = None
+    #: vLLM: the per-request ``metrics`` object (with
+    #: --enable-per-request-metrics; false leaves it out)
+    include_metrics: bool | None = None
     user: Text | None = None
     #: vLLM: requests with different salts never share prefix-cache blocks
     cache_salt: CacheSalt | None = None

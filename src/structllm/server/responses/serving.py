@@ -199,7 +199,7 @@ class ResponsesServing(Serving):
             )
             await emit(bodies.dump(done))
 
-        return EventStream(produce)
+        return EventStream(produce, named=True)  # event: its type, as OpenAI
 
     def _response(
         self, llm: AsyncLLM, run: _Run, final: RequestOutput | None

@@ -302,12 +302,14 @@ def test_llm_embed_batch_equals_one_at_a_time() -> None:
     assert bad.value.field == "dimensions"
 
 
-async def in_core(llm: AsyncLLM, request_id: str) -> None:
-    """Return once the core holds ``request_id`` and KV blocks for it (asked
-    of the core itself: the statistics snapshot may be a step old)."""
+async def in_core(llm: AsyncLLM, request_id: str | None = None) -> None:
+    """Return once the core holds ``request_id`` (None: any request) and KV
+    blocks for it (asked of the core itself: the statistics snapshot may be
+    a step old)."""
     while True:
         state = await core_state(llm)
-        if request_id in user_ids(state) and state.blocks_used > 0:
+        ids = user_ids(state)
+        if (request_id in ids if request_id else ids) and state.blocks_used > 0:
             return
 
 

@@ -434,11 +434,11 @@ def _embed_input(value: Any) -> tuple[str, ...]:
     for i, item in enumerate(items):
         if not isinstance(item, str) or not item:
             raise PydanticCustomError(
-                "field", "must be a non-empty string", {"name": f"[{i}]"}
+                "input", "input[{i}] must be a non-empty string", {"i": i}
             )
         if not is_valid_unicode(item):
             raise PydanticCustomError(
-                "field", "must be valid Unicode", {"name": f"[{i}]"}
+                "input", "input[{i}] must be valid Unicode", {"i": i}
             )
     return tuple(items)
 

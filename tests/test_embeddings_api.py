@@ -78,6 +78,13 @@ async def test_embeddings_floats_base64_batches_and_usage() -> None:
             np.testing.assert_allclose(
                 vector(d), expected(ids, "mean", False), atol=TOL
             )
+        # vLLM's other name for normalize; a salt changes nothing but sharing
+        raw = await post(
+            s.http, {"input": IDS, "use_activation": False, "cache_salt": "s"}
+        )
+        np.testing.assert_allclose(
+            vector(raw["data"][0]), expected(IDS, "last", False), atol=TOL
+        )
         short = await post(s.http, {"input": IDS, "dimensions": 8})
         np.testing.assert_allclose(
             vector(short["data"][0]), expected(IDS, "last", True, 8), atol=TOL
@@ -101,6 +108,9 @@ async def test_embeddings_floats_base64_batches_and_usage() -> None:
         ({"input": [[1, 2], "x"]}, "input"),
         ({"input": ["x", "y" * 3000]}, "input[1]"),
         ({"input": [[1, 2, 300]]}, "input"),
+        ({"input": "x", "request_id": "r"}, "request_id"),
+        ({"input": "x", "normalize": True, "use_activation": False}, "use_activation"),
+        ({"input": "x", "cache_salt": ""}, "cache_salt"),
     ],
 )
 async def test_bad_fields_are_400_naming_them(body: dict[str, Any], param: str) -> None:

@@ -4,8 +4,9 @@
 list of token ids or a list of lists of them; ``encoding_format``
 (``"float"`` or ``"base64"``: the little-endian float32 bytes, as OpenAI
 sends them and its client decodes); ``dimensions`` (Matryoshka: the first
-values, normalised after when normalising); and vLLM's ``normalize``,
-``add_special_tokens`` and ``priority``, with structllm's ``pooling``
+values, normalised after when normalising); and vLLM's ``normalize`` (or
+``use_activation``), ``add_special_tokens``, ``priority`` and
+``cache_salt``, with structllm's ``pooling``
 (``"last"`` or ``"mean"``; default: the checkpoint's). Fields vLLM defines
 and structllm does not implement are refused by name
 (:data:`EMBEDDING_REFUSED`). The response is an :class:`EmbeddingResponse`:
@@ -21,7 +22,13 @@ from pydantic import BaseModel, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from structllm.server.protocol.bodies import Body
-from structllm.server.protocol.fields import REQUEST_CONFIG, Count, Prompts, Text
+from structllm.server.protocol.fields import (
+    REQUEST_CONFIG,
+    CacheSalt,
+    Count,
+    Prompts,
+    Text,
+)
 
 __all__ = [
     "EMBEDDING_REFUSED",
@@ -39,6 +46,7 @@ EMBEDDING_REFUSED = {
     "endianness": "base64 embeddings are little-endian only",
     "mm_processor_kwargs": "multimodal input is not supported",
     "chat_template": "custom chat templates are not supported",
+    "request_id": "send the request id as the X-Request-Id header",
 }
 
 
@@ -55,11 +63,15 @@ class EmbeddingRequest(BaseModel):
     user: Text | None = None
     #: unit length; None: as the checkpoint's sentence-transformers config says
     normalize: bool | None = None
+    #: vLLM's newer name for ``normalize`` (an embedding's "activation")
+    use_activation: bool | None = None
     #: "last" token or "mean" of every position; None: the checkpoint's own
     pooling: Literal["last", "mean"] | None = None
     #: BOS and the like, as a completion request adds them
     add_special_tokens: bool = True
     priority: int | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
+    #: requests with different salts never share prefix-cache blocks
+    cache_salt: CacheSalt | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -72,6 +84,22 @@ class EmbeddingRequest(BaseModel):
                     "refused", "{reason}", {"name": name, "reason": reason}
                 )
         return data
+
+    @model_validator(mode="after")
+    def _activation(self) -> EmbeddingRequest:
+        both = (self.normalize, self.use_activation)
+        if None not in both and both[0] != both[1]:
+            raise PydanticCustomError(
+                "field",
+                "normalize and use_activation (its other name) disagree",
+                {"name": "use_activation"},
+            )
+        return self
+
+    @property
+    def normalized(self) -> bool | None:
+        """Whether to normalise; None: the checkpoint's default."""
+        return self.normalize if self.normalize is not None else self.use_activation
 
 
 class EmbeddingData(Body):

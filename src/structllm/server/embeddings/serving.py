@@ -75,13 +75,19 @@ class EmbeddingServing(Serving):
             big, validate, EmbeddingRequest, body
         )
         self.check_model(req.model)
-        prompts = [await parse_input(llm, p, req.add_special_tokens) for p in req.input]
+        prompts = [
+            attrs.evolve(
+                await parse_input(llm, p, req.add_special_tokens),
+                cache_salt=req.cache_salt,
+            )
+            for p in req.input
+        ]
         with deadline(self.limit(None)):
             outputs = await embed_all(
                 llm,
                 prompts,
                 pooling=req.pooling,
-                normalize=req.normalize,
+                normalize=req.normalized,
                 dimensions=req.dimensions,
                 priority=req.priority or 0,
             )

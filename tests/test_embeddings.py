@@ -254,6 +254,26 @@ def test_read_pooling_config(tmp_path: Path) -> None:
     assert c.resolve(Pooling("mean"), 64) == Pooling("mean", True, None)
 
 
+@pytest.mark.parametrize(
+    ("pooling_type", "method", "unsupported"),
+    [(None, "last", False), (1, "mean", False), (3, "last", False), (2, "last", True)],
+)
+def test_read_pooling_config_of_a_gguf_file(
+    tmp_path: Path, pooling_type: int | None, method: str, unsupported: bool
+) -> None:
+    # llama.cpp's {arch}.pooling_type: 1 mean, 2 CLS (not computed), 3 last
+    from tests.gguf_bytes import INT32, STRING, build, kv
+
+    kvs = [kv("general.architecture", STRING, "llama")]
+    if pooling_type is not None:
+        kvs.append(kv("llama.pooling_type", INT32, pooling_type))
+    path = tmp_path / "m.gguf"
+    path.write_bytes(build(kvs).data)
+    c = read_pooling_config(path)
+    assert (c.method, c.normalize) == (method, True)
+    assert (c.unsupported is not None) == unsupported
+
+
 def test_llm_embed_follows_the_checkpoint(tmp_path: Path) -> None:
     make_tiny_model(tmp_path, arch="qwen3", seed=4, max_position_embeddings=128)
     write_sentence_transformers(tmp_path, {"mean_tokens": True}, normalize=True)

@@ -252,6 +252,17 @@ def test_read_pooling_config(tmp_path: Path) -> None:
         c.resolve(Pooling(), 64)
     assert refused.value.field == "pooling" and "1_Pooling" in str(refused.value)
     assert c.resolve(Pooling("mean"), 64) == Pooling("mean", True, None)
+    # a projection after the pooling is not run: the default is refused
+    write_sentence_transformers(tmp_path, {"mean_tokens": True}, normalize=False)
+    modules = json.loads((tmp_path / "modules.json").read_text())
+    dense = {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}  # fmt: skip
+    (tmp_path / "modules.json").write_text(json.dumps([*modules, dense]))
+    c = read_pooling_config(tmp_path)
+    assert c.method == "mean" and c.unsupported is not None and "Dense" in c.unsupported
+    # a broken file does not stop the checkpoint from loading for generation
+    (tmp_path / "modules.json").write_text("{not json")
+    c = read_pooling_config(tmp_path)
+    assert c.unsupported is not None and "modules.json" in c.unsupported
 
 
 @pytest.mark.parametrize(

@@ -145,6 +145,13 @@ def read_pooling_config(path: Path | None) -> PoolingConfig:
     modules_path = path / "modules.json"
     if not modules_path.exists():
         return PoolingConfig("last", True)
+    try:
+        return _st_config(path, modules_path)
+    except ModelLoadError as exc:  # generation does not need these files
+        return PoolingConfig("last", True, str(modules_path), str(exc))
+
+
+def _st_config(path: Path, modules_path: Path) -> PoolingConfig:
     modules = _read_json(modules_path)
     if not isinstance(modules, list):
         raise ModelLoadError(f"{modules_path}: expected a list of modules")
@@ -157,7 +164,8 @@ def read_pooling_config(path: Path | None) -> PoolingConfig:
         if kind == _ST_POOLING:
             config_path = path / str(entry.get("path", "")) / "config.json"
             source = str(config_path)
-            method, unsupported = _st_pooling(_read_json(config_path), config_path)
+            method, reason = _st_pooling(_read_json(config_path), config_path)
+            unsupported = unsupported or reason
         elif kind == _ST_NORMALIZE:
             normalize = True
         elif kind not in _ST_NEUTRAL and unsupported is None:

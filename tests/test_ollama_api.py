@@ -284,6 +284,7 @@ async def test_model_routes(url: str, client: ollama.AsyncClient) -> None:
     show = await client.show(MODEL)
     assert show.template and "messages" in show.template
     assert show.capabilities is not None and "completion" in show.capabilities
+    assert "embedding" in show.capabilities  # /api/embed serves it
     with pytest.raises(ollama.ResponseError) as missing:
         await client.show("other")
     assert missing.value.status_code == 404

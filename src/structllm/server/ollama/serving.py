@@ -321,7 +321,7 @@ class OllamaServing(Serving):
                 "context_length": llm.max_model_len,
                 "vocab_size": llm.vocab_size,
             },
-            capabilities=["completion", "tools"],
+            capabilities=["completion", "tools", "embedding"],
             modified_at=model.modified_at,
         )
         return ASCIIJSONResponse(dump(show))

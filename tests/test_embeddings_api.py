@@ -85,6 +85,13 @@ async def test_embeddings_floats_base64_batches_and_usage() -> None:
         np.testing.assert_allclose(
             vector(raw["data"][0]), expected(IDS, "last", False), atol=TOL
         )
+        # every input counted as a finished request, its prompt tokens too
+        before = await s.metric('structllm_requests_total{finished_reason="stop"}')
+        tokens = await s.metric("structllm_prompt_tokens_total")
+        await post(s.http, {"input": [IDS, IDS[:3]]})
+        after = await s.metric('structllm_requests_total{finished_reason="stop"}')
+        assert after - before == 2
+        assert await s.metric("structllm_prompt_tokens_total") - tokens == 12
         short = await post(s.http, {"input": IDS, "dimensions": 8})
         np.testing.assert_allclose(
             vector(short["data"][0]), expected(IDS, "last", True, 8), atol=TOL

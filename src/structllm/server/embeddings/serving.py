@@ -15,6 +15,7 @@ guard's cancel scope). The engine request ids are the HTTP request's,
 from __future__ import annotations
 
 import base64
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,6 +44,7 @@ from structllm.server.http.access import current_record
 from structllm.server.http.body import maybe_off_loop, validate
 from structllm.server.http.errors import ASCIIJSONResponse
 from structllm.server.http.sse import deadline
+from structllm.server.metrics import Metrics
 from structllm.server.protocol import bodies
 from structllm.server.serving import Serving
 
@@ -90,6 +92,7 @@ class EmbeddingServing(Serving):
                 normalize=req.normalized,
                 dimensions=req.dimensions,
                 priority=req.priority or 0,
+                metrics=self.metrics,
             )
         data = [
             EmbeddingData(
@@ -155,13 +158,15 @@ async def embed_all(
     dimensions: int | None = None,
     priority: int = 0,
     field: str = "input",
+    metrics: Metrics | None = None,
 ) -> list[EmbeddingOutput]:
     """Every prompt's embedding, in order, all submitted at once.
 
     Each is checked for admission first, so a prompt the model cannot
     take is a 400 naming ``field`` (``input[i]`` of several) and overload
     a 503 before any runs. One failing cancels the others; its error is
-    raised as itself.
+    raised as itself. ``metrics``: each finished input counts as a request
+    (latency, queue time, prompt tokens; no generated tokens).
     """
     for i, p in enumerate(prompts):
         name = field if len(prompts) == 1 else f"{field}[{i}]"
@@ -182,6 +187,7 @@ async def embed_all(
     outputs: list[EmbeddingOutput | None] = [None] * len(prompts)
 
     async def one(i: int) -> None:
+        start = time.monotonic()
         rid = None if record is None else record.engine_request_id(i)
         outputs[i] = out = await llm.embed(
             prompts[i],
@@ -191,9 +197,15 @@ async def embed_all(
             request_id=rid,
             priority=priority,
         )
+        n = len(prompts[i].token_ids)
         if record is not None:
-            n = len(prompts[i].token_ids)
             record.finished(i, i, n, 0, out.finish_reason)
+        if metrics is not None:
+            metrics.e2e.observe(time.monotonic() - start)
+            if out.queue_time is not None:
+                metrics.queue.observe(out.queue_time)
+            metrics.requests.labels(finished_reason=out.finish_reason).inc()
+            metrics.prompt_tokens.inc(n)
 
     try:
         async with anyio.create_task_group() as tg:

@@ -231,6 +231,7 @@ class LlamaCppServing(Serving):
                 pooling=req.pooling,
                 normalize=req.embd_normalize == 2,
                 field="content",
+                metrics=self.metrics,
             )
         answer = [
             {"index": i, "embedding": [[float(x) for x in v]]}

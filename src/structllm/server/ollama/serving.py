@@ -337,7 +337,11 @@ class OllamaServing(Serving):
         prompts = [await parse_input(llm, text) for text in req.input]
         with deadline(self.limit(None)):
             outputs = await embed_all(
-                llm, prompts, normalize=True, dimensions=req.dimensions
+                llm,
+                prompts,
+                normalize=True,
+                dimensions=req.dimensions,
+                metrics=self.metrics,
             )
         response = OllamaEmbedResponse(
             model=req.model,
@@ -355,7 +359,9 @@ class OllamaServing(Serving):
         self.check_model(req.model)
         prompt = await parse_input(llm, req.prompt, field="prompt")
         with deadline(self.limit(None)):
-            outputs = await embed_all(llm, [prompt], normalize=False, field="prompt")
+            outputs = await embed_all(
+                llm, [prompt], normalize=False, field="prompt", metrics=self.metrics
+            )
         (vector,) = vectors(outputs)
         response = OllamaEmbeddingsResponse(embedding=[float(x) for x in vector])
         return ASCIIJSONResponse(dump(response))

@@ -405,3 +405,16 @@ async def test_async_embed_and_cancellation() -> None:
 def test_finish_embedding_eps() -> None:
     zero = finish_embedding(np.zeros(4, np.float32), Pooling("last", True))
     assert zero.dtype == np.float32 and not np.isnan(zero).any()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_pooling_crosses_the_core_process_wire() -> None:
+    # CoreRequest.pooling out, RequestStepOutput.embedding back, as msgpack
+    kw = {"executor": "process", "show_progress": False, **SMALL}
+    async with AsyncLLM.open("tiny-random", **kw) as llm:
+        out = await llm.embed(IDS, pooling="mean", normalize=True, dimensions=16)
+        np.testing.assert_allclose(
+            out.embedding, expected(IDS, "mean", True, 16), atol=TOL
+        )
+        await assert_core_holds_nothing(llm)

@@ -105,13 +105,37 @@ def test_core_pools_the_final_hidden_states(
     assert core.statistics().scheduler.num_running == 0
 
 
-def test_dimensions_truncate_then_normalise(core: EngineCore) -> None:
-    got = run_core(core, [pooling_request("d", IDS, Pooling("mean", True, 16))])
-    assert got["d"].shape == (16,)
-    np.testing.assert_allclose(got["d"], expected(IDS, "mean", True, 16), atol=TOL)
+def test_dimensions_only_for_a_matryoshka_model(
+    core: EngineCore, tmp_path: Path
+) -> None:
+    # tiny-random is no Matryoshka model: fewer dimensions are refused
     with pytest.raises(InvalidRequestError) as bad:
-        core.add_request(pooling_request("e", IDS, Pooling("mean", True, 65)))
-    assert bad.value.field == "dimensions"
+        core.add_request(pooling_request("e", IDS, Pooling("mean", True, 16)))
+    assert bad.value.field == "dimensions" and "Matryoshka" in str(bad.value)
+    for d in (0, 65):
+        with pytest.raises(InvalidRequestError) as bad:
+            core.add_request(pooling_request("e", IDS, Pooling("mean", True, d)))
+        assert bad.value.field == "dimensions"
+    got = run_core(core, [pooling_request("d", IDS, Pooling("mean", True, 64))])
+    np.testing.assert_allclose(got["d"], expected(IDS, "mean", True), atol=TOL)
+
+    # one whose config.json says so: its first values, normalised after
+    make_tiny_model(tmp_path, seed=2, max_position_embeddings=128)
+    config_path = tmp_path / "config.json"
+    hf = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**hf, "matryoshka_dimensions": [16, 32]}))
+    weights = {
+        k: v for f in tmp_path.glob("*.safetensors") for k, v in load_file(f).items()
+    }
+    h = reference_hidden(ModelConfig.from_path(tmp_path), weights, IDS[:9])
+    llm = LLM(str(tmp_path), show_progress=False, **SMALL)  # type: ignore[arg-type]
+    (out,) = llm.embed([IDS[:9]], pooling="mean", dimensions=16, use_tqdm=False)
+    v = h.mean(axis=0)[:16]
+    np.testing.assert_allclose(out.embedding, v / np.linalg.norm(v), atol=TOL)
+    with pytest.raises(InvalidRequestError) as bad:
+        llm.embed([IDS[:9]], dimensions=8, use_tqdm=False)  # not a trained size
+    assert bad.value.field == "dimensions" and "[16, 32]" in str(bad.value)
+    assert llm.core.pool.num_used == 0
 
 
 def test_a_batch_equals_one_at_a_time_and_generation_runs_beside_it(
@@ -413,8 +437,6 @@ async def test_the_pooling_crosses_the_core_process_wire() -> None:
     # CoreRequest.pooling out, RequestStepOutput.embedding back, as msgpack
     kw = {"executor": "process", "show_progress": False, **SMALL}
     async with AsyncLLM.open("tiny-random", **kw) as llm:
-        out = await llm.embed(IDS, pooling="mean", normalize=True, dimensions=16)
-        np.testing.assert_allclose(
-            out.embedding, expected(IDS, "mean", True, 16), atol=TOL
-        )
+        out = await llm.embed(IDS, pooling="mean", normalize=True)
+        np.testing.assert_allclose(out.embedding, expected(IDS, "mean", True), atol=TOL)
         await assert_core_holds_nothing(llm)

@@ -44,8 +44,7 @@ def _close(a, b, tol=1e-4):
 
 
 def _usage_ok(usage, n):
-    # structllm: OpenAI's usage, prompt_tokens and total_tokens (vLLM adds
-    # completion_tokens: 0)
+    assert usage.completion_tokens == 0
     assert usage.prompt_tokens == n and usage.total_tokens == n
 
 

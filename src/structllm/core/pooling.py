@@ -17,6 +17,10 @@ normalised (what vLLM does for a decoder model). A mode this module does not
 compute (max, CLS, weighted mean, a ``Dense`` projection after the pooling)
 is recorded with its reason, so generation with the checkpoint still works
 and an embedding request that relies on the default is refused, naming it.
+Fewer ``dimensions`` (the first values, then normalised) are served only
+for a model trained for them (Matryoshka: config.json's ``is_matryoshka`` or
+``matryoshka_dimensions``, which vLLM reads); another model's first values
+are no embedding, so that is refused, as vLLM and OpenAI refuse it.
 """
 
 from __future__ import annotations
@@ -113,10 +117,17 @@ class PoolingConfig:
     #: why the checkpoint's own pooling cannot be computed (None: it can);
     #: requests that rely on the default are then refused with it
     unsupported: str | None = None
+    #: trained so that a vector's first values are an embedding too
+    #: (config.json's ``is_matryoshka`` or ``matryoshka_dimensions``, as
+    #: vLLM reads them); only then may a request ask for fewer ``dimensions``
+    matryoshka: bool = False
+    #: the sizes it was trained for (None: any)
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     def resolve(self, pooling: Pooling, hidden_size: int) -> Pooling:
         """``pooling`` with the defaults filled in; InvalidRequestError if the
-        default is needed and not computable, or ``dimensions`` does not fit."""
+        default is needed and not computable, or ``dimensions`` does not fit
+        the model (a size it was not trained for, as vLLM refuses it)."""
         if pooling.method is None and self.unsupported is not None:
             raise InvalidRequestError(
                 f"pooling: {self.unsupported}; ask for 'last' or 'mean' by name",
@@ -128,6 +139,22 @@ class PoolingConfig:
                 f"dimensions must be between 1 and the model's {hidden_size}, got {d}",
                 field="dimensions",
             )
+        if d is not None and d != hidden_size:
+            if not self.matryoshka:
+                raise InvalidRequestError(
+                    f"dimensions: this model is not a Matryoshka model (its "
+                    f"config.json sets neither is_matryoshka nor "
+                    f"matryoshka_dimensions), so its first {d} values are no "
+                    "embedding; leave dimensions out",
+                    field="dimensions",
+                )
+            sizes = self.matryoshka_dimensions
+            if sizes is not None and d not in sizes:
+                raise InvalidRequestError(
+                    f"dimensions must be one of the model's matryoshka_dimensions "
+                    f"{list(sizes)} (or {hidden_size}), got {d}",
+                    field="dimensions",
+                )
         return Pooling(
             self.method if pooling.method is None else pooling.method,
             self.normalize if pooling.normalize is None else pooling.normalize,
@@ -142,13 +169,34 @@ def read_pooling_config(path: Path | None) -> PoolingConfig:
         return PoolingConfig("last", True)
     if path.is_file():
         return _gguf_pooling(path)
+    matryoshka = _matryoshka(path / "config.json")
     modules_path = path / "modules.json"
     if not modules_path.exists():
-        return PoolingConfig("last", True)
+        return attrs.evolve(PoolingConfig("last", True), **matryoshka)
     try:
-        return _st_config(path, modules_path)
+        config = _st_config(path, modules_path)
     except ModelLoadError as exc:  # generation does not need these files
-        return PoolingConfig("last", True, str(modules_path), str(exc))
+        config = PoolingConfig("last", True, str(modules_path), str(exc))
+    return attrs.evolve(config, **matryoshka)
+
+
+def _matryoshka(config_path: Path) -> dict[str, Any]:
+    """``matryoshka`` and ``matryoshka_dimensions`` from config.json (none
+    when it is unreadable: the loader says why)."""
+    try:
+        config = _read_json(config_path)
+    except ModelLoadError:
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    sizes = config.get("matryoshka_dimensions")
+    ok = isinstance(sizes, list) and all(
+        isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes
+    )
+    return {
+        "matryoshka": config.get("is_matryoshka") is True or bool(ok and sizes),
+        "matryoshka_dimensions": tuple(sizes) if ok and sizes else None,
+    }
 
 
 def _st_config(path: Path, modules_path: Path) -> PoolingConfig:

@@ -11,7 +11,7 @@ values, normalised after when normalising); and vLLM's ``normalize`` (or
 and structllm does not implement are refused by name
 (:data:`EMBEDDING_REFUSED`). The response is an :class:`EmbeddingResponse`:
 ``data`` in input order, ``usage`` with ``prompt_tokens`` and
-``total_tokens``.
+``total_tokens`` (and vLLM's ``completion_tokens``, 0).
 """
 
 from __future__ import annotations
@@ -112,6 +112,8 @@ class EmbeddingData(Body):
 class EmbeddingUsage(Body):
     prompt_tokens: int
     total_tokens: int
+    #: always 0 (vLLM sends it; OpenAI's usage has the other two only)
+    completion_tokens: int = 0
 
 
 class EmbeddingResponse(Body):

@@ -17,6 +17,7 @@ PUBLIC = {
     "CompletionOutput",
     "EngineConfig",
     "EngineConfigError",
+    "EmbeddingOutput",
     "EngineCoreError",
     "EngineDeadError",
     "EngineLoadingError",

@@ -5,7 +5,8 @@ folder per API, each with its route (``api_router``), its protocol models
 (``protocol``) and its serving (``serving``): :mod:`~structllm.server.completions`,
 :mod:`~structllm.server.chat`, :mod:`~structllm.server.chat_batch` (vLLM's
 ``/v1/chat/completions/batch``), :mod:`~structllm.server.messages` (Anthropic's
-Messages API), :mod:`~structllm.server.tokenize`,
+Messages API), :mod:`~structllm.server.embeddings`,
+:mod:`~structllm.server.tokenize`,
 :mod:`~structllm.server.models`, :mod:`~structllm.server.operations`
 (``/health``, ``/metrics``, ``/version``), :mod:`~structllm.server.ollama`
 (Ollama's ``/api/*``) and :mod:`~structllm.server.llamacpp` (llama.cpp's
@@ -50,6 +51,8 @@ from structllm.server.chat_batch import api_router as chat_batch
 from structllm.server.chat_batch.serving import ChatBatchServing
 from structllm.server.completions import api_router as completions
 from structllm.server.completions.serving import CompletionServing
+from structllm.server.embeddings import api_router as embeddings
+from structllm.server.embeddings.serving import EmbeddingServing
 from structllm.server.http.access import RequestContextMiddleware
 from structllm.server.http.drain import Drain, DrainMiddleware
 from structllm.server.http.errors import error_json, install_handlers
@@ -115,6 +118,7 @@ def build_app(
     app.state.chat_batch = ChatBatchServing(slot, config, metrics)
     app.state.messages = MessagesServing(slot, config, metrics)
     app.state.responses = ResponsesServing(slot, config, metrics)
+    app.state.embeddings = EmbeddingServing(slot, config, metrics)
     app.state.tokenize = TokenizeServing(slot, config, metrics)
     app.state.ollama = OllamaServing(slot, config, metrics)
     app.state.llamacpp = LlamaCppServing(slot, config, metrics)
@@ -124,6 +128,7 @@ def build_app(
         chat_batch,
         messages,
         responses,
+        embeddings,
         models,
         operations,
         tokenize,

@@ -1,6 +1,6 @@
-"""llama.cpp's native API on the engine: ``/completion``, ``/tokenize`` with
-``content``, ``/detokenize``'s ``content``, ``/apply-template``, ``/props``
-and ``/slots``.
+"""llama.cpp's native API on the engine: ``/completion``, ``/embedding``,
+``/tokenize`` with ``content``, ``/detokenize``'s ``content``,
+``/apply-template``, ``/props`` and ``/slots``.
 
 A ``/completion`` prompt is tokenised as ``/v1/completions`` tokenises it
 (with the special tokens: the BOS of a model that has one); in a list that
@@ -40,11 +40,13 @@ from structllm.errors import InvalidRequestError, unwrap_group
 from structllm.outputs import CompletionOutput, RequestOutput
 from structllm.params import OutputKind, SamplingParams
 from structllm.server.chat.messages import ChatPrompt
+from structllm.server.embeddings.serving import embed_all, vectors
 from structllm.server.http.body import maybe_off_loop, validate
 from structllm.server.http.errors import ASCIIJSONResponse, json_error
 from structllm.server.http.sse import Emit, EventStream, deadline
 from structllm.server.llamacpp.protocol import (
     LlamaCompletionRequest,
+    LlamaEmbeddingRequest,
     LlamaTimings,
     LlamaTokenizeRequest,
     LlamaTokenizeResponse,
@@ -184,9 +186,9 @@ class LlamaCppServing(Serving):
         )
 
     async def _prompt(
-        self, llm: AsyncLLM, p: NativePrompt, i: int, count: int
+        self, llm: AsyncLLM, p: NativePrompt, i: int, count: int, name: str = "prompt"
     ) -> Prompt:
-        field = f"prompt[{i}]" if count > 1 else "prompt"
+        field = f"{name}[{i}]" if count > 1 else name
         tok = llm.tokenizer
         if isinstance(p, str):
             try:
@@ -211,6 +213,31 @@ class LlamaCppServing(Serving):
                 ids.append(piece)
             first = False
         return Prompt(None, tuple(ids))
+
+    async def embedding(self, body: Any, big: bool) -> Response:
+        """``/embedding``: each prompt's pooled vector, in llama.cpp's shape."""
+        llm = self.slot.get()
+        req = await maybe_off_loop(big, validate, LlamaEmbeddingRequest, body)
+        self.check_model(req.model)
+        count = len(req.prompts)
+        prompts = [
+            await self._prompt(llm, p, i, count, "content")
+            for i, p in enumerate(req.prompts)
+        ]
+        with deadline(self.limit(None)):
+            outputs = await embed_all(
+                llm,
+                prompts,
+                pooling=req.pooling,
+                normalize=req.embd_normalize == 2,
+                field="content",
+                metrics=self.metrics,
+            )
+        answer = [
+            {"index": i, "embedding": [[float(x) for x in v]]}
+            for i, v in enumerate(vectors(outputs))
+        ]
+        return ASCIIJSONResponse(answer)
 
     async def _run(self, job: Job) -> _Run:
         start = time.monotonic()

@@ -38,13 +38,22 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, Field, PrivateAttr, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    Field,
+    PlainValidator,
+    PrivateAttr,
+    WithJsonSchema,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from structllm.errors import InvalidRequestError
-from structllm.params import OutputKind, SamplingParams
+from structllm.params import OutputKind, SamplingParams, is_valid_unicode
 from structllm.server.protocol.bodies import Body
 from structllm.server.protocol.fields import (
+    MAX_CHOICES,
     REQUEST_CONFIG,
     Count,
     Logprobs,
@@ -68,6 +77,10 @@ __all__ = [
     "OllamaChatRequest",
     "OllamaChatResponse",
     "OllamaDetails",
+    "OllamaEmbedRequest",
+    "OllamaEmbedResponse",
+    "OllamaEmbeddingsRequest",
+    "OllamaEmbeddingsResponse",
     "OllamaGenerateRequest",
     "OllamaGenerateResponse",
     "OllamaLogprob",
@@ -91,7 +104,7 @@ OPTIONS_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "num_keep": ("the context is never shifted, so nothing is kept", ()),
     "vocab_only": ("the server always loads the weights", (False,)),
     "logits_all": ("use logprobs on /v1/completions", (False,)),
-    "embedding_only": ("embeddings are not supported", (False,)),
+    "embedding_only": ("embeddings are served at /api/embed", (False,)),
 }
 
 #: options accepted with no effect on the output (llama.cpp's load settings)
@@ -409,6 +422,64 @@ class OllamaShowRequest(BaseModel):
     verbose: bool | None = None
 
 
+def _embed_input(value: Any) -> tuple[str, ...]:
+    """``/api/embed``'s ``input``: a string or a list of strings, none empty."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not items or len(items) > MAX_CHOICES:
+        raise PydanticCustomError(
+            "field",
+            f"must be a string or a list of 1 to {MAX_CHOICES} strings",
+            {"name": ""},
+        )
+    for i, item in enumerate(items):
+        if not isinstance(item, str) or not item:
+            raise PydanticCustomError(
+                "input", "input[{i}] must be a non-empty string", {"i": i}
+            )
+        if not is_valid_unicode(item):
+            raise PydanticCustomError(
+                "input", "input[{i}] must be valid Unicode", {"i": i}
+            )
+    return tuple(items)
+
+
+class _OllamaEmbedBase(BaseModel):
+    model_config = REQUEST_CONFIG
+
+    model: NonEmptyText
+    #: sampling options have no effect on an embedding; refused ones are
+    #: still refused by name
+    options: OllamaOptions | None = None
+    keep_alive: Annotated[Any, AfterValidator(_duration)] = None
+
+
+class OllamaEmbedRequest(_OllamaEmbedBase):
+    """``POST /api/embed``: normalised embeddings of one or several inputs."""
+
+    input: Annotated[
+        tuple[str, ...],
+        PlainValidator(_embed_input),
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {"type": "string"},
+                    {"type": "array", "items": {"type": "string"}},
+                ]
+            }
+        ),
+    ]
+    #: Ollama cuts inputs longer than the context when true (its default);
+    #: structllm never cuts: a longer input is a 400 either way
+    truncate: bool | None = None
+    dimensions: Count | None = None
+
+
+class OllamaEmbeddingsRequest(_OllamaEmbedBase):
+    """``POST /api/embeddings`` (Ollama's older route): one prompt, unnormalised."""
+
+    prompt: NonEmptyText
+
+
 # -- responses ---------------------------------------------------------------------
 
 
@@ -559,3 +630,16 @@ class OllamaVersion(Body):
     """``GET /api/version``."""
 
     version: str
+
+
+class OllamaEmbedResponse(Body):
+    model: str
+    embeddings: list[list[float]]
+    #: nanoseconds
+    total_duration: int
+    load_duration: int
+    prompt_eval_count: int
+
+
+class OllamaEmbeddingsResponse(Body):
+    embedding: list[float]

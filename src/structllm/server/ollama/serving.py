@@ -9,6 +9,9 @@ one object per piece of text with ``done: false``, then one with ``done:
 true``, ``done_reason`` and the counts and durations (nanoseconds; the
 prompt's time is the time to the first token). A request without a prompt
 (or messages) only "loads" the model: ``done_reason: "load"``.
+``/api/embed`` embeds one input or several at once (batched like
+``/v1/embeddings``), normalised as Ollama's are; ``/api/embeddings``, the
+older route, one ``prompt``, not normalised (as Ollama answers it).
 
 Errors are Ollama's ``{"error": "message"}`` with the status the OpenAI
 routes give (400 naming the field, 404 for another model, 503...), and a
@@ -40,6 +43,7 @@ from structllm.engine.frontend.inputs import (
 )
 from structllm.errors import InvalidRequestError, unwrap_group
 from structllm.outputs import CompletionOutput, Logprob, RequestOutput
+from structllm.server.embeddings.serving import embed_all, parse_input, vectors
 from structllm.server.http.body import maybe_off_loop, validate
 from structllm.server.http.errors import ASCIIJSONResponse, ModelNotFoundError
 from structllm.server.http.sse import Emit, NDJSONStream, deadline
@@ -48,6 +52,10 @@ from structllm.server.ollama.protocol import (
     OllamaChatRequest,
     OllamaChatResponse,
     OllamaDetails,
+    OllamaEmbeddingsRequest,
+    OllamaEmbeddingsResponse,
+    OllamaEmbedRequest,
+    OllamaEmbedResponse,
     OllamaGenerateRequest,
     OllamaGenerateResponse,
     OllamaLogprob,
@@ -150,7 +158,7 @@ class _Timing:
 
 @attrs.define(eq=False)
 class OllamaServing(Serving):
-    """``/api/generate``, ``/api/chat`` and the model routes."""
+    """``/api/generate``, ``/api/chat``, ``/api/embed`` and the model routes."""
 
     #: wall-clock time the server started (the model's ``modified_at``)
     started: float = attrs.field(init=False, factory=time.time)
@@ -313,10 +321,50 @@ class OllamaServing(Serving):
                 "context_length": llm.max_model_len,
                 "vocab_size": llm.vocab_size,
             },
-            capabilities=["completion", "tools"],
+            capabilities=["completion", "tools", "embedding"],
             modified_at=model.modified_at,
         )
         return ASCIIJSONResponse(dump(show))
+
+    # -- embeddings ---------------------------------------------------------------
+
+    async def embed(self, body: Any, big: bool) -> Response:
+        """``/api/embed``: every input, normalised (Ollama's), batched."""
+        llm = self.slot.get()
+        req = await maybe_off_loop(big, validate, OllamaEmbedRequest, body)
+        self.check_model(req.model)
+        start = time.monotonic()
+        prompts = [await parse_input(llm, text) for text in req.input]
+        with deadline(self.limit(None)):
+            outputs = await embed_all(
+                llm,
+                prompts,
+                normalize=True,
+                dimensions=req.dimensions,
+                metrics=self.metrics,
+            )
+        response = OllamaEmbedResponse(
+            model=req.model,
+            embeddings=[[float(x) for x in v] for v in vectors(outputs)],
+            total_duration=int((time.monotonic() - start) * 1e9),
+            load_duration=0,
+            prompt_eval_count=sum(out.num_prompt_tokens for out in outputs),
+        )
+        return ASCIIJSONResponse(dump(response))
+
+    async def embeddings(self, body: Any, big: bool) -> Response:
+        """``/api/embeddings`` (the older route): one prompt, not normalised."""
+        llm = self.slot.get()
+        req = await maybe_off_loop(big, validate, OllamaEmbeddingsRequest, body)
+        self.check_model(req.model)
+        prompt = await parse_input(llm, req.prompt, field="prompt")
+        with deadline(self.limit(None)):
+            outputs = await embed_all(
+                llm, [prompt], normalize=False, field="prompt", metrics=self.metrics
+            )
+        (vector,) = vectors(outputs)
+        response = OllamaEmbeddingsResponse(embedding=[float(x) for x in vector])
+        return ASCIIJSONResponse(dump(response))
 
     @staticmethod
     def version() -> OllamaVersion:

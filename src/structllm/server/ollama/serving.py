@@ -394,21 +394,8 @@ class OllamaServing(Serving):
         tools: list[dict[str, Any]] | None,
     ) -> Prompt:
         """``messages`` through the chat template, tokenised (as chat does)."""
-        size = sum(len(m["content"]) for m in messages)
-        cap = llm.max_prompt_bytes
-        if cap is not None and 4 * size > cap:  # 4: the most bytes per char
-            text = "".join(m["content"] for m in messages)
-            check_prompt_bytes(text, cap, field="messages")
-
-        def render() -> tuple[str, tuple[int, ...]]:
-            text = llm.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tools=tools
-            )
-            return text, tuple(llm.tokenizer.encode(text, add_special_tokens=False))
-
-        rendered = size + (len(json.dumps(tools)) if tools else 0)
-        text, ids = await maybe_off_loop(rendered > OFF_LOOP_CHARS, render)
-        return Prompt(text, ids)
+        options = {"add_generation_prompt": True, "tools": tools}
+        return await self.render_messages(llm, messages, options)
 
     def _check_fits(self, llm: AsyncLLM, options: Any, prompt: Prompt) -> None:
         max_tokens = options.max_tokens if options is not None else None

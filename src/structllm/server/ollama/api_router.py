@@ -14,15 +14,17 @@ from structllm.server import openapi
 from structllm.server.http.errors import ASCIIJSONResponse
 from structllm.server.ollama.protocol import (
     OllamaChatRequest,
-    OllamaChatResponse,
     OllamaEmbeddingsRequest,
-    OllamaEmbeddingsResponse,
     OllamaEmbedRequest,
-    OllamaEmbedResponse,
     OllamaGenerateRequest,
+    OllamaShowRequest,
+)
+from structllm.server.ollama.response import (
+    OllamaChatResponse,
+    OllamaEmbeddingsResponse,
+    OllamaEmbedResponse,
     OllamaGenerateResponse,
     OllamaProcesses,
-    OllamaShowRequest,
     OllamaShowResponse,
     OllamaTags,
     OllamaVersion,

@@ -20,13 +20,10 @@ stream that fails after its 200 ends with such a line.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -42,27 +39,36 @@ from structllm.engine.frontend.inputs import (
     parse_prompt_off_loop,
 )
 from structllm.errors import InvalidRequestError, unwrap_group
-from structllm.outputs import CompletionOutput, Logprob, RequestOutput
+from structllm.outputs import RequestOutput
 from structllm.server.embeddings.serving import embed_all, parse_input, vectors
 from structllm.server.http.body import maybe_off_loop, validate
 from structllm.server.http.errors import ASCIIJSONResponse, ModelNotFoundError
 from structllm.server.http.sse import Emit, NDJSONStream, deadline
+from structllm.server.ollama.fields import (
+    Timing,
+    model_digest,
+    ollama_error,
+    rfc3339,
+    token_logprobs,
+    weights_size,
+)
 from structllm.server.ollama.protocol import (
-    OllamaChatMessage,
     OllamaChatRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
+    OllamaGenerateRequest,
+    OllamaShowRequest,
+)
+from structllm.server.ollama.response import (
+    OllamaChatMessage,
     OllamaChatResponse,
     OllamaDetails,
-    OllamaEmbeddingsRequest,
     OllamaEmbeddingsResponse,
-    OllamaEmbedRequest,
     OllamaEmbedResponse,
-    OllamaGenerateRequest,
     OllamaGenerateResponse,
-    OllamaLogprob,
     OllamaModel,
     OllamaProcesses,
     OllamaRunningModel,
-    OllamaShowRequest,
     OllamaShowResponse,
     OllamaTags,
     OllamaVersion,
@@ -70,90 +76,15 @@ from structllm.server.ollama.protocol import (
 )
 from structllm.server.protocol.bodies import dump
 from structllm.server.protocol.constraints import check_constraints, renamed
-from structllm.server.protocol.logprobs import MIN_LOGPROB
 from structllm.server.serving import Job, Serving
 from structllm.text.auto_tool_parser import AutoParser
 from structllm.text.tool_parser import ContentDelta, ToolCallParser, ToolEvent, collect
 
-__all__ = ["OllamaServing", "ollama_error"]
+__all__ = ["OllamaServing"]
 
 #: builds a line: (a delta, or the final output; done) -> the object to send
 #: (None: nothing to send for this delta)
 _Line = Callable[[RequestOutput, bool], dict[str, Any] | None]
-
-
-def _logprobs(c: CompletionOutput, top: int | None) -> dict[str, Any]:
-    """``{"logprobs": [...]}`` for ``c``'s tokens, or nothing when not asked."""
-    if c.logprobs is None:
-        return {}
-
-    def entry(v: Logprob) -> dict[str, Any]:
-        text = v.decoded_token or ""
-        return {
-            "token": text,
-            "logprob": max(v.logprob, MIN_LOGPROB),
-            "bytes": list(text.encode()),
-        }
-
-    out = []
-    for token_id, d in zip(c.token_ids, c.logprobs, strict=True):
-        item = entry(d[token_id])
-        if top:
-            ranked = sorted(
-                d.values(), key=lambda v: v.rank if v.rank is not None else 1 << 30
-            )
-            item["top_logprobs"] = [entry(v) for v in ranked[:top]]
-        out.append(OllamaLogprob.model_validate(item))
-    return {"logprobs": out}
-
-
-def _rfc3339(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
-
-
-def ollama_error(response: Response) -> Response:
-    """An OpenAI error response as Ollama's ``{"error": "message"}``."""
-    if response.status_code < 400 or response.media_type != "application/json":
-        return response
-    try:
-        error = json.loads(bytes(response.body))["error"]
-    except (ValueError, KeyError, TypeError):
-        return response
-    message = error.get("message", "") if isinstance(error, dict) else str(error)
-    headers = {
-        k: v
-        for k, v in response.headers.items()
-        if k not in ("content-length", "content-type")
-    }
-    return ASCIIJSONResponse(
-        {"error": message}, status_code=response.status_code, headers=headers
-    )
-
-
-@attrs.frozen
-class _Timing:
-    """When a request started and produced its first output (monotonic)."""
-
-    start: float = attrs.field(factory=time.monotonic)
-    first: list[float] = attrs.field(factory=list)
-
-    def saw_output(self) -> None:
-        if not self.first:
-            self.first.append(time.monotonic())
-
-    def fields(self, out: RequestOutput) -> dict[str, Any]:
-        end = time.monotonic()
-        first = self.first[0] if self.first else end
-        c = out.outputs[0]
-        return {
-            "done_reason": "length" if c.finish_reason == "length" else "stop",
-            "total_duration": int((end - self.start) * 1e9),
-            "load_duration": 0,
-            "prompt_eval_count": len(out.prompt_token_ids),
-            "prompt_eval_duration": int((first - self.start) * 1e9),
-            "eval_count": len(c.token_ids),
-            "eval_duration": int((end - first) * 1e9),
-        }
 
 
 @attrs.define(eq=False)
@@ -209,7 +140,9 @@ class OllamaServing(Serving):
 
         def line(out: RequestOutput, done: bool) -> dict[str, Any]:
             c = out.outputs[0]
-            extra = _logprobs(c, req.top_logprobs) if not streamed_end(done) else {}
+            extra = (
+                token_logprobs(c, req.top_logprobs) if not streamed_end(done) else {}
+            )
             if not done:
                 return self._line(OllamaGenerateResponse, response=c.text, **extra)
             return self._line(
@@ -224,7 +157,7 @@ class OllamaServing(Serving):
             """The last line of a stream: every token's logprobs were sent."""
             return done and req.streaming
 
-        timing = _Timing()
+        timing = Timing()
         return await self._answer(llm, job, req.streaming, line, timing)
 
     # -- chat ------------------------------------------------------------------------
@@ -246,7 +179,9 @@ class OllamaServing(Serving):
 
         def line(out: RequestOutput, done: bool) -> dict[str, Any] | None:
             c = out.outputs[0]
-            logprobs = {} if done and req.streaming else _logprobs(c, req.top_logprobs)
+            logprobs = (
+                {} if done and req.streaming else token_logprobs(c, req.top_logprobs)
+            )
             if parser is None:
                 content = c.text if not done or not req.streaming else ""
                 message = OllamaChatMessage(content=content)
@@ -282,7 +217,7 @@ class OllamaServing(Serving):
                 OllamaChatResponse, message=message, **logprobs, **timing.fields(out)
             )
 
-        timing = _Timing()
+        timing = Timing()
         return await self._answer(llm, job, req.streaming, line, timing)
 
     # -- the model ------------------------------------------------------------------
@@ -377,9 +312,9 @@ class OllamaServing(Serving):
         return OllamaModel(
             name=name,
             model=name,
-            modified_at=_rfc3339(self.started),  # when this server started
-            size=_size(ref),
-            digest=_digest(ref),
+            modified_at=rfc3339(self.started),  # when this server started
+            size=weights_size(ref),
+            digest=model_digest(ref),
             details=OllamaDetails(
                 format="gguf" if ref.endswith(".gguf") else "safetensors"
             ),
@@ -423,7 +358,7 @@ class OllamaServing(Serving):
         return dump(
             model(
                 model=self.config.model_name,
-                created_at=_rfc3339(time.time()),
+                created_at=rfc3339(time.time()),
                 done=done,
                 **fields,
             )
@@ -439,7 +374,7 @@ class OllamaServing(Serving):
         job: Job,
         streaming: bool,
         line: _Line,
-        timing: _Timing,
+        timing: Timing,
     ) -> Response:
         """The whole answer, or its NDJSON stream (refused first if it must be)."""
 
@@ -474,25 +409,3 @@ class OllamaServing(Serving):
                 await emit(json.loads(bytes(ollama_error(response).body)))
 
         return NDJSONStream(produce)
-
-
-def _size(ref: str) -> int:
-    """Bytes of the weights when ``ref`` is a local file or directory."""
-    path = Path(ref)
-    try:
-        if path.is_file():
-            return path.stat().st_size
-        if path.is_dir():
-            return sum(
-                p.stat().st_size
-                for p in path.iterdir()
-                if p.suffix in (".safetensors", ".gguf", ".bin")
-            )
-    except OSError:
-        pass
-    return 0
-
-
-def _digest(ref: str) -> str:
-    """A stand-in for Ollama's blob digest: the model reference's sha256."""
-    return hashlib.sha256(os.fsencode(ref)).hexdigest()

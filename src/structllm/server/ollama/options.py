@@ -1,7 +1,6 @@
 """Ollama's ``options``: the sampling settings of ``/api/generate`` and
 ``/api/chat``. They map onto :class:`~structllm.params.SamplingParams`:
 
-
 =================================  =========================================
 ``temperature``, ``top_p``,        the same; ``top_k: 0`` is no top-k
 ``min_p``, ``top_k``
@@ -39,10 +38,7 @@ from pydantic_core import PydanticCustomError
 from structllm.server.protocol.fields import REQUEST_CONFIG, Count, Penalty, Seed, Stop
 from structllm.server.protocol.refusals import refuse
 
-__all__ = [
-    "OPTIONS_REFUSED",
-    "OllamaOptions",
-]
+__all__ = ["OPTIONS_REFUSED", "OllamaOptions"]
 
 #: options structllm cannot honour -> (reason, no-op values)
 OPTIONS_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {

@@ -6,9 +6,10 @@ The requests are validated like the OpenAI ones (strict JSON types, ranges,
 errors naming the field by its Ollama path: ``options.temperature``,
 ``messages[0].images``). ``options`` maps onto :class:`SamplingParams` as
 :mod:`~structllm.server.ollama.options` says; an option or a value structllm
-cannot honour is a 400 naming it, as are the request fields of :data:`GENERATE_REFUSED` and
-:data:`CHAT_REFUSED`. ``format`` is ``"json"`` (a JSON object) or a JSON Schema, held by structured output. ``keep_alive`` is
-accepted: the model stays loaded for the server's lifetime.
+cannot honour is a 400 naming it, as are the request fields of
+:data:`GENERATE_REFUSED` and :data:`CHAT_REFUSED`. ``format`` is ``"json"``
+(a JSON object) or a JSON Schema, held by structured output. ``keep_alive``
+is accepted: the model stays loaded for the server's lifetime.
 """
 
 from __future__ import annotations

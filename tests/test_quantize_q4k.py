@@ -14,7 +14,6 @@ same bytes. Its dequantized values are read back with gguf-py's
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -190,6 +189,7 @@ def _rows(kind: str, rows: int, n: int, seed: int) -> np.ndarray:
     w[0, 64:96] = 0.5  # one positive value throughout (min clamps to 0)
     w[0, 96:128] += 3  # all positive, far from zero
     w[0, 128:160] *= 1e-6  # a scale of ~0 beside the others (6-bit scale 0)
+    w[0, 160:192] = rng.uniform(0.5, 1.5, 32)  # positive: the fit's min > 0
     w[1, :256] = 0  # an all-zero super-block
     w[2, :] = np.round(w[2, :] * 100) / 100  # repeated values (ties)
     w[3, 5] = 40  # one large outlier
@@ -243,6 +243,18 @@ def test_it_is_a_vectorised_pass_not_a_loop_over_blocks() -> None:
     np.testing.assert_array_equal(raw[300:301], qk.quantize(w[300:301], Q4_K))
 
 
-def test_rows_must_be_whole_super_blocks(tmp_path: Path) -> None:
+def test_rows_must_be_whole_super_blocks() -> None:
     with pytest.raises(ValueError, match="multiple of Q4_K's 256"):
         qk.quantize(np.zeros((2, 128), np.float32), Q4_K)
+
+
+def test_non_finite_weights_spoil_only_their_super_block() -> None:
+    """A NaN or infinity quantizes without a warning (the C computes on), and
+    the other super-blocks' bytes are unchanged."""
+    w = _rows("gaussian", 2, 512, seed=9)
+    bad = w.copy()
+    bad[0, 3] = np.nan  # row 0, super-block 0
+    bad[1, 300] = np.inf  # row 1, super-block 1
+    raw, spoilt = qk.quantize(w, Q4_K), qk.quantize(bad, Q4_K)
+    np.testing.assert_array_equal(spoilt[0, 144:], raw[0, 144:])
+    np.testing.assert_array_equal(spoilt[1, :144], raw[1, :144])

@@ -2519,7 +2519,7 @@ def _make_qkx2(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     # end, rather than copied from each better trial (a masked copy costs
     # several passes over the values)
     kept_iscale, kept_low = iscale, low.copy()
-    trial = q
+    trial = q  # its buffer: the first quants are made again at the end too
     for step in range(21):
         # low changes as better fits are found: the trials after see it
         iscale = (f(-1) + f(0.1) * f(step) + f(15)) / (high - low)

@@ -29,10 +29,10 @@ A predictor call has a fixed cost (0.3 ms on a quiet machine, more on a
 busy one), so a step of fewer than :data:`SMALL_STEP` tokens (a batch-1
 decode) runs eager, where that cost does not exist.
 
-Rows are padded to :func:`step_bucket` sizes (at most 35 of them up to
-2,048 tokens). oneDNN builds and caches its primitives per input shape, some
-750 KiB a predictor whatever the model's size, and a server's steps come in
-every size: unpadded, the cache was rebuilt on most steps and the allocator's
+Rows are padded to :func:`step_bucket` sizes (48 of them up to 2,048
+tokens). oneDNN builds and caches its primitives per input shape (~1 MiB
+a bucket whatever the model's width), and a server's steps come in every
+size: unpadded, the cache was rebuilt on most steps and the allocator's
 heap grew with the churn (docs/operations.md). Padded, the cache holds every
 bucket (:data:`_ONEDNN_CACHE`) and never misses once a bucket has been seen.
 Every program is row-wise (norms, projections, RoPE, the MLP), so padded rows
@@ -82,19 +82,22 @@ SMALL_STEP = 8
 
 
 def _buckets(limit: int) -> tuple[int, ...]:
-    """Multiples of 8 to 64, then steps of 2^(1/6) rounded up to 8, to ``limit``."""
-    out = list(range(SMALL_STEP, 65, 8))
+    """Even sizes to 32, multiples of 4 to 64, then steps of 2^(1/6) rounded
+    up to 8, to ``limit``."""
+    out = [*range(SMALL_STEP, 33, 2), *range(36, 65, 4)]
     while out[-1] < limit:
         out.append(max(out[-1] + 8, math.ceil(out[-1] * 2 ** (1 / 6) / 8) * 8))
     return tuple(out)
 
 
 #: the row counts the predictors are run with: a step (or a logits batch) is
-#: padded up to the next. 29 buckets up to 1,024 rows, 35 to 2,048, 47 to
-#: 8,192. Padding adds at most 21% of the rows (73 -> 88), 13.1% from 512
-#: rows on (~6% on average over sizes); a batch of 8-64 rows (decodes) gains
-#: fewer than 8 rows, which cost little: the projections of so few rows are
-#: bound by reading the weights.
+#: padded up to the next. 42 buckets up to 1,024 rows, 48 to 2,048, 60 to
+#: 8,192. A decode batch gains at most 1 row up to 32 and 3 up to 64: on the
+#: development machine oneDNN's projections cost by the row even then (9, 12
+#: and 16 rows of a 1,024-wide model: 47, 50, 55 ms a step). A prefill step
+#: gains at most 21% (73 -> 88 rows), 13.1% from 512 rows on (~6% on average
+#: over sizes). Each bucket costs ~1 MiB of oneDNN primitives (~60 KiB more
+#: per layer), cached once.
 BUCKETS = _buckets(1 << 17)
 #: oneDNN input shapes cached, over all the predictors of a thread (Paddle keys
 #: its cache by the shapes of every input, weights included: first, mid, last

@@ -409,7 +409,7 @@ class CompiledLlamaForCausalLM(LlamaForCausalLM):
         if t < SMALL_STEP:
             return self.residual_stream(input_ids, positions, kv_caches, meta)
         self.checked_positions(positions)
-        # the programs run on b rows: token 0 at position 0 after the step's
+        # the programs run on b rows: the step's, then token 0 at position 0
         b = step_bucket(t)
         cos, sin = self.rope_tables(_padded(positions, b))
         acts = {"cos": cos.contiguous(), "sin": sin.contiguous()}
@@ -442,8 +442,9 @@ class CompiledLlamaForCausalLM(LlamaForCausalLM):
     def warm_up(self, max_rows: int) -> int:
         """Run every program once on each bucket up to ``max_rows`` rows (the
         engine's ``max_num_batched_tokens``), so that no step builds oneDNN
-        primitives; the buckets run. Costs about 9x the dense work of one
-        ``max_rows`` step (the buckets grow geometrically)."""
+        primitives; returns how many buckets. Costs about 9x the dense work
+        of one ``max_rows`` step (the buckets grow geometrically), and ~1 MiB
+        a bucket (docs/operations.md)."""
         c = self.config
         sizes = [b for b in BUCKETS if b < max_rows]
         sizes.append(step_bucket(max(max_rows, SMALL_STEP)))

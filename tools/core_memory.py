@@ -170,7 +170,8 @@ def bounds(core: EngineCore) -> dict[str, str]:
         "validated_specs": "1,024 keys (structured.compiler._VALID; front end only)",
         "numba_specialisations": "one per kernel and argument types (dtypes, layouts)",
         "distinct_step_sizes": "max_num_batched_tokens values; the oneDNN backend "
-        "caches 64 per predictor (model/compiled.py), eager caches none",
+        "runs them padded to step_bucket sizes (48 up to 2,048 rows) and caches "
+        "every bucket (model/compiled.py), eager caches none",
         "step_buffer_sets": "StepBuffers keeps the last 4 batch sizes per layer",
         "scratch_mib": "the largest gather: max_num_batched_tokens keys' slots",
     }

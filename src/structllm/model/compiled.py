@@ -28,11 +28,23 @@ them on the model's first layers when built.
 A predictor call has a fixed cost (0.3 ms on a quiet machine, more on a
 busy one), so a step of fewer than :data:`SMALL_STEP` tokens (a batch-1
 decode) runs eager, where that cost does not exist.
+
+Rows are padded to :func:`step_bucket` sizes (48 of them up to 2,048
+tokens). oneDNN builds and caches its primitives per input shape (~1 MiB
+a bucket whatever the model's width), and a server's steps come in every
+size: unpadded, the cache was rebuilt on most steps and the allocator's
+heap grew with the churn (docs/operations.md). Padded, the cache holds every
+bucket (:data:`_ONEDNN_CACHE`) and never misses once a bucket has been seen.
+Every program is row-wise (norms, projections, RoPE, the MLP), so padded rows
+change no real row; they never reach the attention, which gets the real rows
+only, and so never touch the KV cache.
 """
 
 from __future__ import annotations
 
 import atexit
+import bisect
+import math
 import shutil
 import tempfile
 import threading
@@ -57,12 +69,50 @@ from structllm.model.llama import (
     rms_norm,
 )
 
-__all__ = ["SMALL_STEP", "CompiledLlamaForCausalLM", "inference_available"]
+__all__ = [
+    "BUCKETS",
+    "SMALL_STEP",
+    "CompiledLlamaForCausalLM",
+    "inference_available",
+    "step_bucket",
+]
 
 #: steps (and logits batches) with fewer tokens than this run eager
 SMALL_STEP = 8
-#: oneDNN primitives cached per predictor, one per input shape seen
-_ONEDNN_CACHE = 64
+
+
+def _buckets(limit: int) -> tuple[int, ...]:
+    """Even sizes to 32, multiples of 4 to 64, then steps of 2^(1/6) rounded
+    up to 8, to ``limit``."""
+    out = [*range(SMALL_STEP, 33, 2), *range(36, 65, 4)]
+    while out[-1] < limit:
+        out.append(max(out[-1] + 8, math.ceil(out[-1] * 2 ** (1 / 6) / 8) * 8))
+    return tuple(out)
+
+
+#: the row counts the predictors are run with: a step (or a logits batch) is
+#: padded up to the next. 42 buckets up to 1,024 rows, 48 to 2,048, 60 to
+#: 8,192. A decode batch gains at most 1 row up to 32 and 3 up to 64: on the
+#: development machine oneDNN's projections cost by the row even then (9, 12
+#: and 16 rows of a 1,024-wide model: 47, 50, 55 ms a step). A prefill step
+#: gains at most 21% (73 -> 88 rows), 13.1% from 512 rows on (~6% on average
+#: over sizes). Each bucket costs ~1 MiB of oneDNN primitives (~60 KiB more
+#: per layer), cached once.
+BUCKETS = _buckets(1 << 17)
+#: oneDNN input shapes cached, over all the predictors of a thread (Paddle keys
+#: its cache by the shapes of every input, weights included: first, mid, last
+#: and head programs differ): enough for every bucket of each, so none is
+#: evicted and rebuilt
+_ONEDNN_CACHE = 4 * len(BUCKETS)
+
+
+def step_bucket(rows: int) -> int:
+    """The rows a predictor runs for ``rows`` (at least :data:`SMALL_STEP`)."""
+    if rows > BUCKETS[-1]:
+        return rows
+    return BUCKETS[bisect.bisect_left(BUCKETS, rows)]
+
+
 #: a layer's weights as program inputs: its tensors, and each projection's
 #: weight (``qkv``, (in, out)) and bias (``qkv_bias``)
 _NORMS = ("input_norm", "post_attention_norm", "q_norm", "k_norm")
@@ -118,17 +168,35 @@ class _Predictor:
         #: output i of the traced function is predictor output _order[i]
         self._order = list(range(len(self._outputs)))
 
-    def __call__(self, feeds: Feeds) -> list[paddle.Tensor]:
+    def run(self, feeds: Feeds) -> list[np.ndarray]:
+        """The outputs, as the traced function orders them (fresh arrays)."""
         for name, handle in self._inputs.items():
             # zero-copy: the predictor reads the tensor's memory as laid out
             handle.share_external_data(feeds[name].contiguous())
         self._predictor.run()
-        return [host_tensor(self._outputs[i].copy_to_cpu()) for i in self._order]
+        return [self._outputs[i].copy_to_cpu() for i in self._order]
+
+    def __call__(self, feeds: Feeds) -> list[paddle.Tensor]:
+        """The outputs, in memory Paddle allocated.
+
+        Not zero-copy views of the arrays (``host_tensor``): the attention
+        hands q back to Paddle as ``host_tensor(np.from_dlpack(q))``, and
+        Paddle 3.3.1 never frees an array imported twice that way: one q was
+        kept per layer and step, the engine's unbounded growth in
+        docs/operations.md. The copy costs a fraction of the program's
+        matmuls.
+        """
+        outs = []
+        for array in self.run(feeds):
+            out = paddle.empty(list(array.shape), "float32")
+            np.from_dlpack(out)[...] = array
+            outs.append(out)
+        return outs
 
     def match(self, feeds: Feeds, expected: Sequence[np.ndarray]) -> float:
         """Order the outputs like ``expected`` (eager results); the worst difference."""
         self._order = list(range(len(self._outputs)))
-        raw = [g.numpy() for g in self(feeds)]
+        raw = self.run(feeds)
         self._order = []
         worst = 0.0
         free = list(range(len(raw)))
@@ -337,27 +405,70 @@ class CompiledLlamaForCausalLM(LlamaForCausalLM):
         kv_caches: Sequence[tuple[paddle.Tensor, paddle.Tensor]],
         meta: AttentionMetadata,
     ) -> paddle.Tensor:  # (T, H), before the final norm
-        if input_ids.shape[0] < SMALL_STEP:
+        t = input_ids.shape[0]
+        if t < SMALL_STEP:
             return self.residual_stream(input_ids, positions, kv_caches, meta)
         self.checked_positions(positions)
-        cos, sin = self.rope_tables(positions)
+        # the programs run on b rows: the step's, then token 0 at position 0
+        b = step_bucket(t)
+        cos, sin = self.rope_tables(_padded(positions, b))
         acts = {"cos": cos.contiguous(), "sin": sin.contiguous()}
-        acts["x"] = paddle.nn.functional.embedding(input_ids, self.weights.embed)
+        acts["x"] = paddle.nn.functional.embedding(
+            _padded(input_ids, b), self.weights.embed
+        )  # (b, H)
         q, k, v = self._first({**acts, **self._layer_feeds[0]})
         for i in range(self._num_layers):
             k_cache, v_cache = kv_caches[i]
-            acts["attn"] = self.attention.forward(
-                q, k, v, k_cache, v_cache, meta, self._windows[i]
+            # the real rows only: padded ones write no KV slot
+            attn = self.attention.forward(
+                q[:t], k[:t], v[:t], k_cache, v_cache, meta, self._windows[i]
             )  # (T, nh * d)
+            acts["attn"] = _padded(attn, b)
             if i + 1 < self._num_layers:
                 acts["x"], q, k, v = self._mid[i]({**acts, **self._mid_feeds[i]})
             else:
                 (acts["x"],) = self._last({**acts, **self._layer_feeds[i]})
-        return acts["x"]
+        return acts["x"][:t]
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:  # (N, V)
-        if hidden.shape[0] < SMALL_STEP:
+        n = hidden.shape[0]
+        if n < SMALL_STEP:
             normed = rms_norm(hidden, self.weights.norm, self.config.rms_norm_eps)
             return super().compute_logits(normed)
-        (logits,) = self._head({"x": hidden.contiguous(), **self._head_feeds})
-        return logits
+        feeds = {"x": _padded(hidden, step_bucket(n)), **self._head_feeds}
+        # read as numpy (never imported again): a view of the real rows
+        return host_tensor(self._head.run(feeds)[0][:n])
+
+    def warm_up(self, max_rows: int) -> int:
+        """Run every program once on each bucket up to ``max_rows`` rows (the
+        engine's ``max_num_batched_tokens``), so that no step builds oneDNN
+        primitives; returns how many buckets. Costs about 9x the dense work
+        of one ``max_rows`` step (the buckets grow geometrically), and ~1 MiB
+        a bucket (docs/operations.md)."""
+        c = self.config
+        sizes = [b for b in BUCKETS if b < max_rows]
+        sizes.append(step_bucket(max(max_rows, SMALL_STEP)))
+        for b in sizes:
+            x = paddle.zeros([b, c.hidden_size], "float32")
+            cos, sin = self.rope_tables(paddle.zeros([b], "int64"))
+            acts = {
+                "x": x,
+                "attn": paddle.zeros([b, c.q_size], "float32"),
+                "cos": cos.contiguous(),
+                "sin": sin.contiguous(),
+            }
+            self._first({**acts, **self._layer_feeds[0]})
+            for i, feeds in enumerate(self._mid_feeds):
+                self._mid[i]({**acts, **feeds})
+            self._last({**acts, **self._layer_feeds[-1]})
+            self._head.run({"x": x, **self._head_feeds})
+        return len(sizes)
+
+
+def _padded(t: paddle.Tensor, rows: int) -> paddle.Tensor:
+    """``t`` with zero rows appended up to ``rows`` (itself if it has them)."""
+    n = t.shape[0]
+    if n == rows:
+        return t
+    pad = paddle.zeros([rows - n, *t.shape[1:]], t.dtype)
+    return paddle.concat([t, pad], axis=0)

@@ -25,11 +25,12 @@ not busy (its host copy stays: a later request reloads it). When every slot
 is busy the request waits (None). Each step's adapters count as used then
 (:meth:`rows`), which orders the eviction.
 
-**Unloading** (:meth:`remove`) is graceful: the adapter's name and id are
-taken away at once (a new request naming them is refused, and the name can
-be loaded again, even from another path), but the requests already admitted
+**Unloading** (:meth:`remove`) is graceful: the adapter's id is taken
+away at once (a new request with it is refused, unless it carries the same
+name and path, which loads it again), but the requests already admitted
 with it finish with it, their tokens unchanged; its slot and host copy go
-when the last of them ends, or at once when none uses it.
+when the last of them ends, or at once when none uses it. Names are labels
+here: the server's registry (``server/lora``) maps them to ids.
 
 The prefix cache keys an adapter's blocks by :meth:`cache_key`, a digest
 of the matrices it runs (``block_pool.root_hash``): the same prompt under
@@ -141,8 +142,6 @@ class LoRAManager:
     slots: AdapterSlots
     read: Callable[[str], LoRAAdapter]
     _known: dict[int, _Known] = attrs.field(init=False, factory=dict)
-    #: names of the adapters not unloading -> their ids
-    _names: dict[str, int] = attrs.field(init=False, factory=dict)
     #: resident ids -> their slots, least recently used first
     _resident: OrderedDict[int, int] = attrs.field(init=False, factory=OrderedDict)
     _free_slots: list[int] = attrs.field(init=False)
@@ -164,7 +163,7 @@ class LoRAManager:
         when it was known already (the same name, id and path).
 
         Refuses (:class:`InvalidRequestError`, field ``lora_request``) an id
-        known with another name or path, a name known under another id, and
+        known with another name or path, and
         (:class:`~structllm.errors.ModelLoadError`) an adapter that cannot be
         read or does not fit the model; nothing changes then.
         """
@@ -177,22 +176,12 @@ class LoRAManager:
                 f"{_describe(request)}; one id names one adapter",
                 field=_FIELD,
             )
-        other = self._names.get(request.lora_name)
-        if other is not None and other != lora_id:
-            raise InvalidRequestError(
-                f"the LoRA adapter name {request.lora_name!r} is taken by id "
-                f"{other}; unload it first",
-                field=_FIELD,
-            )
         if known is not None:
-            if known.unloading:  # loaded again before its last user ended
-                known.unloading = False
-                self._names[request.lora_name] = lora_id
+            known.unloading = False  # loaded again before its last user ended
             return False
         adapter = self.read(request.lora_path)
         self.slots.check_adapter(adapter)
         self._known[lora_id] = _Known(request, adapter, adapter_digest(adapter))
-        self._names[request.lora_name] = lora_id
         return True
 
     def remove(self, lora_id: int) -> bool:
@@ -201,17 +190,11 @@ class LoRAManager:
         known = self._known.get(lora_id)
         if known is None or known.unloading:
             return False
-        del self._names[known.request.lora_name]
         if known.users:
             known.unloading = True
         else:
             self._forget(lora_id)
         return True
-
-    def lookup(self, name: str) -> LoRARequest | None:
-        """The adapter called ``name`` (not one being unloaded), or None."""
-        lora_id = self._names.get(name)
-        return None if lora_id is None else self._known[lora_id].request
 
     def adapters(self) -> tuple[LoRAInfo, ...]:
         """Every known adapter, by id."""
@@ -322,9 +305,7 @@ class LoRAManager:
             assert rid in self._known[lora_id].users, (rid, lora_id)
         for lora_id, known in self._known.items():
             assert known.users <= set(self._request_lora), lora_id
-            assert known.unloading or self._names[known.request.lora_name] == lora_id
             assert not known.unloading or known.users, lora_id
-        assert all(i in self._known for i in self._names.values())
 
     def _forget(self, lora_id: int) -> None:
         known = self._known.pop(lora_id)

@@ -50,6 +50,7 @@ def parity(session: nox.Session) -> None:
         "-p",
         "no:randomly",
         "parity/test_parity.py",
+        "parity/test_embeddings.py",
         "-v",
         "-s",
         *session.posargs,

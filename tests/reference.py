@@ -132,6 +132,17 @@ def reference_logits(
 ) -> np.ndarray:
     """Logits (T, V) for every position of ``ids``, float64."""
     c = config
+    x = reference_hidden(config, w, ids)
+    head = w["model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"]
+    return x @ head.astype(np.float64).T
+
+
+def reference_hidden(
+    config: ModelConfig, w: Mapping[str, np.ndarray], ids: Sequence[int]
+) -> np.ndarray:
+    """The last hidden states (T, H), after the final norm, float64: what
+    the head reads, and what embeddings pool."""
+    c = config
     t = len(ids)
     nh, kvh, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
 
@@ -187,6 +198,4 @@ def reference_logits(
             up = up + f(p + "mlp.up_proj.bias")
         down = (gate / (1 + np.exp(-gate)) * up) @ f(p + "mlp.down_proj.weight").T
         x = x + (down + f(p + "mlp.down_proj.bias") if c.mlp_bias else down)
-    x = rms(x, f("model.norm.weight"))
-    head = f("model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight")
-    return x @ head.T
+    return rms(x, f("model.norm.weight"))

@@ -17,6 +17,7 @@ PUBLIC = {
     "CompletionOutput",
     "EngineConfig",
     "EngineConfigError",
+    "EmbeddingOutput",
     "EngineCoreError",
     "EngineDeadError",
     "EngineLoadingError",
@@ -196,3 +197,29 @@ def test_module_level_imports_have_no_cycle() -> None:
 
     for name in sorted(graph):
         visit(name, [])
+
+
+#: modules still over the line limit, each being split now (issue 28); the
+#: lead empties this list as the splits land. A module here that is already
+#: under the limit fails the test, so the list cannot go stale.
+_OVER_450_TO_SPLIT = {
+    "core/engine_core.py",
+    "core/scheduler.py",
+    "config.py",
+    "engine/frontend/async_llm.py",
+}
+
+
+def test_no_module_outside_model_is_over_450_lines() -> None:
+    """Issue 28: a module outside ``model/`` (one file per architecture) that
+    grows past 450 lines holds more than one job: split it by meaning."""
+    root = Path(structllm.__file__).parent
+    over = {}
+    for path in sorted(root.rglob("*.py")):
+        name = path.relative_to(root).as_posix()
+        lines = len(path.read_text().splitlines())
+        if not name.startswith("model/") and lines > 450:
+            over[name] = lines
+    assert {n: c for n, c in over.items() if n not in _OVER_450_TO_SPLIT} == {}
+    split = sorted(_OVER_450_TO_SPLIT - set(over))
+    assert split == [], f"under 450 lines now: take {split} off _OVER_450_TO_SPLIT"

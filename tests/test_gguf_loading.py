@@ -326,6 +326,13 @@ def test_neutral_values_of_foreign_keys_pass() -> None:
     assert _config({**BASE, "llama.expert_count": 0}).num_hidden_layers == 2
     with pytest.raises(UnsupportedModelError, match=r"llama.expert_count=8"):
         _config({**BASE, "llama.expert_count": 8})
+    # an embedding model's pooling (read by embeddings only): unspecified,
+    # none, mean and last load; CLS and rank are refused by name
+    for pooling in (-1, 0, 1, 3):
+        assert _config({**BASE, "llama.pooling_type": pooling}).num_hidden_layers == 2
+    for pooling in (2, 4):
+        with pytest.raises(UnsupportedModelError, match=r"llama.pooling_type="):
+            _config({**BASE, "llama.pooling_type": pooling})
 
 
 @pytest.mark.parametrize("rank", [0, 1])

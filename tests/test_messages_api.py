@@ -24,6 +24,7 @@ import pytest
 from structllm.outputs import CompletionOutput
 from structllm.server.app import build_app
 from structllm.server.messages import protocol as messages_api
+from structllm.server.messages import response as messages_response
 from structllm.server.messages.protocol import MessagesRequest
 from structllm.server.messages.serving import MessagesServing, parser_for
 from structllm.server.messages.serving import _content as whole_content
@@ -165,7 +166,7 @@ async def test_text_equals_chat_whole_and_streamed() -> None:
         text, finish = await chat_text(s, {**CHAT_CONVERSATION, "max_tokens": 8})
         r = await s.http.post("/v1/messages", json=body)
         assert r.status_code == 200, r.text
-        whole = messages_api.MessageResponse.model_validate(r.json())
+        whole = messages_response.MessageResponse.model_validate(r.json())
         assert whole.id.startswith("msg_") and whole.type == "message"
         assert [b.type for b in whole.content] == ["text"]
         assert whole.content[0].text == text  # type: ignore[union-attr]
@@ -312,7 +313,7 @@ def test_auto_calls_in_text_whole_and_as_events() -> None:
     assert called and [b.type for b in blocks] == ["text", "tool_use"]
     assert blocks[0].text == "Let me look."  # type: ignore[union-attr]
     use = blocks[1]
-    assert isinstance(use, messages_api.ToolUseBlock)
+    assert isinstance(use, messages_response.ToolUseBlock)
     assert (use.name, use.input) == ("get_weather", {"city": "Paris"})
 
     dumped = in_pieces(MessageEvents(parser_for(req)), out)

@@ -284,12 +284,15 @@ async def test_model_routes(url: str, client: ollama.AsyncClient) -> None:
     show = await client.show(MODEL)
     assert show.template and "messages" in show.template
     assert show.capabilities is not None and "completion" in show.capabilities
+    assert "embedding" in show.capabilities  # /api/embed serves it
     with pytest.raises(ollama.ResponseError) as missing:
         await client.show("other")
     assert missing.value.status_code == 404
-    with pytest.raises(ollama.ResponseError) as embed:
-        await client.embed(MODEL, "x")
-    assert embed.value.status_code == 400 and "embeddings" in embed.value.error
+    embed = await client.embed(MODEL, "x")  # tests/test_embeddings_api.py: more
+    assert len(embed.embeddings) == 1 and embed.model == MODEL
+    with pytest.raises(ollama.ResponseError) as pull:
+        await client.pull(MODEL)
+    assert pull.value.status_code == 400 and "pulls none" in pull.value.error
     async with httpx.AsyncClient(base_url=url) as http:
         version = (await http.get("/api/version")).json()
         up = await http.get("/")  # the check Ollama's clients make

@@ -25,11 +25,8 @@ from pydantic import BaseModel
 from structllm.errors import InvalidRequestError
 from structllm.server.chat.protocol import ChatRequest
 from structllm.server.http.body import validate
-from structllm.server.responses.protocol import (
-    ResponseObject,
-    ResponsesRequest,
-    responses_field,
-)
+from structllm.server.responses.objects import ResponseObject
+from structllm.server.responses.protocol import ResponsesRequest, responses_field
 from structllm.server.responses.store import ResponseStore
 from tests.test_server_app import (
     Exchange,

@@ -31,8 +31,9 @@ from structllm.server.app import build_app
 from structllm.server.completions.protocol import CompletionRequest
 from structllm.server.http.body import validate
 from structllm.server.http.drain import Drain
+from structllm.server.jobs import JobTiming
 from structllm.server.protocol import bodies
-from structllm.server.serving import EngineSlot, JobTiming, ServerConfig
+from structllm.server.serving import EngineSlot, ServerConfig
 from tests.test_server_app import Server, events, open_socket_server
 
 pytestmark = pytest.mark.anyio

@@ -50,6 +50,8 @@ DEFAULT_HTTP_TIMEOUT = 60
 _POOL: dict[tuple[str, ...], StructllmServer] = {}
 
 _SAMPLING_ROUTES = ("/v1/chat/completions", "/v1/completions", "/chat/completions")
+#: structllm pools per request: ``--pooling`` goes into these bodies
+_EMBEDDING_ROUTES = ("/v1/embeddings", "/embedding", "/embeddings")
 _NATIVE_ROUTES = ("/completion", "/completions")
 #: llama.cpp serves these without ``/v1`` too; structllm under ``/v1`` only
 _V1_ONLY = ("/responses",)
@@ -93,6 +95,9 @@ class ServerProcess:
     n_batch: int | None = None
     jinja: bool | None = None
     chat_template: str | None = None
+    #: structllm: llama.cpp's --pooling, sent as each embedding request's
+    #: ``pooling`` (structllm has no server-wide pooling flag)
+    pooling: str | None = None
 
     def _serve_args(self) -> list[str]:
         if self.chat_template is not None:
@@ -136,6 +141,8 @@ class ServerProcess:
     def _with_defaults(self, url: str, data: Any) -> Any:
         path = url.split(str(self.server_port), 1)[1]
         native = path in _NATIVE_ROUTES
+        if isinstance(data, dict) and path in _EMBEDDING_ROUTES and self.pooling:
+            data = {"pooling": self.pooling, **data}
         if isinstance(data, dict) and (native or path in _SAMPLING_ROUTES):
             data = {"temperature": self.temperature, "seed": self.seed, **data}
             limit = "n_predict" if native else "max_tokens"
@@ -212,6 +219,21 @@ class ServerPreset:
         server.n_predict = 64
         server.seed = 42
         return server
+
+    @staticmethod
+    def bert_bge_small() -> ServerProcess:
+        # structllm: ggml-org/models bert-bge-small -> the built-in tiny, whose
+        # last hidden states are pooled (one slot of 1024 tokens)
+        server = ServerProcess()
+        server.model_alias = "bert-bge-small"
+        server.n_ctx = 1024
+        server.n_slots = 1
+        return server
+
+    @staticmethod
+    def bert_bge_small_with_fa() -> ServerProcess:
+        # structllm: flash attention is llama.cpp's kernel choice; the same server
+        return ServerPreset.bert_bge_small()
 
 
 def parallel_function_calls(

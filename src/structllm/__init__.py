@@ -24,7 +24,12 @@ from structllm.errors import (
     StructLLMError,
     UnsupportedModelError,
 )
-from structllm.outputs import CompletionOutput, Logprob, RequestOutput
+from structllm.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    Logprob,
+    RequestOutput,
+)
 from structllm.params import OutputKind, SamplingParams
 from structllm.structured.spec import StructuredOutputs
 
@@ -38,6 +43,7 @@ __all__ = [
     "LLM",
     "AsyncLLM",
     "CompletionOutput",
+    "EmbeddingOutput",
     "EngineConfig",
     "EngineConfigError",
     "EngineCoreError",

@@ -13,10 +13,12 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import msgspec
 from tqdm import tqdm
 
 from structllm.config import EngineConfig
 from structllm.core.engine_core import EngineCore
+from structllm.core.pooling import PoolingMethod, pooling_request
 from structllm.core.request import CoreRequest
 from structllm.engine.frontend.inputs import (
     PromptInput,
@@ -32,7 +34,7 @@ from structllm.engine.frontend.output_processor import (
 )
 from structllm.errors import EngineConfigError, InvalidRequestError
 from structllm.model.loader import LoadProgress
-from structllm.outputs import RequestOutput
+from structllm.outputs import EmbeddingOutput, RequestOutput
 from structllm.params import OutputKind, SamplingParams
 from structllm.text.tokenizer import Tokenizer, load_tokenizer
 
@@ -165,6 +167,51 @@ class LLM:
             for group in groups
         ]
 
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        *,
+        pooling: PoolingMethod | None = None,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingOutput]:
+        """The embedding of every prompt, in the order of ``prompts``.
+
+        Pooled from the last hidden states as :meth:`AsyncLLM.embed
+        <structllm.AsyncLLM.embed>` says; the prompts are batched through
+        the scheduler like ``generate``'s, each finished at the end of its
+        prefill.
+        """
+        spec = pooling_request(pooling, normalize, dimensions)
+        batch: list[PromptInput] = (
+            list(prompts)  # type: ignore[arg-type]
+            if is_batch(prompts)
+            else [prompts]  # type: ignore[list-item]
+        )
+        requests = [
+            self._prepare(prompt, _EMBED_PARAMS, 0, samples=False)[0]
+            for prompt in batch
+        ]
+        ids = [state.request_id for state, _ in requests]
+        results: dict[str, RequestOutput] = {}
+        try:
+            for state, request in requests:
+                self.core.add_request(msgspec.structs.replace(request, pooling=spec))
+                self._processor.add(state)
+            with tqdm(
+                total=len(ids), desc="embedding", unit="req", disable=not use_tqdm
+            ) as bar:
+                for rid, out in self._outputs(
+                    set(ids), lambda: len(results) < len(ids)
+                ):
+                    if out.finished:
+                        results[rid] = out
+                        bar.update(1)
+        finally:
+            self._drop(ids)
+        return [EmbeddingOutput.from_request_output(results[rid]) for rid in ids]
+
     def stream(
         self, prompt: PromptInput, params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
@@ -236,6 +283,10 @@ class LLM:
             state = self._processor.pop(rid)
             if state is not None:
                 state.abort()
+
+
+#: an embedding request's sampling parameters: it samples nothing
+_EMBED_PARAMS = SamplingParams(max_tokens=1, output_kind=OutputKind.FINAL)
 
 
 def _final(p: SamplingParams) -> SamplingParams:

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 
-__all__ = ["CompletionOutput", "FinishReason", "Logprob", "RequestOutput"]
+if TYPE_CHECKING:  # numpy is not imported for the annotations alone
+    import numpy as np
+    import numpy.typing as npt
+
+__all__ = [
+    "CompletionOutput",
+    "EmbeddingOutput",
+    "FinishReason",
+    "Logprob",
+    "RequestOutput",
+]
 
 #: Why a request stopped generating. ``stop``: an EOS token, a stop token or
 #: a stop string; ``length``: ``max_tokens`` or the context length;
@@ -63,6 +73,9 @@ class RequestOutput:
     #: position); the first is None. In DELTA mode only on the first output
     #: that has them, as vLLM does.
     prompt_logprobs: tuple[dict[int, Logprob] | None, ...] | None = None
+    #: an embedding request's vector (D,) float32, read-only, on its final
+    #: output (see :class:`EmbeddingOutput`); None for generation
+    embedding: npt.NDArray[np.float32] | None = attrs.field(default=None, eq=False)
 
     @property
     def text(self) -> str:
@@ -79,3 +92,42 @@ class RequestOutput:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+@attrs.frozen(kw_only=True)
+class EmbeddingOutput:
+    """An embedding request's result (``LLM.embed``, ``AsyncLLM.embed``).
+
+    ``embedding`` is the pooled last hidden state, (D,) float32 and
+    read-only: D is the model's hidden size, or the ``dimensions`` asked
+    for. A request aborted before its prefill ended has none
+    (``finish_reason`` ``"abort"``).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    embedding: npt.NDArray[np.float32] | None = attrs.field(eq=False)
+    finish_reason: FinishReason
+    #: seconds from arrival in the engine core to first being scheduled
+    queue_time: float | None = None
+    #: prompt tokens whose KV came from the prefix cache
+    num_cached_tokens: int | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @classmethod
+    def from_request_output(cls, out: RequestOutput) -> EmbeddingOutput:
+        """The embedding of an embedding request's final (or last) output."""
+        return cls(
+            request_id=out.request_id,
+            prompt=out.prompt,
+            prompt_token_ids=out.prompt_token_ids,
+            embedding=out.embedding,
+            finish_reason=out.finish_reason
+            or ("stop" if out.embedding is not None else "abort"),
+            queue_time=out.queue_time,
+            num_cached_tokens=out.num_cached_tokens,
+        )

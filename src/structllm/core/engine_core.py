@@ -17,9 +17,11 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
+import numpy as np
 
 from structllm.config import EngineConfig
 from structllm.core.block_pool import BlockPool
+from structllm.core.pooling import PoolingConfig, finish_embedding, read_pooling_config
 from structllm.core.request import (
     CoreRequest,
     Request,
@@ -41,6 +43,7 @@ from structllm.core.structured import (
 from structllm.errors import EngineConfigError, InvalidRequestError
 from structllm.model.config import ModelConfig
 from structllm.model.sampler import TokenLogprobs, make_generator
+from structllm.models import resolve_model
 from structllm.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -226,6 +229,11 @@ class EngineCore:
             self.structured,
             broadcast=None if tp_group is None else tp_group.broadcast,
         )
+        #: how embedding requests pool by default (the checkpoint's
+        #: sentence-transformers config, or its GGUF metadata)
+        self.pooling_config: PoolingConfig = read_pooling_config(
+            resolve_model(config.model)
+        )
         self._sequence = itertools.count()
         self.steps = 0
 
@@ -272,6 +280,12 @@ class EngineCore:
         # prompts of max_model_len tokens, so every admitted prompt fits.
         room = self.max_model_len - len(prompt)
         max_new = min(r.params.max_tokens or room, room)
+        pooling = None
+        if r.pooling is not None:
+            pooling = self.pooling_config.resolve(
+                r.pooling, self.model_config.hidden_size
+            )
+            max_new = 0  # it generates nothing
         return Request(
             request_id=r.request_id,
             prompt_token_ids=tuple(prompt),
@@ -286,6 +300,7 @@ class EngineCore:
             deadline=r.deadline,
             group=r.group,
             pin=r.pin,
+            pooling=pooling,
         )
 
     def _check_pin(self, r: CoreRequest) -> None:
@@ -377,6 +392,8 @@ class EngineCore:
             )
         by_id = {c.request.request_id: c.request for c in sched.chunks}
         ran = self.runner.execute(sched)
+        for rid, (first, stop, rows) in ran.pooled.items():
+            _add_pooled(by_id[rid], first, stop, rows)
         before = {rid: len(by_id[rid].output_token_ids) for rid in ran.sampled}
         finished = {
             r.request_id: r
@@ -387,7 +404,11 @@ class EngineCore:
             req = by_id[rid]
             if first == len(req.prompt_logprobs) + 1:  # the next ones, in order
                 req.prompt_logprobs += entries
-        outputs = []
+        outputs = [
+            _embedding_output(req)
+            for req in finished.values()
+            if req.pooling is not None and req.finish_reason == "stop"
+        ]
         for rid in ran.sampled:
             fin = finished.get(rid)
             req = by_id[rid]
@@ -487,6 +508,36 @@ def _take_prompt_logprobs(req: Request) -> tuple[TokenLogprobs | None, ...] | No
     entries, req.prompt_logprobs = req.prompt_logprobs, []
     req.prompt_logprobs_sent = True
     return (None, *entries)
+
+
+def _add_pooled(req: Request, first: int, stop: int, rows: np.ndarray) -> None:
+    """Take a step's pooled rows (see ``RunnerOutput.pooled``) into ``req``."""
+    assert req.pooling is not None
+    if req.pooling.method == "last":
+        req.pooled = rows
+    elif first == req.num_pooled:  # the next positions, in order
+        req.pooled = rows if req.pooled is None else req.pooled + rows
+        req.num_pooled = stop
+
+
+def _embedding_output(req: Request) -> RequestStepOutput:
+    """A finished pooling request's one output: its embedding."""
+    assert req.pooling is not None and req.pooled is not None
+    pooled = req.pooled
+    if req.pooling.method == "mean":
+        pooled = pooled / len(req.prompt_token_ids)
+    vector = finish_embedding(pooled, req.pooling)
+    queue_s = None
+    if req.first_scheduled_time is not None:
+        queue_s = req.first_scheduled_time - req.arrival_time
+    return RequestStepOutput(
+        request_id=req.request_id,
+        new_token_ids=(),
+        finish_reason="stop",
+        queue_s=queue_s,
+        num_cached_tokens=req.num_cached_tokens,
+        embedding=vector.astype("<f4").tobytes(),
+    )
 
 
 def load_engine_model(

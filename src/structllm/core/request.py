@@ -24,6 +24,7 @@ import msgspec
 import numpy as np
 
 from structllm.core.block_pool import BlockHash
+from structllm.core.pooling import Pooling
 from structllm.model.sampler import TokenLogprobs
 from structllm.outputs import FinishReason
 from structllm.params import SamplingParams
@@ -61,6 +62,9 @@ class CoreRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     #: on finishing, keep the prompt's full blocks cached and held, under this
     #: request's id, until an abort names it (``AsyncLLM.pin``)
     pin: bool = False
+    #: an embedding request: prefilled, pooled, finished at the end of its
+    #: prefill with ``RequestStepOutput.embedding`` (nothing is sampled)
+    pooling: Pooling | None = None
 
 
 class RejectedRequest(msgspec.Struct, frozen=True, array_like=True):
@@ -91,6 +95,8 @@ class RequestStepOutput(msgspec.Struct, frozen=True, array_like=True):
     #: with the first sampled token of a request with ``prompt_logprobs``:
     #: one entry per prompt token, the first None (nothing predicts it)
     prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    #: a pooling request's embedding, with its finish: float32, little-endian
+    embedding: bytes | None = None
 
 
 class StepOutput(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -193,6 +199,22 @@ class Request:
     spec_window: int | None = None
     spec_skip: int = 0
     spec_misses: int = 0
+    #: an embedding request's pooling, its defaults resolved (None: generates)
+    pooling: Pooling | None = None
+    #: mean pooling: the sum of the hidden rows of prompt positions
+    #: ``[0, num_pooled)`` (float64, kept across preemption so no position
+    #: counts twice); last pooling: the last position's row
+    pooled: np.ndarray | None = None
+    num_pooled: int = 0
+
+    @property
+    def needs_every_position(self) -> bool:
+        """It must compute its whole prompt, no prefix-cache hits: prompt
+        logprobs still owed, or mean pooling (a cached block has no hidden
+        states)."""
+        return self.needs_prompt_logits or (
+            self.pooling is not None and self.pooling.method == "mean"
+        )
 
     @property
     def needs_prompt_logits(self) -> bool:

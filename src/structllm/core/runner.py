@@ -78,6 +78,11 @@ class RunnerOutput:
     #: seconds in the model forward and logits (inputs built, outputs on host)
     forward_s: float
     sample_s: float
+    #: pooling requests: request id -> (first position, stop, rows) where
+    #: rows is the float64 sum of the hidden rows of positions [first, stop)
+    #: (mean pooling, every chunk) or the last position's row (last
+    #: pooling, its final chunk), shape (H,)
+    pooled: Mapping[str, tuple[int, int, np.ndarray]] = attrs.field(factory=dict)
 
 
 class ModelRunner:
@@ -114,6 +119,8 @@ class ModelRunner:
         drafts: list[tuple[int, ...]] = []
         # prompt logprobs: (request, first flattened row, first position, count)
         prompt_rows: list[tuple[Request, int, int, int]] = []
+        # pooling: (request, first flattened row, first position, count)
+        pool_rows: list[tuple[Request, int, int, int]] = []
         t = 0
         for c in chunks:
             req = c.request
@@ -131,6 +138,15 @@ class ModelRunner:
                 hi = min(stop, len(req.prompt_token_ids) - 1)
                 if lo < hi:
                     prompt_rows.append((req, t + lo - c.context_len, lo, hi - lo))
+            if req.pooling is not None:
+                if req.pooling.method == "mean":  # positions not summed yet
+                    lo = max(c.context_len, req.num_pooled)
+                    if lo < stop:
+                        pool_rows.append((req, t + lo - c.context_len, lo, stop - lo))
+                elif c.samples:  # the last position
+                    pool_rows.append((req, t + c.num_tokens - 1, stop - 1, 1))
+                t += c.num_tokens
+                continue  # nothing to sample
             t += c.num_tokens
             if c.samples:
                 rows.extend(range(t - 1 - len(c.draft_token_ids), t))
@@ -149,8 +165,14 @@ class ModelRunner:
             req.request_id: (pos + 1, self._prompt_logprobs(hidden, req, row, pos, n))
             for req, row, pos, n in prompt_rows
         }
+        pooled = {
+            req.request_id: (pos, pos + n, _sum_rows(hidden, row, n))
+            for req, row, pos, n in pool_rows
+        }
         if not sampling:
-            return RunnerOutput({}, {}, prompt, time.perf_counter() - start, 0.0)
+            return RunnerOutput(
+                {}, {}, prompt, time.perf_counter() - start, 0.0, pooled
+            )
         last = paddle.index_select(hidden, host_tensor(np.asarray(rows, np.int64)))
         logits = self.model.compute_logits(last).numpy()  # (rows, V)
         forward_s = time.perf_counter() - start
@@ -183,7 +205,7 @@ class ModelRunner:
             if lp is not None
         }
         return RunnerOutput(
-            sampled, logprobs, prompt, forward_s, time.perf_counter() - start
+            sampled, logprobs, prompt, forward_s, time.perf_counter() - start, pooled
         )
 
     def _prompt_logprobs(
@@ -199,3 +221,12 @@ class ModelRunner:
             targets = req.prompt_token_ids[pos + a + 1 : pos + b + 1]
             out += token_logprobs(x, targets, [k] * (b - a))
         return out
+
+
+def _sum_rows(hidden: paddle.Tensor, row: int, n: int) -> np.ndarray:
+    """The float64 sum of ``n`` hidden rows from ``row``: (H,)."""
+    total = np.zeros(hidden.shape[-1], dtype=np.float64)
+    for a in range(0, n, PROMPT_LOGITS_ROWS):  # bounded copies of a long chunk
+        b = min(n, a + PROMPT_LOGITS_ROWS)
+        total += hidden[row + a : row + b].numpy().sum(axis=0, dtype=np.float64)
+    return total

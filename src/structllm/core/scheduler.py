@@ -39,12 +39,20 @@ starve the others; ``"fcfs"``: arrival). Each step first drops (``"abort"``)
 every request past its deadline, in any state. A pin request that finishes
 pins its prompt's cached full blocks under its id until an abort names it.
 
+An embedding request (``Request.pooling``) is prefilled like any prompt,
+chunked if long, and finished (``"stop"``) in the step that computes its
+last prompt token: nothing is sampled, and its blocks go back to the pool
+at once (cached full ones stay findable). Last-token pooling takes prefix
+cache hits like any prompt (the last token is always computed).
+
 Prefix caching (``enable_prefix_caching``): a request admitted takes the
 longest chain of cached full blocks matching its tokens (prompt, and for a
 preempted request its outputs too) and computes only the rest; at least its
 last token is always computed, so the sample has logits. A request that
 asks for prompt logprobs looks nothing up until they are sent (each prompt
-position needs its logits), but offers its blocks like any other. Every
+position needs its logits), nor does a mean-pooling embedding request (a
+cached block has no hidden states to average), but both offer their blocks
+like any other. Every
 block that a step fills is registered in the pool as soon as the step's
 tokens are recorded, so requests running together share blocks too. A waiting request
 whose next uncached block is being computed by a running request (its
@@ -177,8 +185,8 @@ class Scheduler:
                 j += 1
                 continue
             hit: list[int] = []
-            # prompt logprobs need logits at every prompt position: no hits
-            if caching and not req.needs_prompt_logits:
+            # prompt logprobs and mean pooling need every prompt position
+            if caching and not req.needs_every_position:
                 # at most num_tokens - 1 cached: the last token must be computed
                 usable = (req.num_tokens - 1) // self.pool.block_size
                 hit = self.pool.lookup(req.block_hashes[:usable])
@@ -206,7 +214,7 @@ class Scheduler:
             req.block_ids = hit + self.pool.allocate(need)
             req.num_computed_tokens = computed
             req.num_cached_blocks = len(hit)
-            if caching and not req.needs_prompt_logits:
+            if caching and not req.needs_every_position:
                 self.prefix_cache_queries += req.num_tokens
                 self.prefix_cache_hits += computed
             if in_flight is not None:
@@ -252,6 +260,7 @@ class Scheduler:
                 or not chunk.samples
                 or req.params.structured_outputs is not None
                 or req.needs_prompt_logits
+                or req.pooling is not None
             ):
                 continue
             # every accepted token and the one after them must be allowed
@@ -290,6 +299,14 @@ class Scheduler:
         for chunk in output.chunks:
             req = chunk.request
             if req.status is not RequestStatus.RUNNING:
+                continue
+            if req.pooling is not None:  # an embedding: done with its prefill
+                req.num_computed_tokens = chunk.context_len + chunk.num_tokens
+                if self.config.enable_prefix_caching:
+                    self._cache_computed_blocks(req)
+                if chunk.samples:
+                    self._finish(req, "stop", None)
+                    finished.append(req)
                 continue
             drafts = chunk.draft_token_ids
             tokens = sampled[req.request_id] if chunk.samples else ()

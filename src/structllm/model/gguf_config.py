@@ -67,7 +67,9 @@ _NEUTRAL: Mapping[str, tuple[Any, ...]] = {
     "expert_count": (0,),
     "expert_used_count": (0,),
     "attention.causal": (True,),
-    "pooling_type": (0,),
+    # llama.cpp's unspecified, none, mean, last: only embeddings read it
+    # (core/pooling.py); CLS (2) and rank (4) are refused
+    "pooling_type": (-1, 0, 1, 3),
     "rope.scaling.finetuned": (True, False),
 }
 

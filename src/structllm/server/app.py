@@ -5,7 +5,9 @@ folder per API, each with its route (``api_router``), its protocol models
 (``protocol``) and its serving (``serving``): :mod:`~structllm.server.completions`,
 :mod:`~structllm.server.chat`, :mod:`~structllm.server.chat_batch` (vLLM's
 ``/v1/chat/completions/batch``), :mod:`~structllm.server.messages` (Anthropic's
-Messages API), :mod:`~structllm.server.tokenize`,
+Messages API), :mod:`~structllm.server.responses` (OpenAI's Responses API),
+:mod:`~structllm.server.embeddings`,
+:mod:`~structllm.server.tokenize`,
 :mod:`~structllm.server.models`, :mod:`~structllm.server.operations`
 (``/health``, ``/metrics``, ``/version``), :mod:`~structllm.server.ollama`
 (Ollama's ``/api/*``) and :mod:`~structllm.server.llamacpp` (llama.cpp's
@@ -13,14 +15,18 @@ native routes and its aliases without ``/v1``). Adding an API is adding a
 room.
 Beside them, what the rooms share:
 
-- :mod:`~structllm.server.serving` -- the serving base: the disconnect and
-  deadline guard, running and streaming requests, error mapping, metrics.
+- :mod:`~structllm.server.base` (``ServingBase``: the engine slot, the
+  disconnect and deadline guard, error mapping, the shared checks and the
+  chat render), :mod:`~structllm.server.jobs` (a response's jobs and their
+  timings) and :mod:`~structllm.server.serving` (``Serving``: running and
+  streaming the jobs, metrics).
 - :mod:`~structllm.server.protocol` -- the request and response pieces:
   field types, validation into errors naming the field, refused fields,
   output formats and tool definitions, logprobs, the common bodies (errors,
   usage); they generate ``/openapi.json`` (:mod:`~structllm.server.openapi`).
 - :mod:`~structllm.server.http` -- body intake, an OpenAI error body for every
-  status (404, 405, 413 and 500 included), SSE, graceful drain (while
+  status (404, 405, 413 and 500 included; Anthropic's on ``/v1/messages``),
+  SSE and NDJSON, graceful drain (while
   draining, new ``/v1/`` requests get 503; those still running when the
   grace period ends are cut, a streaming one with a final error event and
   ``[DONE]``), the request id and access log, API keys and CORS, the bound
@@ -50,6 +56,8 @@ from structllm.server.chat_batch import api_router as chat_batch
 from structllm.server.chat_batch.serving import ChatBatchServing
 from structllm.server.completions import api_router as completions
 from structllm.server.completions.serving import CompletionServing
+from structllm.server.embeddings import api_router as embeddings
+from structllm.server.embeddings.serving import EmbeddingServing
 from structllm.server.http.access import RequestContextMiddleware
 from structllm.server.http.drain import Drain, DrainMiddleware
 from structllm.server.http.errors import error_json, install_handlers
@@ -115,6 +123,7 @@ def build_app(
     app.state.chat_batch = ChatBatchServing(slot, config, metrics)
     app.state.messages = MessagesServing(slot, config, metrics)
     app.state.responses = ResponsesServing(slot, config, metrics)
+    app.state.embeddings = EmbeddingServing(slot, config, metrics)
     app.state.tokenize = TokenizeServing(slot, config, metrics)
     app.state.ollama = OllamaServing(slot, config, metrics)
     app.state.llamacpp = LlamaCppServing(slot, config, metrics)
@@ -124,6 +133,7 @@ def build_app(
         chat_batch,
         messages,
         responses,
+        embeddings,
         models,
         operations,
         tokenize,

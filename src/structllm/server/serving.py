@@ -1,314 +1,54 @@
-"""The serving base: what every OpenAI endpoint does around its own logic.
+"""The serving base: what every endpoint does around its own logic.
 
-:class:`Serving` holds the engine slot, the configuration and the metrics.
-``guarded()`` takes the body through
-:func:`~structllm.server.http.body.receive_json` (JSON only, under a size cap
-and a deadline, strict: no NaN, bounded depth; big bodies parsed in a
-worker thread), runs the endpoint's handler in a task group that also watches the connection (a
-client that leaves cancels it, the request's ``stream`` block exits and the
-engine aborts it within one step) under ``--request-timeout``, and turns the
-known errors into OpenAI error responses. A request's time limit is the
-least of ``--request-timeout``, its ``X-Request-Timeout`` header and its
-body's ``timeout`` (:meth:`Serving.limit`); the engine sees it as the
-request's deadline (it ranks and drops work by it). ``run_to_end()`` and
-``stream()`` run the requests of one response (prompts times ``n``), the
-latter as server-sent events whose chunks a :class:`StreamFormat` writes
-(each API's is a :class:`Chunks`).
-:mod:`~structllm.server.completions.serving` and
+:class:`Serving` holds the engine slot, the configuration and the metrics,
+and guards each request (:class:`~structllm.server.base.ServingBase`: the
+body, the disconnect watcher, the time limit, the error responses, the
+checks and fields the endpoints share). ``run_to_end()`` and ``stream()``
+run the requests of one response (prompts times ``n``, each a
+:class:`~structllm.server.jobs.Job`), the latter as server-sent events
+whose chunks a :class:`~structllm.server.jobs.StreamFormat` writes (each
+API's is a :class:`Chunks`); ``observe()`` runs one, recording its latency
+metrics and timings. :mod:`~structllm.server.completions.serving` and
 :mod:`~structllm.server.chat.serving` are the endpoints.
 """
 
 from __future__ import annotations
 
-import contextvars
 import json
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 import attrs
 from anyio.streams.memory import MemoryObjectSendStream
-from fastapi import Request
-from fastapi.responses import Response
-from pydantic import BaseModel
 
 from structllm.config import ServerConfig
 from structllm.engine.frontend.async_llm import AsyncLLM
-from structllm.engine.frontend.inputs import OFF_LOOP_CHARS, Prompt, check_prompt_bytes
-from structllm.errors import EngineLoadingError, InvalidRequestError, unwrap_group
+from structllm.errors import InvalidRequestError, unwrap_group
 from structllm.outputs import CompletionOutput, RequestOutput
-from structllm.params import OutputKind, SamplingParams
+from structllm.params import OutputKind
+from structllm.server.base import EngineSlot, ServingBase
 from structllm.server.http.access import current_record
-from structllm.server.http.body import maybe_off_loop, receive_json
-from structllm.server.http.errors import (
-    ModelNotFoundError,
-    RequestTimeoutError,
-    error_response,
-)
-from structllm.server.http.sse import Emit, EventStream, cancel_on_disconnect, deadline
-from structllm.server.metrics import Metrics
+from structllm.server.http.errors import RequestTimeoutError
+from structllm.server.http.sse import Emit, EventStream, deadline
+from structllm.server.jobs import Job, StreamFormat
 from structllm.server.protocol import bodies
 from structllm.server.protocol.constraints import rename_field
 from structllm.server.protocol.sampling import SamplingRequest
 
-__all__ = [
-    "Chunks",
-    "EngineSlot",
-    "Job",
-    "JobTiming",
-    "ServerConfig",
-    "Serving",
-    "StreamFormat",
-]
+#: with EngineSlot (server/base.py), Job (server/jobs.py) and ServerConfig
+#: (config.py): the names every endpoint takes from here
+__all__ = ["Chunks", "EngineSlot", "Job", "ServerConfig", "Serving", "StreamFormat"]
 
 _R = TypeVar("_R", bound=SamplingRequest)
 
 
 @attrs.define(eq=False)
-class EngineSlot:
-    """Holds the engine once it is up: the server listens while it loads."""
-
-    llm: AsyncLLM | None = None
-
-    def get(self) -> AsyncLLM:
-        if self.llm is None:
-            raise EngineLoadingError("the engine is loading")
-        return self.llm
-
-
-@attrs.define(eq=False)
-class JobTiming:
-    """When one job's outputs arrived (monotonic seconds), for vLLM's
-    per-request ``metrics``; :meth:`Serving.observe` fills it in."""
-
-    start: float | None = None
-    first: float | None = None
-    last: float | None = None
-    #: the engine's: from arrival in the core to being scheduled
-    queue_time: float | None = None
-    tokens: int = 0
-
-    def metrics(self) -> bodies.PerRequestMetrics:
-        """The timings as vLLM reports them (null where unknown). Being
-        scheduled is ``queue_time`` after the start: the front end's time to
-        the core counts as queueing."""
-        start, first, last, n = self.start, self.first, self.last, self.tokens
-        if start is None or first is None or last is None or self.queue_time is None:
-            return bodies.PerRequestMetrics(
-                time_to_first_token_ms=None,
-                generation_time_ms=None,
-                queue_time_ms=None
-                if self.queue_time is None
-                else self.queue_time * 1e3,
-                mean_itl_ms=None,
-                tokens_per_second=None,
-            )
-        scheduled = start + self.queue_time
-        generation = last - first
-        return bodies.PerRequestMetrics(
-            time_to_first_token_ms=max(first - scheduled, 0.0) * 1e3,
-            generation_time_ms=generation * 1e3,
-            queue_time_ms=self.queue_time * 1e3,
-            mean_itl_ms=generation * 1e3 / (n - 1) if n > 1 else None,
-            tokens_per_second=n / (last - scheduled) if last > scheduled else None,
-        )
-
-
-@attrs.frozen
-class Job:
-    """One choice to generate: choice ``index`` of prompt ``prompt_index``."""
-
-    index: int
-    prompt_index: int
-    prompt: Prompt
-    params: SamplingParams
-    priority: int = 0
-    timing: JobTiming = attrs.field(factory=JobTiming, eq=False)
-
-
-class StreamFormat(Protocol):
-    """How one API writes its chunks; ``usage`` is set for continuous usage."""
-
-    @property
-    def include_usage(self) -> bool: ...
-    @property
-    def continuous_usage(self) -> bool: ...
-    def opening(self, job: Job, usage: bodies.Usage | None) -> BaseModel | None: ...
-    def delta(
-        self, job: Job, out: RequestOutput, usage: bodies.Usage | None
-    ) -> BaseModel: ...
-    def closing(
-        self, usage: bodies.Usage, metrics: bodies.PerRequestMetrics | None
-    ) -> BaseModel: ...
-
-
-@attrs.define(eq=False)
-class Serving:
-    """The engine, the configuration and the metrics every endpoint shares."""
-
-    slot: EngineSlot
-    config: ServerConfig
-    metrics: Metrics
-    fingerprint: str = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self.fingerprint = bodies.fingerprint("structllm", self.config.model_name)
-
-    # -- the guard -----------------------------------------------------------
-
-    async def guarded(
-        self, request: Request, handler: Callable[[Any, bool], Awaitable[Response]]
-    ) -> Response:
-        """Errors -> OpenAI error bodies; a disconnect cancels the handler.
-
-        The body is read first: afterwards the only message left to receive
-        is the disconnect, which a watcher task waits for.
-        """
-        config = self.config
-        try:
-            _header_timeout.set(header_timeout(request))
-        except InvalidRequestError as exc:
-            refused = self.error_response(exc)
-            assert refused is not None  # a 400
-            return refused
-        body = await receive_json(request, config.max_body_bytes, config.body_timeout)
-        if isinstance(body, Response):
-            return body
-        try:
-            response = None
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(cancel_on_disconnect, request.receive, tg.cancel_scope)
-                with deadline(self.limit(None)):
-                    response = await handler(body.value, body.big)
-                tg.cancel_scope.cancel()
-            if response is None:  # the client went away
-                return Response(status_code=499)
-            return response
-        except BaseExceptionGroup as group:
-            response = self.error_response(unwrap_group(group))
-            if response is None:
-                raise
-            return response
-
-    def error_response(self, exc: BaseException) -> Response | None:
-        return error_response(exc, retry_after=self.config.retry_after)
-
-    def limit(self, timeout: float | None) -> float | None:
-        """Seconds this request may take: the least of ``--request-timeout``,
-        the ``X-Request-Timeout`` header and ``timeout`` (the body's)."""
-        limits = [
-            t
-            for t in (self.config.request_timeout, _header_timeout.get(), timeout)
-            if t is not None
-        ]
-        return min(limits) if limits else None
-
-    # -- checks shared by the endpoints ----------------------------------------
-
-    def check_model(self, name: str | None) -> None:
-        if name and name != self.config.model_name:
-            raise ModelNotFoundError(
-                f"the model {name!r} does not exist; this server serves "
-                f"{self.config.model_name!r}"
-            )
-
-    @staticmethod
-    def check_length(
-        llm: AsyncLLM, ids: Sequence[int], max_tokens: int | None, field: str
-    ) -> None:
-        room = llm.max_model_len - len(ids)
-        if max_tokens is not None and max_tokens > room:
-            raise InvalidRequestError(
-                f"this model's maximum context length is {llm.max_model_len} "
-                f"tokens; the prompt has {len(ids)} and {field}={max_tokens} "
-                f"would need {len(ids) + max_tokens}",
-                field=field,
-            )
-
-    @staticmethod
-    async def render_messages(
-        llm: AsyncLLM,
-        messages: list[dict[str, Any]],
-        options: dict[str, Any],
-        cache_salt: str | None = None,
-    ) -> Prompt:
-        """``messages`` through the chat template (``options``: the other
-        keywords of ``apply_chat_template``), tokenised; every API that takes
-        a conversation renders it here, so they all write the same prompt.
-
-        The text is checked against ``--max-prompt-bytes`` first (as
-        ``messages``), and a long conversation is rendered and tokenised in a
-        worker thread.
-        """
-        size = sum(len(m["content"]) for m in messages)
-        cap = llm.max_prompt_bytes
-        if cap is not None and 4 * size > cap:  # 4: the most bytes per char
-            text = "".join(m["content"] for m in messages)
-            check_prompt_bytes(text, cap, field="messages")
-        tools = options.get("tools")
-        # the template writes the tools out too: count them for the thread
-        rendered = size + (len(json.dumps(tools)) if tools else 0)
-
-        def render() -> tuple[str, tuple[int, ...]]:
-            text = llm.tokenizer.apply_chat_template(messages, **options)
-            # the template writes BOS itself: tokenise without special tokens
-            return text, tuple(llm.tokenizer.encode(text, add_special_tokens=False))
-
-        text, ids = await maybe_off_loop(rendered > OFF_LOOP_CHARS, render)
-        return Prompt(text, ids, cache_salt)
-
-    def prompt_text(self, prompt: Prompt) -> str:
-        if prompt.text is not None:
-            return prompt.text
-        # Special tokens spelled out, as in the echoed logprobs' pieces (the
-        # text offsets index into this text) and as vLLM echoes them.
-        tokenizer = self.slot.get().tokenizer
-        return tokenizer.decode(list(prompt.token_ids), skip_special_tokens=False)
-
-    @staticmethod
-    def prompt_tokens(jobs: Sequence[Job]) -> int:
-        """Prompt tokens counted once per prompt (its n choices share it)."""
-        seen = {job.prompt_index: len(job.prompt.token_ids) for job in jobs}
-        return sum(seen.values())
-
-    def head(self, rid: str) -> dict[str, Any]:
-        """The fields every response and chunk starts with."""
-        return {
-            "id": rid,
-            "created": bodies.now(),
-            "model": self.config.model_name,
-            "system_fingerprint": self.fingerprint,
-        }
-
-    def final_usage(
-        self, jobs: Sequence[Job], finals: dict[int, RequestOutput]
-    ) -> bodies.Usage:
-        return bodies.usage(
-            self.prompt_tokens(jobs),
-            sum(len(f.outputs[0].token_ids) for f in finals.values()),
-            sum(f.num_cached_tokens or 0 for f in finals.values()),
-        )
-
-    def wants_metrics(self, include_metrics: bool | None) -> bool:
-        """Whether a response carries vLLM's per-request ``metrics``: with
-        ``--enable-per-request-metrics``, unless the request's
-        ``include_metrics`` is false; ``true`` without the flag is refused."""
-        enabled = self.config.enable_per_request_metrics
-        if include_metrics and not enabled:
-            raise InvalidRequestError(
-                "include_metrics: per-request metrics are off on this server "
-                "(start it with --enable-per-request-metrics)",
-                field="include_metrics",
-            )
-        return enabled and include_metrics is not False
-
-    @staticmethod
-    def request_metrics(jobs: Sequence[Job]) -> bodies.PerRequestMetrics | None:
-        """The response's ``metrics``: its one job's timings; None for several
-        (prompts or ``n``), which one set of timings cannot describe, as vLLM."""
-        return jobs[0].timing.metrics() if len(jobs) == 1 else None
+class Serving(ServingBase):
+    """The base of every endpoint's serving: :class:`ServingBase`'s guard and
+    checks, and running the requests of one response, whole or streamed."""
 
     # -- running requests --------------------------------------------------------
 
@@ -531,26 +271,3 @@ class Chunks(Generic[_R]):
         if c.finish_reason is not None:
             extra["stop_reason"] = c.stop_reason
         return extra
-
-
-#: the X-Request-Timeout header's seconds, for the request being served
-_header_timeout: contextvars.ContextVar[float | None] = contextvars.ContextVar(
-    "structllm_header_timeout", default=None
-)
-
-
-def header_timeout(request: Request) -> float | None:
-    """The ``X-Request-Timeout`` header: positive seconds, or None if absent."""
-    raw = request.headers.get("x-request-timeout")
-    if raw is None:
-        return None
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise InvalidRequestError(
-            f"X-Request-Timeout must be a positive number of seconds, not {raw!r:.40}",
-            field="X-Request-Timeout",
-        )
-    return seconds

@@ -50,6 +50,7 @@ import attrs
 import msgspec
 
 from structllm.config import EngineConfig, FrontendConfig, split_fields
+from structllm.core.pooling import Pooling, PoolingMethod, pooling_request
 from structllm.engine.frontend.core_client import health_timeout
 from structllm.engine.frontend.inputs import (
     Admission,
@@ -79,11 +80,15 @@ from structllm.engine.frontend.scopes import (
 from structllm.engine.protocol import AbortRequests, CoreState, Ready
 from structllm.engine.statistics import EngineStatistics
 from structllm.errors import EngineDeadError, InvalidRequestError, unwrap_group
-from structllm.outputs import RequestOutput
+from structllm.outputs import EmbeddingOutput, RequestOutput
 from structllm.params import OutputKind, SamplingParams
 from structllm.text.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["AsyncLLM", "EngineStatistics", "PinnedPrefix", "RequestStream"]
+
+#: an embedding request's sampling parameters: it samples nothing, and its
+#: one output is its last
+_EMBED_PARAMS = SamplingParams(max_tokens=1, output_kind=OutputKind.FINAL)
 
 
 class AsyncLLM:
@@ -240,6 +245,33 @@ class AsyncLLM:
         finally:
             del self._samples[rid]
 
+    async def embed(
+        self,
+        prompt: PromptInput,
+        *,
+        pooling: PoolingMethod | None = None,
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> EmbeddingOutput:
+        """The embedding of ``prompt``: its last hidden states pooled.
+
+        ``pooling`` (``"last"`` token or ``"mean"`` of every position) and
+        ``normalize`` (to unit length) default to what the checkpoint's
+        sentence-transformers config says (last token, normalised, without
+        one); ``dimensions`` keeps the first values (Matryoshka), normalised
+        after. The request is prefilled through the same scheduler as any
+        other and finished at the end of its prefill; its KV blocks go back
+        at once. Cancelling the caller, or ``abort(request_id)``, ends it
+        like any request (an aborted one returns without an embedding).
+        """
+        spec = pooling_request(pooling, normalize, dimensions)
+        stream = RequestStream(
+            self, prompt, _EMBED_PARAMS, request_id, priority, pooling=spec
+        )
+        return EmbeddingOutput.from_request_output(await run_to_end(stream))
+
     async def race(
         self,
         prompt: PromptInput,
@@ -361,6 +393,7 @@ class AsyncLLM:
         *,
         group: str | None = None,
         pin: bool = False,
+        pooling: Pooling | None = None,
     ) -> RequestState:
         """Register a request and send it to a core; its state (``mailbox``
         of outputs, ``finish_reason``, ``snapshot()``) until :meth:`release`.
@@ -374,7 +407,8 @@ class AsyncLLM:
         goes with it: the core ranks waiting work by it and drops the request
         once it passes, before the scope's own abort arrives. ``group``: a
         race's name; ``pin``: keep its prompt's blocks once prefilled (see
-        :mod:`~structllm.engine.frontend.scopes`).
+        :mod:`~structllm.engine.frontend.scopes`); ``pooling``: an embedding
+        request (see :meth:`embed`).
         """
         state, request = await process_inputs(
             prompt,
@@ -387,7 +421,7 @@ class AsyncLLM:
         )
         # No await since _admit's checks: registered and submitted, or neither.
         request = msgspec.structs.replace(
-            request, deadline=core_deadline(), group=group, pin=pin
+            request, deadline=core_deadline(), group=group, pin=pin, pooling=pooling
         )
         self._client.submit_nowait(request)
         self._processor.add(state)

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable, Sequence
 import anyio
 import anyio.lowlevel
 import attrs
+import numpy as np
+import numpy.typing as npt
 
 from structllm.core.engine_core import RequestStepOutput
 from structllm.errors import RequestFailedError
@@ -113,6 +115,8 @@ class RequestState:
     queue_time: float | None = None
     num_cached_tokens: int | None = None
     prompt_logprobs: tuple[dict[int, Logprob] | None, ...] | None = None
+    #: an embedding request's vector, once its prefill ends (read-only)
+    embedding: npt.NDArray[np.float32] | None = None
     #: how much text / how many tokens earlier delta outputs carried
     _sent_text: int = 0
     _sent_tokens: int = 0
@@ -159,6 +163,8 @@ class RequestState:
             self.queue_time = step.queue_s
         if step.num_cached_tokens is not None:
             self.num_cached_tokens = step.num_cached_tokens
+        if step.embedding is not None:
+            self.embedding = np.frombuffer(step.embedding, dtype="<f4")
         if step.prompt_logprobs is not None:
             self.prompt_logprobs = tuple(
                 None if lp is None else self._logprob_dict(token, lp)
@@ -236,6 +242,7 @@ class RequestState:
             queue_time=self.queue_time,
             num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=prompt_logprobs,
+            embedding=self.embedding,
         )
 
     def _logprob_dict(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from structllm.core.pooling import Pooling
 from structllm.engine.frontend.inputs import PromptInput
 from structllm.engine.frontend.output_processor import RequestState
 from structllm.errors import unwrap_group
@@ -31,8 +32,11 @@ class RequestStream:
         params: SamplingParams | None,
         request_id: str | None,
         priority: int,
+        *,
+        pooling: Pooling | None = None,
     ) -> None:
         self._llm = llm
+        self._pooling = pooling
         self._prompt = prompt
         self._params = SamplingParams() if params is None else params
         #: known before anything is registered, so any request can be aborted
@@ -52,7 +56,11 @@ class RequestStream:
 
     async def __aenter__(self) -> RequestStream:
         self._state = await self._llm.submit(
-            self._prompt, self._params, self.request_id, self._priority
+            self._prompt,
+            self._params,
+            self.request_id,
+            self._priority,
+            pooling=self._pooling,
         )
         self._scope = anyio.CancelScope()
         self._scope.__enter__()

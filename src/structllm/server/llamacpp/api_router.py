@@ -1,6 +1,8 @@
 """llama.cpp's native routes, and its aliases of the OpenAI routes.
 
 ``POST /completion`` and ``/completions`` (llama.cpp's native completion),
+``POST /embedding`` and ``/embeddings`` (its native embeddings; OpenAI's
+are ``/v1/embeddings``),
 ``POST /apply-template`` (messages through the chat template), ``GET /props``, ``GET /slots`` (refused: 501, as llama.cpp without
 ``--slots``); ``POST /chat/completions`` and ``GET /models``, which
 llama.cpp serves without the ``/v1`` prefix, are the OpenAI routes under a
@@ -17,7 +19,10 @@ from structllm.server import openapi
 from structllm.server.chat.api_router import create_chat_completion
 from structllm.server.chat.messages import ChatPrompt
 from structllm.server.http.errors import ASCIIJSONResponse, json_error
-from structllm.server.llamacpp.protocol import LlamaCompletionRequest
+from structllm.server.llamacpp.protocol import (
+    LlamaCompletionRequest,
+    LlamaEmbeddingRequest,
+)
 from structllm.server.llamacpp.serving import LlamaCppServing
 from structllm.server.models.api_router import list_models
 
@@ -45,6 +50,23 @@ for _path in ("/completion", "/completions"):
         response_model=None,
         responses=openapi.error_responses(400, 401, 404, 408, 413, 415, 500, 503),
         summary="llama.cpp: complete a prompt (its native fields and answer)",
+    )
+
+
+async def embedding(request: Request) -> Response:
+    serving = _serving(request)
+    return await serving.guarded(request, serving.embedding)
+
+
+for _path in ("/embedding", "/embeddings"):
+    router.add_api_route(
+        _path,
+        embedding,
+        methods=["POST"],
+        openapi_extra=openapi.request_body(LlamaEmbeddingRequest),
+        response_model=None,
+        responses=openapi.error_responses(400, 401, 404, 408, 413, 415, 500, 503),
+        summary="llama.cpp: each prompt's pooled embedding (its native answer)",
     )
 
 

@@ -31,6 +31,11 @@
                                              the output
 ===========================================  ================================
 
+``POST /embedding`` (and ``/embeddings``) takes ``content`` (or ``input``)
+shaped as ``prompt`` above and answers ``[{"index": i, "embedding":
+[[...]]}]``, one pooled vector per prompt (llama.cpp's shape), normalised
+unless ``embd_normalize`` is -1.
+
 The fields of :data:`NATIVE_REFUSED` are refused with a 400 naming them
 unless they hold their no-op value; other unknown fields are ignored, as
 llama.cpp ignores them.
@@ -38,7 +43,7 @@ llama.cpp ignores them.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -60,6 +65,7 @@ from structllm.server.protocol.refusals import refuse
 __all__ = [
     "NATIVE_REFUSED",
     "LlamaCompletionRequest",
+    "LlamaEmbeddingRequest",
     "LlamaTimings",
     "LlamaTokenizeRequest",
     "LlamaTokenizeResponse",
@@ -101,7 +107,7 @@ NATIVE_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
 }
 
 
-def _prompt(value: Any) -> list[Any]:
+def _prompt(value: Any, name: str = "prompt") -> list[Any]:
     """The prompts of a request, each a string or a list of ids and strings."""
 
     def one(p: Any, where: str) -> Any:
@@ -132,12 +138,12 @@ def _prompt(value: Any) -> list[Any]:
         )
 
     if isinstance(value, list) and value and any(_is_id(x) for x in value):
-        return [one(value, "prompt")]  # one prompt of ids and strings mixed
+        return [one(value, name)]  # one prompt of ids and strings mixed
     if isinstance(value, list):
         if not value:
-            raise PydanticCustomError("field", "no prompt given", {"name": "prompt"})
-        return [one(p, f"prompt[{i}]") for i, p in enumerate(value)]
-    return [one(value, "prompt")]
+            raise PydanticCustomError("field", "no prompt given", {"name": name})
+        return [one(p, f"{name}[{i}]") for i, p in enumerate(value)]
+    return [one(value, name)]
 
 
 def _is_id(x: Any) -> bool:
@@ -261,6 +267,43 @@ class LlamaCompletionRequest(BaseModel):
     def max_tokens(self) -> int | None:
         n = self.n_predict
         return None if n is None or n < 0 else n
+
+
+class LlamaEmbeddingRequest(BaseModel):
+    """llama.cpp's ``POST /embedding`` (and ``/embeddings``): ``content`` (or
+    ``input``) as ``/completion``'s prompt; ``embd_normalize`` -1 (none) or
+    2 (Euclidean, the default); structllm's ``pooling``."""
+
+    model_config = REQUEST_CONFIG
+
+    content: Any
+    embd_normalize: int = 2
+    pooling: Literal["last", "mean"] | None = None
+    model: Text | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _content(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise PydanticCustomError("body", "the request body must be a JSON object")
+        name = "content" if "content" in data else "input"
+        if name not in data:
+            raise PydanticCustomError("field", "required", {"name": "content"})
+        return {**data, "content": _prompt(data[name], name)}
+
+    @model_validator(mode="after")
+    def _normalize(self) -> LlamaEmbeddingRequest:
+        if self.embd_normalize not in (-1, 2):
+            raise PydanticCustomError(
+                "refused",
+                "only -1 (none) and 2 (Euclidean) are supported",
+                {"name": "embd_normalize"},
+            )
+        return self
+
+    @property
+    def prompts(self) -> list[NativePrompt]:
+        return list(self.content)
 
 
 class LlamaTimings(Body):

@@ -1,6 +1,6 @@
-"""llama.cpp's native API on the engine: ``/completion``, ``/tokenize`` with
-``content``, ``/detokenize``'s ``content``, ``/apply-template``, ``/props``
-and ``/slots``.
+"""llama.cpp's native API on the engine: ``/completion``, ``/embedding``,
+``/tokenize`` with ``content``, ``/detokenize``'s ``content``,
+``/apply-template``, ``/props`` and ``/slots``.
 
 A ``/completion`` prompt is tokenised as ``/v1/completions`` tokenises it
 (with the special tokens: the BOS of a model that has one); in a list that
@@ -30,69 +30,35 @@ from fastapi.responses import Response
 
 import structllm
 from structllm.engine.frontend.async_llm import AsyncLLM
-from structllm.engine.frontend.inputs import (
-    OFF_LOOP_CHARS,
-    Prompt,
-    check_prompt_bytes,
-    parse_prompt_off_loop,
-)
+from structllm.engine.frontend.inputs import OFF_LOOP_CHARS, check_prompt_bytes
 from structllm.errors import InvalidRequestError, unwrap_group
-from structllm.outputs import CompletionOutput, RequestOutput
+from structllm.outputs import RequestOutput
 from structllm.params import OutputKind, SamplingParams
 from structllm.server.chat.messages import ChatPrompt
+from structllm.server.embeddings.serving import embed_all, vectors
 from structllm.server.http.body import maybe_off_loop, validate
 from structllm.server.http.errors import ASCIIJSONResponse, json_error
 from structllm.server.http.sse import Emit, EventStream, deadline
+from structllm.server.llamacpp.answer import (
+    Run,
+    completion_constraint,
+    completion_probabilities,
+    pick_fields,
+)
 from structllm.server.llamacpp.protocol import (
     LlamaCompletionRequest,
+    LlamaEmbeddingRequest,
     LlamaTimings,
     LlamaTokenizeRequest,
     LlamaTokenizeResponse,
-    NativePrompt,
 )
+from structllm.server.llamacpp.tokens import native_prompt, token_piece
 from structllm.server.protocol.bodies import dump
-from structllm.server.protocol.constraints import (
-    check_constraints,
-    rename_field,
-    renamed,
-)
-from structllm.server.protocol.logprobs import MIN_LOGPROB
+from structllm.server.protocol.constraints import check_constraints, renamed
 from structllm.server.serving import Job, Serving
 from structllm.structured import StructuredOutputs
 
-__all__ = ["LlamaCppServing", "is_native_tokenize", "with_content"]
-
-
-def is_native_tokenize(body: Any) -> bool:
-    """A ``/tokenize`` body in llama.cpp's shape (``content``, not vLLM's
-    ``prompt`` or ``messages``)."""
-    return (
-        isinstance(body, dict)
-        and "content" in body
-        and "prompt" not in body
-        and "messages" not in body
-    )
-
-
-def with_content(response: Response) -> Response:
-    """vLLM's ``/detokenize`` answer with llama.cpp's ``content`` beside
-    ``prompt`` (the two servers take the same request)."""
-    if response.status_code != 200:
-        return response
-    body = json.loads(bytes(response.body))
-    if "prompt" in body and "content" not in body:
-        body["content"] = body["prompt"]
-    return ASCIIJSONResponse(body)
-
-
-@attrs.frozen
-class _Run:
-    """One job's final output and when its first output arrived."""
-
-    final: RequestOutput
-    start: float
-    first: float
-    end: float
+__all__ = ["LlamaCppServing"]
 
 
 @attrs.define(eq=False)
@@ -105,12 +71,12 @@ class LlamaCppServing(Serving):
         llm = self.slot.get()
         req = await maybe_off_loop(big, validate, LlamaCompletionRequest, body)
         self.check_model(req.model)
-        constraint, field = _constraint(req)
+        constraint, field = completion_constraint(req)
         if constraint is not None and field is not None:
             await check_constraints([(constraint, field)])
         params = self._params(llm, req, constraint)
         prompts = [
-            await self._prompt(llm, p, i, len(req.prompts))
+            await native_prompt(llm, p, i, len(req.prompts))
             for i, p in enumerate(req.prompts)
         ]
         for p in prompts:
@@ -122,7 +88,7 @@ class LlamaCppServing(Serving):
                     "stream: one prompt at a time when streaming", field="stream"
                 )
             return self._stream(llm, req, jobs[0], field)
-        runs: dict[int, _Run] = {}
+        runs: dict[int, Run] = {}
 
         async def one(job: Job) -> None:
             runs[job.index] = await self._run(job)
@@ -133,7 +99,7 @@ class LlamaCppServing(Serving):
                     tg.start_soon(one, job)
         answers = [self._final(req, job, runs[job.index]) for job in jobs]
         if req.response_fields:
-            answers = [_pick(a, req.response_fields) for a in answers]
+            answers = [pick_fields(a, req.response_fields) for a in answers]
         return ASCIIJSONResponse(answers if len(answers) > 1 else answers[0])
 
     def _params(
@@ -183,36 +149,32 @@ class LlamaCppServing(Serving):
             structured_outputs=constraint,
         )
 
-    async def _prompt(
-        self, llm: AsyncLLM, p: NativePrompt, i: int, count: int
-    ) -> Prompt:
-        field = f"prompt[{i}]" if count > 1 else "prompt"
-        tok = llm.tokenizer
-        if isinstance(p, str):
-            try:
-                return await parse_prompt_off_loop(
-                    p, tok, max_bytes=llm.max_prompt_bytes
-                )
-            except InvalidRequestError as exc:
-                raise InvalidRequestError(str(exc), field=field) from None
-        ids: list[int] = []
-        first = True
-        for piece in p:
-            if isinstance(piece, str):
-                check_prompt_bytes(piece, llm.max_prompt_bytes, field)
-                ids += tok.encode(piece, add_special_tokens=first)
-            else:
-                if piece >= llm.vocab_size:
-                    raise InvalidRequestError(
-                        f"{field}: token id {piece} is outside the vocabulary "
-                        f"[0, {llm.vocab_size})",
-                        field=field,
-                    )
-                ids.append(piece)
-            first = False
-        return Prompt(None, tuple(ids))
+    async def embedding(self, body: Any, big: bool) -> Response:
+        """``/embedding``: each prompt's pooled vector, in llama.cpp's shape."""
+        llm = self.slot.get()
+        req = await maybe_off_loop(big, validate, LlamaEmbeddingRequest, body)
+        self.check_model(req.model)
+        count = len(req.prompts)
+        prompts = [
+            await native_prompt(llm, p, i, count, "content")
+            for i, p in enumerate(req.prompts)
+        ]
+        with deadline(self.limit(None)):
+            outputs = await embed_all(
+                llm,
+                prompts,
+                pooling=req.pooling,
+                normalize=req.embd_normalize == 2,
+                field="content",
+                metrics=self.metrics,
+            )
+        answer = [
+            {"index": i, "embedding": [[float(x) for x in v]]}
+            for i, v in enumerate(vectors(outputs))
+        ]
+        return ASCIIJSONResponse(answer)
 
-    async def _run(self, job: Job) -> _Run:
+    async def _run(self, job: Job) -> Run:
         start = time.monotonic()
         first: list[float] = []
 
@@ -222,7 +184,7 @@ class LlamaCppServing(Serving):
 
         final = await self.observe(job, on_output)
         end = time.monotonic()
-        return _Run(final, start, first[0] if first else end, end)
+        return Run(final, start, first[0] if first else end, end)
 
     def _stream(
         self, llm: AsyncLLM, req: LlamaCompletionRequest, job: Job, field: str | None
@@ -250,17 +212,19 @@ class LlamaCppServing(Serving):
                     "tokens_evaluated": len(out.prompt_token_ids),
                 }
                 if req.n_probs:
-                    chunk["completion_probabilities"] = _probabilities(c, req.n_probs)
+                    chunk["completion_probabilities"] = completion_probabilities(
+                        c, req.n_probs
+                    )
                 await emit(chunk)
 
             try:
                 with deadline(limit), renamed(field):
                     final = await self.observe(job, send)
                 end = time.monotonic()
-                run = _Run(final, start, first[0] if first else end, end)
+                run = Run(final, start, first[0] if first else end, end)
                 last = self._final(req, job, run, streamed=True)
                 if req.response_fields:
-                    last = _pick(last, req.response_fields)
+                    last = pick_fields(last, req.response_fields)
                 await emit(last)
             except Exception as exc:
                 response = self.error_response(unwrap_group(exc))
@@ -274,7 +238,7 @@ class LlamaCppServing(Serving):
         self,
         req: LlamaCompletionRequest,
         job: Job,
-        run: _Run,
+        run: Run,
         *,
         streamed: bool = False,
     ) -> dict[str, Any]:
@@ -325,7 +289,9 @@ class LlamaCppServing(Serving):
             "timings": dump(timings),
         }
         if req.n_probs and not streamed:
-            answer["completion_probabilities"] = _probabilities(c, req.n_probs)
+            answer["completion_probabilities"] = completion_probabilities(
+                c, req.n_probs
+            )
         return answer
 
     def _settings(self, params: SamplingParams) -> dict[str, Any]:
@@ -366,7 +332,7 @@ class LlamaCppServing(Serving):
             ids = encode()
         if not req.with_pieces:
             return ASCIIJSONResponse(dump(LlamaTokenizeResponse(tokens=ids)))
-        pieces = [{"id": i, "piece": _piece(llm, i)} for i in ids]
+        pieces = [{"id": i, "piece": token_piece(llm, i)} for i in ids]
         return ASCIIJSONResponse({"tokens": pieces})
 
     async def apply_template(self, body: Any, big: bool) -> Response:
@@ -415,95 +381,3 @@ class LlamaCppServing(Serving):
             "continuous batch, not in slots; /metrics reports the requests "
             "running and waiting",
         )
-
-
-def _constraint(
-    req: LlamaCompletionRequest,
-) -> tuple[StructuredOutputs | None, str | None]:
-    try:
-        if req.json_schema is not None:
-            return StructuredOutputs(json=req.json_schema), "json_schema"
-        if req.grammar:
-            return StructuredOutputs(grammar=req.grammar), "grammar"
-    except InvalidRequestError as exc:
-        name = "json_schema" if req.json_schema is not None else "grammar"
-        raise rename_field(exc, name) from None
-    return None, None
-
-
-def _pick(answer: dict[str, Any], paths: list[str]) -> dict[str, Any]:
-    """llama.cpp's ``response_fields``: each path (``a/b``) that exists."""
-    picked: dict[str, Any] = {}
-    for path in paths:
-        value: Any = answer
-        for part in path.split("/"):
-            if not isinstance(value, dict) or part not in value:
-                break
-            value = value[part]
-        else:
-            picked[path] = value
-    return picked
-
-
-def _probabilities(c: CompletionOutput, top_n: int) -> list[dict[str, Any]]:
-    """``completion_probabilities``: each token, its logprob, the ``top_n`` best."""
-    if c.logprobs is None:
-        return []
-    out = []
-    for token_id, d in zip(c.token_ids, c.logprobs, strict=True):
-        ranked = sorted(
-            d.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30
-        )
-        chosen = d[token_id]
-        text = chosen.decoded_token or ""
-        out.append(
-            {
-                "id": token_id,
-                "token": text,
-                "logprob": max(chosen.logprob, MIN_LOGPROB),
-                "bytes": list(text.encode()),
-                "top_logprobs": [
-                    {
-                        "id": t,
-                        "token": v.decoded_token or "",
-                        "logprob": max(v.logprob, MIN_LOGPROB),
-                        "bytes": list((v.decoded_token or "").encode()),
-                    }
-                    for t, v in ranked[:top_n]
-                ],
-            }
-        )
-    return out
-
-
-def _piece(llm: AsyncLLM, token_id: int) -> str | list[int]:
-    """The token's text, or (a byte of a longer character) its bytes."""
-    text = llm.tokenizer.decode([token_id], skip_special_tokens=False)
-    if "\ufffd" not in text:
-        return text
-    raw = _byte_level(llm.tokenizer.id_to_piece(token_id))
-    return raw if raw is not None else text
-
-
-def _byte_level(piece: str) -> list[int] | None:
-    """A byte-level BPE piece's bytes (GPT-2's byte-to-character table)."""
-    table = _unicode_to_byte()
-    if not all(ch in table for ch in piece):
-        return None
-    return [table[ch] for ch in piece]
-
-
-def _unicode_to_byte() -> dict[str, int]:
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("\xa1"), ord("\xac") + 1),
-        *range(ord("\xae"), ord("\xff") + 1),
-    ]
-    chars = list(printable)
-    n = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}

@@ -6,12 +6,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from structllm.server import openapi
-from structllm.server.messages.protocol import (
-    CountTokensRequest,
+from structllm.server.messages.protocol import CountTokensRequest, MessagesRequest
+from structllm.server.messages.response import (
     CountTokensResponse,
     MessageResponse,
     MessagesErrorResponse,
-    MessagesRequest,
     MessageStreamEvent,
 )
 from structllm.server.messages.serving import MessagesServing

@@ -38,19 +38,21 @@ from structllm.server.chat.tool_calls import call_parser
 from structllm.server.http.body import maybe_off_loop, validate
 from structllm.server.http.errors import ASCIIJSONResponse, anthropic_error_json
 from structllm.server.http.sse import Emit, EventStream, deadline
+from structllm.server.messages.blocks import ThinkingEnabled
 from structllm.server.messages.protocol import (
     CountTokensRequest,
+    MessagesPrompt,
+    MessagesRequest,
+)
+from structllm.server.messages.response import (
     CountTokensResponse,
     MessageResponse,
     MessagesErrorResponse,
-    MessagesPrompt,
-    MessagesRequest,
     MessageStartEvent,
     MessagesUsage,
     PingEvent,
     TextBlock,
     ThinkingBlock,
-    ThinkingEnabled,
     ToolUseBlock,
 )
 from structllm.server.messages.streaming import (

@@ -32,7 +32,7 @@ from pydantic import BaseModel
 
 from structllm.outputs import CompletionOutput
 from structllm.server.chat.tool_calls import AnswerParser
-from structllm.server.messages.protocol import (
+from structllm.server.messages.response import (
     ContentBlockDeltaEvent,
     ContentBlockStartEvent,
     ContentBlockStopEvent,

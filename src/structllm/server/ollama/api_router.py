@@ -1,7 +1,7 @@
-"""Ollama's routes: ``/api/generate``, ``/api/chat``, ``/api/tags``,
-``/api/show``, ``/api/ps``, ``/api/version`` and ``GET /`` (the check
-Ollama's clients make that the server is up); ``/api/embed`` and
-``/api/embeddings`` refused by name, and the model-management routes
+"""Ollama's routes: ``/api/generate``, ``/api/chat``, ``/api/embed``,
+``/api/embeddings``, ``/api/tags``, ``/api/show``, ``/api/ps``,
+``/api/version`` and ``GET /`` (the check Ollama's clients make that the
+server is up); the model-management routes
 (``pull``, ``push``, ``create``, ``copy``, ``delete``) refused: the server
 serves the one model it was started with."""
 
@@ -14,11 +14,17 @@ from structllm.server import openapi
 from structllm.server.http.errors import ASCIIJSONResponse
 from structllm.server.ollama.protocol import (
     OllamaChatRequest,
-    OllamaChatResponse,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
     OllamaGenerateRequest,
+    OllamaShowRequest,
+)
+from structllm.server.ollama.response import (
+    OllamaChatResponse,
+    OllamaEmbeddingsResponse,
+    OllamaEmbedResponse,
     OllamaGenerateResponse,
     OllamaProcesses,
-    OllamaShowRequest,
     OllamaShowResponse,
     OllamaTags,
     OllamaVersion,
@@ -63,6 +69,30 @@ async def generate(request: Request) -> Response:
 async def chat(request: Request) -> Response:
     serving = _serving(request)
     return await serving.guarded(request, serving.chat)
+
+
+@router.post(
+    "/api/embed",
+    openapi_extra=openapi.request_body(OllamaEmbedRequest),
+    response_model=None,
+    responses=openapi.responses(OllamaEmbedResponse),
+    summary="Ollama: normalised embeddings of one input or several",
+)
+async def embed(request: Request) -> Response:
+    serving = _serving(request)
+    return await serving.guarded(request, serving.embed)
+
+
+@router.post(
+    "/api/embeddings",
+    openapi_extra=openapi.request_body(OllamaEmbeddingsRequest),
+    response_model=None,
+    responses=openapi.responses(OllamaEmbeddingsResponse),
+    summary="Ollama (older route): the embedding of one prompt",
+)
+async def embeddings(request: Request) -> Response:
+    serving = _serving(request)
+    return await serving.guarded(request, serving.embeddings)
 
 
 @router.get(
@@ -125,8 +155,6 @@ async def version(request: Request) -> Response:
 
 
 _REFUSED = {
-    "/api/embed": "embeddings are not supported",
-    "/api/embeddings": "embeddings are not supported",
     "/api/pull": "this server serves the model it was started with; it pulls none",
     "/api/push": "this server does not push models",
     "/api/create": "this server serves the model it was started with",

@@ -9,6 +9,9 @@ one object per piece of text with ``done: false``, then one with ``done:
 true``, ``done_reason`` and the counts and durations (nanoseconds; the
 prompt's time is the time to the first token). A request without a prompt
 (or messages) only "loads" the model: ``done_reason: "load"``.
+``/api/embed`` embeds one input or several at once (batched like
+``/v1/embeddings``), normalised as Ollama's are; ``/api/embeddings``, the
+older route, one ``prompt``, not normalised (as Ollama answers it).
 
 Errors are Ollama's ``{"error": "message"}`` with the status the OpenAI
 routes give (400 naming the field, 404 for another model, 503...), and a
@@ -17,13 +20,10 @@ stream that fails after its 200 ends with such a line.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -39,22 +39,36 @@ from structllm.engine.frontend.inputs import (
     parse_prompt_off_loop,
 )
 from structllm.errors import InvalidRequestError, unwrap_group
-from structllm.outputs import CompletionOutput, Logprob, RequestOutput
+from structllm.outputs import RequestOutput
+from structllm.server.embeddings.serving import embed_all, parse_input, vectors
 from structllm.server.http.body import maybe_off_loop, validate
 from structllm.server.http.errors import ASCIIJSONResponse, ModelNotFoundError
 from structllm.server.http.sse import Emit, NDJSONStream, deadline
+from structllm.server.ollama.fields import (
+    Timing,
+    model_digest,
+    ollama_error,
+    rfc3339,
+    token_logprobs,
+    weights_size,
+)
 from structllm.server.ollama.protocol import (
-    OllamaChatMessage,
     OllamaChatRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
+    OllamaGenerateRequest,
+    OllamaShowRequest,
+)
+from structllm.server.ollama.response import (
+    OllamaChatMessage,
     OllamaChatResponse,
     OllamaDetails,
-    OllamaGenerateRequest,
+    OllamaEmbeddingsResponse,
+    OllamaEmbedResponse,
     OllamaGenerateResponse,
-    OllamaLogprob,
     OllamaModel,
     OllamaProcesses,
     OllamaRunningModel,
-    OllamaShowRequest,
     OllamaShowResponse,
     OllamaTags,
     OllamaVersion,
@@ -62,95 +76,20 @@ from structllm.server.ollama.protocol import (
 )
 from structllm.server.protocol.bodies import dump
 from structllm.server.protocol.constraints import check_constraints, renamed
-from structllm.server.protocol.logprobs import MIN_LOGPROB
 from structllm.server.serving import Job, Serving
 from structllm.text.auto_tool_parser import AutoParser
 from structllm.text.tool_parser import ContentDelta, ToolCallParser, ToolEvent, collect
 
-__all__ = ["OllamaServing", "ollama_error"]
+__all__ = ["OllamaServing"]
 
 #: builds a line: (a delta, or the final output; done) -> the object to send
 #: (None: nothing to send for this delta)
 _Line = Callable[[RequestOutput, bool], dict[str, Any] | None]
 
 
-def _logprobs(c: CompletionOutput, top: int | None) -> dict[str, Any]:
-    """``{"logprobs": [...]}`` for ``c``'s tokens, or nothing when not asked."""
-    if c.logprobs is None:
-        return {}
-
-    def entry(v: Logprob) -> dict[str, Any]:
-        text = v.decoded_token or ""
-        return {
-            "token": text,
-            "logprob": max(v.logprob, MIN_LOGPROB),
-            "bytes": list(text.encode()),
-        }
-
-    out = []
-    for token_id, d in zip(c.token_ids, c.logprobs, strict=True):
-        item = entry(d[token_id])
-        if top:
-            ranked = sorted(
-                d.values(), key=lambda v: v.rank if v.rank is not None else 1 << 30
-            )
-            item["top_logprobs"] = [entry(v) for v in ranked[:top]]
-        out.append(OllamaLogprob.model_validate(item))
-    return {"logprobs": out}
-
-
-def _rfc3339(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).isoformat().replace("+00:00", "Z")
-
-
-def ollama_error(response: Response) -> Response:
-    """An OpenAI error response as Ollama's ``{"error": "message"}``."""
-    if response.status_code < 400 or response.media_type != "application/json":
-        return response
-    try:
-        error = json.loads(bytes(response.body))["error"]
-    except (ValueError, KeyError, TypeError):
-        return response
-    message = error.get("message", "") if isinstance(error, dict) else str(error)
-    headers = {
-        k: v
-        for k, v in response.headers.items()
-        if k not in ("content-length", "content-type")
-    }
-    return ASCIIJSONResponse(
-        {"error": message}, status_code=response.status_code, headers=headers
-    )
-
-
-@attrs.frozen
-class _Timing:
-    """When a request started and produced its first output (monotonic)."""
-
-    start: float = attrs.field(factory=time.monotonic)
-    first: list[float] = attrs.field(factory=list)
-
-    def saw_output(self) -> None:
-        if not self.first:
-            self.first.append(time.monotonic())
-
-    def fields(self, out: RequestOutput) -> dict[str, Any]:
-        end = time.monotonic()
-        first = self.first[0] if self.first else end
-        c = out.outputs[0]
-        return {
-            "done_reason": "length" if c.finish_reason == "length" else "stop",
-            "total_duration": int((end - self.start) * 1e9),
-            "load_duration": 0,
-            "prompt_eval_count": len(out.prompt_token_ids),
-            "prompt_eval_duration": int((first - self.start) * 1e9),
-            "eval_count": len(c.token_ids),
-            "eval_duration": int((end - first) * 1e9),
-        }
-
-
 @attrs.define(eq=False)
 class OllamaServing(Serving):
-    """``/api/generate``, ``/api/chat`` and the model routes."""
+    """``/api/generate``, ``/api/chat``, ``/api/embed`` and the model routes."""
 
     #: wall-clock time the server started (the model's ``modified_at``)
     started: float = attrs.field(init=False, factory=time.time)
@@ -201,7 +140,9 @@ class OllamaServing(Serving):
 
         def line(out: RequestOutput, done: bool) -> dict[str, Any]:
             c = out.outputs[0]
-            extra = _logprobs(c, req.top_logprobs) if not streamed_end(done) else {}
+            extra = (
+                token_logprobs(c, req.top_logprobs) if not streamed_end(done) else {}
+            )
             if not done:
                 return self._line(OllamaGenerateResponse, response=c.text, **extra)
             return self._line(
@@ -216,7 +157,7 @@ class OllamaServing(Serving):
             """The last line of a stream: every token's logprobs were sent."""
             return done and req.streaming
 
-        timing = _Timing()
+        timing = Timing()
         return await self._answer(llm, job, req.streaming, line, timing)
 
     # -- chat ------------------------------------------------------------------------
@@ -238,7 +179,9 @@ class OllamaServing(Serving):
 
         def line(out: RequestOutput, done: bool) -> dict[str, Any] | None:
             c = out.outputs[0]
-            logprobs = {} if done and req.streaming else _logprobs(c, req.top_logprobs)
+            logprobs = (
+                {} if done and req.streaming else token_logprobs(c, req.top_logprobs)
+            )
             if parser is None:
                 content = c.text if not done or not req.streaming else ""
                 message = OllamaChatMessage(content=content)
@@ -274,7 +217,7 @@ class OllamaServing(Serving):
                 OllamaChatResponse, message=message, **logprobs, **timing.fields(out)
             )
 
-        timing = _Timing()
+        timing = Timing()
         return await self._answer(llm, job, req.streaming, line, timing)
 
     # -- the model ------------------------------------------------------------------
@@ -313,10 +256,50 @@ class OllamaServing(Serving):
                 "context_length": llm.max_model_len,
                 "vocab_size": llm.vocab_size,
             },
-            capabilities=["completion", "tools"],
+            capabilities=["completion", "tools", "embedding"],
             modified_at=model.modified_at,
         )
         return ASCIIJSONResponse(dump(show))
+
+    # -- embeddings ---------------------------------------------------------------
+
+    async def embed(self, body: Any, big: bool) -> Response:
+        """``/api/embed``: every input, normalised (Ollama's), batched."""
+        llm = self.slot.get()
+        req = await maybe_off_loop(big, validate, OllamaEmbedRequest, body)
+        self.check_model(req.model)
+        start = time.monotonic()
+        prompts = [await parse_input(llm, text) for text in req.input]
+        with deadline(self.limit(None)):
+            outputs = await embed_all(
+                llm,
+                prompts,
+                normalize=True,
+                dimensions=req.dimensions,
+                metrics=self.metrics,
+            )
+        response = OllamaEmbedResponse(
+            model=req.model,
+            embeddings=[[float(x) for x in v] for v in vectors(outputs)],
+            total_duration=int((time.monotonic() - start) * 1e9),
+            load_duration=0,
+            prompt_eval_count=sum(out.num_prompt_tokens for out in outputs),
+        )
+        return ASCIIJSONResponse(dump(response))
+
+    async def embeddings(self, body: Any, big: bool) -> Response:
+        """``/api/embeddings`` (the older route): one prompt, not normalised."""
+        llm = self.slot.get()
+        req = await maybe_off_loop(big, validate, OllamaEmbeddingsRequest, body)
+        self.check_model(req.model)
+        prompt = await parse_input(llm, req.prompt, field="prompt")
+        with deadline(self.limit(None)):
+            outputs = await embed_all(
+                llm, [prompt], normalize=False, field="prompt", metrics=self.metrics
+            )
+        (vector,) = vectors(outputs)
+        response = OllamaEmbeddingsResponse(embedding=[float(x) for x in vector])
+        return ASCIIJSONResponse(dump(response))
 
     @staticmethod
     def version() -> OllamaVersion:
@@ -329,9 +312,9 @@ class OllamaServing(Serving):
         return OllamaModel(
             name=name,
             model=name,
-            modified_at=_rfc3339(self.started),  # when this server started
-            size=_size(ref),
-            digest=_digest(ref),
+            modified_at=rfc3339(self.started),  # when this server started
+            size=weights_size(ref),
+            digest=model_digest(ref),
             details=OllamaDetails(
                 format="gguf" if ref.endswith(".gguf") else "safetensors"
             ),
@@ -346,21 +329,8 @@ class OllamaServing(Serving):
         tools: list[dict[str, Any]] | None,
     ) -> Prompt:
         """``messages`` through the chat template, tokenised (as chat does)."""
-        size = sum(len(m["content"]) for m in messages)
-        cap = llm.max_prompt_bytes
-        if cap is not None and 4 * size > cap:  # 4: the most bytes per char
-            text = "".join(m["content"] for m in messages)
-            check_prompt_bytes(text, cap, field="messages")
-
-        def render() -> tuple[str, tuple[int, ...]]:
-            text = llm.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tools=tools
-            )
-            return text, tuple(llm.tokenizer.encode(text, add_special_tokens=False))
-
-        rendered = size + (len(json.dumps(tools)) if tools else 0)
-        text, ids = await maybe_off_loop(rendered > OFF_LOOP_CHARS, render)
-        return Prompt(text, ids)
+        options = {"add_generation_prompt": True, "tools": tools}
+        return await self.render_messages(llm, messages, options)
 
     def _check_fits(self, llm: AsyncLLM, options: Any, prompt: Prompt) -> None:
         max_tokens = options.max_tokens if options is not None else None
@@ -388,7 +358,7 @@ class OllamaServing(Serving):
         return dump(
             model(
                 model=self.config.model_name,
-                created_at=_rfc3339(time.time()),
+                created_at=rfc3339(time.time()),
                 done=done,
                 **fields,
             )
@@ -404,7 +374,7 @@ class OllamaServing(Serving):
         job: Job,
         streaming: bool,
         line: _Line,
-        timing: _Timing,
+        timing: Timing,
     ) -> Response:
         """The whole answer, or its NDJSON stream (refused first if it must be)."""
 
@@ -439,25 +409,3 @@ class OllamaServing(Serving):
                 await emit(json.loads(bytes(ollama_error(response).body)))
 
         return NDJSONStream(produce)
-
-
-def _size(ref: str) -> int:
-    """Bytes of the weights when ``ref`` is a local file or directory."""
-    path = Path(ref)
-    try:
-        if path.is_file():
-            return path.stat().st_size
-        if path.is_dir():
-            return sum(
-                p.stat().st_size
-                for p in path.iterdir()
-                if p.suffix in (".safetensors", ".gguf", ".bin")
-            )
-    except OSError:
-        pass
-    return 0
-
-
-def _digest(ref: str) -> str:
-    """A stand-in for Ollama's blob digest: the model reference's sha256."""
-    return hashlib.sha256(os.fsencode(ref)).hexdigest()

@@ -6,12 +6,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from structllm.server import openapi
-from structllm.server.responses.protocol import (
+from structllm.server.responses.objects import (
     DeletedResponse,
     ResponseObject,
-    ResponsesRequest,
     ResponseStreamEvent,
 )
+from structllm.server.responses.protocol import ResponsesRequest
 from structllm.server.responses.serving import ResponsesServing
 
 __all__ = ["router"]

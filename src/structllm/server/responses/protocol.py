@@ -1,4 +1,6 @@
-"""``POST /v1/responses``: its request model, its response and its stream events.
+"""``POST /v1/responses``: its request model (its pieces in
+:mod:`~structllm.server.responses.inputs`; the response and its stream events
+in :mod:`~structllm.server.responses.objects`).
 
 A request becomes a chat request (:meth:`ResponsesRequest.chat_body`): the
 ``instructions`` a system message, the ``input`` items chat messages
@@ -16,23 +18,13 @@ server's memory for a later ``previous_response_id``.
 
 from __future__ import annotations
 
-import json
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    Discriminator,
-    Field,
-    RootModel,
-    Tag,
-    model_validator,
-)
+from pydantic import BaseModel, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
 from structllm.errors import InvalidRequestError
-from structllm.server.protocol.bodies import Body
 from structllm.server.protocol.fields import (
     MAX_MESSAGES,
     REQUEST_CONFIG,
@@ -40,32 +32,24 @@ from structllm.server.protocol.fields import (
     NonEmptyText,
     Text,
 )
-from structllm.server.protocol.formats import OBJECT_CONFIG, Name, SchemaObject
 from structllm.server.protocol.refusals import refuse
 from structllm.server.protocol.tools import MAX_TOOLS
+from structllm.server.responses.inputs import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionTool,
+    InputItem,
+    Metadata,
+    ReasoningConfig,
+    ResponsesInputMessage,
+    ResponsesNamedFunction,
+    ResponsesTextConfig,
+    ToolChoice,
+    content_text,
+    text_or_list,
+)
 
-__all__ = [
-    "RESPONSES_REFUSED",
-    "ContentPart",
-    "DeletedResponse",
-    "FunctionCallItem",
-    "FunctionCallOutputItem",
-    "FunctionTool",
-    "IncompleteDetails",
-    "InputItem",
-    "OutputFunctionCall",
-    "OutputItem",
-    "OutputMessage",
-    "OutputReasoning",
-    "OutputText",
-    "ReasoningText",
-    "ResponseObject",
-    "ResponseStreamEvent",
-    "ResponseUsage",
-    "ResponsesInputMessage",
-    "ResponsesRequest",
-    "responses_field",
-]
+__all__ = ["RESPONSES_REFUSED", "ResponsesRequest", "responses_field"]
 
 #: field -> (reason, no-op values), as :mod:`~structllm.server.protocol.refusals`
 RESPONSES_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
@@ -84,252 +68,6 @@ RESPONSES_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
 }
 
 
-# -- the request --------------------------------------------------------------------
-
-
-def _content_tag(value: Any) -> str:
-    if isinstance(value, dict) and value.get("type") in ("input_text", "output_text"):
-        return "[text]"
-    return "[other]"
-
-
-class InputTextPart(BaseModel):
-    model_config = REQUEST_CONFIG
-
-    type: Literal["input_text", "output_text"]
-    text: Text
-
-
-class _OtherPart(BaseModel):
-    model_config = REQUEST_CONFIG
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse(cls, data: Any) -> Any:
-        kind = data.get("type") if isinstance(data, dict) else None
-        raise PydanticCustomError(
-            "field",
-            "content parts other than input_text and output_text are not "
-            "supported (text-only models); got {kind!r}",
-            {"name": "type", "kind": kind},
-        )
-
-
-ContentPart = Annotated[
-    Annotated[InputTextPart, Tag("[text]")] | Annotated[_OtherPart, Tag("[other]")],
-    Discriminator(_content_tag),
-]
-
-
-def _text_or_list(value: Any) -> str:
-    # tags with brackets are left out of error paths (see protocol._path)
-    return "[text]" if isinstance(value, str) else "[list]"
-
-
-Content = Annotated[
-    Annotated[Text, Tag("[text]")]
-    | Annotated[list[ContentPart], Field(max_length=MAX_MESSAGES), Tag("[list]")],
-    Discriminator(_text_or_list),
-]
-
-
-def _text(content: str | list[Any]) -> str:
-    if isinstance(content, str):
-        return content
-    return "".join(p.text for p in content if isinstance(p, InputTextPart))
-
-
-class ResponsesInputMessage(BaseModel):
-    """A message: ``{"role", "content"}``, with or without ``type``."""
-
-    model_config = REQUEST_CONFIG
-
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: Content
-
-
-def _json_object(text: str) -> str:
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError):
-        value = None
-    if not isinstance(value, dict):
-        raise PydanticCustomError(
-            "arguments", "must be a JSON object encoded as a string"
-        )
-    return text
-
-
-class FunctionCallItem(BaseModel):
-    """A call the model made (sent back in a tool loop)."""
-
-    model_config = REQUEST_CONFIG
-
-    type: Literal["function_call"]
-    call_id: NonEmptyText
-    name: NonEmptyText
-    arguments: Annotated[Text, AfterValidator(_json_object)]
-
-
-class FunctionCallOutputItem(BaseModel):
-    """The answer to a call, by ``call_id``."""
-
-    model_config = REQUEST_CONFIG
-
-    type: Literal["function_call_output"]
-    call_id: NonEmptyText
-    output: Content
-
-
-class InputReasoningItem(BaseModel):
-    """Thinking from an earlier output: accepted and left out of the prompt."""
-
-    model_config = REQUEST_CONFIG
-
-    type: Literal["reasoning"]
-
-
-def _item_tag(value: Any) -> str:
-    kind = value.get("type", "message") if isinstance(value, dict) else "message"
-    known = ("message", "function_call", "function_call_output", "reasoning")
-    return f"[{kind}]" if kind in known else "[unknown]"
-
-
-class _UnknownItem(BaseModel):
-    model_config = REQUEST_CONFIG
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse(cls, data: Any) -> Any:
-        raise PydanticCustomError(
-            "field",
-            "input items are message, function_call, function_call_output or "
-            "reasoning; got {kind!r}",
-            {"name": "type", "kind": data.get("type")},
-        )
-
-
-InputItem = Annotated[
-    Annotated[ResponsesInputMessage, Tag("[message]")]
-    | Annotated[FunctionCallItem, Tag("[function_call]")]
-    | Annotated[FunctionCallOutputItem, Tag("[function_call_output]")]
-    | Annotated[InputReasoningItem, Tag("[reasoning]")]
-    | Annotated[_UnknownItem, Tag("[unknown]")],
-    Discriminator(_item_tag),
-]
-
-
-class FunctionTool(BaseModel):
-    """A Responses tool: the function's fields at the top (no ``function``)."""
-
-    model_config = OBJECT_CONFIG
-
-    type: Literal["function"]
-    name: Name
-    description: Text | None = None
-    parameters: SchemaObject | None = None
-    strict: bool | None = None
-
-    def chat_dict(self) -> dict[str, Any]:
-        fn = self.model_dump(exclude={"type"}, exclude_none=True)
-        return {"type": "function", "function": fn}
-
-
-class ResponsesNamedFunction(BaseModel):
-    model_config = OBJECT_CONFIG
-
-    type: Literal["function"]
-    name: Name
-
-
-def _choice_tag(value: Any) -> str:
-    return "[function]" if isinstance(value, dict) else "[mode]"
-
-
-ToolChoice = Annotated[
-    Annotated[Literal["none", "auto", "required"], Tag("[mode]")]
-    | Annotated[ResponsesNamedFunction, Tag("[function]")],
-    Discriminator(_choice_tag),
-]
-
-
-class ResponsesTextFormat(BaseModel):
-    """``text.format``: ``text``, ``json_object`` or ``json_schema`` (flat)."""
-
-    model_config = OBJECT_CONFIG
-
-    type: Literal["text", "json_object", "json_schema"]
-    name: Name | None = None
-    description: Text | None = None
-    schema_: SchemaObject | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-    @model_validator(mode="after")
-    def _shape(self) -> ResponsesTextFormat:
-        if self.type == "json_schema":
-            for name in ("name", "schema_"):
-                if getattr(self, name) is None:
-                    raise PydanticCustomError(
-                        "field",
-                        "required with type 'json_schema'",
-                        {"name": name.rstrip("_")},
-                    )
-        return self
-
-    def response_format(self) -> dict[str, Any]:
-        """Chat's ``response_format`` for the same output."""
-        if self.type != "json_schema":
-            return {"type": self.type}
-        inner: dict[str, Any] = {"name": self.name, "schema": self.schema_}
-        if self.strict is not None:
-            inner["strict"] = self.strict
-        return {"type": "json_schema", "json_schema": inner}
-
-
-class ResponsesTextConfig(BaseModel):
-    model_config = OBJECT_CONFIG
-
-    format: ResponsesTextFormat | None = None
-    #: only the one verbosity a model without the setting has
-    verbosity: Literal["medium"] | None = None
-
-
-class ReasoningConfig(BaseModel):
-    """``reasoning``: how much a model thinks is its chat template's
-    (``enable_thinking``), not adjustable here."""
-
-    model_config = OBJECT_CONFIG
-
-    effort: None = None
-    summary: None = None
-    generate_summary: None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            refuse(data, _REASONING_REFUSED)
-        return data
-
-
-_REASONING_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
-    "effort": (
-        "reasoning effort is not adjustable; chat_template_kwargs.enable_thinking "
-        "turns a model's thinking on or off",
-        (),
-    ),
-    "summary": ("reasoning summaries are not made; the thinking itself is sent", ()),
-    "generate_summary": ("reasoning summaries are not made", ()),
-}
-
-
-Metadata = Annotated[
-    dict[Annotated[str, Field(max_length=64)], Annotated[Text, Field(max_length=512)]],
-    Field(max_length=16),
-]
-
-
 class ResponsesRequest(BaseModel):
     """``POST /v1/responses``."""
 
@@ -340,7 +78,7 @@ class ResponsesRequest(BaseModel):
     input: Annotated[
         Annotated[Text, Tag("[text]")]
         | Annotated[list[InputItem], Field(max_length=MAX_MESSAGES), Tag("[list]")],
-        Discriminator(_text_or_list),
+        Discriminator(text_or_list),
     ]
     #: a system message before the input (not carried to a later response)
     instructions: Text | None = None
@@ -377,7 +115,7 @@ class ResponsesRequest(BaseModel):
         for item in self.input:
             if isinstance(item, ResponsesInputMessage):
                 role = "system" if item.role == "developer" else item.role
-                messages.append({"role": role, "content": _text(item.content)})
+                messages.append({"role": role, "content": content_text(item.content)})
             elif isinstance(item, FunctionCallItem):
                 call = {
                     "id": item.call_id,
@@ -396,7 +134,7 @@ class ResponsesRequest(BaseModel):
                     {
                         "role": "tool",
                         "tool_call_id": item.call_id,
-                        "content": _text(item.output),
+                        "content": content_text(item.output),
                     }
                 )
         return messages
@@ -472,215 +210,3 @@ def responses_field(exc: InvalidRequestError) -> InvalidRequestError:
             message = str(exc).replace(own, field, 1)
             return InvalidRequestError(message, field=field)
     return exc
-
-
-# -- the response --------------------------------------------------------------------
-
-
-class OutputText(Body):
-    type: Literal["output_text"] = "output_text"
-    text: str
-    annotations: list[Any] = Field(default_factory=list)
-    logprobs: list[Any] = Field(default_factory=list)
-
-
-class ReasoningText(Body):
-    type: Literal["reasoning_text"] = "reasoning_text"
-    text: str
-
-
-ItemStatus = Literal["in_progress", "completed", "incomplete"]
-
-
-class OutputMessage(Body):
-    id: str
-    type: Literal["message"] = "message"
-    role: Literal["assistant"] = "assistant"
-    status: ItemStatus
-    content: list[OutputText]
-
-
-class OutputReasoning(Body):
-    """The thinking (with a reasoning parser); no summary is made."""
-
-    id: str
-    type: Literal["reasoning"] = "reasoning"
-    summary: list[Any] = Field(default_factory=list)
-    content: list[ReasoningText]
-    status: ItemStatus
-
-
-class OutputFunctionCall(Body):
-    id: str
-    type: Literal["function_call"] = "function_call"
-    call_id: str
-    name: str
-    arguments: str
-    status: ItemStatus
-
-
-OutputItem = Annotated[
-    OutputMessage | OutputReasoning | OutputFunctionCall, Discriminator("type")
-]
-
-
-class InputTokensDetails(Body):
-    cached_tokens: int
-
-
-class OutputTokensDetails(Body):
-    #: the thinking's tokens (its text tokenised again)
-    reasoning_tokens: int
-
-
-class ResponseUsage(Body):
-    input_tokens: int
-    input_tokens_details: InputTokensDetails
-    output_tokens: int
-    output_tokens_details: OutputTokensDetails
-    total_tokens: int
-
-
-class IncompleteDetails(Body):
-    reason: Literal["max_output_tokens"]
-
-
-class ResponseObject(Body):
-    """``POST /v1/responses`` without ``stream``; the ``response`` of events."""
-
-    id: str
-    object: Literal["response"] = "response"
-    created_at: int
-    model: str
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
-    error: None = None
-    incomplete_details: IncompleteDetails | None
-    instructions: str | None
-    max_output_tokens: int | None
-    metadata: dict[str, str]
-    output: list[OutputItem]
-    parallel_tool_calls: bool
-    previous_response_id: str | None
-    temperature: float | None
-    top_p: float | None
-    tool_choice: Any
-    tools: list[dict[str, Any]]
-    text: dict[str, Any]
-    store: bool
-    truncation: Literal["disabled"] = "disabled"
-    usage: ResponseUsage | None
-
-
-class DeletedResponse(Body):
-    """``DELETE /v1/responses/{id}``."""
-
-    id: str
-    object: Literal["response"] = "response"
-    deleted: Literal[True] = True
-
-
-# -- stream events ---------------------------------------------------------------------
-
-
-class _Event(Body):
-    sequence_number: int
-
-
-class ResponseEvent(_Event):
-    """``response.created``, ``.in_progress`` and ``.completed``."""
-
-    type: Literal["response.created", "response.in_progress", "response.completed"]
-    response: ResponseObject
-
-
-class OutputItemEvent(_Event):
-    type: Literal["response.output_item.added", "response.output_item.done"]
-    output_index: int
-    item: OutputItem
-
-
-class ContentPartEvent(_Event):
-    type: Literal["response.content_part.added", "response.content_part.done"]
-    item_id: str
-    output_index: int
-    content_index: int
-    part: Annotated[OutputText | ReasoningText, Discriminator("type")]
-
-
-class TextDeltaEvent(_Event):
-    type: Literal["response.output_text.delta"] = "response.output_text.delta"
-    item_id: str
-    output_index: int
-    content_index: int
-    delta: str
-    logprobs: list[Any] = Field(default_factory=list)
-
-
-class TextDoneEvent(_Event):
-    type: Literal["response.output_text.done"] = "response.output_text.done"
-    item_id: str
-    output_index: int
-    content_index: int
-    text: str
-    logprobs: list[Any] = Field(default_factory=list)
-
-
-class ReasoningDeltaEvent(_Event):
-    type: Literal["response.reasoning_text.delta"] = "response.reasoning_text.delta"
-    item_id: str
-    output_index: int
-    content_index: int
-    delta: str
-
-
-class ReasoningDoneEvent(_Event):
-    type: Literal["response.reasoning_text.done"] = "response.reasoning_text.done"
-    item_id: str
-    output_index: int
-    content_index: int
-    text: str
-
-
-class ArgumentsDeltaEvent(_Event):
-    type: Literal["response.function_call_arguments.delta"] = (
-        "response.function_call_arguments.delta"
-    )
-    item_id: str
-    output_index: int
-    delta: str
-
-
-class ArgumentsDoneEvent(_Event):
-    type: Literal["response.function_call_arguments.done"] = (
-        "response.function_call_arguments.done"
-    )
-    item_id: str
-    output_index: int
-    name: str
-    arguments: str
-
-
-class ErrorEvent(_Event):
-    """The last event of a stream that failed after its 200."""
-
-    type: Literal["error"] = "error"
-    code: str | None
-    message: str
-    param: str | None
-
-
-class ResponseStreamEvent(
-    RootModel[
-        ResponseEvent
-        | OutputItemEvent
-        | ContentPartEvent
-        | TextDeltaEvent
-        | TextDoneEvent
-        | ReasoningDeltaEvent
-        | ReasoningDoneEvent
-        | ArgumentsDeltaEvent
-        | ArgumentsDoneEvent
-        | ErrorEvent
-    ]
-):
-    """One ``data:`` event of a streaming ``POST /v1/responses``."""

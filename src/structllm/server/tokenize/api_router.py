@@ -10,11 +10,8 @@ from fastapi.responses import Response
 
 from structllm.errors import EngineLoadingError
 from structllm.server import openapi
-from structllm.server.llamacpp.serving import (
-    LlamaCppServing,
-    is_native_tokenize,
-    with_content,
-)
+from structllm.server.llamacpp.serving import LlamaCppServing
+from structllm.server.llamacpp.tokens import is_native_tokenize, with_content
 from structllm.server.tokenize.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,

@@ -142,6 +142,9 @@ class FakeSlots:
     def clear_slot(self, slot: int) -> None:
         self.held[slot] = None
 
+    def set_rows(self, rows: Any) -> None:
+        raise AssertionError("the runner's, not the manager's")
+
 
 def _fake_adapter(path: str, rank: int = 4) -> LoRAAdapter:
     """An adapter whose one matrix is seeded by its path: equal paths, equal
@@ -168,7 +171,7 @@ def _reader(reads: list[str]) -> Any:
 
 def _manager(max_loras: int = 2) -> tuple[LoRAManager, FakeSlots, list[str]]:
     slots, reads = FakeSlots(max_loras), list[str]()
-    return LoRAManager(slots, _reader(reads)), slots, reads
+    return LoRAManager(slots, _reader(reads), record_changes=True), slots, reads
 
 
 def _lora(n: int, path: str | None = None) -> LoRARequest:

@@ -37,9 +37,10 @@ of the matrices it runs (``block_pool.root_hash``): the same prompt under
 another adapter, or the base model, never hits them, and an id reused for
 other weights after an unload cannot either.
 
-Every change of a slot is also recorded (:meth:`take_changes`) for the
-ranks of a tensor-parallel group, which read their own shard of the adapter
-from its path into the same slot.
+With ``record_changes``, every change of a slot is also recorded
+(:meth:`take_changes`), for the ranks of a tensor-parallel group to read
+their own shard of the adapter from its path into the same slot (the core
+does not send them yet: ``enable_model_lora`` refuses tensor parallelism).
 
 Synchronous and pure apart from reading adapter files (in :meth:`add`);
 Paddle is reached only through the ``slots`` object.
@@ -47,6 +48,7 @@ Paddle is reached only through the ``slots`` object.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -55,11 +57,13 @@ from typing import TYPE_CHECKING, Protocol
 import attrs
 import numpy as np
 
-from structllm.errors import InvalidRequestError
+from structllm.config import EngineConfig
+from structllm.errors import EngineConfigError, InvalidRequestError
 from structllm.lora_request import LoRARequest
 
 if TYPE_CHECKING:
     from structllm.model.lora_peft import LoRAAdapter
+    from structllm.model.protocol import CausalLM
 
 __all__ = [
     "NO_LORA",
@@ -68,6 +72,7 @@ __all__ = [
     "LoRAManager",
     "SlotChange",
     "adapter_digest",
+    "enable_model_lora",
 ]
 
 #: the "adapter" id of a request without one (vLLM's 0)
@@ -87,6 +92,8 @@ class AdapterSlots(Protocol):
     def load_adapter(self, slot: int, adapter: LoRAAdapter) -> None: ...
 
     def clear_slot(self, slot: int) -> None: ...
+
+    def set_rows(self, rows: Sequence[int] | np.ndarray | None) -> None: ...
 
 
 @attrs.frozen
@@ -141,6 +148,8 @@ class LoRAManager:
 
     slots: AdapterSlots
     read: Callable[[str], LoRAAdapter]
+    #: keep the slot changes for :meth:`take_changes`
+    record_changes: bool = False
     _known: dict[int, _Known] = attrs.field(init=False, factory=dict)
     #: resident ids -> their slots, least recently used first
     _resident: OrderedDict[int, int] = attrs.field(init=False, factory=OrderedDict)
@@ -268,7 +277,8 @@ class LoRAManager:
             slot = self._resident.pop(victim)
         self.slots.load_adapter(slot, known.adapter)
         self._resident[lora_id] = slot
-        self._changes.append(SlotChange(slot, lora_id, known.request.lora_path))
+        if self.record_changes:
+            self._changes.append(SlotChange(slot, lora_id, known.request.lora_path))
         return slot
 
     def rows(self, lora_ids: Sequence[int]) -> list[int] | None:
@@ -314,7 +324,35 @@ class LoRAManager:
         if slot is not None:
             self.slots.clear_slot(slot)
             self._free_slots.append(slot)
-            self._changes.append(SlotChange(slot, lora_id, None))
+            if self.record_changes:
+                self._changes.append(SlotChange(slot, lora_id, None))
+
+
+def enable_model_lora(model: CausalLM, config: EngineConfig) -> LoRAManager:
+    """Give ``model`` ``config.max_loras`` adapter slots and return their
+    manager, reading adapters for it. One process's model only: a
+    tensor-parallel group's ranks would each need their shard of every
+    adapter, which the core does not send them yet."""
+    from structllm.model.llama import LlamaForCausalLM
+    from structllm.model.lora import enable_lora, read_peft_adapter
+
+    if config.tensor_parallel_size > 1:
+        raise EngineConfigError(
+            "enable_lora does not run with tensor_parallel_size > 1 yet",
+            field="enable_lora",
+        )
+    if not isinstance(model, LlamaForCausalLM):
+        raise EngineConfigError(
+            f"enable_lora: {type(model).__name__} has no LoRA slots",
+            field="enable_lora",
+        )
+    slots = enable_lora(
+        model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank
+    )
+    read = functools.partial(
+        read_peft_adapter, config=model.config, max_rank=config.max_lora_rank
+    )
+    return LoRAManager(slots, read)
 
 
 def _describe(request: LoRARequest) -> str:

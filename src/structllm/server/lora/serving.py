@@ -27,6 +27,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from structllm.errors import InvalidRequestError, ModelLoadError
 from structllm.lora_request import LoRARequest
+from structllm.server.base import ServingBase
 from structllm.server.http.body import validate
 from structllm.server.http.errors import json_error
 from structllm.server.lora.protocol import (
@@ -34,7 +35,6 @@ from structllm.server.lora.protocol import (
     UnloadLoRAAdapterRequest,
 )
 from structllm.server.models.protocol import ModelCard
-from structllm.server.serving import Serving
 
 __all__ = [
     "AdapterNotFoundError",
@@ -162,7 +162,7 @@ class LoRARegistry:
 
 
 @attrs.define(eq=False)
-class LoRAServing(Serving):
+class LoRAServing(ServingBase):
     """The two routes' logic; ``engine`` gives the engine once it is up
     (``EngineSlot.get``: a 503 while it loads)."""
 

@@ -162,3 +162,43 @@ def test_bad_adapters_fail_their_request_and_the_engine_serves_on(
     with pytest.raises(InvalidRequestError, match="LoRA is not enabled") as e:
         plain.generate([prompt], GREEDY, lora_request=LORAS[0], use_tqdm=False)
     assert e.value.field == "lora_request"
+
+
+@pytest.mark.anyio
+async def test_async_llm_over_the_core_process(bpe_dir: Path, tmp_path: Path) -> None:
+    from structllm import AsyncLLM, ModelLoadError
+
+    prompt = _prompts(1)[0]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    async with AsyncLLM.open(
+        str(DATA / "llama-base"),
+        tokenizer=str(bpe_dir),
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        block_size=4,
+        num_blocks=64,
+        show_progress=False,
+    ) as llm:
+        assert await llm.add_lora(LORAS[1])
+        assert not await llm.add_lora(LORAS[1])
+        bad = _random_copy(tmp_path, "llama-qv-r4", 2)
+        (bad / WEIGHTS_FILE).write_bytes(b"not safetensors")
+        with pytest.raises(ModelLoadError, match=WEIGHTS_FILE):
+            await llm.add_lora(LoRARequest("bad", 7, str(bad)))
+        base = await llm.complete(prompt, params)
+        whole = await llm.complete(prompt, params, lora_request=LORAS[1])
+        gen = [o async for o in llm.generate(prompt, params, lora_request=LORAS[0])]
+        assert gen[-1].finished
+        # unloaded mid-stream: the stream finishes with its adapter
+        async with llm.stream(prompt, params, lora_request=LORAS[1]) as stream:
+            outs = [await stream.__anext__()]
+            assert await llm.remove_lora(LORAS[1].lora_int_id)
+            outs += [o async for o in stream]
+        assert outs[-1].outputs[0].token_ids == whole.outputs[0].token_ids
+        assert whole.outputs[0].token_ids != base.outputs[0].token_ids or (
+            gen[-1].outputs[0].token_ids != base.outputs[0].token_ids
+        )
+        assert not await llm.remove_lora(LORAS[1].lora_int_id)
+        [state] = await llm.inspect_cores()
+        assert state is not None and state.request_ids == [] and state.blocks_used == 0

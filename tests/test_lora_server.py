@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -23,13 +24,12 @@ from structllm.core.lora_manager import LoRAManager
 from structllm.errors import EngineLoadingError, InvalidRequestError
 from structllm.lora_request import LoRARequest
 from structllm.server.app import build_app
-from structllm.server.lora import api_router
-from structllm.server.lora.serving import (
+from structllm.server.lora.registry import (
     AdapterNotFoundError,
     LoRARegistry,
-    LoRAServing,
     parse_lora_modules,
 )
+from structllm.server.lora.serving import LoRAServing
 from structllm.server.models.protocol import ModelCard
 from structllm.server.protocol.bodies import dump
 from structllm.server.serving import EngineSlot
@@ -69,16 +69,15 @@ class FakeEngine:
 async def open_app(
     engine: Any, **config: Any
 ) -> AsyncIterator[tuple[httpx.AsyncClient, LoRARegistry]]:
-    """The app with the LoRA room added (``build_app`` registers it once the
-    engine has the calls)."""
+    """The app, its LoRA room's engine the stand-in ``engine`` gives."""
     server = ServerConfig(model_name=BASE, **config)
     slot = EngineSlot()
     app = build_app(slot, server)
-    registry = LoRARegistry(BASE)
+    assert slot.loras is not None
+    registry = slot.loras
     app.state.lora = LoRAServing(
         slot, server, app.state.metrics, registry=registry, engine=engine
     )
-    app.include_router(api_router.router)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
         yield http, registry
@@ -260,3 +259,93 @@ async def test_lora_modules_load_in_order_and_the_first_failure_stops() -> None:
     assert [r.lora_name for r in registry.adapters()] == ["a", "b"]
     with pytest.raises(AdapterNotFoundError):
         await registry.unload(engine, "c")
+
+
+# -- the whole server, its engine and the openai client ----------------------
+
+
+@pytest.mark.anyio
+async def test_adapters_over_http_with_the_openai_client(bpe_dir: Path) -> None:
+    import openai
+
+    from structllm import AsyncLLM, SamplingParams
+
+    data = Path(__file__).parent / "data" / "lora"
+    slot = EngineSlot()
+    app = build_app(slot, ServerConfig(model_name=BASE, api_key=(KEY,)))
+    assert slot.loras is not None
+    prompt = [5, 17, 99, 3, 42, 8, 61, 7, 120]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    async with AsyncLLM.open(
+        str(data / "llama-base"),
+        tokenizer=str(bpe_dir),
+        executor="inline",
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        block_size=4,
+        num_blocks=64,
+        show_progress=False,
+    ) as llm:
+        await slot.loras.load_modules(llm, [f"qv={data / 'llama-qv-r4'}"])
+        slot.llm = llm
+        want = {
+            name: (await llm.complete(prompt, greedy, lora_request=lora))
+            .outputs[0]
+            .text
+            for name, lora in [
+                (BASE, None),
+                ("qv", slot.loras.lookup("qv")),
+                ("all", LoRARequest("x", 99, str(data / "llama-all-r8"))),
+            ]
+        }
+        transport = httpx.ASGITransport(app=app)
+        async with (
+            httpx.AsyncClient(transport=transport, base_url="http://t") as http,
+            openai.AsyncOpenAI(
+                base_url="http://t/v1",
+                api_key=KEY,
+                http_client=http,  # type: ignore[arg-type]
+                max_retries=0,
+            ) as client,
+        ):
+
+            async def complete(model: str) -> str:
+                r = await client.completions.create(
+                    model=model,
+                    prompt=prompt,
+                    max_tokens=6,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
+                return r.choices[0].text
+
+            assert await complete(BASE) == want[BASE]
+            assert await complete("qv") == want["qv"]
+            models = {m.id: m.model_dump() for m in (await client.models.list()).data}
+            assert models["qv"]["parent"] == BASE and "parent" not in models[BASE]
+            # loaded at run time, behind the key
+            auth = {"Authorization": f"Bearer {KEY}"}
+            body = {"lora_name": "all", "lora_path": str(data / "llama-all-r8")}
+            r = await http.post("/v1/load_lora_adapter", json=body, headers=auth)
+            assert r.status_code == 200, r.text
+            assert await complete("all") == want["all"]
+            # chat takes the adapter's name as its model too (the template
+            # renders ids past this tiny vocabulary: a 400, not a 404)
+            for model, error in [
+                ("all", openai.BadRequestError),
+                ("nope", openai.NotFoundError),
+            ]:
+                with pytest.raises(error):
+                    await client.chat.completions.create(
+                        model=model, messages=[{"role": "user", "content": "a"}]
+                    )
+            r = await http.post(
+                "/v1/unload_lora_adapter", json={"lora_name": "all"}, headers=auth
+            )
+            assert r.status_code == 200
+            with pytest.raises(openai.NotFoundError):
+                await complete("all")
+            assert "all" not in {m.id for m in (await client.models.list()).data}
+            assert await complete("qv") == want["qv"]  # the others serve on
+        slot.llm = None

@@ -199,7 +199,11 @@ class Serving(ServingBase):
             if record.prompt_chars and record.prompt is None:
                 record.prompt = self.prompt_text(prompt)[: record.prompt_chars]
         s = self.slot.get().stream(
-            prompt, params, request_id=rid, priority=job.priority
+            prompt,
+            params,
+            request_id=rid,
+            priority=job.priority,
+            lora_request=job.lora_request,
         )
         try:
             async with s:

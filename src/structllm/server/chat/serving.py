@@ -114,12 +114,19 @@ class ChatServing(Serving):
     async def create(self, body: Any, big: bool) -> Response:
         llm = self.slot.get()
         req = await maybe_off_loop(big, validate, ChatRequest, body)
-        self.check_model(req.model)
+        adapter = self.check_model_or_adapter(req.model)
         timed = self.wants_metrics(req.include_metrics)
         chat = await self.render(llm, req)
         prompt, params = chat.prompt, chat.params
         jobs = [
-            Job(j, 0, prompt, params.for_choice(j), req.priority or 0)
+            Job(
+                j,
+                0,
+                prompt,
+                params.for_choice(j),
+                req.priority or 0,
+                lora_request=adapter,
+            )
             for j in range(req.choices)
         ]
         top_logprobs = params.logprobs or 0

@@ -41,7 +41,7 @@ class CompletionServing(Serving):
     async def create(self, body: Any, big: bool) -> Response:
         llm = self.slot.get()  # 503 while loading, before anything streams
         req = await maybe_off_loop(big, validate, CompletionRequest, body)
-        self.check_model(req.model)
+        adapter = self.check_model_or_adapter(req.model)
         timed = self.wants_metrics(req.include_metrics)
         await check_constraints(req.constraint_checks)
         params = req.to_sampling_params(self.config.default_max_tokens)
@@ -56,7 +56,14 @@ class CompletionServing(Serving):
             self.check_length(llm, prompt.token_ids, req.max_tokens, req.limit_field)
             prompts.append(attrs.evolve(prompt, cache_salt=req.cache_salt))
         jobs = [
-            Job(i * req.choices + j, i, p, params.for_choice(j), req.priority or 0)
+            Job(
+                i * req.choices + j,
+                i,
+                p,
+                params.for_choice(j),
+                req.priority or 0,
+                lora_request=adapter,
+            )
             for i, p in enumerate(prompts)
             for j in range(req.choices)
         ]

@@ -13,8 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from structllm import LLM, InvalidRequestError, SamplingParams
-from structllm.lora_request import LoRARequest
+from structllm import LLM, InvalidRequestError, LoRARequest, SamplingParams
 from structllm.model.lora_peft import WEIGHTS_FILE
 from tests.test_lora_core import _random_copy
 

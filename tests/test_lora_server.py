@@ -349,3 +349,21 @@ async def test_adapters_over_http_with_the_openai_client(bpe_dir: Path) -> None:
             assert "all" not in {m.id for m in (await client.models.list()).data}
             assert await complete("qv") == want["qv"]  # the others serve on
         slot.llm = None
+
+
+def test_serve_flags() -> None:
+    from structllm.cli import build_parser, engine_args
+    from structllm.config import EngineConfig
+    from structllm.errors import EngineConfigError
+    from structllm.server.run import configs_from_args
+
+    argv = ["serve", "m", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "8"]
+    ns = build_parser().parse_args([*argv, "--lora-modules", "a=/x", "b=/y"])
+    engine = EngineConfig(model="m", **engine_args(ns))
+    assert (engine.enable_lora, engine.max_loras, engine.max_lora_rank) == (True, 3, 8)
+    server, _ = configs_from_args(ns, engine)
+    assert server.lora_modules == ("a=/x", "b=/y")
+    ns = build_parser().parse_args(["serve", "m", "--lora-modules", "a=/x"])
+    with pytest.raises(EngineConfigError, match="needs --enable-lora") as e:
+        configs_from_args(ns, EngineConfig(model="m", **engine_args(ns)))
+    assert e.value.field == "lora_modules"

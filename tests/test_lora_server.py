@@ -34,6 +34,7 @@ from structllm.server.models.protocol import ModelCard
 from structllm.server.protocol.bodies import dump
 from structllm.server.serving import EngineSlot
 from tests.test_lora_core import FakeSlots, _reader
+from tests.test_server_app import events
 
 BASE = "base-model"
 KEY = "sk-lora-0123456789"
@@ -318,14 +319,29 @@ async def test_adapters_over_http_with_the_openai_client(bpe_dir: Path) -> None:
                     temperature=0,
                     extra_body={"ignore_eos": True},
                 )
+                assert r.model == model  # vLLM's: the adapter's name
                 return r.choices[0].text
 
             assert await complete(BASE) == want[BASE]
             assert await complete("qv") == want["qv"]
+            # streamed (read whole: the openai client leaves the ASGI body
+            # unfinished after [DONE], which trio reports)
+            body = {
+                "model": "qv",
+                "prompt": prompt,
+                "max_tokens": 6,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            auth = {"Authorization": f"Bearer {KEY}"}
+            r = await http.post("/v1/completions", json=body, headers=auth)
+            chunks = events(r.text)[:-1]
+            assert {c["model"] for c in chunks} == {"qv"}
+            assert "".join(c["choices"][0]["text"] for c in chunks) == want["qv"]
             models = {m.id: m.model_dump() for m in (await client.models.list()).data}
             assert models["qv"]["parent"] == BASE and "parent" not in models[BASE]
             # loaded at run time, behind the key
-            auth = {"Authorization": f"Bearer {KEY}"}
             body = {"lora_name": "all", "lora_path": str(data / "llama-all-r8")}
             r = await http.post("/v1/load_lora_adapter", json=body, headers=auth)
             assert r.status_code == 200, r.text

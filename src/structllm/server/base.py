@@ -200,12 +200,13 @@ class ServingBase:
         seen = {job.prompt_index: len(job.prompt.token_ids) for job in jobs}
         return sum(seen.values())
 
-    def head(self, rid: str) -> dict[str, Any]:
-        """The fields every response and chunk starts with."""
+    def head(self, rid: str, adapter: LoRARequest | None = None) -> dict[str, Any]:
+        """The fields every response and chunk starts with (``model``: the
+        LoRA adapter's name when the request ran with one, as vLLM)."""
         return {
             "id": rid,
             "created": bodies.now(),
-            "model": self.config.model_name,
+            "model": self.config.model_name if adapter is None else adapter.lora_name,
             "system_fingerprint": self.fingerprint,
         }
 

@@ -131,7 +131,14 @@ class ChatServing(Serving):
         ]
         top_logprobs = params.logprobs or 0
         if req.stream:
-            chunks = _Chunks(self, req, bodies.new_id("chatcmpl"), top_logprobs, chat)
+            chunks = _Chunks(
+                self,
+                req,
+                bodies.new_id("chatcmpl"),
+                top_logprobs,
+                chat,
+                adapter=adapter,
+            )
             with renamed(req.constraint_field):
                 return self.stream(
                     llm, jobs, chunks, req.constraint_field, req.timeout, timed
@@ -150,7 +157,7 @@ class ChatServing(Serving):
             for i in sorted(finals)
         ]
         response = ChatCompletionResponse(
-            **self.head(bodies.new_id("chatcmpl")),
+            **self.head(bodies.new_id("chatcmpl"), adapter),
             choices=choices,
             usage=self.final_usage(jobs, finals),
             **extra,

@@ -69,7 +69,7 @@ class CompletionServing(Serving):
         ]
         if req.stream:
             with renamed(req.constraint_field):
-                chunks = _Chunks(self, req, bodies.new_id("cmpl"))
+                chunks = _Chunks(self, req, bodies.new_id("cmpl"), adapter=adapter)
                 return self.stream(
                     llm, jobs, chunks, req.constraint_field, req.timeout, timed
                 )
@@ -77,7 +77,7 @@ class CompletionServing(Serving):
             finals = await self.run_to_end(jobs)
         by_index = {job.index: job for job in jobs}
         response = CompletionResponse(
-            **self.head(bodies.new_id("cmpl")),
+            **self.head(bodies.new_id("cmpl"), adapter),
             choices=[self._choice(req, by_index[i], finals[i]) for i in sorted(finals)],
             usage=self.final_usage(jobs, finals),
             metrics=self.request_metrics(jobs) if timed else None,

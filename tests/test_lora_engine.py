@@ -201,3 +201,33 @@ async def test_async_llm_over_the_core_process(bpe_dir: Path, tmp_path: Path) ->
         assert not await llm.remove_lora(LORAS[1].lora_int_id)
         [state] = await llm.inspect_cores()
         assert state is not None and state.request_ids == [] and state.blocks_used == 0
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_every_data_parallel_replica_gets_the_adapter(bpe_dir: Path) -> None:
+    from structllm import AsyncLLM
+
+    prompts = _prompts(4)
+    async with AsyncLLM.open(
+        str(DATA / "llama-base"),
+        tokenizer=str(bpe_dir),
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        block_size=4,
+        num_blocks=64,
+        data_parallel_size=2,
+        show_progress=False,
+    ) as llm:
+        assert await llm.add_lora(LORAS[0])
+        assert not await llm.add_lora(LORAS[0])  # both replicas know it
+        outs = [await llm.complete(p, GREEDY, lora_request=LORAS[0]) for p in prompts]
+        again = [await llm.complete(p, GREEDY, lora_request=LORAS[0]) for p in prompts]
+        assert [o.outputs[0].token_ids for o in outs] == [
+            o.outputs[0].token_ids for o in again
+        ]
+        assert await llm.remove_lora(LORAS[0].lora_int_id)
+        assert not await llm.remove_lora(LORAS[0].lora_int_id)
+        states = await llm.inspect_cores()
+        assert all(s is not None and s.blocks_used == 0 for s in states)

@@ -156,6 +156,81 @@ def test_a_float_checkpoint_is_quantized_at_load(
     _close(_logits(loaded.model), _logits(expected))
 
 
+def _q4_k_or_fallback(in_features: int) -> int:
+    """llama-quantize's choice for a Q4_K model: Q5_0 where a row is not whole
+    256-value super-blocks."""
+    kind = quant_kernels.GGMLType.Q4_K if in_features % 256 == 0 else "Q5_0"
+    return int(quant_kernels.GGMLType[kind] if isinstance(kind, str) else kind)
+
+
+def _through_q4_k(w: np.ndarray) -> np.ndarray:
+    """A weight as its q4_k quantization at load dequantizes it (float32)."""
+    w = np.ascontiguousarray(w, np.float32)
+    kind = _q4_k_or_fallback(w.shape[1])
+    raw = quant_kernels.quantize(w, kind)
+    return quant_kernels.dequantize_rows(raw, kind, w.shape[1])
+
+
+@pytest.mark.parametrize(
+    ("hidden", "types"),
+    [
+        (256, {"Q4_K"}),  # every row whole super-blocks
+        (192, {"Q4_K", "Q5_0"}),  # down_proj's 512 inputs Q4_K, the rest Q5_0
+    ],
+)
+def test_q4_k_at_load_computes_the_dequantized_model(
+    tmp_path: Path, hidden: int, types: set[str]
+) -> None:
+    directory = _checkpoint(
+        tmp_path, "qwen2", hidden_size=hidden, intermediate_size=512
+    )  # qwen2: biases beside q/k/v, a tied head (quantized, the lookup float)
+    loaded = load_model(directory, quantization="q4_k")
+    plain = load_model(directory, quantization="none")
+    tensors = dict(load_file(directory / "model.safetensors"))
+    for name, w in list(tensors.items()):
+        if w.ndim == 2 and name != "model.embed_tokens.weight":
+            tensors[name] = _through_q4_k(w)
+    head = _through_q4_k(tensors["model.embed_tokens.weight"])
+    linears: dict[str, Any] = {
+        "lm_head": DenseLinear(paddle.to_tensor(head), transposed=True)
+    }
+    expected = build_model(plain.config, tensors, linears=linears)
+    found = {
+        t
+        for _, lin in loaded.model.weights.linears()
+        for t in (lin.types if isinstance(lin, QuantizedLinear) else ("float",))
+    }
+    assert found == types
+    _close(_logits(loaded.model), _logits(expected))
+
+
+def test_q4_k_greedy_tokens_are_the_dequantized_checkpoints(tmp_path: Path) -> None:
+    """Through the engine: ``LLM(quantization="q4_k")`` generates the greedy
+    tokens of a float32 checkpoint holding the dequantized Q4_K weights."""
+    from safetensors.numpy import save_file
+
+    from structllm import LLM, SamplingParams
+
+    directory = _checkpoint(tmp_path, "llama", hidden_size=256, intermediate_size=512)
+    dequantized = tmp_path / "dequantized"
+    dequantized.mkdir()
+    tensors = dict(load_file(directory / "model.safetensors"))
+    for name, w in list(tensors.items()):
+        if w.ndim == 2 and name != "model.embed_tokens.weight":
+            tensors[name] = _through_q4_k(w)
+    save_file(tensors, str(dequantized / "model.safetensors"))
+    for f in directory.iterdir():
+        if f.name != "model.safetensors":
+            (dequantized / f.name).write_bytes(f.read_bytes())
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["hello world", "the quick brown fox", "1 2 3"]
+    got = LLM(str(directory), quantization="q4_k").generate(prompts, params)
+    want = LLM(str(dequantized), model_backend="eager").generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [
+        o.outputs[0].token_ids for o in want
+    ]
+
+
 def test_quantizing_at_load_is_refused_where_it_cannot_be(tmp_path: Path) -> None:
     directory = _checkpoint(tmp_path, "llama", hidden_size=48, num_heads=4)
     with pytest.raises(

@@ -307,7 +307,7 @@ def load_model(
         raise EngineConfigError(
             f"quantized_activations={quantized_activations!r}: a float model "
             "takes float activations (q8 needs quantized weights: a GGUF "
-            "file, or quantization=q8_0/q4_0/q4_1)",
+            "file, or quantization=q8_0/q4_0/q4_1/q4_k)",
             field="quantized_activations",
         )
     return LoadedModel(config=config, model=llm, path=path)

@@ -205,8 +205,11 @@ def quantize_projections(
     (``"Q8_0"``...), as ``build_model``'s ``linears``: the HF weights and
     biases of each projection are taken out of ``tensors``; a tied head
     quantizes the embedding's rows (the lookup keeps the float embedding).
-    Refuses (:class:`EngineConfigError` on ``quantization``) a type the
-    kernels cannot quantize to, and a weight whose rows are not whole blocks.
+    A weight whose rows are not whole Q4_K super-blocks (256 values: 576
+    inputs, as SmolLM2's hidden size) is Q5_0 instead, as ``llama-quantize``
+    falls back. Refuses (:class:`EngineConfigError` on ``quantization``) a
+    type the kernels cannot quantize to, and a weight whose rows are not
+    whole blocks.
     """
     from structllm.model.loader import projection_loaders
 
@@ -216,7 +219,6 @@ def quantize_projections(
             f"quantization={qtype_name.lower()} is not one the CPU kernels quantize to",
             field="quantization",
         )
-    per_block = quant_kernels.block_layout(qtype)[0]
     loaders: dict[str, Any] = dict(projection_loaders(config))
     if config.tie_word_embeddings:
         loaders["lm_head"] = None
@@ -230,13 +232,17 @@ def quantize_projections(
             w = tensors[name] if loader is None else tensors.pop(name)
             w = _float32(w)  # (out, in)
             in_features = w.shape[1]
+            kind = qtype
+            if kind == quant_kernels.GGMLType.Q4_K and in_features % 256:
+                kind = int(quant_kernels.GGMLType.Q5_0)
+            per_block = quant_kernels.block_layout(kind)[0]
             if w.shape[1] % per_block:
                 raise EngineConfigError(
                     f"quantization={qtype_name.lower()}: {name} has {w.shape[1]} "
                     f"inputs, not a multiple of the {per_block}-value block",
                     field="quantization",
                 )
-            parts.append(QuantizedPart(quant_kernels.quantize(w, qtype), qtype))
+            parts.append(QuantizedPart(quant_kernels.quantize(w, kind), kind))
         bias = None
         if loader is not None and loader.has_bias:
             bias = paddle.to_tensor(

@@ -392,3 +392,20 @@ def test_the_core_refuses_lora_where_it_does_not_run() -> None:
     assert e.value.field == "enable_lora"
     with pytest.raises(EngineConfigError, match="object has no LoRA slots"):
         enable_model_lora(object(), EngineConfig(model="m", enable_lora=True))  # type: ignore[arg-type]
+
+
+def test_data_parallel_routing_keys_prefixes_by_adapter() -> None:
+    from structllm.engine.frontend.routing import PrefixRouter
+
+    router = PrefixRouter(block_size=4, slack=1)
+    tokens = list(range(9))
+    base = router.prefix_hashes(tokens)
+    one, two = (
+        router.prefix_hashes(tokens, lora_id=1),
+        router.prefix_hashes(tokens, lora_id=2),
+    )
+    assert len({tuple(base), tuple(one), tuple(two)}) == 3
+    assert router.prefix_hashes(tokens, "s", 1) != one
+    router.record(one, 1)
+    assert router.affine(one) == 1
+    assert router.affine(base) is None  # the base model's prompt: no affinity

@@ -218,8 +218,11 @@ class ReplicaSet:
         core_id = request.request_id
         hashes: list[BlockHash] = []
         if len(self.clients) > 1 and self.engine_config.enable_prefix_caching:
+            lora = request.lora_request
             hashes = self.router.prefix_hashes(
-                request.prompt_token_ids, request.cache_salt
+                request.prompt_token_ids,
+                request.cache_salt,
+                0 if lora is None else lora.lora_int_id,
             )
         ready = [c.ready for c in self.clients]
         order = self.router.order(hashes, self.load, ready)

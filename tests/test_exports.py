@@ -26,6 +26,7 @@ PUBLIC = {
     "FrontendConfig",
     "InvalidRequestError",
     "LLM",
+    "LoRARequest",
     "Logprob",
     "ModelLoadError",
     "NoFreeBlocksError",

@@ -24,6 +24,7 @@ from structllm.errors import (
     StructLLMError,
     UnsupportedModelError,
 )
+from structllm.lora_request import LoRARequest
 from structllm.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -53,6 +54,7 @@ __all__ = [
     "EngineStatistics",
     "FrontendConfig",
     "InvalidRequestError",
+    "LoRARequest",
     "Logprob",
     "ModelLoadError",
     "NoFreeBlocksError",

@@ -60,6 +60,7 @@ __all__ = [
     "check_address",
     "check_api_keys",
     "check_config",
+    "check_lora_modules",
     "from_arguments",
     "parse_address",
     "setting",
@@ -70,6 +71,25 @@ _GiB = 1 << 30
 _ONE = at_least(1)
 _ZERO = at_least(0)
 _POSITIVE = at_least(0, above=True)
+
+
+def check_lora_modules(
+    _: object, attribute: attrs.Attribute[tuple[str, ...]], value: tuple[str, ...]
+) -> None:
+    """A validator: each item is ``NAME=PATH``, both non-empty, each name once."""
+    names: set[str] = set()
+    for item in value:
+        name, eq, path = item.partition("=") if isinstance(item, str) else ("", "", "")
+        if not eq or not name.strip() or not path.strip():
+            raise EngineConfigError(
+                f"{attribute.name}: {item!r} is not NAME=PATH", field=attribute.name
+            )
+        if name in names:
+            raise EngineConfigError(
+                f"{attribute.name}: the name {name!r} is given twice",
+                field=attribute.name,
+            )
+        names.add(name)
 
 
 @attrs.frozen(kw_only=True)
@@ -206,6 +226,26 @@ class EngineConfig:
         help="inference: oneDNN predictors (Paddle Inference); auto picks them for "
         "float32 CPU models of 10M+ parameters on CPUs other than Intel's (where "
         "Paddle's eager MKL kernels are faster), else eager",
+        topic="model",
+    )
+    enable_lora: bool = setting(
+        False,
+        help="serve LoRA adapters (PEFT's format) over the model, chosen per "
+        "request and loaded at run time (see docs/architecture.md)",
+        topic="model",
+    )
+    max_loras: int = setting(
+        1,
+        help="with --enable-lora, adapters the model holds at once; a batch "
+        "mixes at most this many, the least recently used idle one making room",
+        validator=_ONE,
+        topic="model",
+    )
+    max_lora_rank: int = setting(
+        16,
+        help="with --enable-lora, the highest adapter rank (r) loaded; the "
+        "slots are allocated at this rank",
+        validator=_ONE,
         topic="model",
     )
     speculative_config: SpeculativeConfig | None = setting(  # noqa: RUF009 (frozen)
@@ -442,6 +482,15 @@ class ServerConfig:
         True,
         help="one structured line per request on the structllm.access logger",
         topic="logging",
+    )
+    lora_modules: tuple[str, ...] = setting(
+        (),
+        help="LoRA adapters to load at start, as NAME=PATH (PEFT's directory); "
+        "a request's model NAME picks one (needs --enable-lora)",
+        validator=check_lora_modules,
+        metavar="NAME=PATH",
+        many=True,
+        topic="model",
     )
     enable_per_request_metrics: bool = setting(
         False,

@@ -33,6 +33,7 @@ from structllm.engine.frontend.output_processor import (
     merge_choices,
 )
 from structllm.errors import EngineConfigError, InvalidRequestError
+from structllm.lora_request import LoRARequest
 from structllm.model.loader import LoadProgress
 from structllm.outputs import EmbeddingOutput, RequestOutput
 from structllm.params import OutputKind, SamplingParams
@@ -104,12 +105,15 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs in the order of ``prompts``.
 
         ``prompts`` is one prompt or a list; a prompt is a string, a list of
         token ids, or a ``{"prompt_token_ids": [...]}`` dict. ``params`` is
-        one SamplingParams for all, or one per prompt.
+        one SamplingParams for all, or one per prompt; ``lora_request`` one
+        LoRA adapter for all, or one per prompt (None: the base model;
+        needs ``enable_lora=True``).
         """
         batch: list[PromptInput] = (
             list(prompts)  # type: ignore[arg-type]
@@ -133,6 +137,16 @@ class LLM:
                 f"got {len(priority)} priorities for {len(batch)} prompts",
                 field="priority",
             )
+        loras = (
+            list(lora_request)
+            if isinstance(lora_request, Sequence)
+            else [lora_request] * len(batch)
+        )
+        if len(loras) != len(batch):
+            raise InvalidRequestError(
+                f"got {len(loras)} LoRA requests for {len(batch)} prompts",
+                field="lora_request",
+            )
         # Tokenise and validate everything before the core sees any request;
         # a prompt with n samples is n requests, which share its KV blocks.
         groups = [
@@ -140,6 +154,7 @@ class LLM:
                 prompt,
                 p if p.output_kind is OutputKind.FINAL else _final(p),
                 0 if priority is None else priority[i],
+                lora=loras[i],
             )
             for i, (prompt, p) in enumerate(zip(batch, plist, strict=True))
         ]
@@ -213,14 +228,20 @@ class LLM:
         return [EmbeddingOutput.from_request_output(results[rid]) for rid in ids]
 
     def stream(
-        self, prompt: PromptInput, params: SamplingParams | None = None
+        self,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        *,
+        lora_request: LoRARequest | None = None,
     ) -> Iterator[RequestOutput]:
         """One prompt's outputs as the engine steps (``params.output_kind``).
 
         A plain generator: closing it early aborts the request in the core.
         """
         params = params or SamplingParams()
-        ((state, request),) = self._prepare(prompt, params, 0, samples=False)
+        ((state, request),) = self._prepare(
+            prompt, params, 0, samples=False, lora=lora_request
+        )
         self.core.add_request(request)
         self._processor.add(state)
         try:
@@ -236,6 +257,7 @@ class LLM:
         priority: int,
         *,
         samples: bool = True,
+        lora: LoRARequest | None = None,
     ) -> list[tuple[RequestState, CoreRequest]]:
         """One request per sample (``params.n``); with ``samples`` false, the
         request as given (a stream: ``new_request`` refuses n > 1)."""
@@ -244,7 +266,7 @@ class LLM:
         choices = [params]
         if samples and params.n > 1:
             choices = [params.for_choice(j) for j in range(params.n)]
-        return [
+        prepared = [
             new_request(
                 parsed,
                 choice,
@@ -254,6 +276,28 @@ class LLM:
                 priority=priority,
             )
             for choice in choices
+        ]
+        if lora is None:
+            return prepared
+        return [
+            (state, msgspec.structs.replace(request, lora_request=lora))
+            for state, request in prepared
+        ]
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read an adapter ahead of the requests that name it; True when it
+        was new. ModelLoadError names the file and tensor of a bad one."""
+        return self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload adapter ``lora_id``; requests running with it finish with
+        it (docs/cancellation.md). False when it was not loaded."""
+        return self.core.remove_lora(lora_id)
+
+    def list_loras(self) -> list[int]:
+        """The ids of the adapters loaded (vLLM's)."""
+        return [
+            i.request.lora_int_id for i in self.core.list_loras() if not i.unloading
         ]
 
     def _outputs(

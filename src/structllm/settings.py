@@ -69,6 +69,7 @@ def setting(
     converter: Any = None,
     metavar: str | tuple[str, ...] | None = None,
     parse: Any = None,
+    many: bool = False,
 ) -> Any:
     """An attrs field with its command-line help (``cli=False``: no flag).
 
@@ -76,7 +77,8 @@ def setting(
     left out of the class's ``repr`` (API keys never reach a log).
     ``metavar``: the flag's value names (default: the type's). ``parse``:
     how the flag reads its text (default: the type; ``str`` leaves it to the
-    field's converter, e.g. JSON for a structured setting).
+    field's converter, e.g. JSON for a structured setting). ``many``: a
+    repeatable flag also takes several values at once (``--flag A B``).
     """
     if topic is not None and topic not in TOPICS:
         raise KeyError(f"unknown topic {topic!r}")
@@ -92,6 +94,7 @@ def setting(
             "topic": topic,
             "metavar": metavar,
             "parse": parse,
+            "many": many,
         },
     )
 
@@ -315,6 +318,8 @@ def _add_flag(
         text += f" (default: {' '.join(map(str, default))})"
     elif repeat:
         kw.update(action=_Append, type=kind, default=tuple(default))
+        if field.metadata.get("many"):
+            kw["nargs"] = "+"
         if field.metadata.get("metavar"):
             kw["metavar"] = field.metadata["metavar"]
         text += " (repeatable)"
@@ -343,7 +348,8 @@ class _Append(argparse.Action):
     ) -> None:
         items = getattr(namespace, self.dest)
         items = [] if items is self.default else list(items)
-        setattr(namespace, self.dest, [*items, values])
+        new = values if isinstance(values, list) else [values]  # nargs="+"
+        setattr(namespace, self.dest, [*items, *new])
 
 
 def from_arguments(

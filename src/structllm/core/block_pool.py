@@ -54,17 +54,23 @@ _DIGEST_SIZE = 16
 ROOT_HASH: BlockHash = bytes(_DIGEST_SIZE)
 
 
-def root_hash(cache_salt: str | None) -> BlockHash:
+def root_hash(cache_salt: str | None, adapter: bytes | None = None) -> BlockHash:
     """The parent hash of a sequence's first block.
 
     A salt puts the sequence in its own hash space: requests with different
-    salts (tenants) never share a block, however equal their tokens.
+    salts (tenants) never share a block, however equal their tokens. So
+    does a LoRA adapter (``adapter``: its key, ``LoRAManager.cache_key``):
+    its keys and values differ from the base model's and every other
+    adapter's for the same tokens.
     """
-    if cache_salt is None:
+    if cache_salt is None and adapter is None:
         return ROOT_HASH
-    return hashlib.blake2b(
-        b"salt\0" + cache_salt.encode(), digest_size=_DIGEST_SIZE
-    ).digest()
+    h = hashlib.blake2b(digest_size=_DIGEST_SIZE)
+    if cache_salt is not None:
+        h.update(b"salt\0" + cache_salt.encode())
+    if adapter is not None:  # after the salt's, printable (check_cache_salt): no NUL
+        h.update(b"\0lora\0" + adapter)
+    return h.digest()
 
 
 def hash_block_tokens(parent: BlockHash, tokens: Sequence[int]) -> BlockHash:

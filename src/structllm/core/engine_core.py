@@ -21,6 +21,7 @@ import numpy as np
 
 from structllm.config import EngineConfig
 from structllm.core.block_pool import BlockPool
+from structllm.core.lora_manager import LoRAInfo, LoRAManager, enable_model_lora
 from structllm.core.pooling import PoolingConfig, finish_embedding, read_pooling_config
 from structllm.core.request import (
     CoreRequest,
@@ -40,7 +41,8 @@ from structllm.core.structured import (
     StructuredOutputManager,
     grammar_vocabulary,
 )
-from structllm.errors import EngineConfigError, InvalidRequestError
+from structllm.errors import EngineConfigError, InvalidRequestError, ModelLoadError
+from structllm.lora_request import LoRARequest
 from structllm.model.config import ModelConfig
 from structllm.model.sampler import TokenLogprobs, make_generator
 from structllm.models import resolve_model
@@ -223,11 +225,17 @@ class EngineCore:
         )
         if tp_group is not None:
             tp_group.allocate(num_blocks)
+        #: LoRA adapters (enable_lora), shared by the scheduler and the runner
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = enable_model_lora(loaded.model, config)
+            self.scheduler.lora = self.lora
         self.runner = ModelRunner(
             loaded.model,
             num_blocks,
             self.structured,
             broadcast=None if tp_group is None else tp_group.broadcast,
+            lora=self.lora,
         )
         #: how embedding requests pool by default (the checkpoint's
         #: sentence-transformers config, or its GGUF metadata)
@@ -249,9 +257,45 @@ class EngineCore:
         a later step, reported in :attr:`StepOutput.rejected`.
         """
         req = self._admit(request)
+        if request.lora_request is not None:
+            self._use_lora(req, request.lora_request)
         if req.params.structured_outputs is not None:
             self.structured.start(req)
         self.scheduler.add_request(req)
+        if self.lora is not None and req.lora_id:
+            self.lora.acquire(req.request_id, req.lora_id)  # known: just added
+
+    def _use_lora(self, req: Request, lora: LoRARequest) -> None:
+        """``req`` runs with ``lora``'s adapter, read now if it is new."""
+        if self.lora is None:
+            raise InvalidRequestError(
+                "lora_request: LoRA is not enabled on this engine (enable_lora)",
+                field="lora_request",
+            )
+        try:
+            self.lora.add(lora)
+        except ModelLoadError as exc:  # this request's adapter, not the engine
+            raise InvalidRequestError(str(exc), field="lora_request") from exc
+        req.lora_id = lora.lora_int_id
+        req.lora_key = self.lora.cache_key(lora.lora_int_id)
+
+    def add_lora(self, lora: LoRARequest) -> bool:
+        """Read ``lora``'s adapter ahead of the requests that name it (see
+        ``LoRAManager.add``); ModelLoadError naming the file and tensor."""
+        if self.lora is None:
+            raise InvalidRequestError(
+                "LoRA is not enabled on this engine (enable_lora)",
+                field="lora_request",
+            )
+        return self.lora.add(lora)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload adapter ``lora_id``: requests running with it finish with
+        it (``LoRAManager.remove``); False when it is not loaded."""
+        return self.lora is not None and self.lora.remove(lora_id)
+
+    def list_loras(self) -> tuple[LoRAInfo, ...]:
+        return () if self.lora is None else self.lora.adapters()
 
     def _admit(self, r: CoreRequest) -> Request:
         if not isinstance(r.request_id, str) or not r.request_id:
@@ -552,7 +596,10 @@ def load_engine_model(
         "block_size": config.block_size,
         "max_model_len": config.max_model_len,
         "seed": config.seed,
-        "backend": config.model_backend,
+        # LoRA's slots run in the eager backend only
+        "backend": "eager"
+        if config.enable_lora and config.model_backend == "auto"
+        else config.model_backend,
         "quantization": config.quantization,
         "quantized_activations": config.quantized_activations,
         "on_progress": on_progress,

@@ -25,6 +25,7 @@ import numpy as np
 
 from structllm.core.block_pool import BlockHash
 from structllm.core.pooling import Pooling
+from structllm.lora_request import LoRARequest
 from structllm.model.sampler import TokenLogprobs
 from structllm.outputs import FinishReason
 from structllm.params import SamplingParams
@@ -65,6 +66,8 @@ class CoreRequest(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     #: an embedding request: prefilled, pooled, finished at the end of its
     #: prefill with ``RequestStepOutput.embedding`` (nothing is sampled)
     pooling: Pooling | None = None
+    #: the LoRA adapter to run with (read on first use; None: the base model)
+    lora_request: LoRARequest | None = None
 
 
 class RejectedRequest(msgspec.Struct, frozen=True, array_like=True):
@@ -206,6 +209,9 @@ class Request:
     #: counts twice); last pooling: the last position's row
     pooled: np.ndarray | None = None
     num_pooled: int = 0
+    #: its LoRA adapter's id (0: none) and prefix-cache key (LoRAManager)
+    lora_id: int = 0
+    lora_key: bytes | None = None
 
     @property
     def needs_every_position(self) -> bool:

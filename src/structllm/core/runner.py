@@ -9,6 +9,7 @@ import attrs
 import msgspec
 import numpy as np
 
+from structllm.core.lora_manager import LoRAManager
 from structllm.core.request import Request
 from structllm.core.scheduler import SchedulerOutput
 from structllm.core.structured import StructuredOutputManager
@@ -91,7 +92,10 @@ class ModelRunner:
 
     ``broadcast`` (rank 0 of a tensor-parallel group) is given each step's
     :class:`ModelInput` before the forward, so the other ranks run the same
-    forward with it (their all-reduces meet this one's)."""
+    forward with it (their all-reduces meet this one's).
+
+    ``lora`` (LoRA enabled): each sequence's rows run with its request's
+    adapter, set on the model before the forward."""
 
     def __init__(
         self,
@@ -99,8 +103,10 @@ class ModelRunner:
         num_blocks: int,
         structured: StructuredOutputManager | None = None,
         broadcast: Callable[[ModelInput], None] | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
         self.structured = structured
         self.broadcast = broadcast
         self.num_blocks = num_blocks
@@ -160,6 +166,13 @@ class ModelRunner:
         )
         if self.broadcast is not None:
             self.broadcast(model_input)
+        if self.lora is not None:
+            slots = self.lora.rows([c.request.lora_id for c in chunks])
+            self.lora.slots.set_rows(
+                None
+                if slots is None
+                else np.repeat(np.asarray(slots, np.int64), [n for _, n, _ in seqs])
+            )
         hidden = run_forward(self.model, self.kv_caches, model_input)  # (T, H)
         prompt = {
             req.request_id: (pos + 1, self._prompt_logprobs(hidden, req, row, pos, n))

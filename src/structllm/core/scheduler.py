@@ -45,6 +45,11 @@ last prompt token: nothing is sampled, and its blocks go back to the pool
 at once (cached full ones stay findable). Last-token pooling takes prefix
 cache hits like any prompt (the last token is always computed).
 
+A request with a LoRA adapter (``Request.lora_id``) is admitted once its
+adapter is in one of the model's slots (``LoRAManager.slot_for``: a free
+one, or an idle adapter's); while running requests keep every slot busy it
+is passed over, keeping its place. Its blocks hash under its adapter's key.
+
 Prefix caching (``enable_prefix_caching``): a request admitted takes the
 longest chain of cached full blocks matching its tokens (prompt, and for a
 preempted request its outputs too) and computes only the rest; at least its
@@ -75,6 +80,7 @@ from structllm.core.block_pool import (
     hash_block_tokens,
     root_hash,
 )
+from structllm.core.lora_manager import LoRAManager
 from structllm.core.request import Request, RequestStatus
 from structllm.core.scheduler_types import (
     ScheduledChunk,
@@ -117,6 +123,8 @@ class Scheduler:
     clock: Callable[[], float] = time.monotonic
     num_expired: int = 0
     expired_tokens_skipped: int = 0
+    #: LoRA adapters' slots and users (None: LoRA not enabled)
+    lora: LoRAManager | None = None
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``; the caller has validated it (see EngineCore)."""
@@ -181,8 +189,8 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[j]
-            if req.waiting_for_grammar:
-                j += 1
+            if req.waiting_for_grammar or not self._adapter_resident(req):
+                j += 1  # it keeps its place
                 continue
             hit: list[int] = []
             # prompt logprobs and mean pooling need every prompt position
@@ -228,6 +236,14 @@ class Scheduler:
         if self._speculating():
             self._add_drafts(chunks, budget)
         return SchedulerOutput(tuple(chunks), tuple(preempted), expired)
+
+    def _adapter_resident(self, req: Request) -> bool:
+        """Its LoRA adapter is in a slot, or is put in one now (evicting an
+        idle one): False while every slot is busy with running requests."""
+        if req.lora_id == 0 or self.lora is None:
+            return True
+        busy = {r.lora_id for r in self.running}
+        return self.lora.slot_for(req.lora_id, busy) is not None
 
     def _drop_expired(self) -> tuple[Request, ...]:
         """Finish (``"abort"``) every request whose deadline has passed."""
@@ -395,7 +411,7 @@ class Scheduler:
         """Hash every full block of ``req``'s known tokens not hashed yet."""
         bs = self.pool.block_size
         hashes = req.block_hashes
-        parent = hashes[-1] if hashes else root_hash(req.cache_salt)
+        parent = hashes[-1] if hashes else root_hash(req.cache_salt, req.lora_key)
         for i in range(len(hashes), req.num_tokens // bs):
             parent = hash_block_tokens(parent, req.token_slice(i * bs, (i + 1) * bs))
             hashes.append(parent)
@@ -435,6 +451,8 @@ class Scheduler:
             full = len(req.prompt_token_ids) // self.pool.block_size
             self.pool.pin(req.request_id, req.block_hashes[:full])
         self._release(req)
+        if self.lora is not None:
+            self.lora.release([req.request_id])
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason

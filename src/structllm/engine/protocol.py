@@ -5,14 +5,14 @@ Frames are a 4-byte big-endian length followed by a msgpack-encoded message
 stdout), so whatever the model or Paddle print cannot corrupt the stream.
 
     front -> core: Start (first), CoreRequest, AbortRequests,
-                   ResetPrefixCache, InspectCore, Shutdown
+                   ResetPrefixCache, InspectCore, AddLoRA, RemoveLoRA, Shutdown
     core -> front: LoadProgressMsg*, Ready | Fatal (first answers),
                    StepOutput, AddFailed, Heartbeat, PrefixCacheReset,
-                   CoreState, Fatal
+                   CoreState, LoRAAdded, LoRARemoved, Fatal
 
 The core reads the front end's messages in the order they were sent and
 handles every message it has read before its next step; a question
-(ResetPrefixCache, InspectCore) is answered there, so its answer reflects
+(ResetPrefixCache, InspectCore, AddLoRA, RemoveLoRA) is answered there, so its answer reflects
 every message sent before it.
 
 A request and a step's outputs cross the wire as the core's own structs
@@ -32,11 +32,15 @@ import msgspec
 from structllm.config import EngineConfig
 from structllm.core.engine_core import StepOutput
 from structllm.core.request import CoreRequest
+from structllm.errors import InvalidRequestError, ModelLoadError
+from structllm.lora_request import LoRARequest
 
 __all__ = [
+    "ANSWERS",
     "MAX_FRAME",
     "AbortRequests",
     "AddFailed",
+    "AddLoRA",
     "CoreRequest",
     "CoreState",
     "Fatal",
@@ -44,10 +48,13 @@ __all__ = [
     "FrameReader",
     "Heartbeat",
     "InspectCore",
+    "LoRAAdded",
+    "LoRARemoved",
     "LoadProgressMsg",
     "Message",
     "PrefixCacheReset",
     "Ready",
+    "RemoveLoRA",
     "ResetPrefixCache",
     "Shutdown",
     "Start",
@@ -119,6 +126,42 @@ class CoreState(msgspec.Struct, tag=True):
     blocks_pinned: int = 0
 
 
+class AddLoRA(msgspec.Struct, tag=True):
+    """Read a LoRA adapter ahead of its requests; answered by LoRAAdded."""
+
+    lora_request: LoRARequest
+
+
+class LoRAAdded(msgspec.Struct, tag=True):
+    """The answer to AddLoRA: read now (or known), or refused: the error's
+    type name (ModelLoadError, InvalidRequestError), message and field."""
+
+    added: bool
+    error_kind: str | None = None
+    message: str = ""
+    field: str | None = None
+
+    def result(self) -> bool:
+        """``added``, or the core's refusal raised as its type."""
+        if self.error_kind == "InvalidRequestError":
+            raise InvalidRequestError(self.message, field=self.field)
+        if self.error_kind is not None:
+            raise ModelLoadError(self.message)
+        return self.added
+
+
+class RemoveLoRA(msgspec.Struct, tag=True):
+    """Unload an adapter (its running requests finish with it); answered by
+    LoRARemoved."""
+
+    lora_id: int
+
+
+class LoRARemoved(msgspec.Struct, tag=True):
+    #: False: no such adapter was loaded
+    removed: bool
+
+
 class Shutdown(msgspec.Struct, tag=True):
     pass
 
@@ -178,6 +221,10 @@ Message = (
     | PrefixCacheReset
     | InspectCore
     | CoreState
+    | AddLoRA
+    | LoRAAdded
+    | RemoveLoRA
+    | LoRARemoved
     | Shutdown
     | LoadProgressMsg
     | Ready
@@ -186,6 +233,9 @@ Message = (
     | Heartbeat
     | Fatal
 )
+
+#: the core's answers to questions, each in the order it was asked
+ANSWERS = (PrefixCacheReset, CoreState, LoRAAdded, LoRARemoved)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -264,6 +264,15 @@ class LoRASlots:
         (:class:`ModelLoadError`, naming the adapter and the projection) an
         adapter that does not fit, before changing anything."""
         self._check_slot(slot)
+        self.check_adapter(adapter)
+        for name, linear in self.linears.items():
+            linear.set_slot(slot, adapter.projections.get(name))
+        self.adapters[slot] = adapter
+
+    def check_adapter(self, adapter: LoRAAdapter) -> None:
+        """Refuse (:class:`ModelLoadError`, naming the adapter and the
+        projection) an adapter that would not fit a slot; the engine asks
+        when it reads one, so that loading it into a slot later cannot fail."""
         if adapter.rank > self.max_rank:
             raise ModelLoadError(
                 f"{adapter.source}: r={adapter.rank} is over max_lora_rank="
@@ -278,9 +287,6 @@ class LoRASlots:
                     f"{adapter.source}: the update of {name} does not fit the "
                     f"model: {why}"
                 )
-        for name, linear in self.linears.items():
-            linear.set_slot(slot, adapter.projections.get(name))
-        self.adapters[slot] = adapter
 
     def clear_slot(self, slot: int) -> None:
         """Empty ``slot``: its matrices zeroed (rows still naming it would

@@ -65,6 +65,9 @@ from structllm.server.http.limits import ConcurrencyLimit, LimitState
 from structllm.server.http.security import ApiKeyMiddleware, add_cors
 from structllm.server.llamacpp import api_router as llamacpp
 from structllm.server.llamacpp.serving import LlamaCppServing
+from structllm.server.lora import api_router as lora
+from structllm.server.lora.registry import LoRARegistry
+from structllm.server.lora.serving import LoRAServing
 from structllm.server.messages import api_router as messages
 from structllm.server.messages.serving import MessagesServing
 from structllm.server.metrics import Gauges, Metrics
@@ -127,6 +130,11 @@ def build_app(
     app.state.tokenize = TokenizeServing(slot, config, metrics)
     app.state.ollama = OllamaServing(slot, config, metrics)
     app.state.llamacpp = LlamaCppServing(slot, config, metrics)
+    if slot.loras is None:  # a request's model may name one of them
+        slot.loras = LoRARegistry(config.model_name)
+    app.state.lora = LoRAServing(
+        slot, config, metrics, registry=slot.loras, engine=slot.get
+    )
     for api in (
         completions,
         chat,
@@ -137,6 +145,7 @@ def build_app(
         models,
         operations,
         tokenize,
+        lora,
         ollama,
         llamacpp,
     ):

@@ -34,11 +34,13 @@ from structllm.config import ServerConfig
 from structllm.engine.frontend.async_llm import AsyncLLM
 from structllm.engine.frontend.inputs import OFF_LOOP_CHARS, Prompt, check_prompt_bytes
 from structllm.errors import EngineLoadingError, InvalidRequestError, unwrap_group
+from structllm.lora_request import LoRARequest
 from structllm.outputs import RequestOutput
 from structllm.server.http.body import maybe_off_loop, receive_json
 from structllm.server.http.errors import ModelNotFoundError, error_response
 from structllm.server.http.sse import cancel_on_disconnect, deadline
 from structllm.server.jobs import Job
+from structllm.server.lora.registry import LoRARegistry
 from structllm.server.metrics import Metrics
 from structllm.server.protocol import bodies
 
@@ -50,6 +52,8 @@ class EngineSlot:
     """Holds the engine once it is up: the server listens while it loads."""
 
     llm: AsyncLLM | None = None
+    #: the LoRA adapters a request's ``model`` may name (``build_app``'s)
+    loras: LoRARegistry | None = None
 
     def get(self) -> AsyncLLM:
         if self.llm is None:
@@ -128,6 +132,15 @@ class ServingBase:
                 f"{self.config.model_name!r}"
             )
 
+    def check_model_or_adapter(self, name: str | None) -> LoRARequest | None:
+        """:meth:`check_model`, where a LoRA adapter's name (the generation
+        routes) is a model too: its adapter (None: the base model)."""
+        loras = self.slot.loras
+        adapter = None if loras is None or not name else loras.lookup(name)
+        if adapter is None:
+            self.check_model(name)
+        return adapter
+
     @staticmethod
     def check_length(
         llm: AsyncLLM, ids: Sequence[int], max_tokens: int | None, field: str
@@ -187,12 +200,13 @@ class ServingBase:
         seen = {job.prompt_index: len(job.prompt.token_ids) for job in jobs}
         return sum(seen.values())
 
-    def head(self, rid: str) -> dict[str, Any]:
-        """The fields every response and chunk starts with."""
+    def head(self, rid: str, adapter: LoRARequest | None = None) -> dict[str, Any]:
+        """The fields every response and chunk starts with (``model``: the
+        LoRA adapter's name when the request ran with one, as vLLM)."""
         return {
             "id": rid,
             "created": bodies.now(),
-            "model": self.config.model_name,
+            "model": self.config.model_name if adapter is None else adapter.lora_name,
             "system_fingerprint": self.fingerprint,
         }
 

@@ -11,6 +11,7 @@ import attrs
 from pydantic import BaseModel
 
 from structllm.engine.frontend.inputs import Prompt
+from structllm.lora_request import LoRARequest
 from structllm.outputs import RequestOutput
 from structllm.params import SamplingParams
 from structllm.server.protocol import bodies
@@ -67,6 +68,8 @@ class Job:
     params: SamplingParams
     priority: int = 0
     timing: JobTiming = attrs.field(factory=JobTiming, eq=False)
+    #: the LoRA adapter its ``model`` named (None: the base model)
+    lora_request: LoRARequest | None = None
 
 
 class StreamFormat(Protocol):

@@ -39,7 +39,7 @@ from structllm.config import (
     from_arguments,
 )
 from structllm.engine.frontend.async_llm import AsyncLLM
-from structllm.errors import StructLLMError, unwrap_group
+from structllm.errors import EngineConfigError, StructLLMError, unwrap_group
 from structllm.server.app import build_app
 from structllm.server.http.access import ACCESS_LOGGER
 from structllm.server.http.drain import Drain, drain_then_stop
@@ -68,6 +68,11 @@ def configs_from_args(
         model_name=ns.served_model_name or ns.model,
         api_key=api_keys(ns.api_key, os.environ),
     )
+    if server.lora_modules and not engine.enable_lora:
+        raise EngineConfigError(
+            "--lora-modules loads LoRA adapters: it needs --enable-lora",
+            field="lora_modules",
+        )
     return server, from_arguments(FrontendConfig, ns)
 
 
@@ -139,6 +144,8 @@ async def _serve(
             print(f"structllm: listening on http://{server.host}:{port}", flush=True)
             try:
                 async with AsyncLLM.from_config(engine, front) as llm:
+                    if slot.loras is not None:  # --lora-modules, before any request
+                        await slot.loras.load_modules(llm, server.lora_modules)
                     slot.llm = llm
                     tg.start_soon(_watch_engine, llm, shutdown)
                     print(

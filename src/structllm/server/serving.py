@@ -27,6 +27,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from structllm.config import ServerConfig
 from structllm.engine.frontend.async_llm import AsyncLLM
 from structllm.errors import InvalidRequestError, unwrap_group
+from structllm.lora_request import LoRARequest
 from structllm.outputs import CompletionOutput, RequestOutput
 from structllm.params import OutputKind
 from structllm.server.base import EngineSlot, ServingBase
@@ -199,7 +200,11 @@ class Serving(ServingBase):
             if record.prompt_chars and record.prompt is None:
                 record.prompt = self.prompt_text(prompt)[: record.prompt_chars]
         s = self.slot.get().stream(
-            prompt, params, request_id=rid, priority=job.priority
+            prompt,
+            params,
+            request_id=rid,
+            priority=job.priority,
+            lora_request=job.lora_request,
         )
         try:
             async with s:
@@ -247,6 +252,8 @@ class Chunks(Generic[_R]):
     serving: Serving
     req: _R
     rid: str
+    #: the request's LoRA adapter, named as its ``model``
+    adapter: LoRARequest | None = attrs.field(default=None, kw_only=True)
 
     @property
     def include_usage(self) -> bool:
@@ -258,7 +265,7 @@ class Chunks(Generic[_R]):
 
     def head(self, usage: bodies.Usage | None) -> dict[str, Any]:
         """The fields of a chunk besides its choices."""
-        head = self.serving.head(self.rid)
+        head = self.serving.head(self.rid, self.adapter)
         if usage is not None:
             head["usage"] = usage
         return head

@@ -38,6 +38,7 @@ from structllm.engine.child import exit_with_parent, inject_fault, peak_rss_byte
 from structllm.engine.protocol import (
     AbortRequests,
     AddFailed,
+    AddLoRA,
     CoreRequest,
     CoreState,
     Fatal,
@@ -45,9 +46,12 @@ from structllm.engine.protocol import (
     Heartbeat,
     InspectCore,
     LoadProgressMsg,
+    LoRAAdded,
+    LoRARemoved,
     Message,
     PrefixCacheReset,
     Ready,
+    RemoveLoRA,
     ResetPrefixCache,
     Shutdown,
     Start,
@@ -237,6 +241,17 @@ def _warm_up(core: EngineCore, send: Send) -> None:
     send(LoadProgressMsg("warmup", 1, 1))
 
 
+def _add_lora(core: EngineCore, msg: AddLoRA) -> LoRAAdded:
+    """Read the adapter; a refusal is the answer, not the core's end."""
+    from structllm.errors import InvalidRequestError, ModelLoadError
+
+    try:
+        return LoRAAdded(core.add_lora(msg.lora_request))
+    except (InvalidRequestError, ModelLoadError) as exc:
+        field = exc.field if isinstance(exc, InvalidRequestError) else None
+        return LoRAAdded(False, type(exc).__name__, str(exc), field)
+
+
 def _loop(
     core: EngineCore,
     start: Start,
@@ -274,6 +289,10 @@ def _loop(
                 send(PrefixCacheReset(core.reset_prefix_cache()))
             elif isinstance(msg, InspectCore):
                 send(_state(core))
+            elif isinstance(msg, AddLoRA):
+                send(_add_lora(core, msg))
+            elif isinstance(msg, RemoveLoRA):
+                send(LoRARemoved(core.remove_lora(msg.lora_id)))
             elif isinstance(msg, Shutdown):
                 return 0
         pending = []

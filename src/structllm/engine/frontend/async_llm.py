@@ -80,6 +80,7 @@ from structllm.engine.frontend.scopes import (
 from structllm.engine.protocol import AbortRequests, CoreState, Ready
 from structllm.engine.statistics import EngineStatistics
 from structllm.errors import EngineDeadError, InvalidRequestError, unwrap_group
+from structllm.lora_request import LoRARequest
 from structllm.outputs import EmbeddingOutput, RequestOutput
 from structllm.params import OutputKind, SamplingParams
 from structllm.text.tokenizer import Tokenizer, load_tokenizer
@@ -173,6 +174,7 @@ class AsyncLLM:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """A request as an async context manager yielding an async iterator.
 
@@ -180,8 +182,11 @@ class AsyncLLM:
         :meth:`abort` ends the request; ``finish_reason`` is then ``"abort"``.
         Raises InvalidRequestError / EngineOverloadedError at entry, and
         EngineDeadError at entry or while iterating if the engine dies.
+        ``lora_request``: run with that LoRA adapter (``enable_lora``).
         """
-        return RequestStream(self, prompt, params, request_id, priority)
+        return RequestStream(
+            self, prompt, params, request_id, priority, lora_request=lora_request
+        )
 
     async def generate(
         self,
@@ -190,6 +195,7 @@ class AsyncLLM:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """vLLM-style async generator. Close it deterministically::
 
@@ -204,6 +210,7 @@ class AsyncLLM:
             SamplingParams() if params is None else params,
             request_id if request_id is not None else uuid.uuid4().hex,
             priority,
+            lora_request=lora_request,
         )
         try:
             while (out := await state.mailbox.next()) is not None:
@@ -218,6 +225,7 @@ class AsyncLLM:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutput:
         """Run a request to the end and return only its final output.
 
@@ -230,11 +238,21 @@ class AsyncLLM:
         )
         rid = request_id if request_id is not None else uuid.uuid4().hex
         if params.n == 1:
-            stream = self.stream(prompt, params, request_id=rid, priority=priority)
+            stream = self.stream(
+                prompt,
+                params,
+                request_id=rid,
+                priority=priority,
+                lora_request=lora_request,
+            )
             return await run_to_end(stream)
         samples = [
             self.stream(
-                prompt, params.for_choice(i), request_id=f"{rid}-{i}", priority=priority
+                prompt,
+                params.for_choice(i),
+                request_id=f"{rid}-{i}",
+                priority=priority,
+                lora_request=lora_request,
             )
             for i in range(params.n)
         ]
@@ -335,6 +353,17 @@ class AsyncLLM:
         """
         return await self._client.reset_prefix_cache()
 
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read a LoRA adapter ahead of the requests that name it (they
+        read it on first use otherwise); True when it was new. A bad one
+        raises ModelLoadError naming the file and tensor; the engine serves on."""
+        return await self._client.add_lora(lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Unload adapter ``lora_id``; requests running with it finish with
+        it (docs/cancellation.md). False when it was not loaded."""
+        return await self._client.remove_lora(lora_id)
+
     async def inspect_cores(self) -> tuple[CoreState | None, ...]:
         """Each replica core's own record of its requests and KV blocks.
 
@@ -394,6 +423,7 @@ class AsyncLLM:
         group: str | None = None,
         pin: bool = False,
         pooling: Pooling | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestState:
         """Register a request and send it to a core; its state (``mailbox``
         of outputs, ``finish_reason``, ``snapshot()``) until :meth:`release`.
@@ -421,7 +451,12 @@ class AsyncLLM:
         )
         # No await since _admit's checks: registered and submitted, or neither.
         request = msgspec.structs.replace(
-            request, deadline=core_deadline(), group=group, pin=pin, pooling=pooling
+            request,
+            deadline=core_deadline(),
+            group=group,
+            pin=pin,
+            pooling=pooling,
+            lora_request=lora_request,
         )
         self._client.submit_nowait(request)
         self._processor.add(state)

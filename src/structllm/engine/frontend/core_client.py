@@ -44,6 +44,7 @@ from structllm.engine.frontend.core_connection import (
     receive,
 )
 from structllm.engine.protocol import (
+    ANSWERS,
     AddFailed,
     CoreState,
     Fatal,
@@ -250,6 +251,10 @@ class CoreClient:
         assert isinstance(answer, PrefixCacheReset)
         return answer.num_blocks
 
+    async def ask(self, question: Message) -> Message:
+        """Ask the running core ``question`` (AddLoRA...); its answer."""
+        return await self._ask_nowait(question).wait()
+
     def inspect_nowait(self) -> _Question:
         """Send InspectCore now (a running core); wait for its answer later:
         the core's own record of its requests and blocks, as of every message
@@ -431,7 +436,7 @@ class CoreClient:
                 self.relay.on_change()
             elif isinstance(msg, AddFailed):
                 self.relay.on_add_failed(self.index, msg)
-            elif isinstance(msg, PrefixCacheReset | CoreState) and self._questions:
+            elif isinstance(msg, ANSWERS) and self._questions:
                 asked = self._questions.pop(0)
                 asked.answer = msg
                 asked.done.set()

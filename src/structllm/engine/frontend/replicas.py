@@ -48,9 +48,13 @@ from structllm.engine.frontend.routing import PrefixRouter, affinity_slack
 from structllm.engine.protocol import (
     AbortRequests,
     AddFailed,
+    AddLoRA,
     CoreState,
+    LoRAAdded,
+    LoRARemoved,
     Message,
     Ready,
+    RemoveLoRA,
 )
 from structllm.engine.statistics import EngineStatistics
 from structllm.errors import (
@@ -60,6 +64,7 @@ from structllm.errors import (
     dead_error,
     unwrap_group,
 )
+from structllm.lora_request import LoRARequest
 
 __all__ = [
     "ReplicaSet",
@@ -213,8 +218,11 @@ class ReplicaSet:
         core_id = request.request_id
         hashes: list[BlockHash] = []
         if len(self.clients) > 1 and self.engine_config.enable_prefix_caching:
+            lora = request.lora_request
             hashes = self.router.prefix_hashes(
-                request.prompt_token_ids, request.cache_salt
+                request.prompt_token_ids,
+                request.cache_salt,
+                0 if lora is None else lora.lora_int_id,
             )
         ready = [c.ready for c in self.clients]
         order = self.router.order(hashes, self.load, ready)
@@ -296,6 +304,31 @@ class ReplicaSet:
                 await self.wait_ready(client)
                 total += await client.reset_prefix_cache()
         return total
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Every living replica reads the adapter; True when one had not
+        (a replica restarted later reads it again on its first request)."""
+        await self.wait_ready()
+        added = False
+        for client in self.clients:
+            if client.dead is None:
+                await self.wait_ready(client)
+                answer = await client.ask(AddLoRA(lora_request))
+                assert isinstance(answer, LoRAAdded)
+                added |= answer.result()
+        return added
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Unload the adapter from every living replica; True when one had it."""
+        await self.wait_ready()
+        removed = False
+        for client in self.clients:
+            if client.dead is None:
+                await self.wait_ready(client)
+                answer = await client.ask(RemoveLoRA(lora_id))
+                assert isinstance(answer, LoRARemoved)
+                removed |= answer.removed
+        return removed
 
     async def inspect(self) -> tuple[CoreState | None, ...]:
         """Each replica's core record (None for one dead for good).

@@ -13,6 +13,7 @@ from structllm.core.pooling import Pooling
 from structllm.engine.frontend.inputs import PromptInput
 from structllm.engine.frontend.output_processor import RequestState
 from structllm.errors import unwrap_group
+from structllm.lora_request import LoRARequest
 from structllm.outputs import RequestOutput
 from structllm.params import SamplingParams
 
@@ -34,9 +35,11 @@ class RequestStream:
         priority: int,
         *,
         pooling: Pooling | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self._llm = llm
         self._pooling = pooling
+        self._lora = lora_request
         self._prompt = prompt
         self._params = SamplingParams() if params is None else params
         #: known before anything is registered, so any request can be aborted
@@ -61,6 +64,7 @@ class RequestStream:
             self.request_id,
             self._priority,
             pooling=self._pooling,
+            lora_request=self._lora,
         )
         self._scope = anyio.CancelScope()
         self._scope.__enter__()

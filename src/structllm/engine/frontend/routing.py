@@ -84,12 +84,14 @@ class PrefixRouter:
     _pinned: dict[BlockHash, int] = attrs.field(init=False, factory=dict)
 
     def prefix_hashes(
-        self, token_ids: Sequence[int], cache_salt: str | None = None
+        self, token_ids: Sequence[int], cache_salt: str | None = None, lora_id: int = 0
     ) -> list[BlockHash]:
         """The chained hash of each full block of a prompt, as the core's
-        prefix cache keys them (a salt puts them in their own space)."""
+        prefix cache keys them (a salt puts them in their own space, and so
+        does a LoRA adapter: here by its id, which names one adapter while
+        the engine runs; the core keys by its weights)."""
         bs = self.block_size
-        parent = root_hash(cache_salt)
+        parent = root_hash(cache_salt, f"lora {lora_id}".encode() if lora_id else None)
         hashes = []
         for i in range(len(token_ids) // bs):
             parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs])

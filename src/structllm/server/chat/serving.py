@@ -114,17 +114,31 @@ class ChatServing(Serving):
     async def create(self, body: Any, big: bool) -> Response:
         llm = self.slot.get()
         req = await maybe_off_loop(big, validate, ChatRequest, body)
-        self.check_model(req.model)
+        adapter = self.check_model_or_adapter(req.model)
         timed = self.wants_metrics(req.include_metrics)
         chat = await self.render(llm, req)
         prompt, params = chat.prompt, chat.params
         jobs = [
-            Job(j, 0, prompt, params.for_choice(j), req.priority or 0)
+            Job(
+                j,
+                0,
+                prompt,
+                params.for_choice(j),
+                req.priority or 0,
+                lora_request=adapter,
+            )
             for j in range(req.choices)
         ]
         top_logprobs = params.logprobs or 0
         if req.stream:
-            chunks = _Chunks(self, req, bodies.new_id("chatcmpl"), top_logprobs, chat)
+            chunks = _Chunks(
+                self,
+                req,
+                bodies.new_id("chatcmpl"),
+                top_logprobs,
+                chat,
+                adapter=adapter,
+            )
             with renamed(req.constraint_field):
                 return self.stream(
                     llm, jobs, chunks, req.constraint_field, req.timeout, timed
@@ -143,7 +157,7 @@ class ChatServing(Serving):
             for i in sorted(finals)
         ]
         response = ChatCompletionResponse(
-            **self.head(bodies.new_id("chatcmpl")),
+            **self.head(bodies.new_id("chatcmpl"), adapter),
             choices=choices,
             usage=self.final_usage(jobs, finals),
             **extra,

@@ -41,7 +41,7 @@ class CompletionServing(Serving):
     async def create(self, body: Any, big: bool) -> Response:
         llm = self.slot.get()  # 503 while loading, before anything streams
         req = await maybe_off_loop(big, validate, CompletionRequest, body)
-        self.check_model(req.model)
+        adapter = self.check_model_or_adapter(req.model)
         timed = self.wants_metrics(req.include_metrics)
         await check_constraints(req.constraint_checks)
         params = req.to_sampling_params(self.config.default_max_tokens)
@@ -56,13 +56,20 @@ class CompletionServing(Serving):
             self.check_length(llm, prompt.token_ids, req.max_tokens, req.limit_field)
             prompts.append(attrs.evolve(prompt, cache_salt=req.cache_salt))
         jobs = [
-            Job(i * req.choices + j, i, p, params.for_choice(j), req.priority or 0)
+            Job(
+                i * req.choices + j,
+                i,
+                p,
+                params.for_choice(j),
+                req.priority or 0,
+                lora_request=adapter,
+            )
             for i, p in enumerate(prompts)
             for j in range(req.choices)
         ]
         if req.stream:
             with renamed(req.constraint_field):
-                chunks = _Chunks(self, req, bodies.new_id("cmpl"))
+                chunks = _Chunks(self, req, bodies.new_id("cmpl"), adapter=adapter)
                 return self.stream(
                     llm, jobs, chunks, req.constraint_field, req.timeout, timed
                 )
@@ -70,7 +77,7 @@ class CompletionServing(Serving):
             finals = await self.run_to_end(jobs)
         by_index = {job.index: job for job in jobs}
         response = CompletionResponse(
-            **self.head(bodies.new_id("cmpl")),
+            **self.head(bodies.new_id("cmpl"), adapter),
             choices=[self._choice(req, by_index[i], finals[i]) for i in sorted(finals)],
             usage=self.final_usage(jobs, finals),
             metrics=self.request_metrics(jobs) if timed else None,

@@ -34,6 +34,15 @@ def _card(request: Request) -> ModelCard | Response:
     )
 
 
+def _adapter_cards(request: Request) -> list[ModelCard]:
+    """The LoRA adapters' cards: their base model is their ``parent``."""
+    serving: Serving = request.app.state.serving
+    llm, loras = serving.slot.llm, serving.slot.loras
+    if llm is None or loras is None:
+        return []
+    return loras.cards(request.app.state.created, llm.max_model_len)
+
+
 @router.get(
     "/v1/models",
     response_model=None,
@@ -44,7 +53,7 @@ async def list_models(request: Request) -> Response:
     card = _card(request)
     if isinstance(card, Response):
         return card
-    return ASCIIJSONResponse(dump(ModelList(data=[card])))
+    return ASCIIJSONResponse(dump(ModelList(data=[card, *_adapter_cards(request)])))
 
 
 @router.get(
@@ -55,6 +64,9 @@ async def list_models(request: Request) -> Response:
 )
 async def retrieve_model(request: Request, model_id: str) -> Response:
     serving: Serving = request.app.state.serving
+    adapters = [c for c in _adapter_cards(request) if c.id == model_id]
+    if adapters and serving.slot.llm is not None:
+        return ASCIIJSONResponse(dump(adapters[0]))
     if model_id != serving.config.model_name:
         return json_error(
             404,

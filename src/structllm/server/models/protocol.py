@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from structllm.server.protocol.bodies import Body
 
@@ -13,12 +13,16 @@ __all__ = [
 
 
 class ModelCard(Body):
+    _omit_unset: ClassVar[frozenset[str]] = frozenset({"parent"})
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "structllm"
     #: what the model was loaded from: its directory or built-in name (vLLM's)
     root: str
+    #: a LoRA adapter's base model (vLLM's); sent for adapters only
+    parent: str | None = None
     max_model_len: int
 
 

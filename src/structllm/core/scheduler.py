@@ -30,8 +30,9 @@ Policy, in order, each step:
    the rejected positions and frees the blocks that held only those. A
    structured-output request, or one still owed prompt logprobs, does not
    speculate. Each request's proposals adapt to how its last ones fared
-   (:func:`_adapt`): output that does not repeat its context soon stops
-   paying for verification.
+   (:func:`~structllm.core.scheduler_speculative.adapt`): output that does
+   not repeat its context soon stops paying for verification. Those steps
+   live in :mod:`structllm.core.scheduler_speculative`.
 
 Within a priority, requests rank by due time (``scheduling_order="edf"``:
 the deadline, else arrival plus ``deadline_starvation_s``, so deadlines never
@@ -82,6 +83,7 @@ from structllm.core.block_pool import (
 )
 from structllm.core.lora_manager import LoRAManager
 from structllm.core.request import Request, RequestStatus
+from structllm.core.scheduler_speculative import adapt, add_drafts, speculating
 from structllm.core.scheduler_types import (
     ScheduledChunk,
     SchedulerConfig,
@@ -233,8 +235,9 @@ class Scheduler:
             bisect.insort(self.running, req, key=_key)
             chunks.append(ScheduledChunk(req, computed, n, n == pending))
             budget -= n
-        if self._speculating():
-            self._add_drafts(chunks, budget)
+        if self.proposer is not None and speculating(self.config, len(self.running)):
+            k = self.config.num_speculative_tokens
+            add_drafts(chunks, budget, self.pool, self.proposer, k)
         return SchedulerOutput(tuple(chunks), tuple(preempted), expired)
 
     def _adapter_resident(self, req: Request) -> bool:
@@ -254,52 +257,6 @@ class Scheduler:
             self.expired_tokens_skipped += req.num_tokens_left
             self._finish(req, "abort", None)
         return expired
-
-    def _speculating(self) -> bool:
-        limit = self.config.disable_by_batch_size
-        return (
-            self.proposer is not None
-            and self.config.num_speculative_tokens > 0
-            and (limit is None or len(self.running) <= limit)
-        )
-
-    def _add_drafts(self, chunks: list[ScheduledChunk], budget: int) -> None:
-        """Give decode chunks proposals, in order, from what is left over."""
-        assert self.proposer is not None
-        bs = self.pool.block_size
-        for i, chunk in enumerate(chunks):
-            req = chunk.request
-            if budget <= 0:
-                return
-            if (
-                chunk.num_tokens != 1
-                or not chunk.samples
-                or req.params.structured_outputs is not None
-                or req.needs_prompt_logits
-                or req.pooling is not None
-            ):
-                continue
-            # every accepted token and the one after them must be allowed
-            if req.spec_skip > 0:  # backing off after proposals that failed
-                req.spec_skip -= 1
-                continue
-            room = req.max_new_tokens - len(req.output_token_ids) - 1
-            window = req.spec_window or self.config.num_speculative_tokens
-            k = min(window, room, budget)
-            if k <= 0:
-                continue
-            drafts = tuple(self.proposer.propose(req, k))[:k]
-            # positions context_len + 1 ... in blocks already held or free
-            held = (len(req.block_ids) + self.pool.num_free) * bs
-            drafts = drafts[: max(0, held - chunk.context_len - 1)]
-            if not drafts:
-                continue
-            need = self.pool.blocks_for(chunk.context_len + 1 + len(drafts))
-            req.block_ids += self.pool.allocate(need - len(req.block_ids))
-            chunks[i] = attrs.evolve(
-                chunk, num_tokens=1 + len(drafts), draft_token_ids=drafts
-            )
-            budget -= len(drafts)
 
     def update_from_output(
         self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]]
@@ -338,7 +295,7 @@ class Scheduler:
                 self.num_drafts += 1
                 self.num_draft_tokens += len(drafts)
                 self.num_accepted_tokens += accepted
-                _adapt(req, accepted, len(drafts), self.config.num_speculative_tokens)
+                adapt(req, accepted, len(drafts), self.config.num_speculative_tokens)
             # the chunk's own tokens and the accepted proposals are computed
             computed = chunk.context_len + chunk.num_tokens - len(drafts) + accepted
             stop = error = None
@@ -457,28 +414,6 @@ class Scheduler:
         req.finish_reason = reason
         req.stop_reason = stop_reason
         del self.requests[req.request_id]
-
-
-#: the longest back-off, in decode steps, after proposals accepted nothing
-MAX_SPEC_SKIP = 16
-
-
-def _adapt(req: Request, accepted: int, proposed: int, most: int) -> None:
-    """Size ``req``'s next proposals by how its last ones fared.
-
-    A verification step costs more than a plain decode step (every query
-    position past the first, and on CPUs the jump from the one-token path),
-    so proposals that keep failing are costly: all accepted, propose twice
-    as many next; some, one more than were accepted; none, propose nothing
-    for 1, 2, 4 ... (at most :data:`MAX_SPEC_SKIP`) decode steps.
-    """
-    if accepted == 0:
-        req.spec_misses += 1
-        req.spec_skip = min(MAX_SPEC_SKIP, 2 ** (req.spec_misses - 1))
-        req.spec_window = max(1, proposed // 2)
-        return
-    req.spec_misses = 0
-    req.spec_window = min(most, 2 * proposed if accepted == proposed else accepted + 1)
 
 
 def _key(req: Request) -> tuple[int, float, int]:

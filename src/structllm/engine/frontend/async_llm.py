@@ -19,9 +19,11 @@ This module is the public API; the work is split by job as vLLM splits it:
   the request the core takes (shared with ``LLM`` too);
 - :mod:`~structllm.engine.frontend.scopes` holds races and pins, the
   requests whose scope the core knows beyond a deadline;
-- this module admits requests (:meth:`AsyncLLM.submit`, :meth:`AsyncLLM.release`:
-  the public pair :class:`~structllm.engine.frontend.request_stream.RequestStream`
-  and ``generate()`` are built on) and ties each one to whoever consumes it.
+- :mod:`~structllm.engine.frontend.front_end` admits requests
+  (:meth:`AsyncLLM.submit`, :meth:`AsyncLLM.release`: the public pair
+  :class:`~structllm.engine.frontend.request_stream.RequestStream` and
+  ``generate()`` are built on), ``AsyncLLM``'s base class;
+- this module ties each request to whoever consumes it.
 
 ``open()`` owns one task group, which runs the client. Leaving ``open()``
 stops admission, lets in-flight requests finish for ``shutdown_grace``
@@ -37,9 +39,8 @@ request's KV blocks before its next step.
 
 from __future__ import annotations
 
-import itertools
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -47,25 +48,16 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 import attrs
-import msgspec
 
 from structllm.config import EngineConfig, FrontendConfig, split_fields
-from structllm.core.pooling import Pooling, PoolingMethod, pooling_request
-from structllm.engine.frontend.core_client import health_timeout
+from structllm.core.pooling import PoolingMethod, pooling_request
+from structllm.engine.frontend.front_end import FrontEnd
 from structllm.engine.frontend.inputs import (
-    Admission,
     PromptInput,
-    check_for_model,
-    check_overload,
-    process_inputs,
-    prompt_byte_cap,
 )
 from structllm.engine.frontend.output_processor import (
-    OutputProcessor,
-    RequestState,
     merge_choices,
 )
-from structllm.engine.frontend.replicas import ReplicaSet
 from structllm.engine.frontend.request_stream import (
     RequestStream,
     run_all_to_end,
@@ -73,17 +65,16 @@ from structllm.engine.frontend.request_stream import (
 )
 from structllm.engine.frontend.scopes import (
     PinnedPrefix,
-    core_deadline,
     open_pin,
     run_race,
 )
-from structllm.engine.protocol import AbortRequests, CoreState, Ready
+from structllm.engine.protocol import CoreState
 from structllm.engine.statistics import EngineStatistics
-from structllm.errors import EngineDeadError, InvalidRequestError, unwrap_group
+from structllm.errors import EngineDeadError, unwrap_group
 from structllm.lora_request import LoRARequest
 from structllm.outputs import EmbeddingOutput, RequestOutput
 from structllm.params import OutputKind, SamplingParams
-from structllm.text.tokenizer import Tokenizer, load_tokenizer
+from structllm.text.tokenizer import load_tokenizer
 
 __all__ = ["AsyncLLM", "EngineStatistics", "PinnedPrefix", "RequestStream"]
 
@@ -92,24 +83,8 @@ __all__ = ["AsyncLLM", "EngineStatistics", "PinnedPrefix", "RequestStream"]
 _EMBED_PARAMS = SamplingParams(max_tokens=1, output_kind=OutputKind.FINAL)
 
 
-class AsyncLLM:
+class AsyncLLM(FrontEnd):
     """The async engine. Build it with :meth:`open`; see the module docstring."""
-
-    def __init__(
-        self, engine: EngineConfig, front: FrontendConfig, tokenizer: Tokenizer
-    ) -> None:
-        self.engine_config = engine
-        self.config = front
-        self.tokenizer = tokenizer
-        #: the live requests
-        self._processor = OutputProcessor(on_idle=self._on_idle)
-        #: the cores, and the one relay of their step outputs to the requests
-        self._client = ReplicaSet(engine, front, self._processor)
-        self._submissions = itertools.count()
-        self._idle_event = anyio.Event()
-        self._eos: frozenset[int] = frozenset(tokenizer.eos_token_ids)
-        #: complete()'s requests with n > 1: id -> its samples' ids
-        self._samples: dict[str, list[str]] = {}
 
     # ------------------------------------------------------------------ open
 
@@ -257,11 +232,8 @@ class AsyncLLM:
             for i in range(params.n)
         ]
         # while they run, abort(rid) finds the samples under rid
-        self._samples[rid] = [s.request_id for s in samples]
-        try:
+        with self.samples_under(rid, [s.request_id for s in samples]):
             return merge_choices(await run_all_to_end(samples))
-        finally:
-            del self._samples[rid]
 
     async def embed(
         self,
@@ -376,23 +348,6 @@ class AsyncLLM:
         """
         return await self._client.inspect()
 
-    @property
-    def health_timeout(self) -> float:
-        return health_timeout(self.config)
-
-    @property
-    def max_prompt_bytes(self) -> int | None:
-        """The byte cap on prompts (None until the context length is known)."""
-        info = self._client.info
-        return prompt_byte_cap(
-            self.config.max_prompt_bytes, None if info is None else info.max_model_len
-        )
-
-    @property
-    def vocab_size(self) -> int:
-        assert self._client.info is not None
-        return self._client.info.vocab_size
-
     async def wait_statistics(
         self, predicate: Callable[[EngineStatistics], bool]
     ) -> EngineStatistics:
@@ -405,125 +360,6 @@ class AsyncLLM:
         while not predicate(stats := self.statistics()):
             await self._client.wait_changed()
         return stats
-
-    @property
-    def max_model_len(self) -> int:
-        assert self._client.info is not None
-        return self._client.info.max_model_len
-
-    # ------------------------------------------------ one request, by hand
-
-    async def submit(
-        self,
-        prompt: PromptInput,
-        params: SamplingParams,
-        request_id: str,
-        priority: int = 0,
-        *,
-        group: str | None = None,
-        pin: bool = False,
-        pooling: Pooling | None = None,
-        lora_request: LoRARequest | None = None,
-    ) -> RequestState:
-        """Register a request and send it to a core; its state (``mailbox``
-        of outputs, ``finish_reason``, ``snapshot()``) until :meth:`release`.
-
-        What :meth:`stream` and :meth:`generate` are built on. After the
-        prompt is parsed and the engine is ready, registration and
-        submission happen without an await: cancellation cannot split them.
-        Every state must be released, on every path.
-
-        The caller's effective deadline (``anyio.current_effective_deadline``)
-        goes with it: the core ranks waiting work by it and drops the request
-        once it passes, before the scope's own abort arrives. ``group``: a
-        race's name; ``pin``: keep its prompt's blocks once prefilled (see
-        :mod:`~structllm.engine.frontend.scopes`); ``pooling``: an embedding
-        request (see :meth:`embed`).
-        """
-        state, request = await process_inputs(
-            prompt,
-            params,
-            request_id,
-            priority,
-            self.tokenizer,
-            max_bytes=self.max_prompt_bytes,
-            admit=self._admit,
-        )
-        # No await since _admit's checks: registered and submitted, or neither.
-        request = msgspec.structs.replace(
-            request,
-            deadline=core_deadline(),
-            group=group,
-            pin=pin,
-            pooling=pooling,
-            lora_request=lora_request,
-        )
-        self._client.submit_nowait(request)
-        self._processor.add(state)
-        return state
-
-    async def _admit(
-        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str
-    ) -> Admission:
-        """Wait for a ready core, then check without an await that the engine
-        takes the request (see :func:`process_inputs`)."""
-        await self._client.wait_ready()
-        info = self.check_admission(prompt_token_ids, params=params)
-        if self._processor.get(request_id) is not None:
-            raise InvalidRequestError(
-                f"request_id {request_id!r} is already in use by a live request",
-                field="request_id",
-            )
-        # the id the core sees: unique per submission, so a caller's id can be
-        # reused at once without a late output for the old request landing here
-        return Admission(
-            core_id=f"{request_id}#{next(self._submissions)}",
-            eos_token_ids=self._eos | frozenset(info.eos_token_ids),
-        )
-
-    def check_admission(
-        self,
-        prompt_token_ids: Sequence[int],
-        count: int = 1,
-        *,
-        params: SamplingParams | None = None,
-    ) -> Ready:
-        """Raise now what submitting ``count`` requests for this prompt would.
-
-        EngineDeadError when dead, shutting down or restarting;
-        InvalidRequestError for a prompt the model cannot take or a refused
-        structured-output spec (a new one is checked on the loop, 0.1-2 ms;
-        ``inputs.check_structured_outputs_off_loop`` checks it in a thread);
-        EngineOverloadedError when admission control would refuse. Servers
-        call it before promising a streaming response.
-        """
-        self._client.check_admitting()
-        info = self._client.info
-        if not self._client.ready or info is None:
-            raise EngineDeadError("the engine core is restarting")
-        check_for_model(
-            prompt_token_ids,
-            params,
-            vocab_size=info.vocab_size,
-            max_model_len=info.max_model_len,
-        )
-        check_overload(
-            len(self._processor),
-            count,
-            max_num_seqs=self._client.max_num_seqs,
-            max_queued_requests=self.config.max_queued_requests,
-        )
-        return info
-
-    def release(self, state: RequestState) -> None:
-        """The consumer is done with ``state``: abort it in the core if
-        unfinished. Synchronous (no checkpoint): safe under cancellation."""
-        if self._processor.release(state):
-            self._client.send_nowait(AbortRequests([state.core_id]))
-
-    def _on_idle(self) -> None:
-        self._idle_event.set()
-        self._idle_event = anyio.Event()
 
     # -------------------------------------------------------------- shutdown
 

@@ -47,7 +47,7 @@ from structllm.outputs import RequestOutput
 from structllm.params import OutputKind, SamplingParams
 
 if TYPE_CHECKING:
-    from structllm.engine.frontend.async_llm import AsyncLLM
+    from structllm.engine.frontend.front_end import FrontEnd
 
 __all__ = ["PinnedPrefix", "core_deadline", "open_pin", "run_race"]
 
@@ -65,7 +65,7 @@ class PinnedPrefix:
 
 
 async def run_race(
-    llm: AsyncLLM,
+    llm: FrontEnd,
     prompt: PromptInput,
     params: SamplingParams,
     n: int,
@@ -85,55 +85,46 @@ async def run_race(
     states: list[RequestState] = []
     won: list[RequestOutput] = []
     # while they run, abort(request_id) finds the samples under it
-    llm._samples[request_id] = [f"{request_id}-{i}" for i in range(n)]
-    try:
-        for i in range(n):
-            states.append(
-                await llm.submit(
-                    prompt,
-                    params.for_choice(i),
-                    f"{request_id}-{i}",
-                    priority,
-                    group=group,
+    with llm.samples_under(request_id, [f"{request_id}-{i}" for i in range(n)]):
+        try:
+            for i in range(n):
+                states.append(
+                    await llm.submit(
+                        prompt,
+                        params.for_choice(i),
+                        f"{request_id}-{i}",
+                        priority,
+                        group=group,
+                    )
                 )
-            )
-        async with anyio.create_task_group() as tg:
+            async with anyio.create_task_group() as tg:
 
-            async def run(state: RequestState) -> None:
-                last = None
-                while (out := await state.mailbox.next()) is not None:
-                    last = out
-                if (
-                    not won
-                    and last is not None
-                    and state.finish_reason in ("stop", "length")
-                    and (accept is None or accept(last))
-                ):
-                    won.append(last)
-                    end_group(llm, group, states)
-                    tg.cancel_scope.cancel()
+                async def run(state: RequestState) -> None:
+                    last = None
+                    while (out := await state.mailbox.next()) is not None:
+                        last = out
+                    if (
+                        not won
+                        and last is not None
+                        and state.finish_reason in ("stop", "length")
+                        and (accept is None or accept(last))
+                    ):
+                        won.append(last)
+                        llm.end_group(group, states)
+                        tg.cancel_scope.cancel()
 
-            for state in states:
-                tg.start_soon(run, state)
-    except BaseExceptionGroup as errors:  # accept raised, or the engine died
-        raise unwrap_group(errors) from None
-    finally:
-        end_group(llm, group, states)
-        del llm._samples[request_id]
+                for state in states:
+                    tg.start_soon(run, state)
+        except BaseExceptionGroup as errors:  # accept raised, or the engine died
+            raise unwrap_group(errors) from None
+        finally:
+            llm.end_group(group, states)
     return won[0] if won else None
-
-
-def end_group(llm: AsyncLLM, group: str, states: list[RequestState]) -> None:
-    """Release the race's samples here and end them in the core with one
-    message naming the group. Synchronous: safe under cancellation."""
-    live = [s.core_id for s in states if llm._processor.release(s)]
-    if live:
-        llm._client.abort_group_nowait(group, live)
 
 
 @asynccontextmanager
 async def open_pin(
-    llm: AsyncLLM, prompt: PromptInput, request_id: str
+    llm: FrontEnd, prompt: PromptInput, request_id: str
 ) -> AsyncIterator[PinnedPrefix]:
     """``AsyncLLM.pin``: see the module docstring."""
     params = SamplingParams(
@@ -145,7 +136,7 @@ async def open_pin(
             while await state.mailbox.next() is not None:
                 pass
         finally:
-            llm._processor.release(state)
+            llm.drop(state)
         if state.finish_reason not in ("stop", "length"):
             # the core dropped its prefill (a deadline passed): a cancelled
             # caller hears of its cancellation rather than this
@@ -154,12 +145,11 @@ async def open_pin(
                 f"pin: the prefix's prefill ended ({state.finish_reason}); "
                 "nothing is pinned"
             )
-        assert llm._client.info is not None  # it just ran a request
-        bs = llm._client.info.block_size
+        bs = llm.block_size  # known: it just ran a request
         ids = tuple(state.prompt_token_ids)
         yield PinnedPrefix(request_id, state.core_id, ids, len(ids) // bs * bs)
     finally:
-        llm._client.unpin_nowait(state.core_id)
+        llm.unpin_nowait(state.core_id)
 
 
 def core_deadline() -> float | None:

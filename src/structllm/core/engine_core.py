@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
-import numpy as np
 
 from structllm.config import EngineConfig
+from structllm.core.admission import check_pin, check_prompt, use_lora
 from structllm.core.block_pool import BlockPool
+from structllm.core.engine_setup import (
+    engine_scheduler_config,
+    load_engine_model,
+    size_kv_cache,
+)
 from structllm.core.lora_manager import LoRAInfo, LoRAManager, enable_model_lora
-from structllm.core.pooling import PoolingConfig, finish_embedding, read_pooling_config
+from structllm.core.pooling import PoolingConfig, read_pooling_config
 from structllm.core.request import (
     CoreRequest,
     Request,
@@ -31,20 +35,25 @@ from structllm.core.request import (
 )
 from structllm.core.scheduler import (
     Scheduler,
-    SchedulerConfig,
     SchedulerOutput,
     SchedulerStatistics,
 )
 from structllm.core.speculative import NgramProposer
+from structllm.core.step_outputs import (
+    add_pooled,
+    embedding_output,
+    step_output,
+    take_prompt_logprobs,
+)
 from structllm.core.structured import (
     RejectedRequest,
     StructuredOutputManager,
     grammar_vocabulary,
 )
-from structllm.errors import EngineConfigError, InvalidRequestError, ModelLoadError
+from structllm.errors import EngineConfigError, InvalidRequestError
 from structllm.lora_request import LoRARequest
 from structllm.model.config import ModelConfig
-from structllm.model.sampler import TokenLogprobs, make_generator
+from structllm.model.sampler import make_generator
 from structllm.models import resolve_model
 from structllm.text.tokenizer import Tokenizer
 
@@ -53,7 +62,7 @@ if TYPE_CHECKING:
     # the server) imports this module for the structs of the wire
     from structllm.core.draft import DraftProposer
     from structllm.core.runner import ModelInput
-    from structllm.model.loader import LoadedModel, LoadProgress
+    from structllm.model.loader import LoadProgress
 
 __all__ = [
     "EngineCore",
@@ -61,31 +70,11 @@ __all__ = [
     "RequestStepOutput",
     "StepOutput",
     "TensorParallelGroup",
-    "check_prompt",
-    "load_engine_model",
 ]
 
 #: when only grammar compiles are pending, a step waits this long for one
 #: (bounds how late an abort that arrives meanwhile is read)
 GRAMMAR_WAIT_S = 0.02
-
-
-def check_prompt(prompt: Sequence[int], *, vocab_size: int, max_model_len: int) -> None:
-    """Refuse an empty prompt, out-of-vocabulary ids, or no room to generate."""
-    if not prompt:
-        raise InvalidRequestError("prompt must not be empty", field="prompt")
-    if len(prompt) >= max_model_len:  # first: cheap, and bounds the scan below
-        raise InvalidRequestError(
-            f"prompt has {len(prompt)} tokens; max_model_len is {max_model_len}, "
-            f"so at most {max_model_len - 1} prompt tokens leave room to generate",
-            field="prompt",
-        )
-    bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequestError(
-            f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})",
-            field="prompt",
-        )
 
 
 class TensorParallelGroup(Protocol):
@@ -146,57 +135,12 @@ class EngineCore:
             )
         loaded = load_engine_model(config, 0, on_progress)
         self.model_config: ModelConfig = loaded.config
-        limit = loaded.config.max_context_len
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise EngineConfigError(
-                f"max_model_len ({config.max_model_len}) exceeds the model's "
-                f"context ({limit}: max_position_embeddings, or yarn's extension)",
-                field="max_model_len",
-            )
-        self.max_model_len = config.max_model_len or limit
-        blocks_per_seq = math.ceil(self.max_model_len / config.block_size)
-        num_blocks = config.num_blocks
-        if num_blocks is None:
-            per_block = loaded.model.kv_cache_bytes_per_block()
-            # never more than every sequence at full length could use
-            num_blocks = min(
-                config.kv_cache_memory // per_block,
-                config.max_num_seqs * blocks_per_seq,
-            )
-        if num_blocks < blocks_per_seq:
-            raise EngineConfigError(
-                f"the KV cache holds {num_blocks} blocks of {config.block_size} tokens, "
-                f"fewer than one sequence of max_model_len={self.max_model_len} needs "
-                f"({blocks_per_seq}); raise num_blocks/kv_cache_memory or lower "
-                "max_model_len",
-                field="num_blocks"
-                if config.num_blocks is not None
-                else "kv_cache_memory",
-            )
+        self.max_model_len, num_blocks = size_kv_cache(config, loaded)
         self.pool = BlockPool(num_blocks, config.block_size)
         #: the KV cache's bytes, over every layer and every rank's heads
         self.kv_cache_bytes = loaded.model.kv_cache_bytes_per_block() * num_blocks * tp
         spec = config.speculative_config
-        try:
-            scheduler_config = SchedulerConfig(
-                max_model_len=self.max_model_len,
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                enable_prefix_caching=config.enable_prefix_caching,
-                num_speculative_tokens=0
-                if spec is None
-                else spec.num_speculative_tokens,
-                disable_by_batch_size=None
-                if spec is None
-                else spec.disable_by_batch_size,
-                scheduling_order=config.scheduling_order,
-                deadline_starvation_s=config.deadline_starvation_s,
-            )
-        except EngineConfigError:
-            raise
-        except ValueError as exc:  # an attrs validator: "'max_num_seqs' must be..."
-            raise EngineConfigError(str(exc)) from exc
+        scheduler_config = engine_scheduler_config(config, self.max_model_len)
         #: speculative_config's draft model ("draft_model"), beside the target
         self.draft: DraftProposer | None = None
         if spec is not None and spec.method == "draft_model":
@@ -258,26 +202,12 @@ class EngineCore:
         """
         req = self._admit(request)
         if request.lora_request is not None:
-            self._use_lora(req, request.lora_request)
+            use_lora(self.lora, req, request.lora_request)
         if req.params.structured_outputs is not None:
             self.structured.start(req)
         self.scheduler.add_request(req)
         if self.lora is not None and req.lora_id:
             self.lora.acquire(req.request_id, req.lora_id)  # known: just added
-
-    def _use_lora(self, req: Request, lora: LoRARequest) -> None:
-        """``req`` runs with ``lora``'s adapter, read now if it is new."""
-        if self.lora is None:
-            raise InvalidRequestError(
-                "lora_request: LoRA is not enabled on this engine (enable_lora)",
-                field="lora_request",
-            )
-        try:
-            self.lora.add(lora)
-        except ModelLoadError as exc:  # this request's adapter, not the engine
-            raise InvalidRequestError(str(exc), field="lora_request") from exc
-        req.lora_id = lora.lora_int_id
-        req.lora_key = self.lora.cache_key(lora.lora_int_id)
 
     def add_lora(self, lora: LoRARequest) -> bool:
         """Read ``lora``'s adapter ahead of the requests that name it (see
@@ -318,7 +248,7 @@ class EngineCore:
             prompt, vocab_size=self.vocab_size, max_model_len=self.max_model_len
         )
         if r.pin:
-            self._check_pin(r)
+            check_pin(r, self.config, self.pool, self.scheduler.requests.values())
         # No separate "fits in the pool" check: __init__ refuses a pool that
         # cannot hold one max_model_len sequence, and check_prompt refuses
         # prompts of max_model_len tokens, so every admitted prompt fits.
@@ -346,42 +276,6 @@ class EngineCore:
             pin=r.pin,
             pooling=pooling,
         )
-
-    def _check_pin(self, r: CoreRequest) -> None:
-        """Refuse a pin that holds nothing, or more than the cap leaves."""
-        if not self.config.enable_prefix_caching:
-            raise InvalidRequestError(
-                "pin: a pinned prefix lives in the prefix cache; "
-                "enable_prefix_caching is off",
-                field="pin",
-            )
-        if self.pool.is_pinned(r.request_id):
-            raise InvalidRequestError(
-                f"pin: {r.request_id!r} is pinned already", field="pin"
-            )
-        bs = self.pool.block_size
-        need = len(r.prompt_token_ids) // bs
-        if need == 0:
-            raise InvalidRequestError(
-                f"pin: the prompt ({len(r.prompt_token_ids)} tokens) fills no "
-                f"KV block of {bs} tokens; only full blocks are cached",
-                field="pin",
-            )
-        cap = int(self.config.max_pinned_fraction * self.pool.num_blocks)
-        # held, and what the pin requests in flight will hold (counted whole)
-        held = len(self.pool.pinned_blocks()) + sum(
-            len(q.prompt_token_ids) // bs
-            for q in self.scheduler.requests.values()
-            if q.pin
-        )
-        if held + need > cap:
-            raise InvalidRequestError(
-                f"pin: the prompt fills {need} KV blocks and pins hold {held}, "
-                f"beyond the cap of {cap} (max_pinned_fraction="
-                f"{self.config.max_pinned_fraction:g} of {self.pool.num_blocks} "
-                "blocks); release a pin or raise the cap",
-                field="pin",
-            )
 
     def abort_requests(
         self, request_ids: Iterable[str], groups: Iterable[str] = ()
@@ -437,7 +331,7 @@ class EngineCore:
         by_id = {c.request.request_id: c.request for c in sched.chunks}
         ran = self.runner.execute(sched)
         for rid, (first, stop, rows) in ran.pooled.items():
-            _add_pooled(by_id[rid], first, stop, rows)
+            add_pooled(by_id[rid], first, stop, rows)
         before = {rid: len(by_id[rid].output_token_ids) for rid in ran.sampled}
         finished = {
             r.request_id: r
@@ -449,7 +343,7 @@ class EngineCore:
             if first == len(req.prompt_logprobs) + 1:  # the next ones, in order
                 req.prompt_logprobs += entries
         outputs = [
-            _embedding_output(req)
+            embedding_output(req)
             for req in finished.values()
             if req.pooling is not None and req.finish_reason == "stop"
         ]
@@ -473,7 +367,7 @@ class EngineCore:
                     stop_reason=None if fin is None else fin.stop_reason,
                     queue_s=queue_s,
                     num_cached_tokens=cached,
-                    prompt_logprobs=_take_prompt_logprobs(req),
+                    prompt_logprobs=take_prompt_logprobs(req),
                 )
             )
         return self._step_output(
@@ -512,106 +406,12 @@ class EngineCore:
         *,
         rejected: tuple[RejectedRequest, ...] = (),
     ) -> StepOutput:
-        s = self.scheduler
         if self.draft is not None:  # every step's exit: whatever ended in it
             self.draft.release_stopped()
-        return StepOutput(
-            outputs=outputs,
-            num_batched_tokens=sched.num_batched_tokens,
-            num_seqs=len(sched.chunks),
-            preempted=sched.preempted,
-            rejected=rejected,
-            schedule_s=schedule_s,
-            forward_s=forward_s,
-            sample_s=sample_s,
-            total_s=time.perf_counter() - start,
-            num_running=len(s.running),
-            num_waiting=len(s.waiting),
-            blocks_used=self.pool.num_used,
-            total_preemptions=s.total_preemptions,
-            prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            num_drafts=s.num_drafts,
-            num_draft_tokens=s.num_draft_tokens,
-            num_accepted_tokens=s.num_accepted_tokens,
-            num_expired=s.num_expired,
-            expired_tokens_skipped=s.expired_tokens_skipped,
-        )
+        timings = (start, schedule_s, forward_s, sample_s)
+        return step_output(self.scheduler, outputs, sched, *timings, rejected=rejected)
 
     def statistics(self) -> EngineCoreStatistics:
         return EngineCoreStatistics(
             self.scheduler.statistics(), self.max_model_len, self.steps
         )
-
-
-def _take_prompt_logprobs(req: Request) -> tuple[TokenLogprobs | None, ...] | None:
-    """The prompt logprobs, once: with the request's first sampled token
-    (the end of its prompt, so all are computed), then never again."""
-    if not req.needs_prompt_logits:
-        return None
-    entries, req.prompt_logprobs = req.prompt_logprobs, []
-    req.prompt_logprobs_sent = True
-    return (None, *entries)
-
-
-def _add_pooled(req: Request, first: int, stop: int, rows: np.ndarray) -> None:
-    """Take a step's pooled rows (see ``RunnerOutput.pooled``) into ``req``."""
-    assert req.pooling is not None
-    if req.pooling.method == "last":
-        req.pooled = rows
-    elif first == req.num_pooled:  # the next positions, in order
-        req.pooled = rows if req.pooled is None else req.pooled + rows
-        req.num_pooled = stop
-
-
-def _embedding_output(req: Request) -> RequestStepOutput:
-    """A finished pooling request's one output: its embedding."""
-    assert req.pooling is not None and req.pooled is not None
-    pooled = req.pooled
-    if req.pooling.method == "mean":
-        pooled = pooled / len(req.prompt_token_ids)
-    vector = finish_embedding(pooled, req.pooling)
-    queue_s = None
-    if req.first_scheduled_time is not None:
-        queue_s = req.first_scheduled_time - req.arrival_time
-    return RequestStepOutput(
-        request_id=req.request_id,
-        new_token_ids=(),
-        finish_reason="stop",
-        queue_s=queue_s,
-        num_cached_tokens=req.num_cached_tokens,
-        embedding=vector.astype("<f4").tobytes(),
-    )
-
-
-def load_engine_model(
-    config: EngineConfig,
-    rank: int = 0,
-    on_progress: Callable[[LoadProgress], None] | None = None,
-) -> LoadedModel:
-    """``config``'s model, or rank ``rank``'s shard of it (tensor parallel)."""
-    common: dict[str, Any] = {
-        "dtype": config.dtype,
-        "load_format": config.load_format,
-        "block_size": config.block_size,
-        "max_model_len": config.max_model_len,
-        "seed": config.seed,
-        # LoRA's slots run in the eager backend only
-        "backend": "eager"
-        if config.enable_lora and config.model_backend == "auto"
-        else config.model_backend,
-        "quantization": config.quantization,
-        "quantized_activations": config.quantized_activations,
-        "on_progress": on_progress,
-    }
-    tp = config.tensor_parallel_size
-    if tp == 1:
-        from structllm.model.loader import load_model
-
-        loaded = load_model(config.model, num_threads=config.cpu_threads(), **common)
-    else:
-        from structllm.model.parallel import load_model_shard
-
-        loaded = load_model_shard(config.model, tp, rank, **common)
-    loaded.model.set_kv_cache_dtype(config.kv_cache_dtype)
-    return loaded

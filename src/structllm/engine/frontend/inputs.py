@@ -17,7 +17,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import attrs
 
-from structllm.core.engine_core import check_prompt
+from structllm.core.admission import check_prompt
 from structllm.core.request import CoreRequest
 from structllm.engine.frontend.output_processor import (
     RequestOutputCollector,

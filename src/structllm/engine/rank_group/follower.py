@@ -135,7 +135,7 @@ def _exit_now(why: str | None, code: int) -> NoReturn:
 
 def _run_steps(setup: RankSetup, next_message: Callable[[], RankMessage | None]) -> int:
     """Load the shard, then run each step's forward until no message is left."""
-    from structllm.core.engine_core import load_engine_model
+    from structllm.core.engine_setup import load_engine_model
     from structllm.core.runner import run_forward
     from structllm.engine.child import inject_fault
     from structllm.model._paddle import (

@@ -64,7 +64,8 @@ class FrontEnd:
         self._submissions = itertools.count()
         self._idle_event = anyio.Event()
         self._eos: frozenset[int] = frozenset(tokenizer.eos_token_ids)
-        #: complete()'s requests with n > 1: id -> its samples' ids
+        #: requests run as several samples (complete(n > 1), a race): id -> the
+        #: samples' ids, so abort(id) finds them
         self._samples: dict[str, list[str]] = {}
 
     # ------------------------------------------------------ the loaded model

@@ -164,18 +164,22 @@ async def test_embeddings_pool_under_the_adapter(served: tuple[Server, str]) -> 
         top = r["choices"][0]["logprobs"]["top_logprobs"][0]
         return {int(k.removeprefix("token_id:")): v for k, v in top.items()}
 
+    raw = {model: await vector(model, False) for model in (ADAPTER, BASE)}
     for model in (ADAPTER, BASE):
-        logits = _embedding_matrix() @ await vector(model, False)
+        logits = _embedding_matrix() @ raw[model]
         logprobs = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
         top = await top_logprobs(model)
         assert {t: logprobs[t] for t in top} == pytest.approx(top, abs=1e-3)
     unit = await vector(ADAPTER, True)
     assert not np.allclose(unit, await vector(BASE, True), atol=1e-2)
-    # Ollama's /api/embed (normalised) and llama.cpp's /embedding too
+    # Ollama's /api/embed (normalised) and /api/embeddings (not), and
+    # llama.cpp's /embedding too
     async with ollama.AsyncClient(host=url, timeout=30) as client:
         e = await client.embed(model=ADAPTER, input="Hello wo")
+        old = await client.embeddings(model=f"{ADAPTER}:latest", prompt="Hello wo")
     assert e.model == ADAPTER
     np.testing.assert_allclose(e.embeddings[0], unit, atol=1e-5)
+    np.testing.assert_allclose(old.embedding, raw[ADAPTER], atol=1e-4)
     body = {"model": ADAPTER, "content": "Hello wo", "embd_normalize": 2}
     native = await post(s, "/embedding", body)
     np.testing.assert_allclose(native[0]["embedding"][0], unit, atol=1e-5)
@@ -215,6 +219,8 @@ async def test_ollama(served: tuple[Server, str]) -> None:
     assert want != (await completion(s, BASE, "Hello world"))["text"]
     greedy = {"temperature": 0, "num_predict": MAX}
     async with ollama.AsyncClient(host=url, timeout=30) as client:
+        loaded = await client.generate(ADAPTER)  # no prompt: loads the model
+        assert (loaded.model, loaded.done_reason) == (ADAPTER, "load")
         r = await client.chat(model=ADAPTER, messages=HELLO, options=greedy)
         assert (r.model, r.message.content) == (ADAPTER, want_chat)
         g = await client.generate(

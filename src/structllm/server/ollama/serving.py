@@ -12,6 +12,9 @@ prompt's time is the time to the first token). A request without a prompt
 ``/api/embed`` embeds one input or several at once (batched like
 ``/v1/embeddings``), normalised as Ollama's are; ``/api/embeddings``, the
 older route, one ``prompt``, not normalised (as Ollama answers it).
+A LoRA adapter's name (``:latest`` or not) is a model of every route: the
+request runs with the adapter, the answer names it, and ``/api/tags``,
+``/api/ps`` and ``/api/show`` describe it over the served model.
 
 Errors are Ollama's ``{"error": "message"}`` with the status the OpenAI
 routes give (400 naming the field, 404 for another model, 503...), and a

@@ -133,8 +133,8 @@ class ServingBase:
             )
 
     def check_model_or_adapter(self, name: str | None) -> LoRARequest | None:
-        """:meth:`check_model`, where a LoRA adapter's name (the generation
-        routes) is a model too: its adapter (None: the base model)."""
+        """:meth:`check_model`, where a LoRA adapter's name (every generation
+        route) is a model too: its adapter (None: the base model)."""
         loras = self.slot.loras
         adapter = None if loras is None or not name else loras.lookup(name)
         if adapter is None:
@@ -200,13 +200,18 @@ class ServingBase:
         seen = {job.prompt_index: len(job.prompt.token_ids) for job in jobs}
         return sum(seen.values())
 
+    def served_name(self, adapter: LoRARequest | None) -> str:
+        """The ``model`` a response names: the LoRA adapter's name when the
+        request ran with one (vLLM's), else the served model's."""
+        return self.config.model_name if adapter is None else adapter.lora_name
+
     def head(self, rid: str, adapter: LoRARequest | None = None) -> dict[str, Any]:
-        """The fields every response and chunk starts with (``model``: the
-        LoRA adapter's name when the request ran with one, as vLLM)."""
+        """The fields every response and chunk starts with (``model``:
+        :meth:`served_name`)."""
         return {
             "id": rid,
             "created": bodies.now(),
-            "model": self.config.model_name if adapter is None else adapter.lora_name,
+            "model": self.served_name(adapter),
             "system_fingerprint": self.fingerprint,
         }
 

@@ -244,6 +244,7 @@ class AsyncLLM(FrontEnd):
         dimensions: int | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> EmbeddingOutput:
         """The embedding of ``prompt``: its last hidden states pooled.
 
@@ -255,10 +256,17 @@ class AsyncLLM(FrontEnd):
         other and finished at the end of its prefill; its KV blocks go back
         at once. Cancelling the caller, or ``abort(request_id)``, ends it
         like any request (an aborted one returns without an embedding).
+        ``lora_request``: pool the hidden states under that LoRA adapter.
         """
         spec = pooling_request(pooling, normalize, dimensions)
         stream = RequestStream(
-            self, prompt, _EMBED_PARAMS, request_id, priority, pooling=spec
+            self,
+            prompt,
+            _EMBED_PARAMS,
+            request_id,
+            priority,
+            pooling=spec,
+            lora_request=lora_request,
         )
         return EmbeddingOutput.from_request_output(await run_to_end(stream))
 

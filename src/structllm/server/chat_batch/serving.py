@@ -55,11 +55,11 @@ class ChatBatchServing(Serving):
         await maybe_off_loop(big, validate, BatchChatRequest, body)
         reqs = await maybe_off_loop(big, BatchChatRequest.conversations, body)
         first = reqs[0]  # the fields besides messages are the same in each
-        self.check_model(first.model)
+        adapter = self.check_model_or_adapter(first.model)
         timed = self.wants_metrics(first.include_metrics)
         chats = [await self._chat.render(llm, req) for req in reqs]
         jobs = [
-            Job(i, i, chat.prompt, chat.params, req.priority or 0)
+            Job(i, i, chat.prompt, chat.params, req.priority or 0, lora_request=adapter)
             for i, (req, chat) in enumerate(zip(reqs, chats, strict=True))
         ]
         with renamed(first.constraint_field), deadline(self.limit(first.timeout)):
@@ -69,7 +69,7 @@ class ChatBatchServing(Serving):
             for i in sorted(finals)
         ]
         response = ChatCompletionResponse(
-            **self.head(bodies.new_id("chatcmpl")),
+            **self.head(bodies.new_id("chatcmpl"), adapter),
             choices=choices,
             usage=self.final_usage(jobs, finals),
             metrics=self.request_metrics(jobs) if timed else None,

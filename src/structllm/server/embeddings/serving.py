@@ -33,6 +33,7 @@ from structllm.engine.frontend.inputs import (
     parse_prompt_off_loop,
 )
 from structllm.errors import InvalidRequestError, RequestFailedError, unwrap_group
+from structllm.lora_request import LoRARequest
 from structllm.outputs import EmbeddingOutput
 from structllm.server.embeddings.protocol import (
     EmbeddingData,
@@ -76,7 +77,7 @@ class EmbeddingServing(Serving):
         req: EmbeddingRequest = await maybe_off_loop(
             big, validate, EmbeddingRequest, body
         )
-        self.check_model(req.model)
+        adapter = self.check_model_or_adapter(req.model)
         prompts = [
             attrs.evolve(
                 await parse_input(llm, p, req.add_special_tokens),
@@ -93,6 +94,7 @@ class EmbeddingServing(Serving):
                 dimensions=req.dimensions,
                 priority=req.priority or 0,
                 metrics=self.metrics,
+                lora_request=adapter,
             )
         data = [
             EmbeddingData(
@@ -104,7 +106,7 @@ class EmbeddingServing(Serving):
         response = EmbeddingResponse(
             id=bodies.new_id("embd"),
             created=bodies.now(),
-            model=self.config.model_name,
+            model=self.served_name(adapter),
             data=data,
             usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens),
         )
@@ -159,6 +161,7 @@ async def embed_all(
     priority: int = 0,
     field: str = "input",
     metrics: Metrics | None = None,
+    lora_request: LoRARequest | None = None,
 ) -> list[EmbeddingOutput]:
     """Every prompt's embedding, in order, all submitted at once.
 
@@ -167,6 +170,8 @@ async def embed_all(
     a 503 before any runs. One failing cancels the others; its error is
     raised as itself. ``metrics``: each finished input counts as a request
     (latency, queue time, prompt tokens; no generated tokens).
+    ``lora_request``: the LoRA adapter the request's ``model`` named (its
+    layers change the hidden states pooled).
     """
     for i, p in enumerate(prompts):
         name = field if len(prompts) == 1 else f"{field}[{i}]"
@@ -196,6 +201,7 @@ async def embed_all(
             dimensions=dimensions,
             request_id=rid,
             priority=priority,
+            lora_request=lora_request,
         )
         n = len(prompts[i].token_ids)
         if record is not None:

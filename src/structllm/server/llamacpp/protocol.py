@@ -87,7 +87,11 @@ NATIVE_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "t_max_predict_ms": ("a time limit per request is --request-timeout", (0,)),
     "t_max_prompt_ms": ("a time limit per request is --request-timeout", (0, -1)),
     "id_slot": ("requests are not bound to slots", (-1,)),
-    "lora": ("per-request LoRA adapters are not supported", ([],)),
+    "lora": (
+        "per-request LoRA scales are not supported; name a loaded adapter "
+        "as the request's model",
+        ([],),
+    ),
     "post_sampling_probs": (
         "probabilities after sampling are not supported; n_probs gives the "
         "model's logprobs",

@@ -32,6 +32,7 @@ import structllm
 from structllm.engine.frontend.async_llm import AsyncLLM
 from structllm.engine.frontend.inputs import OFF_LOOP_CHARS, check_prompt_bytes
 from structllm.errors import InvalidRequestError, unwrap_group
+from structllm.lora_request import LoRARequest
 from structllm.outputs import RequestOutput
 from structllm.params import OutputKind, SamplingParams
 from structllm.server.chat.messages import ChatPrompt
@@ -70,7 +71,7 @@ class LlamaCppServing(Serving):
     async def completion(self, body: Any, big: bool) -> Response:
         llm = self.slot.get()
         req = await maybe_off_loop(big, validate, LlamaCompletionRequest, body)
-        self.check_model(req.model)
+        adapter = self.check_model_or_adapter(req.model)
         constraint, field = completion_constraint(req)
         if constraint is not None and field is not None:
             await check_constraints([(constraint, field)])
@@ -81,7 +82,9 @@ class LlamaCppServing(Serving):
         ]
         for p in prompts:
             self.check_length(llm, p.token_ids, req.max_tokens, "n_predict")
-        jobs = [Job(i, i, p, params) for i, p in enumerate(prompts)]
+        jobs = [
+            Job(i, i, p, params, lora_request=adapter) for i, p in enumerate(prompts)
+        ]
         if req.stream:
             if len(jobs) > 1:
                 raise InvalidRequestError(
@@ -153,7 +156,7 @@ class LlamaCppServing(Serving):
         """``/embedding``: each prompt's pooled vector, in llama.cpp's shape."""
         llm = self.slot.get()
         req = await maybe_off_loop(big, validate, LlamaEmbeddingRequest, body)
-        self.check_model(req.model)
+        adapter = self.check_model_or_adapter(req.model)
         count = len(req.prompts)
         prompts = [
             await native_prompt(llm, p, i, count, "content")
@@ -167,6 +170,7 @@ class LlamaCppServing(Serving):
                 normalize=req.embd_normalize == 2,
                 field="content",
                 metrics=self.metrics,
+                lora_request=adapter,
             )
         answer = [
             {"index": i, "embedding": [[float(x) for x in v]]}
@@ -273,10 +277,10 @@ class LlamaCppServing(Serving):
             "tokens": [] if streamed or not req.return_tokens else list(c.token_ids),
             "id_slot": -1,
             "stop": True,
-            "model": self.config.model_name,
+            "model": self.served_name(job.lora_request),
             "tokens_predicted": n,
             "tokens_evaluated": n_prompt,
-            "generation_settings": self._settings(job.params),
+            "generation_settings": self._settings(job.params, job.lora_request),
             # the prompt's tokens, special ones spelled out (llama.cpp's "<s> ")
             "prompt": self.slot.get().tokenizer.decode(
                 out.prompt_token_ids, skip_special_tokens=False
@@ -294,8 +298,11 @@ class LlamaCppServing(Serving):
             )
         return answer
 
-    def _settings(self, params: SamplingParams) -> dict[str, Any]:
-        """``generation_settings``: the parameters a request ran with."""
+    def _settings(
+        self, params: SamplingParams, adapter: LoRARequest | None = None
+    ) -> dict[str, Any]:
+        """``generation_settings``: the parameters a request ran with (and
+        the model: its LoRA adapter's name when it ran with one)."""
         return {
             "n_predict": -1 if params.max_tokens is None else params.max_tokens,
             "seed": -1 if params.seed is None else params.seed,
@@ -312,7 +319,7 @@ class LlamaCppServing(Serving):
             "n_probs": params.logprobs or 0,
             "stream": params.output_kind == OutputKind.DELTA,
             "n_ctx": self.slot.get().max_model_len,
-            "model": self.config.model_name,
+            "model": self.served_name(adapter),
         }
 
     # -- /tokenize, /props, /slots --------------------------------------------------

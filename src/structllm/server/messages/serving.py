@@ -143,7 +143,7 @@ class MessagesServing(Serving):
     async def count_tokens(self, body: Any, big: bool) -> Response:
         llm = self.slot.get()
         req = await maybe_off_loop(big, validate, CountTokensRequest, body)
-        self.check_model(req.model)
+        self.check_model_or_adapter(req.model)  # an adapter counts as its base
         self.reasoning_parser_name(llm, req)  # a 400 here as there
         await check_constraints(req.constraint_checks)
         prompt = await self._render(llm, req)
@@ -153,7 +153,7 @@ class MessagesServing(Serving):
     async def create(self, body: Any, big: bool) -> Response:
         llm = self.slot.get()
         req = await maybe_off_loop(big, validate, MessagesRequest, body)
-        self.check_model(req.model)
+        adapter = self.check_model_or_adapter(req.model)
         parser_name = self.reasoning_parser_name(llm, req)
         await check_constraints(req.constraint_checks)
         prompt = await self._render(llm, req)
@@ -161,7 +161,7 @@ class MessagesServing(Serving):
         chat = RenderedChat.with_reasoning(
             parser_name, prompt, req.to_sampling_params(), req.template_kwargs
         )
-        job = Job(0, 0, chat.prompt, chat.params)
+        job = Job(0, 0, chat.prompt, chat.params, lora_request=adapter)
         if req.stream:
             return self._stream(llm, req, job, chat.reasoning_parser())
         with renamed(_CONSTRAINT_FIELD):
@@ -172,7 +172,7 @@ class MessagesServing(Serving):
         reason, sequence = stop_reason(c, called)
         response = MessageResponse(
             id=new_message_id(),
-            model=self.config.model_name,
+            model=self.served_name(adapter),
             content=content,
             stop_reason=reason,
             stop_sequence=sequence,
@@ -216,7 +216,7 @@ class MessagesServing(Serving):
         start = MessageStartEvent(
             message=MessageResponse(
                 id=new_message_id(),
-                model=self.config.model_name,
+                model=self.served_name(job.lora_request),
                 content=[],
                 stop_reason=None,
                 stop_sequence=None,

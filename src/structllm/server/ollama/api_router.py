@@ -99,7 +99,7 @@ async def embeddings(request: Request) -> Response:
     "/api/tags",
     response_model=None,
     responses=openapi.responses(OllamaTags, errors=(503,)),
-    summary="Ollama: the served model",
+    summary="Ollama: the served model and its LoRA adapters",
 )
 async def tags(request: Request) -> Response:
     serving = _serving(request)
@@ -112,7 +112,7 @@ async def tags(request: Request) -> Response:
     "/api/ps",
     response_model=None,
     responses=openapi.responses(OllamaProcesses, errors=(503,)),
-    summary="Ollama: the loaded model",
+    summary="Ollama: the loaded model and its LoRA adapters",
 )
 async def processes(request: Request) -> Response:
     serving = _serving(request)
@@ -126,7 +126,7 @@ async def processes(request: Request) -> Response:
     openapi_extra=openapi.request_body(OllamaShowRequest),
     response_model=None,
     responses=openapi.responses(OllamaShowResponse),
-    summary="Ollama: the served model's details",
+    summary="Ollama: the details of the served model or an adapter",
 )
 async def show(request: Request) -> Response:
     serving = _serving(request)

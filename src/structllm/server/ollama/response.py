@@ -141,7 +141,7 @@ class OllamaModel(Body):
 
 
 class OllamaTags(Body):
-    """``GET /api/tags``: the one served model."""
+    """``GET /api/tags``: the served model, then its LoRA adapters."""
 
     models: list[OllamaModel]
 

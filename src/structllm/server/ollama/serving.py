@@ -12,6 +12,9 @@ prompt's time is the time to the first token). A request without a prompt
 ``/api/embed`` embeds one input or several at once (batched like
 ``/v1/embeddings``), normalised as Ollama's are; ``/api/embeddings``, the
 older route, one ``prompt``, not normalised (as Ollama answers it).
+A LoRA adapter's name (``:latest`` or not) is a model of every route: the
+request runs with the adapter, the answer names it, and ``/api/tags``,
+``/api/ps`` and ``/api/show`` describe it over the served model.
 
 Errors are Ollama's ``{"error": "message"}`` with the status the OpenAI
 routes give (400 naming the field, 404 for another model, 503...), and a
@@ -39,6 +42,7 @@ from structllm.engine.frontend.inputs import (
     parse_prompt_off_loop,
 )
 from structllm.errors import InvalidRequestError, unwrap_group
+from structllm.lora_request import LoRARequest
 from structllm.outputs import RequestOutput
 from structllm.server.embeddings.serving import embed_all, parse_input, vectors
 from structllm.server.http.body import maybe_off_loop, validate
@@ -107,14 +111,24 @@ class OllamaServing(Serving):
                 f"model {name!r} not found; this server serves {served!r}"
             )
 
+    def check_model_or_adapter(self, name: str | None) -> LoRARequest | None:
+        """A LoRA adapter's name is a model too, also with ``:latest``."""
+        loras = self.slot.loras
+        bare = name.removesuffix(":latest") if name else None
+        adapter = None if loras is None or not bare else loras.lookup(bare)
+        if adapter is None:
+            self.check_model(name)
+        return adapter
+
     # -- generate ------------------------------------------------------------------
 
     async def generate(self, body: Any, big: bool) -> Response:
         llm = self.slot.get()
         req = await maybe_off_loop(big, validate, OllamaGenerateRequest, body)
-        self.check_model(req.model)
+        adapter = self.check_model_or_adapter(req.model)
+        name = self.served_name(adapter)
         if not req.prompt and not req.context:
-            return self._loaded(OllamaGenerateResponse, response="")
+            return self._loaded(OllamaGenerateResponse, name, response="")
         await check_constraints(req.constraint_checks)
         text = req.prompt or ""
         if req.raw and req.context:  # it goes on from the context: no BOS
@@ -135,7 +149,7 @@ class OllamaServing(Serving):
             prompt = await self._render(llm, messages, None)
         if req.context:
             prompt = Prompt(None, (*req.context, *prompt.token_ids))
-        job = Job(0, 0, prompt, req.to_sampling_params())
+        job = Job(0, 0, prompt, req.to_sampling_params(), lora_request=adapter)
         self._check_fits(llm, req.options, prompt)
 
         def line(out: RequestOutput, done: bool) -> dict[str, Any]:
@@ -144,9 +158,12 @@ class OllamaServing(Serving):
                 token_logprobs(c, req.top_logprobs) if not streamed_end(done) else {}
             )
             if not done:
-                return self._line(OllamaGenerateResponse, response=c.text, **extra)
+                return self._line(
+                    OllamaGenerateResponse, name, response=c.text, **extra
+                )
             return self._line(
                 OllamaGenerateResponse,
+                name,
                 response="" if req.streaming else c.text,
                 context=[*prompt.token_ids, *c.token_ids],
                 **extra,
@@ -165,13 +182,14 @@ class OllamaServing(Serving):
     async def chat(self, body: Any, big: bool) -> Response:
         llm = self.slot.get()
         req = await maybe_off_loop(big, validate, OllamaChatRequest, body)
-        self.check_model(req.model)
+        adapter = self.check_model_or_adapter(req.model)
+        name = self.served_name(adapter)
         if not req.messages:
             message = OllamaChatMessage(content="")
-            return self._loaded(OllamaChatResponse, message=message)
+            return self._loaded(OllamaChatResponse, name, message=message)
         await check_constraints(req.constraint_checks)
         prompt = await self._render(llm, req.template_messages(), req.template_tools())
-        job = Job(0, 0, prompt, req.to_sampling_params())
+        job = Job(0, 0, prompt, req.to_sampling_params(), lora_request=adapter)
         self._check_fits(llm, req.options, prompt)
         names = [t.function.name for t in req.tools or ()]
         parser: ToolCallParser | None = AutoParser(names) if names else None
@@ -212,9 +230,13 @@ class OllamaServing(Serving):
                 if calls:
                     message = OllamaChatMessage(content=content, tool_calls=calls)
             if not done:
-                return self._line(OllamaChatResponse, message=message, **logprobs)
+                return self._line(OllamaChatResponse, name, message=message, **logprobs)
             return self._line(
-                OllamaChatResponse, message=message, **logprobs, **timing.fields(out)
+                OllamaChatResponse,
+                name,
+                message=message,
+                **logprobs,
+                **timing.fields(out),
             )
 
         timing = Timing()
@@ -223,19 +245,23 @@ class OllamaServing(Serving):
     # -- the model ------------------------------------------------------------------
 
     def tags(self) -> OllamaTags:
-        return OllamaTags(models=[self._model()])
+        """The served model, then its LoRA adapters (each names it as its
+        ``parent_model``)."""
+        return OllamaTags(models=self._models())
 
     def processes(self) -> OllamaProcesses:
         llm = self.slot.get()
-        model = self._model()
         forever = datetime.now(UTC) + timedelta(days=365 * 100)
-        running = OllamaRunningModel(
-            **dump(model),
-            expires_at=forever.isoformat().replace("+00:00", "Z"),
-            size_vram=0,
-            context_length=llm.max_model_len,
-        )
-        return OllamaProcesses(models=[running])
+        running = [
+            OllamaRunningModel(
+                **dump(model),
+                expires_at=forever.isoformat().replace("+00:00", "Z"),
+                size_vram=0,
+                context_length=llm.max_model_len,
+            )
+            for model in self._models()
+        ]
+        return OllamaProcesses(models=running)
 
     async def show(self, body: Any, big: bool) -> Response:
         llm = self.slot.get()
@@ -243,10 +269,12 @@ class OllamaServing(Serving):
         name = req.model or req.name
         if name is None:
             raise InvalidRequestError("model: required", field="model")
-        self.check_model(name)
-        model = self._model()
+        adapter = self.check_model_or_adapter(name)
+        model = self._model() if adapter is None else self._adapter_model(adapter)
+        # a Modelfile's own words for an adapter over its base
+        over = "" if adapter is None else f"ADAPTER {adapter.lora_path}\n"
         show = OllamaShowResponse(
-            modelfile=f"# served by structllm\nFROM {llm.engine_config.model}\n",
+            modelfile=f"# served by structllm\nFROM {llm.engine_config.model}\n{over}",
             parameters="",
             template=llm.tokenizer.chat_template or "",
             details=model.details,
@@ -267,7 +295,7 @@ class OllamaServing(Serving):
         """``/api/embed``: every input, normalised (Ollama's), batched."""
         llm = self.slot.get()
         req = await maybe_off_loop(big, validate, OllamaEmbedRequest, body)
-        self.check_model(req.model)
+        adapter = self.check_model_or_adapter(req.model)
         start = time.monotonic()
         prompts = [await parse_input(llm, text) for text in req.input]
         with deadline(self.limit(None)):
@@ -277,6 +305,7 @@ class OllamaServing(Serving):
                 normalize=True,
                 dimensions=req.dimensions,
                 metrics=self.metrics,
+                lora_request=adapter,
             )
         response = OllamaEmbedResponse(
             model=req.model,
@@ -291,11 +320,16 @@ class OllamaServing(Serving):
         """``/api/embeddings`` (the older route): one prompt, not normalised."""
         llm = self.slot.get()
         req = await maybe_off_loop(big, validate, OllamaEmbeddingsRequest, body)
-        self.check_model(req.model)
+        adapter = self.check_model_or_adapter(req.model)
         prompt = await parse_input(llm, req.prompt, field="prompt")
         with deadline(self.limit(None)):
             outputs = await embed_all(
-                llm, [prompt], normalize=False, field="prompt", metrics=self.metrics
+                llm,
+                [prompt],
+                normalize=False,
+                field="prompt",
+                metrics=self.metrics,
+                lora_request=adapter,
             )
         (vector,) = vectors(outputs)
         response = OllamaEmbeddingsResponse(embedding=[float(x) for x in vector])
@@ -319,6 +353,26 @@ class OllamaServing(Serving):
                 format="gguf" if ref.endswith(".gguf") else "safetensors"
             ),
         )
+
+    def _adapter_model(self, adapter: LoRARequest) -> OllamaModel:
+        """A LoRA adapter as a model of its own over the served one."""
+        path = adapter.lora_path
+        return OllamaModel(
+            name=adapter.lora_name,
+            model=adapter.lora_name,
+            modified_at=rfc3339(self.started),
+            size=weights_size(path),
+            digest=model_digest(path),
+            details=OllamaDetails(
+                parent_model=self.config.model_name, format="safetensors"
+            ),
+        )
+
+    def _models(self) -> list[OllamaModel]:
+        """The served model and its LoRA adapters, in the order they loaded."""
+        loras = self.slot.loras
+        adapters = [] if loras is None else loras.adapters()
+        return [self._model(), *(self._adapter_model(a) for a in adapters)]
 
     # -- shared -----------------------------------------------------------------------
 
@@ -353,20 +407,22 @@ class OllamaServing(Serving):
                 field="options.num_ctx",
             )
 
-    def _line(self, model: type[Any], **fields: Any) -> dict[str, Any]:
+    def _line(self, model: type[Any], name: str, **fields: Any) -> dict[str, Any]:
+        """One answer line (``name``: the model it names, an adapter's when
+        the request ran with one)."""
         done = "done_reason" in fields
         return dump(
             model(
-                model=self.config.model_name,
+                model=name,
                 created_at=rfc3339(time.time()),
                 done=done,
                 **fields,
             )
         )
 
-    def _loaded(self, model: type[Any], **fields: Any) -> Response:
+    def _loaded(self, model: type[Any], name: str, **fields: Any) -> Response:
         """Ollama's answer to a request that only loads the model."""
-        return ASCIIJSONResponse(self._line(model, done_reason="load", **fields))
+        return ASCIIJSONResponse(self._line(model, name, done_reason="load", **fields))
 
     async def _answer(
         self,

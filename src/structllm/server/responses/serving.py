@@ -32,6 +32,7 @@ from fastapi.responses import Response
 
 from structllm.engine.frontend.async_llm import AsyncLLM
 from structllm.errors import InvalidRequestError, unwrap_group
+from structllm.lora_request import LoRARequest
 from structllm.outputs import RequestOutput
 from structllm.server.chat import tool_calls
 from structllm.server.chat.protocol import ChatRequest
@@ -88,14 +89,14 @@ class ResponsesServing(Serving):
     async def create(self, body: Any, big: bool) -> Response:
         llm = self.slot.get()
         req = await maybe_off_loop(big, validate, ResponsesRequest, body)
-        self.check_model(req.model)
+        adapter = self.check_model_or_adapter(req.model)
         history = self.store.conversation(req.previous_response_id)
         with _responses_fields():
             chat_req = validate(ChatRequest, req.chat_body(history))
             chat = await self._chat.render(llm, chat_req)
-        job = Job(0, 0, chat.prompt, chat.params)
+        job = Job(0, 0, chat.prompt, chat.params, lora_request=adapter)
         answer = AnswerParser(tool_calls.parser_for(chat_req), chat.reasoning_parser())
-        run = _Run(req, new_id("resp"), bodies.now(), history, Output(answer))
+        run = _Run(req, new_id("resp"), bodies.now(), history, Output(answer), adapter)
         if req.stream:
             return self._stream(llm, job, run, chat_req.constraint_field)
         with _responses_fields(chat_req.constraint_field):
@@ -204,7 +205,7 @@ class ResponsesServing(Serving):
         return ResponseObject(
             id=run.rid,
             created_at=run.created_at,
-            model=self.config.model_name,
+            model=self.served_name(run.adapter),
             status=status,
             incomplete_details=incomplete,
             output=run.output.items() if final is not None else [],
@@ -238,3 +239,5 @@ class _Run:
     #: the conversation before it (previous_response_id)
     history: list[dict[str, Any]]
     output: Output
+    #: the LoRA adapter its ``model`` named (None: the base model)
+    adapter: LoRARequest | None

@@ -273,3 +273,23 @@ async def test_llamacpp_native(served: tuple[Server, str]) -> None:
         "/completion", json={**body, "lora": [{"id": 0, "scale": 0.5}]}
     )
     assert refused.status_code == 400 and "model" in refused.json()["error"]["message"]
+
+
+def test_llm_embed_takes_the_adapter() -> None:
+    """The synchronous ``LLM.embed(lora_request=)``: the adapter's vector is
+    the one ``/v1/embeddings`` pools (through ``AsyncLLM.embed``), and not
+    the base model's."""
+    from structllm import LLM, LoRARequest
+
+    llm = LLM(BASE, show_progress=False, **ENGINE)  # type: ignore[arg-type]
+    lora = LoRARequest(ADAPTER, 1, str(DATA / "llama-all-r8"))
+    base, adapted, again = (
+        np.array(out.embedding)
+        for out in (
+            llm.embed("Hello there", use_tqdm=False)[0],
+            llm.embed("Hello there", use_tqdm=False, lora_request=lora)[0],
+            llm.embed(["Hello there"], use_tqdm=False, lora_request=lora)[0],
+        )
+    )
+    np.testing.assert_array_equal(adapted, again)
+    assert not np.allclose(base, adapted, atol=1e-3)

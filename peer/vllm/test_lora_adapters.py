@@ -112,8 +112,7 @@ async def test_static_lora_lineage(client: openai.AsyncOpenAI, qwen3_lora_files)
     lora_models = models[1:]
     assert served_model.id == MODEL_NAME
     assert served_model.root == MODEL_NAME
-    # structllm: the base model's card has no parent field (vLLM sends null)
-    assert getattr(served_model, "parent", None) is None
+    assert served_model.parent is None
     assert all(lora_model.root == qwen3_lora_files for lora_model in lora_models)
     assert all(lora_model.parent == MODEL_NAME for lora_model in lora_models)
     assert lora_models[0].id == "qwen3-lora"

@@ -190,13 +190,14 @@ class LLM:
         normalize: bool | None = None,
         dimensions: int | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> list[EmbeddingOutput]:
         """The embedding of every prompt, in the order of ``prompts``.
 
         Pooled from the last hidden states as :meth:`AsyncLLM.embed
         <structllm.AsyncLLM.embed>` says; the prompts are batched through
         the scheduler like ``generate``'s, each finished at the end of its
-        prefill.
+        prefill. ``lora_request``: the hidden states under that adapter.
         """
         spec = pooling_request(pooling, normalize, dimensions)
         batch: list[PromptInput] = (
@@ -205,7 +206,7 @@ class LLM:
             else [prompts]  # type: ignore[list-item]
         )
         requests = [
-            self._prepare(prompt, _EMBED_PARAMS, 0, samples=False)[0]
+            self._prepare(prompt, _EMBED_PARAMS, 0, samples=False, lora=lora_request)[0]
             for prompt in batch
         ]
         ids = [state.request_id for state, _ in requests]

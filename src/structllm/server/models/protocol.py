@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Literal
 
 from structllm.server.protocol.bodies import Body
 
@@ -13,15 +13,13 @@ __all__ = [
 
 
 class ModelCard(Body):
-    _omit_unset: ClassVar[frozenset[str]] = frozenset({"parent"})
-
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "structllm"
     #: what the model was loaded from: its directory or built-in name (vLLM's)
     root: str
-    #: a LoRA adapter's base model (vLLM's); sent for adapters only
+    #: a LoRA adapter's base model; null on the base model's card (as vLLM)
     parent: str | None = None
     max_model_len: int
 

@@ -94,6 +94,22 @@ def test_lora_settings_and_their_flags() -> None:
         assert e.value.field == "lora_modules"
 
 
+def test_max_cpu_loras_is_vllms_and_becomes_a_flag() -> None:
+    assert EngineConfig(model="m").max_cpu_loras is None  # as many as max_loras
+    config = EngineConfig(model="m", max_loras=2, max_cpu_loras=2)
+    assert config.max_cpu_loras == 2
+    for bad, match in [(0, "max_cpu_loras"), (1, r"max_cpu_loras \(1\) must be >=")]:
+        with pytest.raises(EngineConfigError, match=match) as info:
+            EngineConfig(model="m", max_loras=2, max_cpu_loras=bad)
+        assert info.value.field == "max_cpu_loras"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, EngineConfig)
+    ns = parser.parse_args(["--max-loras", "2", "--max-cpu-loras", "5"])
+    assert from_arguments(EngineConfig, ns, model="m").max_cpu_loras == 5
+    ns = parser.parse_args([])
+    assert from_arguments(EngineConfig, ns, model="m").max_cpu_loras is None
+
+
 # -- the prefix cache's key ----------------------------------------------------
 
 
@@ -225,6 +241,40 @@ def test_slots_fill_on_demand_and_evict_the_least_recently_used_idle_one() -> No
     assert [c.lora_id for c in m.take_changes()] == [1, 2, 3, 2]
     assert m.take_changes() == []
     m.audit()
+
+
+def test_the_host_forgets_the_least_recently_named_idle_adapter() -> None:
+    slots, reads = FakeSlots(2), list[str]()
+    m = LoRAManager(slots, _reader(reads), max_cpu_loras=3)
+    for n in (1, 2, 3):
+        m.add(_lora(n))
+    m.acquire("r1", 1)
+    assert m.slot_for(1) is not None and m.slot_for(3) is not None
+    assert not m.add(_lora(2))  # named again: now the most recent
+    m.add(_lora(4))  # over 3: 3 goes (1 is used, 2 was named since)
+    assert [i.request.lora_int_id for i in m.adapters()] == [1, 2, 4]
+    assert [h.source if h else None for h in slots.held].count("/ad/3") == 0
+    m.audit()
+    # while every adapter is in use the host holds them all...
+    for n, rid in ((2, "r2"), (4, "r4")):
+        m.acquire(rid, n)
+    m.add(_lora(5))
+    m.acquire("r5", 5)
+    assert len(m.adapters()) == 4
+    m.audit()
+    # ... and the excess goes as their users end, least recently named first
+    m.release(["r2", "r4"])
+    assert [i.request.lora_int_id for i in m.adapters()] == [1, 4, 5]
+    m.release(["r1", "r5"])
+    assert [i.request.lora_int_id for i in m.adapters()] == [1, 4, 5]
+    # a forgotten adapter is read again when a request names it (and 4,
+    # idle the longest, makes room)
+    assert m.add(_lora(3))
+    assert reads.count("/ad/3") == 2
+    assert [i.request.lora_int_id for i in m.adapters()] == [1, 3, 5]
+    m.audit()
+    with pytest.raises(ValueError, match="max_cpu_loras=1 is under the 2 slots"):
+        LoRAManager(slots, _reader(reads), max_cpu_loras=1)
 
 
 def test_unloading_lets_the_requests_using_it_finish() -> None:

@@ -83,6 +83,8 @@ def test_a_batch_mixing_three_adapters_and_the_base_equals_each_alone(
     assert engine.core.lora is not None
     engine.core.lora.audit()
     assert all(i.users == 0 for i in engine.core.lora.adapters())
+    # max_cpu_loras is max_loras: with 2, the host forgot the idlest one
+    assert len(engine.core.lora.adapters()) == min(3, max_loras)
     assert engine.core.pool.num_used == 0
 
 

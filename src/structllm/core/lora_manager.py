@@ -25,6 +25,16 @@ not busy (its host copy stays: a later request reloads it). When every slot
 is busy the request waits (None). Each step's adapters count as used then
 (:meth:`rows`), which orders the eviction.
 
+The host keeps at most ``max_cpu_loras`` adapters (vLLM's setting; None:
+no bound): past it, the least recently named one (added, acquired or
+released) that no live request uses is forgotten, host copy and slot,
+exactly as if unloaded; a later request carrying the same
+:class:`LoRARequest` reads it again from its path. Adapters that live
+requests use are never forgotten, so while more than ``max_cpu_loras``
+are in use the host holds them all (live requests are bounded by the
+front end's queue) and the excess goes as their last users end: refusing
+a request for that would fail work that fits a few steps later.
+
 **Unloading** (:meth:`remove`) is graceful: the adapter's id is taken
 away at once (a new request with it is refused, unless it carries the same
 name and path, which loads it again), but the requests already admitted
@@ -150,7 +160,10 @@ class LoRAManager:
     read: Callable[[str], LoRAAdapter]
     #: keep the slot changes for :meth:`take_changes`
     record_changes: bool = False
-    _known: dict[int, _Known] = attrs.field(init=False, factory=dict)
+    #: the most adapters kept on the host (None: no bound); at least the slots
+    max_cpu_loras: int | None = attrs.field(default=None, kw_only=True)
+    #: known ids, least recently named first
+    _known: OrderedDict[int, _Known] = attrs.field(init=False, factory=OrderedDict)
     #: resident ids -> their slots, least recently used first
     _resident: OrderedDict[int, int] = attrs.field(init=False, factory=OrderedDict)
     _free_slots: list[int] = attrs.field(init=False)
@@ -160,6 +173,11 @@ class LoRAManager:
 
     def __attrs_post_init__(self) -> None:
         self._free_slots = list(range(self.slots.max_loras - 1, -1, -1))
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras={self.max_cpu_loras} is under the "
+                f"{self.max_loras} slots"
+            )
 
     @property
     def max_loras(self) -> int:
@@ -187,10 +205,12 @@ class LoRAManager:
             )
         if known is not None:
             known.unloading = False  # loaded again before its last user ended
+            self._known.move_to_end(lora_id)
             return False
         adapter = self.read(request.lora_path)
         self.slots.check_adapter(adapter)
         self._known[lora_id] = _Known(request, adapter, adapter_digest(adapter))
+        self._shrink(keep=lora_id)  # its request acquires it next
         return True
 
     def remove(self, lora_id: int) -> bool:
@@ -235,6 +255,7 @@ class LoRAManager:
             )
         known.users.add(request_id)
         self._request_lora[request_id] = lora_id
+        self._known.move_to_end(lora_id)
 
     def release(self, request_ids: Iterable[str]) -> None:
         """These requests ended (finished, aborted, expired, refused);
@@ -248,6 +269,9 @@ class LoRAManager:
             known.users.discard(rid)
             if known.unloading and not known.users:
                 self._forget(lora_id)
+            else:
+                self._known.move_to_end(lora_id)
+        self._shrink()
 
     def lora_of(self, request_id: str) -> int:
         """The adapter id request ``request_id`` uses (``NO_LORA``: none)."""
@@ -316,6 +340,21 @@ class LoRAManager:
         for lora_id, known in self._known.items():
             assert known.users <= set(self._request_lora), lora_id
             assert not known.unloading or known.users, lora_id
+        if self.max_cpu_loras is not None and len(self._known) > self.max_cpu_loras:
+            # over the bound only while the others are in use: the newest
+            # may wait for its request to acquire it
+            idle = [i for i, k in self._known.items() if not k.users]
+            assert idle in ([], list(self._known)[-1:]), idle
+
+    def _shrink(self, keep: int = NO_LORA) -> None:
+        """Forget the least recently named idle adapters (but ``keep``)
+        while the host holds more than ``max_cpu_loras``."""
+        bound = self.max_cpu_loras
+        if bound is None or len(self._known) <= bound:
+            return
+        idle = [i for i, k in self._known.items() if not k.users and i != keep]
+        for lora_id in idle[: len(self._known) - bound]:
+            self._forget(lora_id)
 
     def _forget(self, lora_id: int) -> None:
         known = self._known.pop(lora_id)
@@ -352,7 +391,9 @@ def enable_model_lora(model: CausalLM, config: EngineConfig) -> LoRAManager:
     read = functools.partial(
         read_peft_adapter, config=model.config, max_rank=config.max_lora_rank
     )
-    return LoRAManager(slots, read)
+    return LoRAManager(
+        slots, read, max_cpu_loras=config.max_cpu_loras or config.max_loras
+    )
 
 
 def _describe(request: LoRARequest) -> str:

@@ -9,6 +9,7 @@ tools/record_lora_oracle.py) and copies of them with other random weights.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import shutil
 from pathlib import Path
@@ -20,14 +21,17 @@ import pytest
 import safetensors.numpy
 
 from structllm.config import EngineConfig, ServerConfig, add_arguments, from_arguments
-from structllm.core.block_pool import ROOT_HASH, hash_block_tokens, root_hash
+from structllm.core.block_pool import ROOT_HASH, BlockPool, hash_block_tokens, root_hash
 from structllm.core.lora_manager import NO_LORA, LoRAManager, SlotChange
+from structllm.core.request import Request
+from structllm.core.scheduler import Scheduler, SchedulerConfig
 from structllm.errors import EngineConfigError, InvalidRequestError, ModelLoadError
 from structllm.lora_request import LoRARequest
 from structllm.model.llama import LlamaForCausalLM
 from structllm.model.loader import load_model
 from structllm.model.lora import enable_lora, read_peft_adapter
 from structllm.model.lora_peft import WEIGHTS_FILE, LoRAAdapter
+from structllm.params import SamplingParams
 
 DATA = Path(__file__).parent / "data" / "lora"
 
@@ -387,6 +391,95 @@ def test_random_use_keeps_the_books_and_never_evicts_a_busy_adapter() -> None:
     m.release([*running, *waiting])
     assert all(not i.unloading for i in m.adapters())
     m.audit()
+
+
+# -- the scheduler's slot wait ------------------------------------------------
+
+
+_SEQUENCE = itertools.count()
+
+
+def _scheduler(max_loras: int, wait_steps: int) -> tuple[Scheduler, LoRAManager]:
+    m = LoRAManager(FakeSlots(max_loras), _reader([]))
+    config = SchedulerConfig(max_model_len=64, max_num_seqs=16)
+    sched = Scheduler(config, BlockPool(256, 4), lora=m)
+    sched.max_slot_wait_steps = wait_steps
+    return sched, m
+
+
+def _add(sched: Scheduler, m: LoRAManager, rid: str, lora_id: int) -> None:
+    """A request of 4 prompt tokens and 6 outputs with adapter ``lora_id``,
+    queued as ``EngineCore.add_request`` does."""
+    seq = next(_SEQUENCE)
+    req = Request(
+        request_id=rid,
+        prompt_token_ids=(1, 2, 3, lora_id + 4),
+        params=SamplingParams(max_tokens=6, ignore_eos=True),
+        eos_token_ids=frozenset({0}),
+        priority=0,
+        arrival_time=float(seq),
+        sequence_number=seq,
+        max_new_tokens=6,
+        generator=np.random.default_rng(0),
+    )
+    if lora_id != NO_LORA:
+        m.add(_lora(lora_id))
+        req.lora_id, req.lora_key = lora_id, m.cache_key(lora_id)
+    sched.add_request(req)
+    if lora_id != NO_LORA:
+        m.acquire(rid, lora_id)
+
+
+def _step(sched: Scheduler) -> list[str]:
+    """One step of a fake runner (every sample is token 7): the requests
+    scheduled for the first time in it."""
+    out = sched.schedule()
+    sampled = {c.request.request_id: [7] for c in out.chunks if c.samples}
+    first = [c.request.request_id for c in out.chunks if c.context_len == 0]
+    sched.update_from_output(out, sampled)
+    return first
+
+
+@pytest.mark.parametrize("max_loras", [1, 2])
+def test_a_request_waiting_for_a_slot_is_admitted_within_a_bound(
+    max_loras: int,
+) -> None:
+    """Requests with the resident adapters arrive every step, each running
+    a few steps, so their adapters' slots are never idle; the one request
+    with another adapter is admitted once it has waited ``wait`` steps and
+    the slots drain, never overtaken for ever."""
+    wait = 8
+    for bound in (wait, 10_000):
+        sched, m = _scheduler(max_loras, bound)
+        for step in range(max_loras):  # fill every slot
+            _add(sched, m, f"a-{step}", step + 1)
+            _step(sched)
+        _add(sched, m, "late", 9)
+        admitted_at = None
+        base_admitted = 0
+        for step in range(200):
+            # the resident adapters' stream, and the base model's
+            _add(sched, m, f"a-{100 + step}", step % max_loras + 1)
+            _add(sched, m, f"base-{step}", NO_LORA)
+            first = _step(sched)
+            base_admitted += sum(r.startswith("base") for r in first)
+            if "late" in first:
+                admitted_at = step
+                break
+            m.audit()
+        if bound == wait:
+            # passed over `wait` steps, then the 6-step requests drain
+            assert admitted_at is not None and admitted_at <= wait + 6 + 1
+            # the base model's requests were never held
+            assert base_admitted == admitted_at + 1
+            # and the held requests run once it is admitted: nothing is left
+            for _ in range(100):
+                _step(sched)
+            assert not sched.has_unfinished_requests()
+            assert sched.pool.num_used == 0 and not sched._slot_waits
+            m.audit()
+        else:
+            assert admitted_at is None  # starved: the bound is what helps
 
 
 # -- over a real model's slots -------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import attrs
@@ -25,7 +25,12 @@ from structllm.core.engine_setup import (
     load_engine_model,
     size_kv_cache,
 )
-from structllm.core.lora_manager import LoRAInfo, LoRAManager, enable_model_lora
+from structllm.core.lora_manager import (
+    LoRAInfo,
+    LoRAManager,
+    SlotChange,
+    enable_model_lora,
+)
 from structllm.core.pooling import PoolingConfig, read_pooling_config
 from structllm.core.request import (
     CoreRequest,
@@ -60,6 +65,8 @@ from structllm.text.tokenizer import Tokenizer
 if TYPE_CHECKING:
     # Paddle loads with the model, never before: the front end (AsyncLLM,
     # the server) imports this module for the structs of the wire
+    import numpy as np
+
     from structllm.core.draft import DraftProposer
     from structllm.core.runner import ModelInput
     from structllm.model.loader import LoadProgress
@@ -92,6 +99,10 @@ class TensorParallelGroup(Protocol):
     def allocate(self, num_blocks: int) -> None: ...
 
     def broadcast(self, step: ModelInput) -> None: ...
+
+    def send_lora(
+        self, changes: Sequence[SlotChange], rows: np.ndarray | None
+    ) -> None: ...
 
 
 @attrs.frozen
@@ -172,7 +183,7 @@ class EngineCore:
         #: LoRA adapters (enable_lora), shared by the scheduler and the runner
         self.lora: LoRAManager | None = None
         if config.enable_lora:
-            self.lora = enable_model_lora(loaded.model, config)
+            self.lora = enable_model_lora(loaded.model, config, tp_group)
             self.scheduler.lora = self.lora
         self.runner = ModelRunner(
             loaded.model,

@@ -25,15 +25,12 @@ not busy (its host copy stays: a later request reloads it). When every slot
 is busy the request waits (None). Each step's adapters count as used then
 (:meth:`rows`), which orders the eviction.
 
-The host keeps at most ``max_cpu_loras`` adapters (vLLM's setting; None:
-no bound): past it, the least recently named one (added, acquired or
-released) that no live request uses is forgotten, host copy and slot,
-exactly as if unloaded; a later request carrying the same
-:class:`LoRARequest` reads it again from its path. Adapters that live
-requests use are never forgotten, so while more than ``max_cpu_loras``
-are in use the host holds them all (live requests are bounded by the
-front end's queue) and the excess goes as their last users end: refusing
-a request for that would fail work that fits a few steps later.
+The host keeps at most ``max_cpu_loras`` adapters (vLLM's; None: no
+bound): past it, the least recently named (added, acquired, released) that
+no live request uses is forgotten as if unloaded, and read again by the
+next request carrying its :class:`LoRARequest`. One in use is never: while
+more are in use the host holds them all, the excess going with their last
+users (refusing requests for it would fail work that fits steps later).
 
 **Unloading** (:meth:`remove`) is graceful: the adapter's id is taken
 away at once (a new request with it is refused, unless it carries the same
@@ -48,9 +45,12 @@ another adapter, or the base model, never hits them, and an id reused for
 other weights after an unload cannot either.
 
 With ``record_changes``, every change of a slot is also recorded
-(:meth:`take_changes`), for the ranks of a tensor-parallel group to read
-their own shard of the adapter from its path into the same slot (the core
-does not send them yet: ``enable_model_lora`` refuses tensor parallelism).
+(:meth:`take_changes`) for the ranks of a tensor-parallel group, which
+read their own share of the adapter (``model.parallel.lora_reader``) from
+its path into the same slot: rank 0's manager runs over
+:class:`FollowedSlots`, which sends those changes and the step's rows
+when the runner sets the rows (after the step's input, before the
+forward). Rank 0's share is what is checked, kept and keyed.
 
 Synchronous and pure apart from reading adapter files (in :meth:`add`);
 Paddle is reached only through the ``slots`` object.
@@ -78,6 +78,8 @@ if TYPE_CHECKING:
 __all__ = [
     "NO_LORA",
     "AdapterSlots",
+    "FollowedSlots",
+    "LoRAFollowers",
     "LoRAInfo",
     "LoRAManager",
     "SlotChange",
@@ -114,6 +116,43 @@ class SlotChange:
     slot: int
     lora_id: int
     path: str | None
+
+
+class LoRAFollowers(Protocol):
+    """A tensor-parallel group's other ranks (``engine.rank_group.RankGroup``)."""
+
+    def send_lora(
+        self, changes: Sequence[SlotChange], rows: np.ndarray | None
+    ) -> None: ...
+
+
+@attrs.define(eq=False)
+class FollowedSlots:
+    """Rank 0's slots in a tensor-parallel group: its shard's, and with
+    each step's rows the slot changes since the last (``changes``: the
+    manager's :meth:`LoRAManager.take_changes`) sent to the followers."""
+
+    local: AdapterSlots
+    followers: LoRAFollowers
+    changes: Callable[[], list[SlotChange]] = list
+
+    @property
+    def max_loras(self) -> int:
+        return self.local.max_loras
+
+    def check_adapter(self, adapter: LoRAAdapter) -> None:
+        self.local.check_adapter(adapter)
+
+    def load_adapter(self, slot: int, adapter: LoRAAdapter) -> None:
+        self.local.load_adapter(slot, adapter)
+
+    def clear_slot(self, slot: int) -> None:
+        self.local.clear_slot(slot)
+
+    def set_rows(self, rows: Sequence[int] | np.ndarray | None) -> None:
+        self.local.set_rows(rows)
+        r = None if rows is None else np.asarray(rows, np.int64)
+        self.followers.send_lora(self.changes(), r)
 
 
 @attrs.frozen
@@ -341,10 +380,8 @@ class LoRAManager:
             assert known.users <= set(self._request_lora), lora_id
             assert not known.unloading or known.users, lora_id
         if self.max_cpu_loras is not None and len(self._known) > self.max_cpu_loras:
-            # over the bound only while the others are in use: the newest
-            # may wait for its request to acquire it
             idle = [i for i, k in self._known.items() if not k.users]
-            assert idle in ([], list(self._known)[-1:]), idle
+            assert idle in ([], list(self._known)[-1:]), idle  # newest: to acquire
 
     def _shrink(self, keep: int = NO_LORA) -> None:
         """Forget the least recently named idle adapters (but ``keep``)
@@ -367,17 +404,22 @@ class LoRAManager:
                 self._changes.append(SlotChange(slot, lora_id, None))
 
 
-def enable_model_lora(model: CausalLM, config: EngineConfig) -> LoRAManager:
+def enable_model_lora(
+    model: CausalLM, config: EngineConfig, followers: LoRAFollowers | None = None
+) -> LoRAManager:
     """Give ``model`` ``config.max_loras`` adapter slots and return their
-    manager, reading adapters for it. One process's model only: a
-    tensor-parallel group's ranks would each need their shard of every
-    adapter, which the core does not send them yet."""
+    manager, reading adapters for it. Under tensor parallelism ``model`` is
+    rank 0's shard and ``followers`` the group's other ranks, which change
+    their slots as rank 0's change (see the module docstring)."""
     from structllm.model.llama import LlamaForCausalLM
     from structllm.model.lora import enable_lora, read_peft_adapter
+    from structllm.model.parallel import lora_reader
 
-    if config.tensor_parallel_size > 1:
+    tp = config.tensor_parallel_size
+    if tp > 1 and followers is None:
         raise EngineConfigError(
-            "enable_lora does not run with tensor_parallel_size > 1 yet",
+            f"enable_lora with tensor_parallel_size={tp} runs in the engine's "
+            "core process, which starts the other ranks",
             field="enable_lora",
         )
     if not isinstance(model, LlamaForCausalLM):
@@ -388,12 +430,19 @@ def enable_model_lora(model: CausalLM, config: EngineConfig) -> LoRAManager:
     slots = enable_lora(
         model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank
     )
-    read = functools.partial(
-        read_peft_adapter, config=model.config, max_rank=config.max_lora_rank
+    max_cpu_loras = config.max_cpu_loras or config.max_loras
+    if followers is None:
+        whole = functools.partial(
+            read_peft_adapter, config=model.config, max_rank=config.max_lora_rank
+        )
+        return LoRAManager(slots, whole, max_cpu_loras=max_cpu_loras)
+    share = lora_reader(config.model, tp, 0, max_rank=config.max_lora_rank)
+    followed = FollowedSlots(slots, followers)
+    manager = LoRAManager(
+        followed, share, record_changes=True, max_cpu_loras=max_cpu_loras
     )
-    return LoRAManager(
-        slots, read, max_cpu_loras=config.max_cpu_loras or config.max_loras
-    )
+    followed.changes = manager.take_changes
+    return manager
 
 
 def _describe(request: LoRARequest) -> str:

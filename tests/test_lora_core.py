@@ -407,7 +407,9 @@ def _scheduler(max_loras: int, wait_steps: int) -> tuple[Scheduler, LoRAManager]
     return sched, m
 
 
-def _add(sched: Scheduler, m: LoRAManager, rid: str, lora_id: int) -> None:
+def _add(
+    sched: Scheduler, m: LoRAManager, rid: str, lora_id: int, priority: int = 0
+) -> None:
     """A request of 4 prompt tokens and 6 outputs with adapter ``lora_id``,
     queued as ``EngineCore.add_request`` does."""
     seq = next(_SEQUENCE)
@@ -416,7 +418,7 @@ def _add(sched: Scheduler, m: LoRAManager, rid: str, lora_id: int) -> None:
         prompt_token_ids=(1, 2, 3, lora_id + 4),
         params=SamplingParams(max_tokens=6, ignore_eos=True),
         eos_token_ids=frozenset({0}),
-        priority=0,
+        priority=priority,
         arrival_time=float(seq),
         sequence_number=seq,
         max_new_tokens=6,
@@ -461,7 +463,10 @@ def test_a_request_waiting_for_a_slot_is_admitted_within_a_bound(
             # the resident adapters' stream, and the base model's
             _add(sched, m, f"a-{100 + step}", step % max_loras + 1)
             _add(sched, m, f"base-{step}", NO_LORA)
+            if step == wait + 1:  # one that ranks first goes first, held or not
+                _add(sched, m, "urgent-0", 1, priority=-1)
             first = _step(sched)
+            assert ("urgent-0" in first) == (step == wait + 1)
             base_admitted += sum(r.startswith("base") for r in first)
             if "late" in first:
                 admitted_at = step

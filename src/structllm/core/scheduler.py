@@ -53,10 +53,11 @@ is passed over, keeping its place. Its blocks hash under its adapter's key.
 The wait is bounded (new requests with the resident adapters could keep
 their slots busy for ever): once a request has been passed over for a slot
 in ``max_slot_wait_steps`` steps its adapter is *starved*, and until every
-starved request is admitted, requests with other adapters are held (those
-without one need no slot): the running ones drain and a freed slot goes to
-a starved adapter. A held request counts no wait, so it cannot starve the
-starved one in turn; if its own adapter is evicted meanwhile, it waits.
+starved request is admitted, requests with other adapters that rank after
+it are held (those without one need no slot; those ranking before it, by
+priority and due time, go first as ever): the running ones drain and a
+freed slot goes to a starved adapter. A held request counts no wait, so
+it cannot starve the starved one in turn.
 
 Prefix caching (``enable_prefix_caching``): a request admitted takes the
 longest chain of cached full blocks matching its tokens (prompt, and for a
@@ -195,11 +196,8 @@ class Scheduler:
         caching = self.config.enable_prefix_caching
         # hashes of blocks that running requests have yet to compute
         in_flight: set[BlockHash] | None = None
-        starved = {  # adapters waiting too long for a slot (see above)
-            self.requests[r].lora_id
-            for r, n in self._slot_waits.items()
-            if n >= self.max_slot_wait_steps
-        }
+        bound = self.max_slot_wait_steps  # waiting too long for a slot: starved
+        starved = [self.requests[r] for r, n in self._slot_waits.items() if n >= bound]
         j = 0  # the queue position looked at: requests compiling a grammar wait
         while (
             not preempted
@@ -258,13 +256,13 @@ class Scheduler:
             add_drafts(chunks, budget, self.pool, self.proposer, k)
         return SchedulerOutput(tuple(chunks), tuple(preempted), expired)
 
-    def _adapter_resident(self, req: Request, starved: set[int]) -> bool:
+    def _adapter_resident(self, req: Request, starved: list[Request]) -> bool:
         """Its LoRA adapter is in a slot, or is put in one now (evicting an
-        idle one): False while every slot is busy with running requests
-        (a step of wait counted), or while other adapters are ``starved``."""
+        idle one): False while every slot is busy with running requests (a
+        step of wait counted), or while it ranks after ``starved`` ones."""
         if req.lora_id == NO_LORA or self.lora is None:
             return True
-        if starved and req.lora_id not in starved:
+        if any(r.lora_id != req.lora_id and _key(r) < _key(req) for r in starved):
             return False  # held: the slots drain for a starved adapter
         busy = {r.lora_id for r in self.running}
         if self.lora.slot_for(req.lora_id, busy) is not None:

@@ -104,6 +104,45 @@ def test_each_steps_rows_carry_the_slot_changes_since_the_last() -> None:
     assert np.frombuffer(back.rows, np.int64).tolist() == [s1, -1, s2]
 
 
+def test_rank_0_keeps_its_share_and_keys_the_whole_adapter() -> None:
+    from structllm.config import EngineConfig
+    from structllm.core.lora_manager import adapter_digest, enable_model_lora
+    from structllm.model.lora import read_peft_adapter
+    from structllm.model.parallel import load_model_shard
+
+    path = str(DATA / "llama-base")
+    config = EngineConfig(
+        model=path,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        tensor_parallel_size=2,
+    )
+    loaded = load_model_shard(path, 2, 0, backend="eager", block_size=4)
+    followers = _Followers()
+    m = enable_model_lora(loaded.model, config, followers)
+    lora = LORAS[1]  # every projection
+    m.add(lora)
+    slot = m.slot_for(lora.lora_int_id)
+    assert slot is not None
+    m.rows([lora.lora_int_id])
+    assert isinstance(m.slots, FollowedSlots)
+    m.slots.set_rows([slot])
+    [(changes, _)] = followers.sent
+    assert changes == [SlotChange(slot, lora.lora_int_id, lora.lora_path)]
+    whole = read_peft_adapter(lora.lora_path, loaded.config)
+    o_proj = "model.layers.0.self_attn.o_proj"
+    held = m.slots.local.adapters[slot]  # type: ignore[attr-defined]
+    # o is row-parallel: rank 0 holds its half of A's input columns
+    assert (
+        held.projections[o_proj].a.shape[1] * 2 == whole.projections[o_proj].a.shape[1]
+    )
+    # the prefix cache's key is the whole adapter's, as on one rank: two
+    # adapters equal on rank 0's share only never share blocks
+    assert m.cache_key(lora.lora_int_id) == adapter_digest(whole)
+    m.audit()
+
+
 # -- two ranks -------------------------------------------------------------------
 
 

@@ -18,12 +18,10 @@ An adapter is, in turn:
     used by a *running* request: its rows are in the batch, so its slot is
     never taken from it.
 
-Slots are filled on demand: the scheduler asks :meth:`slot_for` before it
-admits a request with an adapter; an adapter not resident takes a free
-slot, else the slot of the least recently used resident adapter that is
-not busy (its host copy stays: a later request reloads it). When every slot
-is busy the request waits (None). Each step's adapters count as used then
-(:meth:`rows`), which orders the eviction.
+Slots are filled on demand (:meth:`slot_for`, as the scheduler admits a
+request): a free slot, else the least recently used idle adapter's (its
+host copy stays); when every slot is busy the request waits (None). Each
+step's adapters count as used (:meth:`rows`), which orders the eviction.
 
 The host keeps at most ``max_cpu_loras`` adapters (vLLM's; None: no
 bound): past it, the least recently named (added, acquired, released) that
@@ -39,10 +37,10 @@ with it finish with it, their tokens unchanged; its slot and host copy go
 when the last of them ends, or at once when none uses it. Names are labels
 here: the server's registry (``server/lora``) maps them to ids.
 
-The prefix cache keys an adapter's blocks by :meth:`cache_key`, a digest
-of the matrices it runs (``block_pool.root_hash``): the same prompt under
-another adapter, or the base model, never hits them, and an id reused for
-other weights after an unload cannot either.
+The prefix cache keys an adapter's blocks by :meth:`cache_key`, a
+``digest`` of the matrices it runs (``block_pool.root_hash``): the same
+prompt under another adapter, the base model, or an id reused for other
+weights after an unload, never hits them.
 
 With ``record_changes``, every change of a slot is also recorded
 (:meth:`take_changes`) for the ranks of a tensor-parallel group, which
@@ -50,7 +48,7 @@ read their own share of the adapter (``model.parallel.lora_reader``) from
 its path into the same slot: rank 0's manager runs over
 :class:`FollowedSlots`, which sends those changes and the step's rows
 when the runner sets the rows (after the step's input, before the
-forward). Rank 0's share is what is checked, kept and keyed.
+forward). Rank 0 checks and keeps its share; the key digests the whole.
 
 Synchronous and pure apart from reading adapter files (in :meth:`add`);
 Paddle is reached only through the ``slots`` object.
@@ -201,6 +199,10 @@ class LoRAManager:
     record_changes: bool = False
     #: the most adapters kept on the host (None: no bound); at least the slots
     max_cpu_loras: int | None = attrs.field(default=None, kw_only=True)
+    #: an adapter's cache key from what ``read`` returned
+    digest: Callable[[LoRAAdapter], bytes] = attrs.field(
+        default=adapter_digest, kw_only=True
+    )
     #: known ids, least recently named first
     _known: OrderedDict[int, _Known] = attrs.field(init=False, factory=OrderedDict)
     #: resident ids -> their slots, least recently used first
@@ -248,7 +250,7 @@ class LoRAManager:
             return False
         adapter = self.read(request.lora_path)
         self.slots.check_adapter(adapter)
-        self._known[lora_id] = _Known(request, adapter, adapter_digest(adapter))
+        self._known[lora_id] = _Known(request, adapter, self.digest(adapter))
         self._shrink(keep=lora_id)  # its request acquires it next
         return True
 
@@ -423,23 +425,21 @@ def enable_model_lora(
             field="enable_lora",
         )
     if not isinstance(model, LlamaForCausalLM):
-        raise EngineConfigError(
-            f"enable_lora: {type(model).__name__} has no LoRA slots",
-            field="enable_lora",
-        )
-    slots = enable_lora(
-        model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank
-    )
-    max_cpu_loras = config.max_cpu_loras or config.max_loras
+        why = f"enable_lora: {type(model).__name__} has no LoRA slots"
+        raise EngineConfigError(why, field="enable_lora")
+    max_cpu, rank = config.max_cpu_loras or config.max_loras, config.max_lora_rank
+    slots = enable_lora(model, max_loras=config.max_loras, max_lora_rank=rank)
     if followers is None:
-        whole = functools.partial(
-            read_peft_adapter, config=model.config, max_rank=config.max_lora_rank
-        )
-        return LoRAManager(slots, whole, max_cpu_loras=max_cpu_loras)
-    share = lora_reader(config.model, tp, 0, max_rank=config.max_lora_rank)
+        read = functools.partial(read_peft_adapter, config=model.config, max_rank=rank)
+        return LoRAManager(slots, read, max_cpu_loras=max_cpu)
+    full = lora_reader(config.model, 1, 0, max_rank=rank)
     followed = FollowedSlots(slots, followers)
     manager = LoRAManager(
-        followed, share, record_changes=True, max_cpu_loras=max_cpu_loras
+        followed,
+        lora_reader(config.model, tp, 0, max_rank=rank),
+        record_changes=True,
+        max_cpu_loras=max_cpu,
+        digest=lambda a: adapter_digest(full(a.source)),  # the whole adapter's
     )
     followed.changes = manager.take_changes
     return manager

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 import attrs
@@ -26,9 +26,9 @@ from structllm.core.engine_setup import (
     size_kv_cache,
 )
 from structllm.core.lora_manager import (
+    LoRAFollowers,
     LoRAInfo,
     LoRAManager,
-    SlotChange,
     enable_model_lora,
 )
 from structllm.core.pooling import PoolingConfig, read_pooling_config
@@ -65,8 +65,6 @@ from structllm.text.tokenizer import Tokenizer
 if TYPE_CHECKING:
     # Paddle loads with the model, never before: the front end (AsyncLLM,
     # the server) imports this module for the structs of the wire
-    import numpy as np
-
     from structllm.core.draft import DraftProposer
     from structllm.core.runner import ModelInput
     from structllm.model.loader import LoadProgress
@@ -84,12 +82,13 @@ __all__ = [
 GRAMMAR_WAIT_S = 0.02
 
 
-class TensorParallelGroup(Protocol):
+class TensorParallelGroup(LoRAFollowers, Protocol):
     """The other ranks of a tensor-parallel core, as rank 0 drives them.
 
     The process group is up and each follower is loading its shard; the
     core allocates the followers' KV caches once it has sized its own, then
-    hands each step's model input to :meth:`broadcast` before its forward.
+    hands each step's model input to :meth:`broadcast` before its forward
+    (with LoRA, then its adapters' part to ``send_lora``).
     (``structllm.engine.rank_group`` starts them; nothing here does I/O.)
     """
 
@@ -99,10 +98,6 @@ class TensorParallelGroup(Protocol):
     def allocate(self, num_blocks: int) -> None: ...
 
     def broadcast(self, step: ModelInput) -> None: ...
-
-    def send_lora(
-        self, changes: Sequence[SlotChange], rows: np.ndarray | None
-    ) -> None: ...
 
 
 @attrs.frozen

@@ -9,6 +9,7 @@ tools/record_lora_oracle.py) and copies of them with other random weights.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import shutil
 from pathlib import Path
@@ -20,14 +21,17 @@ import pytest
 import safetensors.numpy
 
 from structllm.config import EngineConfig, ServerConfig, add_arguments, from_arguments
-from structllm.core.block_pool import ROOT_HASH, hash_block_tokens, root_hash
+from structllm.core.block_pool import ROOT_HASH, BlockPool, hash_block_tokens, root_hash
 from structllm.core.lora_manager import NO_LORA, LoRAManager, SlotChange
+from structllm.core.request import Request
+from structllm.core.scheduler import Scheduler, SchedulerConfig
 from structllm.errors import EngineConfigError, InvalidRequestError, ModelLoadError
 from structllm.lora_request import LoRARequest
 from structllm.model.llama import LlamaForCausalLM
 from structllm.model.loader import load_model
 from structllm.model.lora import enable_lora, read_peft_adapter
 from structllm.model.lora_peft import WEIGHTS_FILE, LoRAAdapter
+from structllm.params import SamplingParams
 
 DATA = Path(__file__).parent / "data" / "lora"
 
@@ -92,6 +96,22 @@ def test_lora_settings_and_their_flags() -> None:
         with pytest.raises(EngineConfigError, match=match) as e:
             ServerConfig(model_name="m", lora_modules=modules)
         assert e.value.field == "lora_modules"
+
+
+def test_max_cpu_loras_is_vllms_and_becomes_a_flag() -> None:
+    assert EngineConfig(model="m").max_cpu_loras is None  # as many as max_loras
+    config = EngineConfig(model="m", max_loras=2, max_cpu_loras=2)
+    assert config.max_cpu_loras == 2
+    for bad, match in [(0, "max_cpu_loras"), (1, r"max_cpu_loras \(1\) must be >=")]:
+        with pytest.raises(EngineConfigError, match=match) as info:
+            EngineConfig(model="m", max_loras=2, max_cpu_loras=bad)
+        assert info.value.field == "max_cpu_loras"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, EngineConfig)
+    ns = parser.parse_args(["--max-loras", "2", "--max-cpu-loras", "5"])
+    assert from_arguments(EngineConfig, ns, model="m").max_cpu_loras == 5
+    ns = parser.parse_args([])
+    assert from_arguments(EngineConfig, ns, model="m").max_cpu_loras is None
 
 
 # -- the prefix cache's key ----------------------------------------------------
@@ -227,6 +247,40 @@ def test_slots_fill_on_demand_and_evict_the_least_recently_used_idle_one() -> No
     m.audit()
 
 
+def test_the_host_forgets_the_least_recently_named_idle_adapter() -> None:
+    slots, reads = FakeSlots(2), list[str]()
+    m = LoRAManager(slots, _reader(reads), max_cpu_loras=3)
+    for n in (1, 2, 3):
+        m.add(_lora(n))
+    m.acquire("r1", 1)
+    assert m.slot_for(1) is not None and m.slot_for(3) is not None
+    assert not m.add(_lora(2))  # named again: now the most recent
+    m.add(_lora(4))  # over 3: 3 goes (1 is used, 2 was named since)
+    assert [i.request.lora_int_id for i in m.adapters()] == [1, 2, 4]
+    assert [h.source if h else None for h in slots.held].count("/ad/3") == 0
+    m.audit()
+    # while every adapter is in use the host holds them all...
+    for n, rid in ((2, "r2"), (4, "r4")):
+        m.acquire(rid, n)
+    m.add(_lora(5))
+    m.acquire("r5", 5)
+    assert len(m.adapters()) == 4
+    m.audit()
+    # ... and the excess goes as their users end, least recently named first
+    m.release(["r2", "r4"])
+    assert [i.request.lora_int_id for i in m.adapters()] == [1, 4, 5]
+    m.release(["r1", "r5"])
+    assert [i.request.lora_int_id for i in m.adapters()] == [1, 4, 5]
+    # a forgotten adapter is read again when a request names it (and 4,
+    # idle the longest, makes room)
+    assert m.add(_lora(3))
+    assert reads.count("/ad/3") == 2
+    assert [i.request.lora_int_id for i in m.adapters()] == [1, 3, 5]
+    m.audit()
+    with pytest.raises(ValueError, match="max_cpu_loras=1 is under the 2 slots"):
+        LoRAManager(slots, _reader(reads), max_cpu_loras=1)
+
+
 def test_unloading_lets_the_requests_using_it_finish() -> None:
     m, slots, reads = _manager(max_loras=2)
     m.add(_lora(1))
@@ -339,6 +393,100 @@ def test_random_use_keeps_the_books_and_never_evicts_a_busy_adapter() -> None:
     m.audit()
 
 
+# -- the scheduler's slot wait ------------------------------------------------
+
+
+_SEQUENCE = itertools.count()
+
+
+def _scheduler(max_loras: int, wait_steps: int) -> tuple[Scheduler, LoRAManager]:
+    m = LoRAManager(FakeSlots(max_loras), _reader([]))
+    config = SchedulerConfig(max_model_len=64, max_num_seqs=16)
+    sched = Scheduler(config, BlockPool(256, 4), lora=m)
+    sched.max_slot_wait_steps = wait_steps
+    return sched, m
+
+
+def _add(
+    sched: Scheduler, m: LoRAManager, rid: str, lora_id: int, priority: int = 0
+) -> None:
+    """A request of 4 prompt tokens and 6 outputs with adapter ``lora_id``,
+    queued as ``EngineCore.add_request`` does."""
+    seq = next(_SEQUENCE)
+    req = Request(
+        request_id=rid,
+        prompt_token_ids=(1, 2, 3, lora_id + 4),
+        params=SamplingParams(max_tokens=6, ignore_eos=True),
+        eos_token_ids=frozenset({0}),
+        priority=priority,
+        arrival_time=float(seq),
+        sequence_number=seq,
+        max_new_tokens=6,
+        generator=np.random.default_rng(0),
+    )
+    if lora_id != NO_LORA:
+        m.add(_lora(lora_id))
+        req.lora_id, req.lora_key = lora_id, m.cache_key(lora_id)
+    sched.add_request(req)
+    if lora_id != NO_LORA:
+        m.acquire(rid, lora_id)
+
+
+def _step(sched: Scheduler) -> list[str]:
+    """One step of a fake runner (every sample is token 7): the requests
+    scheduled for the first time in it."""
+    out = sched.schedule()
+    sampled = {c.request.request_id: [7] for c in out.chunks if c.samples}
+    first = [c.request.request_id for c in out.chunks if c.context_len == 0]
+    sched.update_from_output(out, sampled)
+    return first
+
+
+@pytest.mark.parametrize("max_loras", [1, 2])
+def test_a_request_waiting_for_a_slot_is_admitted_within_a_bound(
+    max_loras: int,
+) -> None:
+    """Requests with the resident adapters arrive every step, each running
+    a few steps, so their adapters' slots are never idle; the one request
+    with another adapter is admitted once it has waited ``wait`` steps and
+    the slots drain, never overtaken for ever."""
+    wait = 8
+    for bound in (wait, 10_000):
+        sched, m = _scheduler(max_loras, bound)
+        for step in range(max_loras):  # fill every slot
+            _add(sched, m, f"a-{step}", step + 1)
+            _step(sched)
+        _add(sched, m, "late", 9)
+        admitted_at = None
+        base_admitted = 0
+        for step in range(200):
+            # the resident adapters' stream, and the base model's
+            _add(sched, m, f"a-{100 + step}", step % max_loras + 1)
+            _add(sched, m, f"base-{step}", NO_LORA)
+            if step == wait + 1:  # one that ranks first goes first, held or not
+                _add(sched, m, "urgent-0", 1, priority=-1)
+            first = _step(sched)
+            assert ("urgent-0" in first) == (step == wait + 1)
+            base_admitted += sum(r.startswith("base") for r in first)
+            if "late" in first:
+                admitted_at = step
+                break
+            m.audit()
+        if bound == wait:
+            # passed over `wait` steps, then the 6-step requests drain
+            assert admitted_at is not None and admitted_at <= wait + 6 + 1
+            # the base model's requests were never held
+            assert base_admitted == admitted_at + 1
+            # and the held requests run once it is admitted: nothing is left
+            for _ in range(100):
+                _step(sched)
+            assert not sched.has_unfinished_requests()
+            assert sched.pool.num_used == 0 and not sched._slot_waits
+            m.audit()
+        else:
+            assert admitted_at is None  # starved: the bound is what helps
+
+
 # -- over a real model's slots -------------------------------------------------
 
 
@@ -386,8 +534,9 @@ def test_the_manager_fills_a_models_slots(tmp_path: Path) -> None:
 def test_the_core_refuses_lora_where_it_does_not_run() -> None:
     from structllm.core.lora_manager import enable_model_lora
 
+    # a tensor-parallel rank 0 needs its followers (the core process's group)
     config = EngineConfig(model="m", enable_lora=True, tensor_parallel_size=2)
-    with pytest.raises(EngineConfigError, match="tensor_parallel_size > 1") as e:
+    with pytest.raises(EngineConfigError, match="starts the other ranks") as e:
         enable_model_lora(object(), config)  # type: ignore[arg-type]
     assert e.value.field == "enable_lora"
     with pytest.raises(EngineConfigError, match="object has no LoRA slots"):

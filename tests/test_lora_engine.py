@@ -6,6 +6,8 @@ PEFT adapters; prompts are token ids (the tokenizer only detokenises).
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -83,6 +85,8 @@ def test_a_batch_mixing_three_adapters_and_the_base_equals_each_alone(
     assert engine.core.lora is not None
     engine.core.lora.audit()
     assert all(i.users == 0 for i in engine.core.lora.adapters())
+    # max_cpu_loras is max_loras: with 2, the host forgot the idlest one
+    assert len(engine.core.lora.adapters()) == min(3, max_loras)
     assert engine.core.pool.num_used == 0
 
 
@@ -231,3 +235,75 @@ async def test_every_data_parallel_replica_gets_the_adapter(bpe_dir: Path) -> No
         assert not await llm.remove_lora(LORAS[0].lora_int_id)
         states = await llm.inspect_cores()
         assert all(s is not None and s.blocks_used == 0 for s in states)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_adapters_work_again_after_the_core_restarts(bpe_dir: Path) -> None:
+    """The core is killed while LoRA requests stream: they fail with
+    EngineDeadError, and the restarted core, which knows no adapter, reads
+    each again from the LoRARequest its next request carries, whether it
+    was loaded by ``add_lora`` (the server's registry) or only named."""
+    import anyio
+
+    from structllm import AsyncLLM, EngineDeadError
+    from structllm.server.lora.registry import LoRARegistry
+
+    prompts = _prompts(3)
+    long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    async with AsyncLLM.open(
+        str(DATA / "llama-base"),
+        tokenizer=str(bpe_dir),
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        block_size=4,
+        num_blocks=128,
+        max_restarts=2,
+        show_progress=False,
+    ) as llm:
+        registry = LoRARegistry("base")
+        loaded = await registry.load(llm, "all", LORAS[1].lora_path)
+        only_named = LoRARequest(
+            "qv", 10, LORAS[0].lora_path
+        )  # the registry's are 1...
+        named: list[LoRARequest | None] = [loaded, only_named, None]
+
+        async def run() -> list[list[int]]:
+            return [
+                list(
+                    (await llm.complete(p, GREEDY, lora_request=c)).outputs[0].token_ids
+                )
+                for p, c in zip(prompts, named, strict=True)
+            ]
+
+        before = await run()
+        pid = llm.statistics().core_pid
+        assert pid is not None
+        died: list[EngineDeadError] = []
+
+        async def stream(prompt: list[int], lora: LoRARequest | None) -> None:
+            with pytest.raises(EngineDeadError) as e:
+                async with llm.stream(prompt, long, lora_request=lora) as s:
+                    async for _ in s:
+                        pass
+            died.append(e.value)
+
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                for p, c in zip(prompts, named, strict=True):
+                    tg.start_soon(stream, p, c)
+                await llm.wait_statistics(lambda s: s.running == 3)
+                os.kill(pid, signal.SIGKILL)
+        assert len(died) == 3
+        with anyio.fail_after(60):
+            after = await run()  # waits for the restart
+        assert after == before
+        stats = llm.statistics()
+        assert stats.restarts == 1 and stats.core_pid != pid
+        # the new core knows both adapters now, from the requests alone
+        assert not await llm.add_lora(loaded)
+        assert not await llm.add_lora(only_named)
+        await registry.unload(llm, "all")
+        [state] = await llm.inspect_cores()
+        assert state is not None and state.request_ids == [] and state.blocks_used == 0

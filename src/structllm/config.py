@@ -223,6 +223,14 @@ class EngineConfig:
         validator=_ONE,
         topic="model",
     )
+    max_cpu_loras: int | None = setting(
+        None,
+        help="with --enable-lora, adapters kept read on the host (default: "
+        "--max-loras); past it the least recently used one that no request "
+        "uses is forgotten, and read again from its path when named again",
+        validator=_ONE,
+        topic="model",
+    )
     max_lora_rank: int = setting(
         16,
         help="with --enable-lora, the highest adapter rank (r) loaded; the "
@@ -247,6 +255,12 @@ class EngineConfig:
 
     def __attrs_post_init__(self) -> None:
         check_config(self)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise EngineConfigError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                f"({self.max_loras}): the adapters in slots are kept on the host",
+                field="max_cpu_loras",
+            )
         if self.tensor_parallel_listen is not None and self.tensor_parallel_size < 2:
             raise EngineConfigError(
                 "tensor_parallel_listen waits for follower ranks: it needs "

@@ -25,7 +25,12 @@ from structllm.core.engine_setup import (
     load_engine_model,
     size_kv_cache,
 )
-from structllm.core.lora_manager import LoRAInfo, LoRAManager, enable_model_lora
+from structllm.core.lora_manager import (
+    LoRAFollowers,
+    LoRAInfo,
+    LoRAManager,
+    enable_model_lora,
+)
 from structllm.core.pooling import PoolingConfig, read_pooling_config
 from structllm.core.request import (
     CoreRequest,
@@ -77,12 +82,13 @@ __all__ = [
 GRAMMAR_WAIT_S = 0.02
 
 
-class TensorParallelGroup(Protocol):
+class TensorParallelGroup(LoRAFollowers, Protocol):
     """The other ranks of a tensor-parallel core, as rank 0 drives them.
 
     The process group is up and each follower is loading its shard; the
     core allocates the followers' KV caches once it has sized its own, then
-    hands each step's model input to :meth:`broadcast` before its forward.
+    hands each step's model input to :meth:`broadcast` before its forward
+    (with LoRA, then its adapters' part to ``send_lora``).
     (``structllm.engine.rank_group`` starts them; nothing here does I/O.)
     """
 
@@ -172,7 +178,7 @@ class EngineCore:
         #: LoRA adapters (enable_lora), shared by the scheduler and the runner
         self.lora: LoRAManager | None = None
         if config.enable_lora:
-            self.lora = enable_model_lora(loaded.model, config)
+            self.lora = enable_model_lora(loaded.model, config, tp_group)
             self.scheduler.lora = self.lora
         self.runner = ModelRunner(
             loaded.model,

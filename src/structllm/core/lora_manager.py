@@ -18,12 +18,17 @@ An adapter is, in turn:
     used by a *running* request: its rows are in the batch, so its slot is
     never taken from it.
 
-Slots are filled on demand: the scheduler asks :meth:`slot_for` before it
-admits a request with an adapter; an adapter not resident takes a free
-slot, else the slot of the least recently used resident adapter that is
-not busy (its host copy stays: a later request reloads it). When every slot
-is busy the request waits (None). Each step's adapters count as used then
-(:meth:`rows`), which orders the eviction.
+Slots are filled on demand (:meth:`slot_for`, as the scheduler admits a
+request): a free slot, else the least recently used idle adapter's (its
+host copy stays); when every slot is busy the request waits (None). Each
+step's adapters count as used (:meth:`rows`), which orders the eviction.
+
+The host keeps at most ``max_cpu_loras`` adapters (vLLM's; None: no
+bound): past it, the least recently named (added, acquired, released) that
+no live request uses is forgotten as if unloaded, and read again by the
+next request carrying its :class:`LoRARequest`. One in use is never: while
+more are in use the host holds them all, the excess going with their last
+users (refusing requests for it would fail work that fits steps later).
 
 **Unloading** (:meth:`remove`) is graceful: the adapter's id is taken
 away at once (a new request with it is refused, unless it carries the same
@@ -32,15 +37,18 @@ with it finish with it, their tokens unchanged; its slot and host copy go
 when the last of them ends, or at once when none uses it. Names are labels
 here: the server's registry (``server/lora``) maps them to ids.
 
-The prefix cache keys an adapter's blocks by :meth:`cache_key`, a digest
-of the matrices it runs (``block_pool.root_hash``): the same prompt under
-another adapter, or the base model, never hits them, and an id reused for
-other weights after an unload cannot either.
+The prefix cache keys an adapter's blocks by :meth:`cache_key`, a
+``digest`` of the matrices it runs (``block_pool.root_hash``): the same
+prompt under another adapter, the base model, or an id reused for other
+weights after an unload, never hits them.
 
 With ``record_changes``, every change of a slot is also recorded
-(:meth:`take_changes`), for the ranks of a tensor-parallel group to read
-their own shard of the adapter from its path into the same slot (the core
-does not send them yet: ``enable_model_lora`` refuses tensor parallelism).
+(:meth:`take_changes`) for the ranks of a tensor-parallel group, which
+read their own share of the adapter (``model.parallel.lora_reader``) from
+its path into the same slot: rank 0's manager runs over
+:class:`FollowedSlots`, which sends those changes and the step's rows
+when the runner sets the rows (after the step's input, before the
+forward). Rank 0 checks and keeps its share; the key digests the whole.
 
 Synchronous and pure apart from reading adapter files (in :meth:`add`);
 Paddle is reached only through the ``slots`` object.
@@ -68,6 +76,8 @@ if TYPE_CHECKING:
 __all__ = [
     "NO_LORA",
     "AdapterSlots",
+    "FollowedSlots",
+    "LoRAFollowers",
     "LoRAInfo",
     "LoRAManager",
     "SlotChange",
@@ -104,6 +114,43 @@ class SlotChange:
     slot: int
     lora_id: int
     path: str | None
+
+
+class LoRAFollowers(Protocol):
+    """A tensor-parallel group's other ranks (``engine.rank_group.RankGroup``)."""
+
+    def send_lora(
+        self, changes: Sequence[SlotChange], rows: np.ndarray | None
+    ) -> None: ...
+
+
+@attrs.define(eq=False)
+class FollowedSlots:
+    """Rank 0's slots in a tensor-parallel group: its shard's, and with
+    each step's rows the slot changes since the last (``changes``: the
+    manager's :meth:`LoRAManager.take_changes`) sent to the followers."""
+
+    local: AdapterSlots
+    followers: LoRAFollowers
+    changes: Callable[[], list[SlotChange]] = list
+
+    @property
+    def max_loras(self) -> int:
+        return self.local.max_loras
+
+    def check_adapter(self, adapter: LoRAAdapter) -> None:
+        self.local.check_adapter(adapter)
+
+    def load_adapter(self, slot: int, adapter: LoRAAdapter) -> None:
+        self.local.load_adapter(slot, adapter)
+
+    def clear_slot(self, slot: int) -> None:
+        self.local.clear_slot(slot)
+
+    def set_rows(self, rows: Sequence[int] | np.ndarray | None) -> None:
+        self.local.set_rows(rows)
+        r = None if rows is None else np.asarray(rows, np.int64)
+        self.followers.send_lora(self.changes(), r)
 
 
 @attrs.frozen
@@ -150,7 +197,14 @@ class LoRAManager:
     read: Callable[[str], LoRAAdapter]
     #: keep the slot changes for :meth:`take_changes`
     record_changes: bool = False
-    _known: dict[int, _Known] = attrs.field(init=False, factory=dict)
+    #: the most adapters kept on the host (None: no bound); at least the slots
+    max_cpu_loras: int | None = attrs.field(default=None, kw_only=True)
+    #: an adapter's cache key from what ``read`` returned
+    digest: Callable[[LoRAAdapter], bytes] = attrs.field(
+        default=adapter_digest, kw_only=True
+    )
+    #: known ids, least recently named first
+    _known: OrderedDict[int, _Known] = attrs.field(init=False, factory=OrderedDict)
     #: resident ids -> their slots, least recently used first
     _resident: OrderedDict[int, int] = attrs.field(init=False, factory=OrderedDict)
     _free_slots: list[int] = attrs.field(init=False)
@@ -160,6 +214,11 @@ class LoRAManager:
 
     def __attrs_post_init__(self) -> None:
         self._free_slots = list(range(self.slots.max_loras - 1, -1, -1))
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras={self.max_cpu_loras} is under the "
+                f"{self.max_loras} slots"
+            )
 
     @property
     def max_loras(self) -> int:
@@ -187,10 +246,12 @@ class LoRAManager:
             )
         if known is not None:
             known.unloading = False  # loaded again before its last user ended
+            self._known.move_to_end(lora_id)
             return False
         adapter = self.read(request.lora_path)
         self.slots.check_adapter(adapter)
-        self._known[lora_id] = _Known(request, adapter, adapter_digest(adapter))
+        self._known[lora_id] = _Known(request, adapter, self.digest(adapter))
+        self._shrink(keep=lora_id)  # its request acquires it next
         return True
 
     def remove(self, lora_id: int) -> bool:
@@ -235,6 +296,7 @@ class LoRAManager:
             )
         known.users.add(request_id)
         self._request_lora[request_id] = lora_id
+        self._known.move_to_end(lora_id)
 
     def release(self, request_ids: Iterable[str]) -> None:
         """These requests ended (finished, aborted, expired, refused);
@@ -248,6 +310,9 @@ class LoRAManager:
             known.users.discard(rid)
             if known.unloading and not known.users:
                 self._forget(lora_id)
+            else:
+                self._known.move_to_end(lora_id)
+        self._shrink()
 
     def lora_of(self, request_id: str) -> int:
         """The adapter id request ``request_id`` uses (``NO_LORA``: none)."""
@@ -316,6 +381,19 @@ class LoRAManager:
         for lora_id, known in self._known.items():
             assert known.users <= set(self._request_lora), lora_id
             assert not known.unloading or known.users, lora_id
+        if self.max_cpu_loras is not None and len(self._known) > self.max_cpu_loras:
+            idle = [i for i, k in self._known.items() if not k.users]
+            assert idle in ([], list(self._known)[-1:]), idle  # newest: to acquire
+
+    def _shrink(self, keep: int = NO_LORA) -> None:
+        """Forget the least recently named idle adapters (but ``keep``)
+        while the host holds more than ``max_cpu_loras``."""
+        bound = self.max_cpu_loras
+        if bound is None or len(self._known) <= bound:
+            return
+        idle = [i for i, k in self._known.items() if not k.users and i != keep]
+        for lora_id in idle[: len(self._known) - bound]:
+            self._forget(lora_id)
 
     def _forget(self, lora_id: int) -> None:
         known = self._known.pop(lora_id)
@@ -328,31 +406,43 @@ class LoRAManager:
                 self._changes.append(SlotChange(slot, lora_id, None))
 
 
-def enable_model_lora(model: CausalLM, config: EngineConfig) -> LoRAManager:
+def enable_model_lora(
+    model: CausalLM, config: EngineConfig, followers: LoRAFollowers | None = None
+) -> LoRAManager:
     """Give ``model`` ``config.max_loras`` adapter slots and return their
-    manager, reading adapters for it. One process's model only: a
-    tensor-parallel group's ranks would each need their shard of every
-    adapter, which the core does not send them yet."""
+    manager, reading adapters for it. Under tensor parallelism ``model`` is
+    rank 0's shard and ``followers`` the group's other ranks, which change
+    their slots as rank 0's change (see the module docstring)."""
     from structllm.model.llama import LlamaForCausalLM
     from structllm.model.lora import enable_lora, read_peft_adapter
+    from structllm.model.parallel import lora_reader
 
-    if config.tensor_parallel_size > 1:
+    tp = config.tensor_parallel_size
+    if tp > 1 and followers is None:
         raise EngineConfigError(
-            "enable_lora does not run with tensor_parallel_size > 1 yet",
+            f"enable_lora with tensor_parallel_size={tp} runs in the engine's "
+            "core process, which starts the other ranks",
             field="enable_lora",
         )
     if not isinstance(model, LlamaForCausalLM):
-        raise EngineConfigError(
-            f"enable_lora: {type(model).__name__} has no LoRA slots",
-            field="enable_lora",
-        )
-    slots = enable_lora(
-        model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank
+        why = f"enable_lora: {type(model).__name__} has no LoRA slots"
+        raise EngineConfigError(why, field="enable_lora")
+    max_cpu, rank = config.max_cpu_loras or config.max_loras, config.max_lora_rank
+    slots = enable_lora(model, max_loras=config.max_loras, max_lora_rank=rank)
+    if followers is None:
+        read = functools.partial(read_peft_adapter, config=model.config, max_rank=rank)
+        return LoRAManager(slots, read, max_cpu_loras=max_cpu)
+    full = lora_reader(config.model, 1, 0, max_rank=rank)
+    followed = FollowedSlots(slots, followers)
+    manager = LoRAManager(
+        followed,
+        lora_reader(config.model, tp, 0, max_rank=rank),
+        record_changes=True,
+        max_cpu_loras=max_cpu,
+        digest=lambda a: adapter_digest(full(a.source)),  # the whole adapter's
     )
-    read = functools.partial(
-        read_peft_adapter, config=model.config, max_rank=config.max_lora_rank
-    )
-    return LoRAManager(slots, read)
+    followed.changes = manager.take_changes
+    return manager
 
 
 def _describe(request: LoRARequest) -> str:

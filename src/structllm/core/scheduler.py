@@ -50,6 +50,14 @@ A request with a LoRA adapter (``Request.lora_id``) is admitted once its
 adapter is in one of the model's slots (``LoRAManager.slot_for``: a free
 one, or an idle adapter's); while running requests keep every slot busy it
 is passed over, keeping its place. Its blocks hash under its adapter's key.
+The wait is bounded (new requests with the resident adapters could keep
+their slots busy for ever): once a request has been passed over for a slot
+in ``max_slot_wait_steps`` steps its adapter is *starved*, and until every
+starved request is admitted, requests with other adapters that rank after
+it are held (those without one need no slot; those ranking before it, by
+priority and due time, go first as ever): the running ones drain and a
+freed slot goes to a starved adapter. A held request counts no wait, so
+it cannot starve the starved one in turn.
 
 Prefix caching (``enable_prefix_caching``): a request admitted takes the
 longest chain of cached full blocks matching its tokens (prompt, and for a
@@ -81,7 +89,7 @@ from structllm.core.block_pool import (
     hash_block_tokens,
     root_hash,
 )
-from structllm.core.lora_manager import LoRAManager
+from structllm.core.lora_manager import NO_LORA, LoRAManager
 from structllm.core.request import Request, RequestStatus
 from structllm.core.scheduler_speculative import adapt, add_drafts, speculating
 from structllm.core.scheduler_types import (
@@ -127,6 +135,11 @@ class Scheduler:
     expired_tokens_skipped: int = 0
     #: LoRA adapters' slots and users (None: LoRA not enabled)
     lora: LoRAManager | None = None
+    #: steps a request is passed over for want of a LoRA slot before its
+    #: adapter is starved (see the module docstring)
+    max_slot_wait_steps: int = 64
+    #: waiting request id -> the steps it has been passed over for a slot
+    _slot_waits: dict[str, int] = attrs.field(init=False, factory=dict)
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``; the caller has validated it (see EngineCore)."""
@@ -183,6 +196,8 @@ class Scheduler:
         caching = self.config.enable_prefix_caching
         # hashes of blocks that running requests have yet to compute
         in_flight: set[BlockHash] | None = None
+        bound = self.max_slot_wait_steps  # waiting too long for a slot: starved
+        starved = [self.requests[r] for r, n in self._slot_waits.items() if n >= bound]
         j = 0  # the queue position looked at: requests compiling a grammar wait
         while (
             not preempted
@@ -191,7 +206,7 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[j]
-            if req.waiting_for_grammar or not self._adapter_resident(req):
+            if req.waiting_for_grammar or not self._adapter_resident(req, starved):
                 j += 1  # it keeps its place
                 continue
             hit: list[int] = []
@@ -220,6 +235,7 @@ class Scheduler:
             if need + revived > self.pool.num_free:
                 break
             del self.waiting[j]
+            self._slot_waits.pop(req.request_id, None)
             self.pool.incref(hit)  # before allocate, which could evict them
             req.block_ids = hit + self.pool.allocate(need)
             req.num_computed_tokens = computed
@@ -240,13 +256,20 @@ class Scheduler:
             add_drafts(chunks, budget, self.pool, self.proposer, k)
         return SchedulerOutput(tuple(chunks), tuple(preempted), expired)
 
-    def _adapter_resident(self, req: Request) -> bool:
+    def _adapter_resident(self, req: Request, starved: list[Request]) -> bool:
         """Its LoRA adapter is in a slot, or is put in one now (evicting an
-        idle one): False while every slot is busy with running requests."""
-        if req.lora_id == 0 or self.lora is None:
+        idle one): False while every slot is busy with running requests (a
+        step of wait counted), or while it ranks after ``starved`` ones."""
+        if req.lora_id == NO_LORA or self.lora is None:
             return True
+        if any(r.lora_id != req.lora_id and _key(r) < _key(req) for r in starved):
+            return False  # held: the slots drain for a starved adapter
         busy = {r.lora_id for r in self.running}
-        return self.lora.slot_for(req.lora_id, busy) is not None
+        if self.lora.slot_for(req.lora_id, busy) is not None:
+            return True
+        rid = req.request_id
+        self._slot_waits[rid] = self._slot_waits.get(rid, 0) + 1
+        return False
 
     def _drop_expired(self) -> tuple[Request, ...]:
         """Finish (``"abort"``) every request whose deadline has passed."""
@@ -408,6 +431,7 @@ class Scheduler:
             full = len(req.prompt_token_ids) // self.pool.block_size
             self.pool.pin(req.request_id, req.block_hashes[:full])
         self._release(req)
+        self._slot_waits.pop(req.request_id, None)
         if self.lora is not None:
             self.lora.release([req.request_id])
         req.status = RequestStatus.FINISHED

@@ -26,6 +26,12 @@ slices is said by each projection's loader
 :class:`~structllm.model.linear.RowParallelLoader`), given the rank's heads
 and intermediate columns.
 
+LoRA adapters split the same way (:func:`lora_reader`): each rank reads
+its share of every pair into its shard's slots: column-parallel q/k/v and
+gate/up keep their output rows of B (A whole), row-parallel o and down
+their input columns of A (B whole), so the all-reduce after o and down
+sums the low-rank products with the base's partial sums.
+
 Collectives are ``paddle.distributed.all_reduce`` on the default group: the
 caller starts the ranks and calls ``paddle.distributed.init_parallel_env()``
 (gloo on CPU) before :func:`load_shard`.
@@ -33,8 +39,10 @@ caller starts the ranks and calls ``paddle.distributed.init_parallel_env()``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
@@ -42,7 +50,7 @@ import numpy as np
 from structllm.errors import EngineConfigError, ModelLoadError
 from structllm.model._paddle import paddle
 from structllm.model.config import ModelConfig
-from structllm.model.linear import Index
+from structllm.model.linear import Index, LinearLoader
 from structllm.model.llama import LlamaForCausalLM
 from structllm.model.loader import (
     LoadedModel,
@@ -60,6 +68,9 @@ from structllm.model.loader import (
 from structllm.model.protocol import CausalLM
 from structllm.models import resolve_model
 
+if TYPE_CHECKING:
+    from structllm.model.lora_peft import LoRAAdapter
+
 __all__ = [
     "ShardPlan",
     "all_reduce_sum",
@@ -67,6 +78,7 @@ __all__ = [
     "check_tensor_parallel",
     "load_model_shard",
     "load_shard",
+    "lora_reader",
     "plan_shards",
 ]
 
@@ -96,15 +108,18 @@ class ShardPlan:
             name: tuple(slice(None) for _ in shape)
             for name, shape in hf_tensor_shapes(self.config).items()
         }
-        loaders = projection_loaders(
+        for loader in self.loaders().values():
+            out.update(loader.slices())
+        return out
+
+    def loaders(self) -> dict[str, LinearLoader]:
+        """The projections' loaders, cutting the rank's part of each."""
+        return projection_loaders(
             self.config,
             q_heads=self.q_heads,
             kv_heads=self.kv_heads,
             intermediate=self.intermediate,
         )
-        for loader in loaders.values():
-            out.update(loader.slices())
-        return out
 
     def shard_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF tensor name -> the shape of the rank's slice."""
@@ -282,6 +297,20 @@ def check_tensor_parallel(model: str | Path, tp_size: int) -> None:
     """Refuse (EngineConfigError on ``tensor_parallel_size``) a model that
     ``tp_size`` ranks cannot split, before any rank is started."""
     plan_shards(_model_config(model)[0], tp_size, 0)
+
+
+def lora_reader(
+    model: str | Path, tp_size: int, rank: int, *, max_rank: int
+) -> Callable[[str], LoRAAdapter]:
+    """How rank ``rank`` of ``tp_size`` reads a PEFT adapter directory: its
+    share of each pair (see the module docstring), fitting the LoRA slots
+    of its shard of ``model``; the whole adapter for a group of one."""
+    from structllm.model.lora_peft import read_peft_adapter
+
+    plan = plan_shards(_model_config(model)[0], tp_size, rank)
+    return functools.partial(
+        read_peft_adapter, config=plan.config, max_rank=max_rank, loaders=plan.loaders()
+    )
 
 
 def load_model_shard(

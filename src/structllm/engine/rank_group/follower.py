@@ -8,7 +8,10 @@ and :mod:`structllm.engine.rank_group.protocol` for the messages). Either way it
 takes its :class:`~structllm.engine.rank_group.protocol.RankSetup`, joins the
 process group, loads its shard, and runs each step's forward until rank 0
 closes the connection; if it raises, it tells rank 0 (``RankFailed``) and
-exits 1.
+exits 1. With ``enable_lora`` its shard gets the same LoRA slots as rank
+0's, and a step's forward waits for its ``StepLoRA``: the slot changes
+(each adapter read again from its directory, this rank's share) and the
+rows.
 
 - A spawned follower watches rank 0's pid through a pidfd, as the core
   process watches the front end, and reads EOF when rank 0 closes.
@@ -30,9 +33,11 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
+import attrs
 import msgspec
+import numpy as np
 
 from structllm.config import parse_address
 from structllm.engine.rank_group.env import apply_env
@@ -45,10 +50,16 @@ from structllm.engine.rank_group.protocol import (
     RankMessage,
     RankSetup,
     Step,
+    StepLoRA,
     frame,
     receive,
 )
 from structllm.errors import EngineConfigError
+
+if TYPE_CHECKING:
+    from structllm.config import EngineConfig
+    from structllm.model.lora import LoRAAdapter, LoRASlots
+    from structllm.model.protocol import CausalLM
 
 __all__ = ["CONNECT_TIMEOUT", "main"]
 
@@ -148,6 +159,7 @@ def _run_steps(setup: RankSetup, next_message: Callable[[], RankMessage | None])
     paddle.distributed.init_parallel_env()
     rank = paddle.distributed.get_rank()
     model = load_engine_model(config, rank).model
+    lora = _FollowerLoRA.enable(model, config, rank) if config.enable_lora else None
     fault_kind, _, fault_step = (setup.fault or "").partition(":")
     kv_caches = None
     steps = 0
@@ -157,11 +169,58 @@ def _run_steps(setup: RankSetup, next_message: Callable[[], RankMessage | None])
         elif isinstance(msg, Step):
             if kv_caches is None:
                 raise RuntimeError("a step before the KV cache was allocated")
+            if lora is not None:
+                rows = next_message()
+                if rows is None:
+                    break  # rank 0 closed the group mid-step
+                lora.apply(rows)
             if fault_kind and steps == int(fault_step):
                 inject_fault(fault_kind, steps)
             run_forward(model, kv_caches, msg.input)
             steps += 1
     return 0
+
+
+@attrs.define(eq=False)
+class _FollowerLoRA:
+    """A follower's LoRA slots, changed as rank 0's are; ``read`` reads
+    this rank's share of an adapter directory."""
+
+    slots: LoRASlots
+    read: Callable[[str], LoRAAdapter]
+
+    @classmethod
+    def enable(cls, model: CausalLM, config: EngineConfig, rank: int) -> _FollowerLoRA:
+        from structllm.model.llama import LlamaForCausalLM
+        from structllm.model.lora import enable_lora
+        from structllm.model.parallel import lora_reader
+
+        assert isinstance(model, LlamaForCausalLM)  # rank 0 checked the model
+        slots = enable_lora(
+            model, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank
+        )
+        read = lora_reader(
+            config.model,
+            config.tensor_parallel_size,
+            rank,
+            max_rank=config.max_lora_rank,
+        )
+        return cls(slots, read)
+
+    def apply(self, msg: RankMessage | None) -> None:
+        """The step's ``StepLoRA`` (it follows each Step): its slot changes,
+        then its rows."""
+        if not isinstance(msg, StepLoRA):
+            raise RuntimeError(
+                f"expected the step's LoRA rows after it, got {type(msg).__name__}"
+            )
+        for slot, path in msg.changes:
+            if path is None:
+                self.slots.clear_slot(slot)
+            else:
+                self.slots.load_adapter(slot, self.read(path))
+        rows = None if msg.rows is None else np.frombuffer(msg.rows, np.int64)
+        self.slots.set_rows(rows)
 
 
 def _connect(address: str, timeout: float) -> socket.socket:

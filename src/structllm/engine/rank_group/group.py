@@ -28,6 +28,11 @@ rank 0:
   supervisor's heartbeat timeout kills rank 0, and the follower follows it.
 
 Aborts, new requests and the prefix cache touch rank 0's scheduler only.
+With LoRA, rank 0's adapter manager decides which adapter each slot holds;
+after each Step, :meth:`RankGroup.send_lora` tells the followers the slot
+changes since the last one (each reads its share of the adapter from the
+same directory, which must be readable on every rank's machine) and the
+step's rows (``core.lora_manager.FollowedSlots``).
 
 **Across machines** (``EngineConfig.tensor_parallel_listen``): rank 0 listens
 on that address instead, and the followers are started elsewhere, by hand
@@ -64,12 +69,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import attrs
 import msgspec
+import numpy as np
 
 from structllm.config import EngineConfig, parse_address
+from structllm.core.lora_manager import SlotChange
 from structllm.core.runner import ModelInput
 from structllm.engine.rank_group.env import (
     apply_env,
@@ -88,6 +95,7 @@ from structllm.engine.rank_group.protocol import (
     RankFailed,
     RankSetup,
     Step,
+    StepLoRA,
     frame,
     receive,
 )
@@ -281,6 +289,14 @@ class RankGroup:
 
     def broadcast(self, step: ModelInput) -> None:
         self._send_all(frame(Step(step)))
+
+    def send_lora(self, changes: Sequence[SlotChange], rows: np.ndarray | None) -> None:
+        """The LoRA part of the step just broadcast (see :class:`StepLoRA`)."""
+        msg = StepLoRA(
+            tuple((c.slot, c.path) for c in changes),
+            None if rows is None else np.ascontiguousarray(rows, np.int64).tobytes(),
+        )
+        self._send_all(frame(msg))
 
     def _send_all(self, data: bytes) -> None:
         with self._send_lock:

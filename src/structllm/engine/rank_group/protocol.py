@@ -9,7 +9,8 @@ structs in msgpack, each framed by a 4-byte big-endian length. In order:
 - rank 0 sends :class:`RankSetup` (what to load; to a connected follower
   also its ``paddle.distributed`` variables and its silence timeout), then
   :class:`AllocateKV` once the KV cache is sized, then one :class:`Step`
-  each step, and :class:`Ping` to connected followers when otherwise idle;
+  each step (with LoRA enabled, followed by its :class:`StepLoRA`), and
+  :class:`Ping` to connected followers when otherwise idle;
 - a follower that raised sends :class:`RankFailed` and exits. Nothing else
   comes back: every rank computes the full logits, and only rank 0 samples.
 """
@@ -33,6 +34,7 @@ __all__ = [
     "RankMessage",
     "RankSetup",
     "Step",
+    "StepLoRA",
     "frame",
     "receive",
 ]
@@ -81,6 +83,18 @@ class Step(msgspec.Struct, tag=True):
     input: ModelInput
 
 
+class StepLoRA(msgspec.Struct, tag=True):
+    """With ``enable_lora``, what the last :class:`Step`'s forward needs of
+    the adapters (rank 0 sends it once it has set its own rows, before its
+    forward): the slot changes since the previous one, in order, each
+    ``(slot, adapter directory)`` (None: the slot is emptied), which every
+    rank reads its share of; and each row's slot, ``(T,)`` int64 bytes,
+    native byte order (None: no row uses an adapter)."""
+
+    changes: tuple[tuple[int, str | None], ...]
+    rows: bytes | None
+
+
 class RankFailed(msgspec.Struct, tag=True):
     """A follower raised; it exits after sending this."""
 
@@ -90,7 +104,7 @@ class RankFailed(msgspec.Struct, tag=True):
     traceback: str
 
 
-RankMessage = Hello | RankSetup | Ping | AllocateKV | Step | RankFailed
+RankMessage = Hello | RankSetup | Ping | AllocateKV | Step | StepLoRA | RankFailed
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(RankMessage)
 

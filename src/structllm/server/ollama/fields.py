@@ -1,7 +1,8 @@
 """The values in Ollama's objects that the engine does not give as Ollama
 writes them: a request's timings in nanoseconds (:class:`Timing`: the
 prompt's time is the time to the first output), logprobs with their bytes,
-RFC 3339 times, the weights' size and a stand-in digest, and the error body
+RFC 3339 times, the weights' size and a stand-in digest, the model cards of
+the served model and its LoRA adapters, and the error body
 ``{"error": message}`` (:func:`ollama_error`)."""
 
 from __future__ import annotations
@@ -17,16 +18,20 @@ from typing import Any
 import attrs
 from fastapi.responses import Response
 
+from structllm.engine.frontend.async_llm import AsyncLLM
+from structllm.lora_request import LoRARequest
 from structllm.outputs import CompletionOutput, Logprob, RequestOutput
 from structllm.server.http.errors import ASCIIJSONResponse
-from structllm.server.ollama.response import OllamaLogprob
+from structllm.server.ollama.response import OllamaDetails, OllamaLogprob, OllamaModel
 from structllm.server.protocol.logprobs import MIN_LOGPROB
 
 __all__ = [
     "Timing",
+    "adapter_model",
     "model_digest",
     "ollama_error",
     "rfc3339",
+    "served_model",
     "token_logprobs",
     "weights_size",
 ]
@@ -126,3 +131,31 @@ def weights_size(ref: str) -> int:
 def model_digest(ref: str) -> str:
     """A stand-in for Ollama's blob digest: the model reference's sha256."""
     return hashlib.sha256(os.fsencode(ref)).hexdigest()
+
+
+def served_model(llm: AsyncLLM, name: str, started: float) -> OllamaModel:
+    """The served model's card; ``started``: when this server started."""
+    ref = llm.engine_config.model
+    return OllamaModel(
+        name=name,
+        model=name,
+        modified_at=rfc3339(started),
+        size=weights_size(ref),
+        digest=model_digest(ref),
+        details=OllamaDetails(
+            format="gguf" if ref.endswith(".gguf") else "safetensors"
+        ),
+    )
+
+
+def adapter_model(adapter: LoRARequest, parent: str, started: float) -> OllamaModel:
+    """A LoRA adapter's card: a model of its own over ``parent``."""
+    path = adapter.lora_path
+    return OllamaModel(
+        name=adapter.lora_name,
+        model=adapter.lora_name,
+        modified_at=rfc3339(started),
+        size=weights_size(path),
+        digest=model_digest(path),
+        details=OllamaDetails(parent_model=parent, format="safetensors"),
+    )

@@ -50,11 +50,11 @@ from structllm.server.http.errors import ASCIIJSONResponse, ModelNotFoundError
 from structllm.server.http.sse import Emit, NDJSONStream, deadline
 from structllm.server.ollama.fields import (
     Timing,
-    model_digest,
+    adapter_model,
     ollama_error,
     rfc3339,
+    served_model,
     token_logprobs,
-    weights_size,
 )
 from structllm.server.ollama.protocol import (
     OllamaChatRequest,
@@ -66,7 +66,6 @@ from structllm.server.ollama.protocol import (
 from structllm.server.ollama.response import (
     OllamaChatMessage,
     OllamaChatResponse,
-    OllamaDetails,
     OllamaEmbeddingsResponse,
     OllamaEmbedResponse,
     OllamaGenerateResponse,
@@ -270,7 +269,12 @@ class OllamaServing(Serving):
         if name is None:
             raise InvalidRequestError("model: required", field="model")
         adapter = self.check_model_or_adapter(name)
-        model = self._model() if adapter is None else self._adapter_model(adapter)
+        name = self.config.model_name
+        model = (
+            served_model(llm, name, self.started)
+            if adapter is None
+            else adapter_model(adapter, name, self.started)
+        )
         # a Modelfile's own words for an adapter over its base
         over = "" if adapter is None else f"ADAPTER {adapter.lora_path}\n"
         show = OllamaShowResponse(
@@ -339,40 +343,13 @@ class OllamaServing(Serving):
     def version() -> OllamaVersion:
         return OllamaVersion(version=structllm.__version__)
 
-    def _model(self) -> OllamaModel:
-        llm = self.slot.get()
-        ref = llm.engine_config.model
-        name = self.config.model_name
-        return OllamaModel(
-            name=name,
-            model=name,
-            modified_at=rfc3339(self.started),  # when this server started
-            size=weights_size(ref),
-            digest=model_digest(ref),
-            details=OllamaDetails(
-                format="gguf" if ref.endswith(".gguf") else "safetensors"
-            ),
-        )
-
-    def _adapter_model(self, adapter: LoRARequest) -> OllamaModel:
-        """A LoRA adapter as a model of its own over the served one."""
-        path = adapter.lora_path
-        return OllamaModel(
-            name=adapter.lora_name,
-            model=adapter.lora_name,
-            modified_at=rfc3339(self.started),
-            size=weights_size(path),
-            digest=model_digest(path),
-            details=OllamaDetails(
-                parent_model=self.config.model_name, format="safetensors"
-            ),
-        )
-
     def _models(self) -> list[OllamaModel]:
         """The served model and its LoRA adapters, in the order they loaded."""
         loras = self.slot.loras
         adapters = [] if loras is None else loras.adapters()
-        return [self._model(), *(self._adapter_model(a) for a in adapters)]
+        served = served_model(self.slot.get(), self.config.model_name, self.started)
+        parent = self.config.model_name
+        return [served, *(adapter_model(a, parent, self.started) for a in adapters)]
 
     # -- shared -----------------------------------------------------------------------
 

@@ -6,7 +6,9 @@ admitted requests have their chunks (so speculation never preempts or delays
 a request), from the token budget and the blocks left over
 (:func:`add_drafts`), and after each verification sizes the request's next
 window by how its proposals fared (:func:`adapt`). The proposals themselves
-come from a :class:`~structllm.core.speculative.Proposer`.
+come from a :class:`~structllm.core.speculative.Proposer`; a structured-output
+request's are cut at the first its grammar would refuse, so no position is
+verified that the grammar's mask rules out.
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ def add_drafts(
         req = chunk.request
         if budget <= 0:
             return
+        grammar = req.grammar
         if (
             chunk.num_tokens != 1
             or not chunk.samples
-            or req.params.structured_outputs is not None
+            or (req.params.structured_outputs is not None and grammar is None)
             or req.needs_prompt_logits
             or req.pooling is not None
         ):
@@ -59,6 +62,8 @@ def add_drafts(
         if k <= 0:
             continue
         drafts = tuple(proposer.propose(req, k))[:k]
+        if grammar is not None:  # none past the first the grammar refuses
+            drafts = drafts[: grammar.validate_tokens(drafts)]
         # positions context_len + 1 ... in blocks already held or free
         held = (len(req.block_ids) + pool.num_free) * bs
         drafts = drafts[: max(0, held - chunk.context_len - 1)]

@@ -31,6 +31,7 @@ from structllm.model.sampler import Sampler, SamplingRow, make_generator
 from structllm.params import SamplingParams
 from structllm.structured import (
     GrammarCompiler,
+    GrammarMatcher,
     GrammarVocabulary,
     StructuredOutputs,
     allocate_bitmask,
@@ -168,7 +169,7 @@ V = 6
 SAMPLER = Sampler()
 
 
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     seed=st.integers(0, 2**32),
     data=st.data(),
@@ -365,12 +366,14 @@ class Oracle:
 
 @pytest.mark.parametrize("at", [None, 1])
 def test_masks_are_right_at_every_position_and_refused_proposals_are_cut(
-    at: int | None,
+    at: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Proposing exactly what greedy decoding gives: every proposal is
-    accepted (a position's mask that was not its grammar state would change
-    the argmax somewhere). With a refused token at proposal 1, every
-    verification proposes one token: the grammar cut the rest."""
+    """Proposing exactly what greedy decoding gives (the grammar's forced
+    tokens off): every proposal is accepted (a position's mask that was not
+    its grammar state would change the argmax somewhere). With a refused
+    token at proposal 1, every verification proposes one token: the
+    grammar cut the rest."""
+    monkeypatch.setattr(GrammarMatcher, "forced_tokens", lambda self: [])
     spec, text = CASES["json"]
     params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=spec)
     prompt = prompt_ids(text)
@@ -392,6 +395,43 @@ def test_masks_are_right_at_every_position_and_refused_proposals_are_cut(
         assert proposed > drafts
     else:
         assert proposed == drafts
+
+
+def test_the_grammar_proposes_the_tokens_it_forces() -> None:
+    """With a proposer that guesses nothing, the JSON schema's forced tokens
+    (``{"name": "``, ``", "city": "``, ...) are proposed and accepted, and
+    never while the next token is free: every proposal is accepted."""
+    spec, text = CASES["json"]
+    params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=spec)
+    prompt = prompt_ids(text)
+    want = run(core_for(spec=False), [prompt], [params]).tokens["r0"]
+    core = core_for()
+    proposer = core.scheduler.proposer
+    core.scheduler.proposer = Oracle([])
+    try:
+        before = spec_counts(core)
+        got = run(core, [prompt], [params]).tokens["r0"]
+    finally:
+        core.scheduler.proposer = proposer
+    drafts, proposed, accepted = (
+        a - b for a, b in zip(spec_counts(core), before, strict=True)
+    )
+    assert got == want
+    assert drafts > 0 and accepted == proposed >= 10
+
+
+def test_forced_tokens(compiler: GrammarCompiler) -> None:
+    m = compiler.compile(SCHEMA).matcher()
+    forced = m.forced_tokens()
+    assert forced and '{"name": "'.startswith(TOKENIZER.decode(forced))
+    assert m.validate_tokens(forced) == len(forced) and m.num_tokens == 0
+    m.accept_tokens(ids('{"name": "Ada'))
+    assert m.forced_tokens() == []  # the string may go on
+    m.accept_tokens(ids('"'))
+    assert TOKENIZER.decode(m.forced_tokens()).startswith(', "city": ')
+    m = compiler.compile(StructuredOutputs(choice=["yes"])).matcher()
+    m.accept_tokens([*ids("yes"), EOS])
+    assert m.forced_tokens() == []
 
 
 def test_a_stop_string_and_n_samples_through_the_front_end() -> None:

@@ -10,8 +10,9 @@ Each step the engine, for the batch's constrained rows,
    sets every forbidden logit to ``-inf``;
 3. feeds the sampled token back (:meth:`GrammarMatcher.accept_token`).
 
-Speculative decoding checks proposed tokens without keeping them
-(:meth:`GrammarMatcher.validate_tokens`) and fills one row per verified
+Speculative decoding proposes the tokens the grammar forces
+(:meth:`GrammarMatcher.forced_tokens`), checks proposed tokens without
+keeping them (:meth:`GrammarMatcher.validate_tokens`) and fills one row per verified
 position (:meth:`GrammarMatcher.fill_draft_bitmask`): the matcher advances
 through the proposals and rolls back, so it still follows the output alone.
 
@@ -91,6 +92,17 @@ class GrammarMatcher:
         n = self.accept_tokens(token_ids)
         self.rollback(n)
         return n
+
+    def forced_tokens(self) -> list[int]:
+        """The tokens every match continues with from here (llguidance's
+        fast-forward tokens: the tokenizer's tokens for the bytes the
+        grammar forces, the last held back where a longer token could
+        still cover it); empty where the next token is free or the output
+        is done. The model may spell the same bytes with other tokens, so
+        these are guesses for speculative decoding, never outputs."""
+        if self._eos_at is not None or self._matcher.is_stopped():
+            return []
+        return list(self._matcher.compute_ff_tokens())
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last *num_tokens* accepted tokens (preemption, drafts)."""

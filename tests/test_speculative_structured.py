@@ -7,7 +7,8 @@ The matcher's draft checks and per-position masks against stepping a fresh
 matcher; the sampler's verification under per-position masks against
 step-by-step masked sampling; and the engine core end to end (JSON schema,
 regex, choice; greedy, seeded, logprobs, max_tokens inside an accepted run,
-a stop string and n > 1, proposals the grammar refuses, preemption, an abort
+a stop string and n > 1, the grammar's forced tokens as proposals, proposals
+the grammar refuses, a draft model, a broken matcher, preemption, an abort
 during a verification step), on the random-weight ``tiny-random`` model.
 """
 
@@ -321,6 +322,18 @@ def test_greedy_is_identical_and_proposals_are_accepted(case: str) -> None:
     assert accepted > 0
 
 
+def test_prompt_lookup_alone_is_accepted_under_the_grammar(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The grammar's forced tokens off: the n-gram proposals that copy the
+    prompt's fields are accepted."""
+    monkeypatch.setattr(GrammarMatcher, "forced_tokens", lambda self: [])
+    spec, text = CASES["json"]
+    params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=spec)
+    _, accepted = compare([prompt_ids(text)], [params])
+    assert accepted > 0
+
+
 def test_seeded_sampling_is_identical_and_reproducible() -> None:
     params = [
         SamplingParams(
@@ -334,6 +347,31 @@ def test_seeded_sampling_is_identical_and_reproducible() -> None:
     again = run(core_for(), prompts, params)
     assert again.tokens == first.tokens
     assert accepted > 0
+
+
+def test_a_draft_model_proposes_under_the_grammar_too() -> None:
+    """``draft_model`` (the target as its own draft): its unconstrained
+    guesses are cut by the grammar like prompt lookup's; the outputs are
+    those without speculation."""
+    draft = {**NGRAM, "method": "draft_model", "model": "tiny-random"}
+    core = EngineCore(
+        EngineConfig(
+            model="tiny-random",
+            max_model_len=512,
+            num_blocks=64,
+            speculative_config=draft,
+        )
+    )
+    prompts = [prompt_ids(text) for _, text in CASES.values()] * 2
+    params = [
+        SamplingParams(temperature=t, seed=4, max_tokens=80, structured_outputs=spec)
+        for t in (0.0, 1.0)
+        for spec, _ in CASES.values()
+    ]
+    fast = run(core, prompts, params)
+    plain = run(core_for(spec=False), prompts, params)
+    assert (fast.tokens, fast.finish) == (plain.tokens, plain.finish)
+    assert spec_counts(core)[2] > 0
 
 
 def test_max_tokens_inside_an_accepted_run() -> None:
@@ -472,6 +510,40 @@ def test_preemption() -> None:
     compare(prompts, params, **kw)
     stats = core_for(**kw).statistics().scheduler
     assert stats.total_preemptions > 0 and stats.num_accepted_tokens > 0
+
+
+def test_a_broken_grammar_ends_the_request_as_without_speculation() -> None:
+    """A matcher llguidance gave up on (a resource limit; here a token fed
+    past the checks) proposes nothing and ends its request with "error",
+    its tokens the same as without speculation broken at the same point."""
+    spec, text = CASES["json"]
+    params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=spec)
+
+    def broken_at(core: EngineCore, at: int) -> tuple[list[int], int, str | None]:
+        core.add_request(
+            CoreRequest(
+                request_id="r", prompt_token_ids=prompt_ids(text), params=params
+            )
+        )
+        tokens: list[int] = []
+        finish = None
+        broke = 0
+        while core.has_unfinished_requests():
+            if len(tokens) >= at and not broke:
+                grammar = core.scheduler.requests["r"].grammar
+                assert grammar is not None
+                grammar._matcher.consume_token(1)  # refused: its error state
+                assert grammar.error is not None
+                broke = len(tokens)
+            for out in core.step().outputs:
+                tokens += out.new_token_ids
+                finish = out.finish_reason
+        assert core.pool.num_used == 0
+        return tokens, broke, finish
+
+    fast = broken_at(core_for(), 12)  # speculating: some point past 12
+    assert broken_at(core_for(spec=False), fast[1]) == fast
+    assert fast[2] == "error"
 
 
 def test_abort_during_verification_frees_every_block() -> None:

@@ -191,7 +191,8 @@ class ModelRunner:
         forward_s = time.perf_counter() - start
         start = time.perf_counter()
         grammars = self.structured
-        masks = None if grammars is None else grammars.fill_bitmask(sampling)
+        # constrained requests: a mask per position, proposals' included
+        masks = None if grammars is None else grammars.fill_bitmask(sampling, drafts)
         out = self.sampler.verify(
             logits,
             [

@@ -6,7 +6,11 @@ admitted requests have their chunks (so speculation never preempts or delays
 a request), from the token budget and the blocks left over
 (:func:`add_drafts`), and after each verification sizes the request's next
 window by how its proposals fared (:func:`adapt`). The proposals themselves
-come from a :class:`~structllm.core.speculative.Proposer`.
+come from a :class:`~structllm.core.speculative.Proposer`. A structured-output
+request proposes the tokens its grammar forces, where it forces some (field
+names, punctuation: what no proposer sees coming when the prompt spells them
+otherwise), else the proposer's, cut at the first its grammar would refuse,
+so no position is verified that the grammar's mask rules out.
 """
 
 from __future__ import annotations
@@ -44,21 +48,12 @@ def add_drafts(
         if (
             chunk.num_tokens != 1
             or not chunk.samples
-            or req.params.structured_outputs is not None
+            or (req.params.structured_outputs is not None and req.grammar is None)
             or req.needs_prompt_logits
             or req.pooling is not None
         ):
             continue
-        # every accepted token and the one after them must be allowed
-        if req.spec_skip > 0:  # backing off after proposals that failed
-            req.spec_skip -= 1
-            continue
-        room = req.max_new_tokens - len(req.output_token_ids) - 1
-        window = req.spec_window or num_speculative_tokens
-        k = min(window, room, budget)
-        if k <= 0:
-            continue
-        drafts = tuple(proposer.propose(req, k))[:k]
+        drafts = _propose(req, budget, proposer, num_speculative_tokens)
         # positions context_len + 1 ... in blocks already held or free
         held = (len(req.block_ids) + pool.num_free) * bs
         drafts = drafts[: max(0, held - chunk.context_len - 1)]
@@ -70,6 +65,35 @@ def add_drafts(
             chunk, num_tokens=1 + len(drafts), draft_token_ids=drafts
         )
         budget -= len(drafts)
+
+
+def _propose(
+    req: Request, budget: int, proposer: Proposer, num_speculative_tokens: int
+) -> tuple[int, ...]:
+    """``req``'s proposals this step, within ``budget`` tokens.
+
+    A constrained request proposes the tokens its grammar forces, if any:
+    near-certain, so even while backing off and up to the configured
+    number. Otherwise the proposer's, in the adapted window, cut at the
+    first the grammar refuses.
+    """
+    # every accepted token and the one after them must be allowed
+    room = min(req.max_new_tokens - len(req.output_token_ids) - 1, budget)
+    grammar = req.grammar
+    if grammar is not None and room > 0:
+        forced = grammar.forced_tokens()[: min(num_speculative_tokens, room)]
+        if forced:
+            return tuple(forced[: grammar.validate_tokens(forced)])
+    if req.spec_skip > 0:  # backing off after proposals that failed
+        req.spec_skip -= 1
+        return ()
+    k = min(req.spec_window or num_speculative_tokens, room)
+    if k <= 0:
+        return ()
+    drafts = tuple(proposer.propose(req, k))[:k]
+    if grammar is not None:  # none past the first the grammar refuses
+        drafts = drafts[: grammar.validate_tokens(drafts)]
+    return drafts
 
 
 #: the longest back-off, in decode steps, after proposals accepted nothing

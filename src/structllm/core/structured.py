@@ -14,7 +14,8 @@ ready, while every other request keeps stepping.
   finished jobs hand their requests a matcher, or a refusal
   (:class:`RejectedRequest`, reported in the step's output).
 - :meth:`~StructuredOutputManager.fill_bitmask` (each step): the bitmask
-  rows of the constrained requests that sample, for the sampler.
+  rows of the constrained requests that sample, for the sampler; with
+  speculative proposals, one row per verified position.
 - :meth:`~StructuredOutputManager.forget` (abort): the job is cancelled or
   its result dropped when it arrives; nothing of the request stays.
 
@@ -177,24 +178,40 @@ class StructuredOutputManager:
                 entry[1].cancel()
 
     def fill_bitmask(
-        self, requests: Sequence[Request]
+        self,
+        requests: Sequence[Request],
+        drafts: Sequence[Sequence[int]] | None = None,
     ) -> tuple[npt.NDArray[np.int32], list[int]] | None:
         """The bitmask rows of the constrained ones among ``requests``.
 
-        Returns ``(bitmask, rows)``: ``bitmask[i]`` constrains
-        ``requests[rows[i]]``; None when no request is constrained.
+        Returns ``(bitmask, rows)``: the constrained requests
+        ``requests[rows[0]]``, ``requests[rows[1]]``, ... in order, each
+        with one bitmask row per position it samples, consecutive: one, or
+        with proposals ``drafts[i]`` (speculative decoding) ``1 +
+        len(drafts[i])``, the position of its newest token and of each
+        proposal (:meth:`~structllm.structured.GrammarMatcher.fill_draft_bitmask`).
+        None when no request is constrained.
         """
         rows = [i for i, r in enumerate(requests) if r.grammar is not None]
         if not rows:
             return None
+        proposals = [() if drafts is None else drafts[i] for i in rows]
+        size = sum(1 + len(d) for d in proposals)
         matchers = [requests[i].grammar for i in rows]
         vocabulary = matchers[0].vocabulary  # type: ignore[union-attr]
         buffer = self._bitmask
-        if buffer is None or buffer.shape[0] < len(rows):
-            buffer = allocate_bitmask(max(len(rows), 16), vocabulary)
+        if buffer is None or buffer.shape[0] < size:
+            buffer = allocate_bitmask(max(size, 16), vocabulary)
             self._bitmask = buffer
-        bitmask = buffer[: len(rows)]
-        fill_bitmasks(matchers, bitmask)
+        bitmask = buffer[:size]
+        if size == len(rows):  # nothing proposed: one row each
+            fill_bitmasks(matchers, bitmask)
+            return bitmask, rows
+        row = 0
+        for matcher, draft in zip(matchers, proposals, strict=True):
+            assert matcher is not None
+            matcher.fill_draft_bitmask(draft, bitmask, row)
+            row += 1 + len(draft)
         return bitmask, rows
 
     def close(self) -> None:

@@ -38,7 +38,9 @@ give the same tokens, and seeded rows too. For a proposer that is
 deterministic (its proposal ``x`` a point mass) this is rejection sampling:
 ``x`` is accepted with probability ``p(x)``, and a rejected row's token is
 distributed as ``p`` without ``x``, renormalised, so the output follows the
-target distribution exactly.
+target distribution exactly. A constrained request has a grammar mask per
+row, its grammar's state after the first ``j`` proposals, so row ``j`` is
+the masked distribution it would sample without speculation.
 
 A row that every token is masked out of (``allowed_token_ids`` disjoint
 from what its grammar allows, say) takes the argmax of its grammar-masked
@@ -220,16 +222,24 @@ class Sampler:
 
         ``logits`` (sum(1 + len(d) for d in drafts), V) holds, request after
         request, the rows of its newest token and of each of its proposals
-        ``drafts[i]`` (none: one row, as :meth:`sample`). ``bitmask`` and
-        ``bitmask_rows`` name requests, not rows: a constrained request
-        must propose nothing. See the module docstring for the rule.
+        ``drafts[i]`` (none: one row, as :meth:`sample`). ``bitmask_rows``
+        names requests (all of them in order when None); ``bitmask`` holds,
+        for each of them in turn, one row per position: ``1 +
+        len(drafts[i])`` rows, the grammar's state after the request's
+        tokens and after each of its proposals. See the module docstring
+        for the rule.
         """
         if len(drafts) != len(rows):
             raise ValueError(f"{len(drafts)} proposals for {len(rows)} rows")
         starts = np.cumsum([0, *(1 + len(d) for d in drafts)]).tolist()
         masked = list(range(len(rows)) if bitmask_rows is None else bitmask_rows)
-        if bitmask is not None and any(drafts[i] for i in masked[: len(bitmask)]):
-            raise ValueError("a grammar-constrained row cannot verify proposals")
+        # the masked requests' positions, as rows of the expanded batch
+        positions = [j for i in masked for j in range(starts[i], starts[i + 1])]
+        if bitmask is not None and len(positions) > bitmask.shape[0]:
+            raise ValueError(
+                f"{len(positions)} positions to mask, bitmask has "
+                f"{bitmask.shape[0]} rows"
+            )
         expanded: list[SamplingRow] = []
         states: dict[int, dict[str, object]] = {}
         for i, (row, draft) in enumerate(zip(rows, drafts, strict=True)):
@@ -246,7 +256,7 @@ class Sampler:
             logits,
             expanded,
             bitmask=bitmask,
-            bitmask_rows=None if bitmask is None else [starts[i] for i in masked],
+            bitmask_rows=None if bitmask is None else positions,
             overwrite=overwrite,
         )
         tokens = out.token_ids.tolist()

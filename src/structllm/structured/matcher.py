@@ -10,6 +10,12 @@ Each step the engine, for the batch's constrained rows,
    sets every forbidden logit to ``-inf``;
 3. feeds the sampled token back (:meth:`GrammarMatcher.accept_token`).
 
+Speculative decoding proposes the tokens the grammar forces
+(:meth:`GrammarMatcher.forced_tokens`), checks proposed tokens without
+keeping them (:meth:`GrammarMatcher.validate_tokens`) and fills one row per verified
+position (:meth:`GrammarMatcher.fill_draft_bitmask`): the matcher advances
+through the proposals and rolls back, so it still follows the output alone.
+
 EOS is allowed exactly when the output so far is a complete match. A
 matcher is *terminated* once no other token can follow (the mask then
 allows EOS alone) or once EOS was accepted: the request is done.
@@ -80,6 +86,24 @@ class GrammarMatcher:
         self.num_tokens += n
         return n
 
+    def validate_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many of *token_ids*, in order, the grammar would accept (as
+        :meth:`accept_tokens`), leaving the matcher as it was."""
+        n = self.accept_tokens(token_ids)
+        self.rollback(n)
+        return n
+
+    def forced_tokens(self) -> list[int]:
+        """The tokens every match continues with from here (llguidance's
+        fast-forward tokens: the tokenizer's tokens for the bytes the
+        grammar forces, the last held back where a longer token could
+        still cover it); empty where the next token is free or the output
+        is done. The model may spell the same bytes with other tokens, so
+        these are guesses for speculative decoding, never outputs."""
+        if self._eos_at is not None or self._matcher.is_stopped():
+            return []
+        return list(self._matcher.compute_ff_tokens())
+
     def rollback(self, num_tokens: int) -> None:
         """Undo the last *num_tokens* accepted tokens (preemption, drafts)."""
         if not 0 <= num_tokens <= self.num_tokens:
@@ -129,6 +153,29 @@ class GrammarMatcher:
                 words[token // 32] |= np.uint32(1 << (token % 32))
             return
         self._matcher.unsafe_compute_mask_ptr(target.ctypes.data, target.nbytes)
+
+    def fill_draft_bitmask(
+        self, draft_token_ids: Sequence[int], bitmask: npt.NDArray[np.int32], row: int
+    ) -> None:
+        """Rows ``row .. row + len(draft_token_ids)`` of ``bitmask``: the
+        tokens allowed after the accepted ones and ``draft_token_ids[:j]``.
+
+        The matcher advances through the proposals and rolls back, so it is
+        left as it was. Past a proposal the grammar refuses, rows allow
+        every token: verification never reaches them (that proposal is
+        masked out at its own row, so it cannot be accepted).
+        """
+        self.fill_bitmask(bitmask, row)
+        n = 0
+        try:
+            for j, token in enumerate(draft_token_ids, start=1):
+                if not self.accept_token(token):
+                    bitmask[row + j : row + len(draft_token_ids) + 1] = -1
+                    break
+                n += 1
+                self.fill_bitmask(bitmask, row + j)
+        finally:
+            self.rollback(n)
 
 
 def allocate_bitmask(

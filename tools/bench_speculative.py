@@ -5,7 +5,9 @@
 
 ``single``: SmolLM2-135M-Instruct (``smollm2``), one request at a time,
 greedy, chat template; a prompt-grounded workload (rewrite a paragraph, fix
-a bug in given code) and open-ended chat. Two engines in this process, one
+a bug in given code) and open-ended chat, the prompts of
+:mod:`structllm.bench.grounded` (``structllm bench throughput --workload
+grounded --speculative-config JSON`` runs them through the bench). Two engines in this process, one
 with ``speculative_config`` and one without, run the same prompts
 alternately; reported per workload: median time per output token after
 the first (TPOT, the inter-token latency a stream sees on average), output
@@ -29,36 +31,9 @@ import time
 from typing import Any
 
 from structllm import LLM, SamplingParams
+from structllm.bench.grounded import CHAT, GROUNDED
+from structllm.bench.grounded import chat_prompt as grounded_chat_prompt
 
-PARAGRAPH = (
-    "The city council met on Tuesday to discuss the new budget for the public "
-    "library. After a long debate, the members agreed to extend the opening "
-    "hours on weekends, to buy more books for children, and to repair the roof "
-    "of the main reading room before the winter. The mayor said that the "
-    "library is one of the most important places in the city, because it is "
-    "open to everyone and it costs nothing to use."
-)
-CODE = """def average(numbers):
-    total = 0
-    for number in numbers:
-        total += number
-    return total / len(number)
-
-
-def main():
-    values = [3, 5, 8, 13]
-    print("The average is", average(values))
-"""
-GROUNDED = [
-    f"Rewrite the following text, keeping every sentence:\n\n{PARAGRAPH}",
-    f"Fix the bug in this code and show the whole corrected code:\n\n{CODE}",
-    f"Repeat the following text exactly:\n\n{PARAGRAPH}",
-]
-CHAT = [
-    "Write a short story about a robot who learns to paint.",
-    "What are three good habits for staying healthy? Explain each one.",
-    "Describe a walk through a forest in autumn.",
-]
 NGRAM: dict[str, Any] = {
     "method": "ngram",
     "num_speculative_tokens": 4,
@@ -76,10 +51,7 @@ DRAFT: dict[str, Any] = {
 
 def chat_prompt(llm: LLM, text: str) -> list[int]:
     """``text`` as a user turn (as plain text where the model has no template)."""
-    if llm.tokenizer.chat_template is None:
-        return llm.tokenizer.encode(text)
-    rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-    return llm.tokenizer.encode(rendered, add_special_tokens=False)
+    return grounded_chat_prompt(llm.tokenizer, text)
 
 
 def one_stream(
@@ -163,7 +135,7 @@ def batch(args: argparse.Namespace) -> None:
     kw: dict[str, Any] = {"show_progress": False, "max_num_seqs": 16}
     engines = engines_for(args.model, **kw)
     llm0 = engines["none"]
-    texts = (GROUNDED + CHAT) * 3
+    texts = [*GROUNDED, *CHAT] * 3
     for clients in args.clients:
         prompts = [
             {"prompt_token_ids": chat_prompt(llm0, texts[i % len(texts)])}

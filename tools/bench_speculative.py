@@ -17,6 +17,11 @@ tok/s, the acceptance rate, and whether the outputs are identical.
 without speculation, output tok/s; with ``disable_by_batch_size`` off (the
 default here) it speculates at any batch size: where it stops paying.
 
+``crossover``: the same, measured in CPU time (the process's, one thread
+each engine) per output token, which other work on a shared machine does
+not inflate as it does wall time: where speculation stops paying for
+the work it adds, which sets ``disable_by_batch_size``'s default.
+
 ``--draft REF`` adds a third engine, ``{"method": "draft_model", "model":
 REF}`` with the same ``k``, to either command (``--draft smollm2``: the
 target drafting for itself, every proposal right but each costing a
@@ -164,6 +169,65 @@ def batch(args: argparse.Namespace) -> None:
         )
 
 
+def crossover(args: argparse.Namespace) -> None:
+    """CPU ms per output token, with and without speculation, per batch."""
+    import tempfile
+    from pathlib import Path
+
+    from structllm.bench.model import write_bench_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if model == "bench":
+            model = str(Path(tmp) / "bench")
+            write_bench_checkpoint(model)
+        kw: dict[str, Any] = {
+            "show_progress": False,
+            "max_num_seqs": 16,
+            "num_threads": 1,
+            "max_model_len": 1024,
+            "kv_cache_memory": 1 << 30,
+        }
+        engines = engines_for(model, **kw)
+        llm0 = engines["none"]
+        texts = [*GROUNDED, *CHAT] * 4
+        params = SamplingParams(
+            temperature=0, max_tokens=args.max_tokens, ignore_eos=True
+        )
+        for llm in engines.values():  # warm-up, not measured
+            llm.generate([chat_prompt(llm0, texts[0])], params, use_tqdm=False)
+        for clients in args.clients:
+            prompts = [
+                {"prompt_token_ids": chat_prompt(llm0, texts[i % len(texts)])}
+                for i in range(clients)
+            ]
+            cpu: dict[str, list[float]] = {k: [] for k in engines}
+            rate: dict[str, float] = {}
+            for r in range(args.rounds):
+                order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+                for key in order:
+                    before = spec_counts(engines[key])
+                    start = time.process_time()
+                    outs = engines[key].generate(prompts, params, use_tqdm=False)
+                    used = time.process_time() - start
+                    n = sum(len(o.outputs[0].token_ids) for o in outs)
+                    cpu[key].append(1e3 * used / n)
+                    after = spec_counts(engines[key])
+                    proposed = after[0] - before[0]
+                    rate[key] = (after[1] - before[1]) / proposed if proposed else 0.0
+            med = {k: statistics.median(v) for k, v in cpu.items()}
+            print(
+                f"{clients:3d} clients: CPU ms per output token none "
+                f"{med['none']:.2f}"
+                + "".join(
+                    f", {k} {v:.2f} ({med['none'] / v:.2f}x, acceptance {rate[k]:.2f})"
+                    for k, v in med.items()
+                    if k != "none"
+                ),
+                flush=True,
+            )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -181,7 +245,12 @@ def main() -> None:
         default=None,
         help="speculative_config's (default: none, speculate at any batch size)",
     )
-    for q in (s, b):
+    c = sub.add_parser("crossover")
+    c.add_argument("--model", default="bench", help="bench: the 27.8M checkpoint")
+    c.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16])
+    c.add_argument("--rounds", type=int, default=3)
+    c.add_argument("--max-tokens", type=int, default=64)
+    for q in (s, b, c):
         q.add_argument("-k", "--num-speculative-tokens", type=int, default=4)
         q.add_argument("--prompt-lookup-min", type=int, default=2)
         q.add_argument(
@@ -197,7 +266,7 @@ def main() -> None:
             spec["disable_by_batch_size"] = args.disable_by_batch_size
     NGRAM["prompt_lookup_min"] = args.prompt_lookup_min
     DRAFT["model"] = args.draft
-    single(args) if args.command == "single" else batch(args)
+    {"single": single, "batch": batch, "crossover": crossover}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ def test_throughput_with_speculation_reports_acceptance(tmp_path: Path) -> None:
             assert "acceptance_rate" not in figures
             continue
         proposed, accepted = figures["proposed_tokens"], figures["accepted_tokens"]
-        assert 0 < proposed and 0 <= accepted <= proposed, name
+        assert proposed > 0 and 0 <= accepted <= proposed, name
         assert figures["acceptance_rate"] == (accepted / proposed if proposed else 0)
 
 
@@ -112,3 +112,39 @@ def test_text_workloads_are_chat_turns_in_turn(tmp_path: Path) -> None:
     assert "The city council met on Tuesday" in tok.decode(prompts[0])
     chat = text_workload("chat", 2, (4, 4), tok, seed=0)
     assert [p for p, _ in chat] == [chat_prompt(tok, t) for t in CHAT[:2]]
+
+
+def test_speculative_single_and_crossover(tmp_path: Path) -> None:
+    """``bench speculative``: the same greedy outputs with and without
+    speculation; a model drafting for itself has every proposal accepted;
+    the crossover has a CPU figure per batch and engine."""
+    from structllm.testing.checkpoints import make_tiny_model
+
+    model = str(tmp_path / "model")
+    make_tiny_model(model, seed=5)
+    out = tmp_path / "single.json"
+    common = ["--model", model, "--rounds", "1", "--max-tokens", "6", "-k", "2"]
+    common += ["--prompt-lookup-min", "1", "--num-threads", "1"]
+    argv = ["bench", "speculative", "single", *common, "--draft", model]
+    assert main([*argv, "--json", str(out)]) == 0
+    workloads = json.loads(out.read_text())["workloads"]
+    assert set(workloads) == {"grounded", "chat"}
+    for engines in workloads.values():
+        assert set(engines) == {"none", "ngram", "draft"}
+        assert all(f["identical"] for f in engines.values())
+        assert engines["none"]["proposed_tokens"] == 0
+        draft = engines["draft"]
+        assert draft["proposed_tokens"] > 0 and draft["acceptance_rate"] == 1.0
+        assert all(f["tpot_p50_ms"] > 0 for f in engines.values())
+
+    out = tmp_path / "crossover.json"
+    argv = ["bench", "speculative", "crossover", *common, "--clients", "1", "3"]
+    assert main([*argv, "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["specs"]["ngram"]["disable_by_batch_size"] is None
+    assert set(result["clients"]) == {"1", "3"}
+    for engines in result["clients"].values():
+        assert set(engines) == {"none", "ngram"}
+        assert all(f["seconds_per_token"] > 0 for f in engines.values())
+        ngram = engines["ngram"]
+        assert 0 <= ngram["accepted_tokens"] <= ngram["proposed_tokens"]

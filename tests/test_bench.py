@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from structllm.bench.throughput import make_workload
 from structllm.cli import main
 
@@ -148,3 +150,11 @@ def test_speculative_single_and_crossover(tmp_path: Path) -> None:
         assert all(f["seconds_per_token"] > 0 for f in engines.values())
         ngram = engines["ngram"]
         assert 0 <= ngram["accepted_tokens"] <= ngram["proposed_tokens"]
+
+
+def test_throughput_refuses_a_bad_speculative_config_by_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["bench", "throughput", *TINY, "--speculative-config", '{"method": "x"}']
+    assert main(argv) == 2
+    assert "speculative_config: method must be" in capsys.readouterr().err

@@ -35,6 +35,7 @@ import numpy as np
 
 from structllm.bench.model import add_bench_model_args, bench_engine_args, bench_model
 from structllm.config import EngineConfig, add_arguments
+from structllm.errors import EngineConfigError
 from structllm.speculative_config import SpeculativeConfig, speculative_config
 
 __all__ = ["add_throughput_args", "make_workload", "run_throughput"]
@@ -139,7 +140,11 @@ def run_throughput(ns: argparse.Namespace) -> int:
     from structllm.model._paddle import default_num_threads
 
     threads = ns.num_threads or default_num_threads()
-    spec = speculative_config(ns.speculative_config)
+    try:
+        spec = speculative_config(ns.speculative_config)
+    except EngineConfigError as exc:  # names the setting: no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         model = bench_model(ns, Path(tmp))
         shape = _model_shape(model)

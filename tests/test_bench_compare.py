@@ -22,7 +22,12 @@ import pytest
 from structllm.bench.serve import ServeConfig
 from structllm.bench.serve_client import open_client
 from structllm.bench.serve_compare import FIGURES, Comparison, Run, run_comparison
-from structllm.bench.serve_results import BenchmarkResult, RequestResult, summarize
+from structllm.bench.serve_results import (
+    BenchmarkResult,
+    RequestResult,
+    SpecDecodeCounts,
+    summarize,
+)
 from structllm.bench.serve_targets import (
     LaunchError,
     MemoryReport,
@@ -33,7 +38,7 @@ from structllm.bench.serve_targets import (
     tree_memory,
 )
 from tests.processes import alive, wait_gone
-from tests.test_bench_serve import open_fake_server, parse
+from tests.test_bench_serve import open_fake_server, parse, spec_metrics
 
 WORKLOAD = {"num_prompts": 6, "input_len": (4, 12), "output_len": (3, 6)}
 METRICS = """\
@@ -142,6 +147,40 @@ def test_medians_over_rounds_and_ratios_within_rounds() -> None:
     (row,) = [ln for ln in table.splitlines() if ln.startswith("Output token")][1:]
     assert row.split()[-2:] == ["1.00x", "2.00x"]
     assert set(median["a"]) == set(FIGURES)
+    assert "Spec. decode" not in table  # neither speculated
+
+
+@pytest.mark.anyio
+async def test_acceptance_per_target_where_one_speculates() -> None:
+    """Acceptance and proposed / accepted tokens from each server's /metrics
+    over its runs; n/a for a server without the counters (llama.cpp)."""
+    async with (
+        open_fake_server(metrics=spec_metrics) as spec,
+        open_fake_server(metrics=METRICS) as plain,
+    ):
+        targets = [Target("spec", url=spec.url), Target("plain", url=plain.url)]
+        config = ServeConfig(**WORKLOAD)
+        c = await run_comparison(config, targets, rounds=2, log=lambda _: None)
+    # 6 requests a run (the warm-up's are not counted), 8 proposed and 6
+    # accepted each
+    assert [r.result.summary.spec_decode for r in c.runs_of("spec")] == [
+        SpecDecodeCounts(12, 48, 36)
+    ] * 2
+    median = c.median()
+    assert median["spec"]["spec_decode_acceptance_rate"] == pytest.approx(0.75)
+    assert median["plain"]["spec_decode_draft_tokens"] is None
+    table = c.format()
+    rows = {
+        line[: line.index("  ")]: line.split()[-2:]
+        for line in table.splitlines()
+        if line.startswith("Spec. decode")
+    }
+    assert rows == {
+        "Spec. decode acceptance rate (%)": ["75.00", "n/a"],
+        "Spec. decode proposed tokens": ["48", "n/a"],
+        "Spec. decode accepted tokens": ["36", "n/a"],
+    }
+    assert "spec_decode_draft_tokens" not in c.ratio()["spec"]  # not compared
 
 
 # -- against running servers ----------------------------------------------------
@@ -286,9 +325,12 @@ async def test_a_server_that_never_comes_up_is_killed() -> None:
 @pytest.mark.anyio
 async def test_launched_structllm_is_measured_and_stopped() -> None:
     """``structllm serve`` started for its run: its processes' memory, its
-    KV cache from /metrics, and nothing left running after it."""
+    KV cache and speculative decoding counters from /metrics, and nothing
+    left running after it."""
     serve = f"{sys.executable} -m structllm.cli serve tiny --port {{port}}"
-    targets = [Target("asyncio", command=serve + " --max-model-len 256")]
+    spec = '{"method": "ngram", "num_speculative_tokens": 2}'
+    serve += f" --max-model-len 256 --speculative-config '{spec}'"
+    targets = [Target("asyncio", command=serve)]
     c = await run_comparison(ServeConfig(**WORKLOAD), targets, log=lambda _: None)
     (only,) = c.runs
     assert only.result.summary.completed == 6
@@ -302,6 +344,9 @@ async def test_launched_structllm_is_measured_and_stopped() -> None:
     assert mem.engine_core_peak_rss_bytes > 100 * 2**20
     wait_gone(*pids, timeout=10)
     assert only.result.config.model == "tiny"  # from its /v1/models
+    counts = only.result.summary.spec_decode
+    assert counts is not None  # structllm's counters, read before and after
+    assert 0 <= counts.accepted_tokens <= counts.draft_tokens
 
 
 def test_sigterm_stops_the_benchmark_and_its_launched_server() -> None:

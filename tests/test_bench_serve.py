@@ -32,7 +32,13 @@ from structllm.bench.serve import (
     run_benchmark,
     run_serve,
 )
-from structllm.bench.serve_results import RequestResult, summarize
+from structllm.bench.serve_results import (
+    SPEC_DECODE_KEYS,
+    RequestResult,
+    SpecDecodeCounts,
+    summarize,
+)
+from structllm.bench.serve_targets import spec_decode_counts
 from structllm.testing import sse
 
 TTFT = 0.03
@@ -46,8 +52,9 @@ class FakeServer:
     tokens_per_chunk: int = 1
     usage: bool = True
     fail: Callable[[int], str | None] = lambda n: None
-    #: what GET /metrics answers (404 when None)
-    metrics: str | None = None
+    #: what GET /metrics answers (404 when None); a function of the fake
+    #: gives counters that grow with the requests it has seen
+    metrics: str | Callable[[FakeServer], str] | None = None
     url: str = ""
     bodies: list[dict[str, Any]] = attrs.Factory(list)
     in_flight: int = 0
@@ -78,8 +85,9 @@ class FakeServer:
             await self._send_json(stream, 200, {"data": [{"id": "fake-model"}]})
             return
         if method == "GET":
-            found = path == "/metrics" and self.metrics is not None
-            text = self.metrics if found else "not found"
+            metrics = self.metrics(self) if callable(self.metrics) else self.metrics
+            found = path == "/metrics" and metrics is not None
+            text = metrics if found else "not found"
             await self._send(stream, 200 if found else 404, "text/plain", text or "")
             return
         number = len(self.bodies)
@@ -160,6 +168,19 @@ async def open_fake_server(**kw: Any) -> AsyncIterator[FakeServer]:
             yield fake
         finally:
             tg.cancel_scope.cancel()
+
+
+def spec_metrics(fake: FakeServer) -> str:
+    """structllm's speculative decoding counters, as if every request had
+    had 2 verification steps of 4 proposals with 3 accepted, on top of
+    counts from before the benchmark."""
+    n = 5 + len(fake.bodies)
+    per_request = {"num_drafts": 2, "num_draft_tokens": 8, "num_accepted_tokens": 6}
+    return "".join(
+        f"# TYPE structllm_spec_decode_{name} counter\n"
+        f"structllm_spec_decode_{name}_total {per * n}.0\n"
+        for name, per in per_request.items()
+    )
 
 
 def config(fake: FakeServer, **kw: Any) -> ServeConfig:
@@ -250,6 +271,53 @@ def test_summary_figures() -> None:
     assert "n/a" in none.format()
 
 
+def test_spec_decode_counters_of_structllm_and_vllm() -> None:
+    vllm = """\
+# TYPE vllm:spec_decode_num_drafts counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+vllm:spec_decode_num_drafts_total{engine="1",model_name="m"} 2.0
+# TYPE vllm:spec_decode_num_draft_tokens counter
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 40.0
+# TYPE vllm:spec_decode_num_accepted_tokens counter
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 30.0
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 99.0
+"""
+    assert spec_decode_counts(vllm) == SpecDecodeCounts(12, 40, 30)
+    assert spec_decode_counts(spec_metrics(FakeServer())) == SpecDecodeCounts(
+        10, 40, 30
+    )
+    # llama.cpp's /metrics: other counters only; and a page that is no metrics
+    llamacpp = "# TYPE llamacpp:tokens_predicted_total counter\n"
+    llamacpp += "llamacpp:tokens_predicted_total 7\n"
+    assert spec_decode_counts(llamacpp) is None
+    assert spec_decode_counts("<html>not found</html>") is None
+    run = SpecDecodeCounts(12, 40, 30) - SpecDecodeCounts(2, 8, 6)
+    assert run == SpecDecodeCounts(10, 32, 24)
+    assert run.acceptance_rate == pytest.approx(0.75)
+    assert run.acceptance_length == pytest.approx(1 + 24 / 10)
+    idle = SpecDecodeCounts(0, 0, 0)
+    assert idle.acceptance_rate is None and idle.acceptance_length is None
+
+
+def test_summary_shows_speculation_only_where_the_server_speculated() -> None:
+    r = RequestResult(0, 10, 3, 0.0, 0.5, (0.1, 0.3, 0.5), 3)
+    plain = summarize([r])
+    assert plain.spec_decode is None and not plain.speculates
+    assert all(plain.to_json()[k] is None for k in SPEC_DECODE_KEYS)
+    assert "Speculative Decoding" not in plain.format()
+    idle = attrs.evolve(plain, spec_decode=SpecDecodeCounts(0, 0, 0))
+    assert not idle.speculates and "Acceptance" not in idle.format()
+    spec = attrs.evolve(plain, spec_decode=SpecDecodeCounts(4, 16, 12))
+    table = spec.format()
+    assert "Speculative Decoding" in table
+    assert "Acceptance rate (%):                     75.00" in table
+    assert "Acceptance length:                       4.00" in table
+    assert "Draft tokens:                            16" in table
+    assert "Accepted tokens:                         12" in table
+    assert spec.to_json()["spec_decode_acceptance_rate"] == 0.75
+
+
 # -- against the fake server ------------------------------------------------------
 
 
@@ -284,6 +352,19 @@ async def test_counts_tokens_and_timings() -> None:
     assert s.tpot is not None and 0.5 * ITL * 1e3 <= s.tpot.mean_ms < 500
     assert 0 < s.duration_s < 3.0
     assert s.output_throughput == pytest.approx(s.total_output_tokens / s.duration_s)
+
+
+@pytest.mark.anyio
+async def test_spec_decode_counts_are_the_runs_difference() -> None:
+    async with open_fake_server(metrics=spec_metrics) as fake:
+        result = await run_benchmark(config(fake))
+    # 12 requests, each 2 drafts of 4 tokens, 3 accepted; the counts from
+    # before the run are not the run's
+    assert result.summary.spec_decode == SpecDecodeCounts(24, 96, 72)
+    assert "Acceptance rate (%):                     75.00" in result.summary.format()
+    async with open_fake_server() as fake:  # no /metrics
+        result = await run_benchmark(config(fake))
+    assert result.summary.spec_decode is None
 
 
 @pytest.mark.anyio

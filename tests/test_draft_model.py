@@ -292,6 +292,48 @@ def test_a_draft_of_a_shorter_context_proposes_within_it(
     assert any(n for size, n in seen) and any(size > 64 for size, _ in seen)
 
 
+def test_warm_up_runs_a_proposal_on_scratch_blocks(
+    checkpoints: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At load the draft runs a catch-up and the guesses after it, as the
+    target's warm-up runs a short request; its blocks and counts are then
+    free and zero, and a pool too small to propose warms nothing."""
+    target, small = checkpoints
+    core = core_for(target, draft(small), max_num_seqs=2)
+    assert core.draft is not None
+    assert (core.draft.num_forwards, core.draft.num_tokens) == (0, 0)
+    assert core.draft.pool.num_used == 0 and core.draft.num_requests == 0
+
+    def proposer(num_blocks: int) -> tuple[DraftProposer, list[tuple[int, int]]]:
+        assert core.draft is not None
+        fresh = DraftProposer(
+            core.draft.model,
+            num_blocks=num_blocks,
+            block_size=4,
+            max_len=256,
+            vocab_size=300,
+            max_chunk=64,
+        )
+        calls: list[tuple[int, int]] = []
+        forward = fresh._forward
+
+        def spy(block_ids: list[int], tokens: Sequence[int], start: int) -> int:
+            calls.append((start, len(tokens)))
+            return forward(block_ids, tokens, start)
+
+        monkeypatch.setattr(fresh, "_forward", spy)
+        return fresh, calls
+
+    warm, calls = proposer(8)
+    warm.warm_up(4)
+    assert calls == [(0, 8), (8, 1), (9, 1), (10, 1)]  # 8 tokens, 3 guesses
+    warm.pool.audit()
+    assert warm.pool.num_used == 0 and warm.num_forwards == warm.num_tokens == 0
+    cramped, calls = proposer(2)  # 11 positions need 3 blocks of 4
+    cramped.warm_up(4)
+    assert calls == [] and cramped.pool.num_used == 0
+
+
 def test_a_draft_of_another_tokenizer_is_refused_by_name(
     checkpoints: tuple[str, str],
 ) -> None:

@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     from structllm.bench.scopes import add_scopes_args
 
     add_scopes_args(scp)
+    spc = bsub.add_parser("speculative", help="speculative decoding vs none")
+    from structllm.bench.speculative import add_speculative_args
+
+    add_speculative_args(spc)
     comp = sub.add_parser("completion", help="print a shell completion script")
     comp.add_argument("shell", choices=["bash"], help="bash (zsh: via bashcompinit)")
     return parser
@@ -201,6 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from structllm.bench.scopes import run_scopes
 
         return run_scopes(ns)
+    if ns.command == "bench" and ns.bench == "speculative":
+        from structllm.bench.speculative import run_speculative
+
+        return run_speculative(ns)
     if ns.command == "bench" and ns.bench == "throughput":
         from structllm.bench.throughput import run_throughput
 

@@ -40,7 +40,10 @@ class SpeculativeConfig:
     for token; sampling: the same distribution). Given one bound, the other
     takes its value (as vLLM); given neither, 2 and 5. Speculation pauses
     while more than ``disable_by_batch_size`` requests run (None: never):
-    a large batch already reads the weights once for many tokens.
+    a batch already reads the weights once for many tokens. The default, 1,
+    is the measured crossover (docs/benchmarks.md, in CPU time per output
+    token: prompt lookup saves up to a third at one request and costs
+    13-30% more from two on, on the bench checkpoint and on SmolLM2).
 
     ``{"method": "draft_model", "model": REF, "num_speculative_tokens": k}``:
     a smaller model (any reference :func:`structllm.models.resolve_model`

@@ -14,7 +14,10 @@ with text arrives and reports, in milliseconds, mean / median / p99 of
   (one chunk usually carries one token);
 - e2e latency: send to the end of the stream;
 
-plus request and token throughput over the benchmark's duration. A request
+plus request and token throughput over the benchmark's duration, and, where
+the server speculates, its acceptance rate and proposed / accepted tokens:
+its ``/metrics`` counters read before and after the run (the difference;
+n/a for a server without them, such as llama.cpp). A request
 fails on an HTTP error status, a transport error, an SSE ``error`` object, a
 stream with no text, or ``--timeout``; failures are counted, not raised.
 
@@ -23,8 +26,10 @@ stream with no text, or ``--timeout``; failures are counted, not raised.
     {"config":   ServeConfig fields (the resolved model included),
      "summary":  Summary.to_json(): completed, failed, duration_s,
                  total_input_tokens, total_output_tokens, request_throughput,
-                 output_throughput, total_token_throughput, and
+                 output_throughput, total_token_throughput,
                  {mean,median,p99}_{ttft,tpot,itl,e2el}_ms (null if no data),
+                 and spec_decode_{acceptance_rate,acceptance_length,drafts,
+                 draft_tokens,accepted_tokens} (null without the counters),
      "requests": RequestResult.to_json() per request: index, success, status,
                  error, prompt_tokens, max_tokens, output_tokens, send_time,
                  end_time, ttft, e2e, chunk_times, itl (seconds; times are
@@ -72,6 +77,7 @@ from structllm.bench.serve_results import (
     plot,
     summarize,
 )
+from structllm.bench.serve_targets import scrape_spec_decode
 from structllm.config import add_arguments, from_arguments, setting
 
 __all__ = [
@@ -321,7 +327,8 @@ async def run_benchmark(config: ServeConfig) -> BenchmarkResult:
 
     Transport and protocol errors become failed ``RequestResult``s. Only
     model discovery (``config.model is None``) can raise: ``httpx.HTTPError``
-    or ``ValueError``.
+    or ``ValueError``. The server's speculative decoding counters are read
+    before the first request and after the last.
     """
     specs = make_requests(config)
     times = arrival_times(config.num_prompts, config.request_rate, config.seed)
@@ -332,6 +339,7 @@ async def run_benchmark(config: ServeConfig) -> BenchmarkResult:
     async with open_client() as client:
         model = config.model or await discover_model(client, config.url)
         config = attrs.evolve(config, model=model)
+        spec_before = await scrape_spec_decode(client, config.url)
 
         async def one(spec: RequestSpec, start: float) -> None:
             async with limit:
@@ -352,8 +360,12 @@ async def run_benchmark(config: ServeConfig) -> BenchmarkResult:
                 # the deliberate Poisson gaps; the target is absolute, no drift
                 await anyio.sleep(max(0.0, at - (time.perf_counter() - start)))
                 tg.start_soon(one, spec, start)
+        spec_after = await scrape_spec_decode(client, config.url)
     done = tuple(r for r in results if r is not None)
-    return BenchmarkResult(config, done, summarize(done))
+    summary = summarize(done)
+    if spec_before is not None and spec_after is not None:
+        summary = attrs.evolve(summary, spec_decode=spec_after - spec_before)
+    return BenchmarkResult(config, done, summary)
 
 
 # -- the command ----------------------------------------------------------------

@@ -14,7 +14,10 @@ printed and written.
 
 The table gives, per target, each figure's median over the rounds, then the
 ratios to the first target: in each round a figure over the first target's
-in that round, the median of those. ``--json`` writes::
+in that round, the median of those. Where any target speculated, it also
+gives each one's acceptance rate and proposed / accepted tokens, from its
+``/metrics`` before and after each run (n/a for a server without those
+counters); they are not compared. ``--json`` writes::
 
     {"config":  ServeConfig fields but url and model (they are per run),
      "rounds":  R,
@@ -93,7 +96,18 @@ FIGURES: dict[str, tuple[str, bool]] = {
     "rss_mib": ("RSS after the run (MiB)", True),
     "engine_core_peak_rss_mib": ("Engine core peak RSS (MiB)", True),
     "kv_cache_mib": ("KV cache (MiB)", True),
+    "spec_decode_acceptance_rate": ("Spec. decode acceptance rate (%)", False),
+    "spec_decode_draft_tokens": ("Spec. decode proposed tokens", False),
+    "spec_decode_accepted_tokens": ("Spec. decode accepted tokens", False),
 }
+
+#: the rows shown only when a target speculated
+_SPEC_FIGURES = frozenset(k for k in FIGURES if k.startswith("spec_decode_"))
+
+#: figures shown as whole numbers
+_COUNTS = frozenset(
+    {"completed", "failed", "spec_decode_draft_tokens", "spec_decode_accepted_tokens"}
+)
 
 
 def _mib(value: float | None) -> float | None:
@@ -192,11 +206,15 @@ class Comparison:
         def cell(value: float | None, key: str) -> str:
             if value is None:
                 return "n/a"
-            return f"{value:.0f}" if key in ("completed", "failed") else f"{value:.2f}"
+            if key == "spec_decode_acceptance_rate":
+                return f"{100 * value:.2f}"
+            return f"{value:.0f}" if key in _COUNTS else f"{value:.2f}"
 
+        speculated = any(r.result.summary.speculates for r in self.runs)
         values = [
             (label, [cell(median[n][k], k) for n in names])
             for k, (label, _) in FIGURES.items()
+            if speculated or k not in _SPEC_FIGURES
         ]
         ratios = [
             (

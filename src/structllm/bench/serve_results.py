@@ -18,9 +18,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "METRICS",
+    "SPEC_DECODE_KEYS",
     "BenchmarkResult",
     "LatencyStats",
     "RequestResult",
+    "SpecDecodeCounts",
     "Summary",
     "plot",
     "summarize",
@@ -98,6 +100,57 @@ class LatencyStats:
         return cls(float(a.mean()), float(np.median(a)), float(np.percentile(a, 99)))
 
 
+@attrs.frozen
+class SpecDecodeCounts:
+    """A server's speculative decoding counters, as its ``/metrics`` gives
+    them, or their growth over a run (``after - before``).
+
+    ``drafts``: verification steps of a request with proposals;
+    ``draft_tokens``: tokens proposed; ``accepted_tokens``: of those, the
+    ones the target accepted (vLLM's ``spec_decode_num_*_total``).
+    """
+
+    drafts: float
+    draft_tokens: float
+    accepted_tokens: float
+
+    def __sub__(self, before: SpecDecodeCounts) -> SpecDecodeCounts:
+        return SpecDecodeCounts(
+            self.drafts - before.drafts,
+            self.draft_tokens - before.draft_tokens,
+            self.accepted_tokens - before.accepted_tokens,
+        )
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / proposed tokens; None when nothing was proposed."""
+        if self.draft_tokens <= 0:
+            return None
+        return self.accepted_tokens / self.draft_tokens
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Tokens a verification step emits on average: its accepted
+        proposals and the target's own token after them."""
+        if self.drafts <= 0:
+            return None
+        return 1.0 + self.accepted_tokens / self.drafts
+
+    def to_json(self) -> dict[str, float | None]:
+        return {
+            "spec_decode_acceptance_rate": self.acceptance_rate,
+            "spec_decode_acceptance_length": self.acceptance_length,
+            "spec_decode_drafts": self.drafts,
+            "spec_decode_draft_tokens": self.draft_tokens,
+            "spec_decode_accepted_tokens": self.accepted_tokens,
+        }
+
+
+#: the keys :meth:`SpecDecodeCounts.to_json` writes (None in a summary whose
+#: server has no such counters)
+SPEC_DECODE_KEYS = tuple(SpecDecodeCounts(0, 0, 0).to_json())
+
+
 METRICS = {
     "ttft": "Time to First Token",
     "tpot": "Time per Output Token (excl. 1st token)",
@@ -117,6 +170,14 @@ class Summary:
     tpot: LatencyStats | None
     itl: LatencyStats | None
     e2el: LatencyStats | None
+    #: the server's speculative decoding counters over the run (None: its
+    #: /metrics has none, e.g. llama.cpp, or no /metrics at all)
+    spec_decode: SpecDecodeCounts | None = None
+
+    @property
+    def speculates(self) -> bool:
+        """The server proposed tokens during the run."""
+        return self.spec_decode is not None and self.spec_decode.draft_tokens > 0
 
     @property
     def request_throughput(self) -> float:
@@ -149,6 +210,10 @@ class Summary:
             for stat in ("mean", "median", "p99"):
                 value = None if stats is None else getattr(stats, f"{stat}_ms")
                 d[f"{stat}_{name}_ms"] = value
+        if self.spec_decode is None:
+            d.update(dict.fromkeys(SPEC_DECODE_KEYS))
+        else:
+            d.update(self.spec_decode.to_json())
         return d
 
     def format(self, config: ServeConfig | None = None) -> str:
@@ -178,6 +243,17 @@ class Summary:
                 value = getattr(stats, f"{stat}_ms") if stats is not None else None
                 shown = "n/a" if value is None else f"{value:.2f}"
                 row(f"{label} {name.upper()} (ms):", shown)
+        if self.speculates:  # vLLM's section, only where the server speculated
+            spec = self.spec_decode
+            assert spec is not None
+            accepted, length = spec.acceptance_rate, spec.acceptance_length
+            lines.append(f"{'Speculative Decoding':-^50}")
+            shown = "n/a" if accepted is None else f"{100 * accepted:.2f}"
+            row("Acceptance rate (%):", shown)
+            row("Acceptance length:", "n/a" if length is None else f"{length:.2f}")
+            row("Drafts:", f"{spec.drafts:.0f}")
+            row("Draft tokens:", f"{spec.draft_tokens:.0f}")
+            row("Accepted tokens:", f"{spec.accepted_tokens:.0f}")
         lines.append("=" * 50)
         return "\n".join(lines)
 

@@ -18,6 +18,11 @@ Memory, measured after each run:
 - of any server, what its ``/metrics`` says: structllm's
   ``structllm_kv_cache_bytes`` and ``structllm_engine_core_peak_rss_bytes``,
   and the ``process_resident_memory_bytes`` that Prometheus clients export.
+
+Speculative decoding's counters (:func:`scrape_spec_decode`) come from
+``/metrics`` too: structllm's ``structllm_spec_decode_num_*_total`` and
+vLLM's ``vllm:spec_decode_num_*_total`` (summed over their labels); a
+server without them (llama.cpp) has none.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ import attrs
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from structllm.bench.serve_results import SpecDecodeCounts
+
 __all__ = [
     "LaunchError",
     "MemoryReport",
@@ -47,6 +54,8 @@ __all__ = [
     "open_target",
     "process_tree",
     "scrape_memory",
+    "scrape_spec_decode",
+    "spec_decode_counts",
     "tree_memory",
 ]
 
@@ -56,6 +65,15 @@ _SCRAPED = {
     "structllm_engine_core_peak_rss_bytes": "engine_core_peak_rss_bytes",
     "process_resident_memory_bytes": "server_rss_bytes",
 }
+
+#: the speculative decoding counters (sample names less their server's
+#: prefix) in :class:`SpecDecodeCounts`' order
+_SPEC_COUNTERS = (
+    "spec_decode_num_drafts_total",
+    "spec_decode_num_draft_tokens_total",
+    "spec_decode_num_accepted_tokens_total",
+)
+_SPEC_PREFIXES = ("structllm_", "vllm:")
 
 
 #: seconds for a GET of /metrics or /v1/models (the client has no timeout)
@@ -203,13 +221,45 @@ def _scraped(text: str) -> dict[str, float]:
     return out
 
 
-async def scrape_memory(client: httpx.AsyncClient, url: str) -> dict[str, float]:
-    """The memory figures ``GET {url}/metrics`` gives (none if it has none)."""
+def spec_decode_counts(text: str) -> SpecDecodeCounts | None:
+    """The speculative decoding counters of a ``/metrics`` text; None unless
+    all three are there."""
+    found: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                for prefix in _SPEC_PREFIXES:
+                    name = sample.name.removeprefix(prefix)
+                    if name != sample.name and name in _SPEC_COUNTERS:
+                        found[name] = found.get(name, 0.0) + sample.value
+    except (ValueError, IndexError):  # not Prometheus text
+        return None
+    if len(found) < len(_SPEC_COUNTERS):
+        return None
+    return SpecDecodeCounts(*(found[name] for name in _SPEC_COUNTERS))
+
+
+async def _get_metrics(client: httpx.AsyncClient, url: str) -> str | None:
     try:
         resp = await client.get(f"{url}/metrics", timeout=_GET_TIMEOUT)
     except httpx.HTTPError:
-        return {}
-    return _scraped(resp.text) if resp.status_code == 200 else {}
+        return None
+    return resp.text if resp.status_code == 200 else None
+
+
+async def scrape_spec_decode(
+    client: httpx.AsyncClient, url: str
+) -> SpecDecodeCounts | None:
+    """The speculative decoding counters ``GET {url}/metrics`` gives (None
+    if it has none)."""
+    text = await _get_metrics(client, url)
+    return None if text is None else spec_decode_counts(text)
+
+
+async def scrape_memory(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """The memory figures ``GET {url}/metrics`` gives (none if it has none)."""
+    text = await _get_metrics(client, url)
+    return {} if text is None else _scraped(text)
 
 
 # -- launching ------------------------------------------------------------------

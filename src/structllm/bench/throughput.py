@@ -5,6 +5,16 @@ same number of output tokens per prompt (EOS ignored), in one run, so the
 ratios are meaningful on a noisy machine. transformers runs in a child
 process (torch and Paddle each bring their own math libraries), with the
 same thread count, and only if ``torch`` and ``transformers`` import.
+
+``--speculative-config JSON`` (vLLM's form, as ``serve`` takes it) runs
+structllm's engines with speculative decoding and adds the same run
+without it right after (``structllm, no speculation``); each speculating
+system reports its proposed and accepted tokens and the acceptance rate.
+``--workload grounded`` (rewrite, summarise, edit given text or code:
+where prompt lookup pays) or ``chat`` (open-ended) sends real prompts in
+the model's chat template instead of random token ids
+(:mod:`structllm.bench.grounded`); they are meant for a real model, such as
+``--model smollm2``.
 """
 
 from __future__ import annotations
@@ -20,15 +30,27 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import attrs
 import numpy as np
 
 from structllm.bench.model import add_bench_model_args, bench_engine_args, bench_model
+from structllm.config import EngineConfig, add_arguments
+from structllm.errors import EngineConfigError
+from structllm.speculative_config import SpeculativeConfig, speculative_config
 
 __all__ = ["add_throughput_args", "make_workload", "run_throughput"]
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
     add_bench_model_args(p)
+    add_arguments(p, EngineConfig, only=("speculative_config",))
+    p.add_argument(
+        "--workload",
+        default="random",
+        choices=["random", "grounded", "chat"],
+        help="random token ids (--input-len), or real prompts that rewrite or "
+        "edit given text (grounded) or chat openly (chat), for a real --model",
+    )
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument(
         "--input-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX")
@@ -82,45 +104,82 @@ def make_workload(
     return out
 
 
+def _model_shape(model: str) -> dict[str, int]:
+    """hidden_size, num_hidden_layers and vocab_size of any model reference."""
+    from structllm.model.config import ModelConfig
+    from structllm.models import resolve_model
+
+    config = ModelConfig.from_path(resolve_model(model))
+    return {
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "vocab_size": config.vocab_size,
+    }
+
+
+def _workload(
+    ns: argparse.Namespace, model: str, vocab: int
+) -> list[tuple[list[int], int]]:
+    if ns.workload == "random":
+        return make_workload(
+            ns.num_prompts, tuple(ns.input_len), tuple(ns.output_len), vocab, ns.seed
+        )
+    from structllm.bench.grounded import text_workload
+    from structllm.text.tokenizer import load_tokenizer
+
+    return text_workload(
+        ns.workload,
+        ns.num_prompts,
+        tuple(ns.output_len),
+        load_tokenizer(model),
+        ns.seed,
+    )
+
+
 def run_throughput(ns: argparse.Namespace) -> int:
     from structllm.model._paddle import default_num_threads
 
     threads = ns.num_threads or default_num_threads()
+    try:
+        spec = speculative_config(ns.speculative_config)
+    except EngineConfigError as exc:  # names the setting: no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory() as tmp:
         model = bench_model(ns, Path(tmp))
-        config = json.loads((Path(model) / "config.json").read_text())
-        work = make_workload(
-            ns.num_prompts,
-            tuple(ns.input_len),
-            tuple(ns.output_len),
-            config["vocab_size"],
-            ns.seed,
-        )
+        shape = _model_shape(model)
+        work = _workload(ns, model, shape["vocab_size"])
         total_out = sum(o for _, o in work)
         results: dict[str, Any] = {
-            "model": {
-                k: config[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")
-            },
+            "model": shape,
+            "workload": ns.workload,
+            "speculative_config": None if spec is None else attrs.asdict(spec),
             "num_prompts": len(work),
             "input_tokens": sum(len(p) for p, _ in work),
             "output_tokens": total_out,
             "threads": threads,
             "systems": {},
         }
-        results["systems"]["structllm"] = _bench_structllm(model, work, ns, threads)
+        results["systems"]["structllm"] = _bench_structllm(
+            model, work, ns, threads, spec=spec
+        )
+        if spec is not None:  # the same without speculation, right after
+            results["systems"]["structllm, no speculation"] = _bench_structllm(
+                model, work, ns, threads
+            )
         if ns.compare_backend != "none":
             # the same run on another model backend, right after
             name = f"structllm, {ns.compare_backend} backend"
             results["systems"][name] = _bench_structllm(
-                model, work, ns, threads, backend=ns.compare_backend
+                model, work, ns, threads, backend=ns.compare_backend, spec=spec
             )
         # core and front end alternate, so drift on a noisy machine hits both;
         # the overhead is the median of the per-pair ratios
         cores, fronts = [], []
         for _ in range(ns.repeats):
-            cores.append(_bench_core(model, work, ns, threads))
+            cores.append(_bench_core(model, work, ns, threads, spec))
             if not ns.skip_async:
-                fronts.append(anyio.run(_bench_async, model, work, ns, threads))
+                fronts.append(anyio.run(_bench_async, model, work, ns, threads, spec))
         results["systems"]["structllm EngineCore (direct)"] = _median_run(cores)
         if fronts:
             results["systems"]["structllm AsyncLLM (core process)"] = _median_run(
@@ -132,7 +191,7 @@ def run_throughput(ns: argparse.Namespace) -> int:
             ]
             results["frontend_overhead"] = float(np.median(ratios))
             results["frontend_overhead_runs"] = ratios
-        results["overhead"] = _bench_overhead(model, ns, threads, config["vocab_size"])
+        results["overhead"] = _bench_overhead(model, ns, threads, shape["vocab_size"])
         if ns.hf != "off":
             results["systems"].update(_bench_hf(ns, model, work, threads))
     _print(results)
@@ -147,6 +206,7 @@ def _bench_structllm(
     ns: argparse.Namespace,
     threads: int,
     backend: str = "auto",
+    spec: SpeculativeConfig | None = None,
 ) -> dict[str, float]:
     from structllm.llm import LLM
     from structllm.params import SamplingParams
@@ -160,6 +220,7 @@ def _bench_structllm(
         max_model_len=4096,
         kv_cache_memory=2 << 30,
         model_backend=backend,
+        speculative_config=spec,
     )
     # warm-up: one short request, not timed
     llm.generate(
@@ -170,16 +231,39 @@ def _bench_structllm(
     params = [
         SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in work
     ]
+    before = _spec_counts(llm.core.statistics().scheduler)
     start = time.perf_counter()
     outs = llm.generate(
         [{"prompt_token_ids": p} for p, _ in work], params, use_tqdm=False
     )
     elapsed = time.perf_counter() - start
     produced = sum(len(o.token_ids) for o in outs)
+    after = _spec_counts(llm.core.statistics().scheduler)
     return {
         "seconds": elapsed,
         "output_tokens": produced,
         "tokens_per_s": produced / elapsed,
+        **_acceptance(spec, before, after),
+    }
+
+
+def _spec_counts(stats: Any) -> tuple[int, int]:
+    """(proposed, accepted) tokens of a scheduler's statistics."""
+    return stats.num_draft_tokens, stats.num_accepted_tokens
+
+
+def _acceptance(
+    spec: SpeculativeConfig | None, before: tuple[int, int], after: tuple[int, int]
+) -> dict[str, float]:
+    """A speculating system's proposed and accepted tokens over the timed
+    run, and their ratio (nothing for a system that does not speculate)."""
+    if spec is None:
+        return {}
+    proposed, accepted = after[0] - before[0], after[1] - before[1]
+    return {
+        "proposed_tokens": proposed,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / proposed if proposed else 0.0,
     }
 
 
@@ -194,7 +278,11 @@ def _median_run(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def _bench_core(
-    model: str, work: list[tuple[list[int], int]], ns: argparse.Namespace, threads: int
+    model: str,
+    work: list[tuple[list[int], int]],
+    ns: argparse.Namespace,
+    threads: int,
+    spec: SpeculativeConfig | None = None,
 ) -> dict[str, float]:
     """The engine core stepped directly: no tokenizer, no front end."""
     from structllm.config import EngineConfig
@@ -202,7 +290,8 @@ def _bench_core(
     from structllm.core.request import CoreRequest
     from structllm.params import SamplingParams
 
-    core = EngineCore(EngineConfig(model=model, **bench_engine_args(ns, threads)))
+    args = bench_engine_args(ns, threads)
+    core = EngineCore(EngineConfig(model=model, speculative_config=spec, **args))
     for i, (p, o) in enumerate([(_warmup_prompt(work), 8), *work]):
         core.add_request(
             CoreRequest(
@@ -214,20 +303,27 @@ def _bench_core(
         if i == 0:  # warm-up request, not timed
             while core.has_unfinished_requests():
                 core.step()
+            before = _spec_counts(core.statistics().scheduler)
             start = time.perf_counter()
     produced = 0
     while core.has_unfinished_requests():
         produced += sum(len(o.new_token_ids) for o in core.step().outputs)
     elapsed = time.perf_counter() - start
+    after = _spec_counts(core.statistics().scheduler)
     return {
         "seconds": elapsed,
         "output_tokens": produced,
         "tokens_per_s": produced / elapsed,
+        **_acceptance(spec, before, after),
     }
 
 
 async def _bench_async(
-    model: str, work: list[tuple[list[int], int]], ns: argparse.Namespace, threads: int
+    model: str,
+    work: list[tuple[list[int], int]],
+    ns: argparse.Namespace,
+    threads: int,
+    spec: SpeculativeConfig | None = None,
 ) -> dict[str, float]:
     """All prompts at once through AsyncLLM with its core process."""
     from structllm.engine.frontend.async_llm import AsyncLLM
@@ -236,7 +332,11 @@ async def _bench_async(
     produced = 0
 
     async with AsyncLLM.open(
-        model, executor="process", show_progress=False, **bench_engine_args(ns, threads)
+        model,
+        executor="process",
+        show_progress=False,
+        speculative_config=spec,
+        **bench_engine_args(ns, threads),
     ) as llm:
         await llm.complete(
             {"prompt_token_ids": _warmup_prompt(work)}, SamplingParams(max_tokens=8)
@@ -248,15 +348,20 @@ async def _bench_async(
             out = await llm.complete({"prompt_token_ids": prompt}, params)
             produced += len(out.token_ids)
 
+        s = llm.statistics()
+        before = s.spec_decode_num_draft_tokens, s.spec_decode_num_accepted_tokens
         start = time.perf_counter()
         async with anyio.create_task_group() as tg:
             for p, o in work:
                 tg.start_soon(one, p, o)
         elapsed = time.perf_counter() - start
+        s = llm.statistics()
+        after = s.spec_decode_num_draft_tokens, s.spec_decode_num_accepted_tokens
     return {
         "seconds": elapsed,
         "output_tokens": produced,
         "tokens_per_s": produced / elapsed,
+        **_acceptance(spec, before, after),
     }
 
 
@@ -350,9 +455,12 @@ def _print(r: dict[str, Any]) -> None:
     m = r["model"]
     print(
         f"model: hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, vocab "
-        f"{m['vocab_size']}; {r['num_prompts']} prompts, {r['input_tokens']} input / "
-        f"{r['output_tokens']} output tokens; {r['threads']} threads"
+        f"{m['vocab_size']}; {r['num_prompts']} {r['workload']} prompts, "
+        f"{r['input_tokens']} input / {r['output_tokens']} output tokens; "
+        f"{r['threads']} threads"
     )
+    if r["speculative_config"] is not None:
+        print(f"speculative_config: {json.dumps(r['speculative_config'])}")
     base = r["systems"]["structllm"]["tokens_per_s"]
     print(
         f"{'system':<38}{'seconds':>9}{'out tok/s':>11}{'structllm x':>13}{'gen tok/s':>11}"
@@ -367,6 +475,12 @@ def _print(r: dict[str, Any]) -> None:
         "out tok/s counts requested tokens; gen tok/s also counts tokens a "
         "baseline generated past a request's length (padding to its batch's longest)"
     )
+    for name, s in r["systems"].items():
+        if "acceptance_rate" in s:
+            print(
+                f"{name}: {s['accepted_tokens']} of {s['proposed_tokens']} proposed "
+                f"tokens accepted ({100 * s['acceptance_rate']:.1f}%)"
+            )
     if "frontend_overhead" in r:
         pairs = ", ".join(f"{100 * x:.1f}%" for x in r["frontend_overhead_runs"])
         print(

@@ -26,7 +26,10 @@ Per request, :meth:`DraftProposer.propose`:
 3. runs each guess through the draft to guess the next, ``k`` in all.
 
 So the rollback to the accepted length after a verification needs no call:
-the next proposal finds it. The engine core calls
+the next proposal finds it. :meth:`DraftProposer.warm_up` (at load) runs
+one catch-up and the guesses after it on scratch blocks, as the target's
+load warm-up runs a short request, so the first real proposal builds no
+kernels. The engine core calls
 :meth:`DraftProposer.release_stopped` after every step and abort, which
 frees the state of every request that is no longer running (finished,
 aborted, expired, preempted: a preempted request catches up again later).
@@ -66,6 +69,10 @@ DRAFT_FIELD = "speculative_config.model"
 #: ids compared between the two tokenizers, spread evenly over the vocabulary
 #: (plus every special id of the target's)
 TOKENIZER_SAMPLE_IDS = 256
+
+#: the catch-up forward's length in :meth:`DraftProposer.warm_up`: the
+#: target's load warm-up prompt (engine/core_process/loop.py)
+WARM_UP_TOKENS = 8
 
 #: text both tokenizers must encode to the same ids
 TOKENIZER_SAMPLE_TEXT = (
@@ -162,14 +169,32 @@ class DraftProposer:
         drafts: list[int] = []
         for start in range(seen, size, self.max_chunk):  # catch up
             stop = min(size, start + self.max_chunk)
-            guess = self._forward(seq, tokens[start:stop], start)
+            guess = self._forward(seq.block_ids, tokens[start:stop], start)
             seq.num_seen = stop
         drafts.append(guess)
         while len(drafts) < k:  # each guess through the draft, for the next
-            guess = self._forward(seq, drafts[-1:], size + len(drafts) - 1)
+            guess = self._forward(seq.block_ids, drafts[-1:], size + len(drafts) - 1)
             seq.written.append(drafts[-1])
             drafts.append(guess)
         return drafts
+
+    def warm_up(self, k: int) -> None:
+        """A proposal's forwards on scratch blocks, then freed: a catch-up of
+        :data:`WARM_UP_TOKENS` and ``k - 1`` guesses after it, so that the
+        first real proposal builds no kernels (the first forward of a shape
+        costs several times a later one). Leaves the counts at 0."""
+        n = max(1, min(WARM_UP_TOKENS, self.max_len - k, self.max_chunk))
+        need = self.pool.blocks_for(n + k - 1)
+        if need > self.pool.num_free:  # a pool too small to propose at all
+            return
+        blocks = self.pool.allocate(need)
+        try:
+            guess = self._forward(blocks, [0] * n, 0)
+            for i in range(k - 1):
+                guess = self._forward(blocks, [guess], n + i)
+        finally:
+            self.pool.free(reversed(blocks))
+        self.num_forwards = self.num_tokens = 0
 
     def release(self, request_id: str) -> None:
         """Forget ``request_id``'s cache (no-op if it holds none)."""
@@ -208,14 +233,14 @@ class DraftProposer:
         seq.block_ids += pool.allocate(more)
         return True
 
-    def _forward(self, seq: _DraftSequence, tokens: Sequence[int], start: int) -> int:
-        """Compute ``tokens`` at positions ``start`` on; return the argmax
-        after the last."""
+    def _forward(self, block_ids: list[int], tokens: Sequence[int], start: int) -> int:
+        """Compute ``tokens`` at positions ``start`` on, into the cache's
+        ``block_ids``; return the argmax after the last."""
         n = len(tokens)
         step = ModelInput(
             np.asarray(tokens, dtype=np.int64).tobytes(),
             np.arange(start, start + n, dtype=np.int64).tobytes(),
-            ((start, n, tuple(seq.block_ids)),),
+            ((start, n, tuple(block_ids)),),
         )
         hidden = run_forward(self.model, self.kv_caches, step)  # (n, H)
         logits = self.model.compute_logits(hidden[n - 1 :]).numpy()  # (1, V)
@@ -267,8 +292,9 @@ def load_draft_proposer(
     """The draft model of ``config.speculative_config``, its tokenizer
     checked against the target's (``tokenizer``, an object or a path;
     default: ``config.model``'s), with a cache for
-    :func:`draft_cache_sequences` sequences of ``max_model_len`` tokens.
-    The draft's load progress is reported as the stage ``"draft weights"``."""
+    :func:`draft_cache_sequences` sequences of ``max_model_len`` tokens,
+    warmed up (:meth:`DraftProposer.warm_up`). The draft's load progress is
+    reported as the stage ``"draft weights"``."""
     from structllm.model.loader import LoadProgress, load_model
 
     spec = config.speculative_config
@@ -296,7 +322,7 @@ def load_draft_proposer(
     max_len = min(max_model_len, loaded.config.max_context_len)
     per_seq = -(-max_len // config.block_size)
     seqs = draft_cache_sequences(config.max_num_seqs, spec.disable_by_batch_size)
-    return DraftProposer(
+    proposer = DraftProposer(
         loaded.model,
         num_blocks=per_seq * seqs,
         block_size=config.block_size,
@@ -304,3 +330,5 @@ def load_draft_proposer(
         vocab_size=min(vocab_size, loaded.config.vocab_size),
         max_chunk=config.max_num_batched_tokens,
     )
+    proposer.warm_up(spec.num_speculative_tokens)
+    return proposer

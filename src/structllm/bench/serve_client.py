@@ -134,7 +134,12 @@ def _read_event(data: str, now: float, seen: Progress) -> bool:
 
 
 def open_client() -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    """A connection per request, for every server alike: llama-server closes
+    idle keep-alive connections, and a request sent on one it has just
+    closed failed ("Server disconnected without sending a response", 1 of
+    48 requests in half the comparisons of docs/benchmarks.md). A local
+    connect costs well under a millisecond of the TTFT."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     return httpx.AsyncClient(timeout=None, limits=limits, trust_env=False)
 
 

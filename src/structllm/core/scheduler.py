@@ -28,8 +28,9 @@ Policy, in order, each step:
    verifies them in the same forward; :meth:`Scheduler.update_from_output`
    takes the 1 + accepted tokens, moves ``num_computed_tokens`` back over
    the rejected positions and frees the blocks that held only those. A
-   structured-output request, or one still owed prompt logprobs, does not
-   speculate. Each request's proposals adapt to how its last ones fared
+   request still owed prompt logprobs does not speculate; a structured-output
+   request's proposals are its grammar's forced tokens, or the proposer's
+   cut at the first its grammar refuses. Each request's proposals adapt to how its last ones fared
    (:func:`~structllm.core.scheduler_speculative.adapt`): output that does
    not repeat its context soon stops paying for verification. Those steps
    live in :mod:`structllm.core.scheduler_speculative`.

@@ -1,17 +1,65 @@
 """transformers baselines for ``structllm bench throughput`` (run in a child).
 
 Reads a JSON job (model dir, workload, threads, modes), prints one JSON line
-of results. Greedy, EOS ignored (min_new_tokens = max_new_tokens), so every
+of results (:func:`run_baselines` starts it from the parent). Greedy, EOS ignored (min_new_tokens = max_new_tokens), so every
 system produces exactly the requested number of tokens.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+
+def run_baselines(
+    ns: argparse.Namespace, model: str, work: list[tuple[list[int], int]], threads: int
+) -> dict[str, dict[str, float]]:
+    """In the parent: the baselines of ``work`` in a child running this
+    module under ``ns.hf_python`` ({} when torch or transformers is missing)."""
+    probe = subprocess.run(
+        [ns.hf_python, "-c", "import torch, transformers"], capture_output=True
+    )
+    if probe.returncode != 0:
+        print(
+            "transformers baselines skipped: torch/transformers not importable by "
+            f"{ns.hf_python} (pass --hf-python)",
+            file=sys.stderr,
+        )
+        return {}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(
+            {
+                "model": model,
+                "work": work,
+                "threads": threads,
+                "batch_size": ns.batch_size,
+                "modes": ns.hf_modes.split(","),
+            },
+            f,
+        )
+    try:
+        proc = subprocess.run(
+            [ns.hf_python, "-m", "structllm.bench.hf", f.name],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+        )
+    finally:
+        os.unlink(f.name)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+        raise SystemExit("transformers baseline failed")
+    result: dict[str, dict[str, float]] = json.loads(
+        proc.stdout.strip().splitlines()[-1]
+    )
+    return result
 
 
 def main(job_file: str) -> None:

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +31,9 @@ import anyio
 import attrs
 import numpy as np
 
+from structllm.bench.hf import run_baselines
 from structllm.bench.model import add_bench_model_args, bench_engine_args, bench_model
+from structllm.bench.throughput_report import print_report
 from structllm.config import EngineConfig, add_arguments
 from structllm.errors import EngineConfigError
 from structllm.speculative_config import SpeculativeConfig, speculative_config
@@ -193,8 +193,8 @@ def run_throughput(ns: argparse.Namespace) -> int:
             results["frontend_overhead_runs"] = ratios
         results["overhead"] = _bench_overhead(model, ns, threads, shape["vocab_size"])
         if ns.hf != "off":
-            results["systems"].update(_bench_hf(ns, model, work, threads))
-    _print(results)
+            results["systems"].update(run_baselines(ns, model, work, threads))
+    print_report(results)
     if ns.json:
         Path(ns.json).write_text(json.dumps(results, indent=2))
     return 0
@@ -407,89 +407,3 @@ def _bench_overhead(
         "forward_ms": 1e3 * forward / steps,
         "overhead": total / forward - 1.0,
     }
-
-
-def _bench_hf(
-    ns: argparse.Namespace, model: str, work: list[tuple[list[int], int]], threads: int
-) -> dict[str, dict[str, float]]:
-    probe = subprocess.run(
-        [ns.hf_python, "-c", "import torch, transformers"], capture_output=True
-    )
-    if probe.returncode != 0:
-        print(
-            "transformers baselines skipped: torch/transformers not importable by "
-            f"{ns.hf_python} (pass --hf-python)",
-            file=sys.stderr,
-        )
-        return {}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(
-            {
-                "model": model,
-                "work": work,
-                "threads": threads,
-                "batch_size": ns.batch_size,
-                "modes": ns.hf_modes.split(","),
-            },
-            f,
-        )
-    try:
-        proc = subprocess.run(
-            [ns.hf_python, "-m", "structllm.bench.hf", f.name],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": str(threads)},
-        )
-    finally:
-        os.unlink(f.name)
-    if proc.returncode != 0:
-        print(proc.stderr[-3000:], file=sys.stderr)
-        raise SystemExit("transformers baseline failed")
-    result: dict[str, dict[str, float]] = json.loads(
-        proc.stdout.strip().splitlines()[-1]
-    )
-    return result
-
-
-def _print(r: dict[str, Any]) -> None:
-    m = r["model"]
-    print(
-        f"model: hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, vocab "
-        f"{m['vocab_size']}; {r['num_prompts']} {r['workload']} prompts, "
-        f"{r['input_tokens']} input / {r['output_tokens']} output tokens; "
-        f"{r['threads']} threads"
-    )
-    if r["speculative_config"] is not None:
-        print(f"speculative_config: {json.dumps(r['speculative_config'])}")
-    base = r["systems"]["structllm"]["tokens_per_s"]
-    print(
-        f"{'system':<38}{'seconds':>9}{'out tok/s':>11}{'structllm x':>13}{'gen tok/s':>11}"
-    )
-    for name, s in r["systems"].items():
-        tps = s["tokens_per_s"]
-        gen = s.get("generated_tokens_per_s", tps)
-        print(
-            f"{name:<38}{s['seconds']:>9.2f}{tps:>11.1f}{base / tps:>13.2f}{gen:>11.1f}"
-        )
-    print(
-        "out tok/s counts requested tokens; gen tok/s also counts tokens a "
-        "baseline generated past a request's length (padding to its batch's longest)"
-    )
-    for name, s in r["systems"].items():
-        if "acceptance_rate" in s:
-            print(
-                f"{name}: {s['accepted_tokens']} of {s['proposed_tokens']} proposed "
-                f"tokens accepted ({100 * s['acceptance_rate']:.1f}%)"
-            )
-    if "frontend_overhead" in r:
-        pairs = ", ".join(f"{100 * x:.1f}%" for x in r["frontend_overhead_runs"])
-        print(
-            "front-end overhead (EngineCore tok/s / AsyncLLM tok/s - 1), median of "
-            f"{len(r['frontend_overhead_runs'])} alternating pairs: "
-            f"{100 * r['frontend_overhead']:.1f}% ({pairs})"
-        )
-    o = r["overhead"]
-    print(
-        f"overhead at batch {o['batch']} (decode): step {o['step_ms']:.2f} ms, forward "
-        f"{o['forward_ms']:.2f} ms -> {100 * o['overhead']:.1f}%"
-    )

@@ -1,5 +1,5 @@
 # ruff: noqa: E741  (the loop variable is `l`, as in the C)
-"""The Q4_K quantizer (``quant_kernels.quantize(w, Q4_K)``) against llama.cpp's
+"""The Q4_K quantizer (``quantize.quantize(w, Q4_K)``) against llama.cpp's
 ``quantize_row_q4_K_ref``, transcribed below statement by statement.
 
 gguf-py has no Q4_K quantizer to compare bytes with, so the oracle is the C
@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from structllm.model import quant_kernels as qk
+from structllm.model import quantize as qz
 
 F32 = np.float32
 Q4_K = qk.GGMLType.Q4_K
@@ -199,14 +200,14 @@ def _rows(kind: str, rows: int, n: int, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("kind", ["uniform", "gaussian", "heavy", "corners"])
 def test_bytes_equal_llama_cpps_reference(kind: str) -> None:
     w = _rows(kind, 4, 512, seed=len(kind))
-    raw = qk.quantize(w, Q4_K)
+    raw = qz.quantize(w, Q4_K)
     assert raw.shape == (4, 2 * 144) and raw.dtype == np.uint8
     for r in range(w.shape[0]):
         assert raw[r].tobytes() == c_quantize_row_q4_k(w[r]), f"row {r}"
 
 
 def _rms_error(w: np.ndarray, qtype: qk.GGMLType) -> float:
-    raw = qk.quantize(w, qtype)
+    raw = qz.quantize(w, qtype)
     back = np.asarray(
         gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(qtype))), np.float32
     )
@@ -235,17 +236,17 @@ def test_it_is_a_vectorised_pass_not_a_loop_over_blocks() -> None:
     second: the work is a few dozen numpy passes over all sub-blocks."""
     w = _rows("gaussian", 576, 1536, seed=5)
     start = time.perf_counter()
-    raw = qk.quantize(w, Q4_K)
+    raw = qz.quantize(w, Q4_K)
     assert time.perf_counter() - start < 5  # ~0.2 s on a 2-core CI machine
     back = np.asarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K))
     np.testing.assert_array_equal(back, qk.dequantize_rows(raw, Q4_K, 1536))
     # chunks join seamlessly: each row's bytes are its own quantization's
-    np.testing.assert_array_equal(raw[300:301], qk.quantize(w[300:301], Q4_K))
+    np.testing.assert_array_equal(raw[300:301], qz.quantize(w[300:301], Q4_K))
 
 
 def test_rows_must_be_whole_super_blocks() -> None:
     with pytest.raises(ValueError, match="multiple of Q4_K's 256"):
-        qk.quantize(np.zeros((2, 128), np.float32), Q4_K)
+        qz.quantize(np.zeros((2, 128), np.float32), Q4_K)
 
 
 def test_non_finite_weights_spoil_only_their_super_block() -> None:
@@ -255,6 +256,6 @@ def test_non_finite_weights_spoil_only_their_super_block() -> None:
     bad = w.copy()
     bad[0, 3] = np.nan  # row 0, super-block 0
     bad[1, 300] = np.inf  # row 1, super-block 1
-    raw, spoilt = qk.quantize(w, Q4_K), qk.quantize(bad, Q4_K)
+    raw, spoilt = qz.quantize(w, Q4_K), qz.quantize(bad, Q4_K)
     np.testing.assert_array_equal(spoilt[0, 144:], raw[0, 144:])
     np.testing.assert_array_equal(spoilt[1, :144], raw[1, :144])

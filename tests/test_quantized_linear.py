@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 
 from structllm.errors import EngineConfigError, ModelLoadError
 from structllm.formats import GGUFFile
-from structllm.model import quant_kernels
+from structllm.model import quant_kernels, quantize
 from structllm.model._paddle import paddle
 from structllm.model.linear import DenseLinear
 from structllm.model.loader import build_model, load_model
@@ -140,13 +140,13 @@ def test_a_float_checkpoint_is_quantized_at_load(
     tensors = dict(load_file(directory / "model.safetensors"))
     for name, w in list(tensors.items()):
         if w.ndim == 2 and name != "model.embed_tokens.weight":
-            raw = quant_kernels.quantize(np.ascontiguousarray(w, np.float32), qtype)
+            raw = quantize.quantize(np.ascontiguousarray(w, np.float32), qtype)
             tensors[name] = quant_kernels.dequantize_rows(raw, qtype, w.shape[1])
     linears: dict[str, Any] = {}
     if plain.config.tie_word_embeddings:
         # the head quantizes the embedding's rows; the lookup keeps floats
         embed = np.ascontiguousarray(tensors["model.embed_tokens.weight"], np.float32)
-        raw = quant_kernels.quantize(embed, qtype)
+        raw = quantize.quantize(embed, qtype)
         head = quant_kernels.dequantize_rows(raw, qtype, embed.shape[1])
         linears["lm_head"] = DenseLinear(paddle.to_tensor(head), transposed=True)
     expected = build_model(plain.config, tensors, linears=linears)
@@ -167,7 +167,7 @@ def _through_q4_k(w: np.ndarray) -> np.ndarray:
     """A weight as its q4_k quantization at load dequantizes it (float32)."""
     w = np.ascontiguousarray(w, np.float32)
     kind = _q4_k_or_fallback(w.shape[1])
-    raw = quant_kernels.quantize(w, kind)
+    raw = quantize.quantize(w, kind)
     return quant_kernels.dequantize_rows(raw, kind, w.shape[1])
 
 

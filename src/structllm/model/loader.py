@@ -285,7 +285,7 @@ def load_model(
             "safetensors (a directory), gguf (a .gguf file) or dummy"
         )
     if quantize is not None:
-        from structllm.model.quantized import quantize_projections
+        from structllm.model.quantize import quantize_projections
 
         linears = quantize_projections(config, tensors, quantize)
     llm = build_model(

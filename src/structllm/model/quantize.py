@@ -26,11 +26,24 @@ from structllm.model.linear import Linear
 from structllm.model.quant_kernels import GGMLType, row_bytes
 from structllm.model.quantized import QuantizedLinear, QuantizedPart
 
-__all__ = ["QUANTIZE_TYPES", "quantize", "quantize_projections"]
+__all__ = [
+    "QUANTIZE_TYPES",
+    "quantize",
+    "quantize_projections",
+    "tensor_type",
+    "use_more_bits",
+]
 
 #: types :func:`quantize` writes
 QUANTIZE_TYPES = frozenset(
-    {GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q4_K}
+    {
+        GGMLType.Q8_0,
+        GGMLType.Q4_0,
+        GGMLType.Q4_1,
+        GGMLType.Q5_0,
+        GGMLType.Q4_K,
+        GGMLType.Q6_K,
+    }
 )
 
 
@@ -39,13 +52,12 @@ def quantize_projections(
     tensors: MutableMapping[str, Any],
     qtype_name: str,
 ) -> dict[str, Linear]:
-    """Every projection of a float checkpoint quantized to ``qtype_name``
-    (``"Q8_0"``...), as ``build_model``'s ``linears``: the HF weights and
+    """Every projection of a float checkpoint quantized as ``qtype_name``
+    (``"Q8_0"``...) asks, as ``build_model``'s ``linears``: the HF weights and
     biases of each projection are taken out of ``tensors``; a tied head
     quantizes the embedding's rows (the lookup keeps the float embedding).
-    A weight whose rows are not whole Q4_K super-blocks (256 values: 576
-    inputs, as SmolLM2's hidden size) is Q5_0 instead, as ``llama-quantize``
-    falls back. Refuses (:class:`EngineConfigError` on ``quantization``) a
+    Each weight's type is :func:`tensor_type`'s (for ``Q4_K``, llama.cpp's
+    Q4_K_M mix). Refuses (:class:`EngineConfigError` on ``quantization``) a
     type the kernels cannot quantize to, and a weight whose rows are not
     whole blocks.
     """
@@ -70,9 +82,7 @@ def quantize_projections(
             w = tensors[name] if loader is None else tensors.pop(name)
             w = _float32(w)  # (out, in)
             in_features = w.shape[1]
-            kind = qtype
-            if kind == quant_kernels.GGMLType.Q4_K and in_features % 256:
-                kind = int(quant_kernels.GGMLType.Q5_0)
+            kind = int(tensor_type(qtype, piece, in_features, config.num_hidden_layers))
             per_block = quant_kernels.block_layout(kind)[0]
             if w.shape[1] % per_block:
                 raise EngineConfigError(
@@ -88,6 +98,54 @@ def quantize_projections(
             )
         out[module] = QuantizedLinear.fuse(parts, in_features, bias)
     return out
+
+
+# -- which type each weight gets (llama.cpp's llama_tensor_get_type) -----------
+
+#: the projections Q4_K_M gives 6 bits in :func:`use_more_bits`' layers
+_MORE_BITS = (".self_attn.v_proj", ".mlp.down_proj")
+
+#: the pieces that are the output head (a tied head reads the embedding)
+_HEAD = ("lm_head", "model.embed_tokens")
+
+#: ``llama-quantize``'s type where a row is not whole 256-value super-blocks
+_FALLBACK = {GGMLType.Q4_K: GGMLType.Q5_0, GGMLType.Q6_K: GGMLType.Q8_0}
+
+
+def use_more_bits(layer: int, num_layers: int) -> bool:
+    """llama.cpp's ``use_more_bits``: the first and last eighth of the layers
+    (rounded down) and every third layer between; 12 of 30 on SmolLM2-135M,
+    4 of 8 (0, 3, 6, 7) on the bench model."""
+    eighth = num_layers // 8
+    return layer < eighth or layer >= 7 * num_layers // 8 or (layer - eighth) % 3 == 2
+
+
+def tensor_type(qtype: int, piece: str, in_features: int, num_layers: int) -> GGMLType:
+    """The type ``llama-quantize`` (no importance matrix) gives the HF weight
+    ``piece`` (``model.layers.3.self_attn.v_proj``, ``lm_head``, or
+    ``model.embed_tokens`` as a tied head) of ``in_features`` inputs when a
+    model of ``num_layers`` layers is quantized to ``qtype``.
+
+    ``Q4_K`` is its Q4_K_M mix (``llama_tensor_get_type`` in
+    ``src/llama-quant.cpp``, for a dense model): Q6_K for the output head
+    and for ``v_proj`` and ``down_proj`` in :func:`use_more_bits`' layers,
+    Q4_K for the rest; then a weight whose rows are not whole super-blocks
+    takes the fallback, Q5_0 for Q4_K and Q8_0 for Q6_K (so SmolLM2's
+    576-input head and ``v_proj`` are Q8_0, its other 576-input weights
+    Q5_0, its ``down_proj`` Q6_K or Q4_K). Other types are every weight's
+    (``llama-quantize`` would give a Q4_0 or Q4_1 model a Q6_K head too:
+    not done here)."""
+    kind = GGMLType(qtype)
+    if kind == GGMLType.Q4_K:
+        if piece in _HEAD:
+            kind = GGMLType.Q6_K
+        elif piece.endswith(_MORE_BITS):
+            layer = int(piece.split(".")[2])  # model.layers.N....
+            if use_more_bits(layer, num_layers):
+                kind = GGMLType.Q6_K
+    if in_features % 256 and kind in _FALLBACK:
+        kind = _FALLBACK[kind]
+    return kind
 
 
 # -- quantizers (llama.cpp's quantize_row_*_ref, vectorised in numpy) ------------
@@ -131,7 +189,7 @@ def _nibbles(q: np.ndarray) -> np.ndarray:
 # sums is then 31 vector adds over every sub-block, in the C's order, so the
 # bytes are the C's (compiled without fused multiply-adds), not just close.
 
-#: super-blocks quantized a pass: each ``(32, m)`` temporary is 256 KB
+#: super-blocks quantized a pass (Q4_K, Q6_K): each temporary is 256 KB
 _Q4_K_CHUNK = 256
 
 
@@ -271,6 +329,113 @@ def _q4_k_blocks(n: int, x: np.ndarray) -> np.ndarray:
     )
 
 
+# Q6_K is llama.cpp's ``quantize_row_q6_K_ref``: each 16-value sub-block gets
+# a symmetric scale from ``make_qx_quants(16, 32, x, L, 1, NULL)`` (the
+# scale of the largest magnitude, then 18 trial scales around it, each the
+# x^2-weighted least-squares fit of its quants, the best fit kept), the
+# super-block's 16 scales are quantized to int8 against its f16 ``d`` (the
+# largest magnitude -128 steps), and the values are quantized again to
+# -32..31 against what the block will hold. Arrays are ``(16, m)``, value i
+# of sub-block s at ``[i, s]``, as Q4_K's: each float32 sum adds in the C's
+# order.
+
+#: below this largest magnitude a sub-block (or super-block) is all zeros
+_GROUP_MAX_EPS = np.float32(1e-15)
+
+
+def _largest(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """The first value of largest magnitude along ``axis`` and its magnitude,
+    as the C's ``if (fabsf(v) > amax)`` scan finds them (a NaN never)."""
+    magnitude = np.abs(x)
+    magnitude[np.isnan(magnitude)] = 0
+    at = np.expand_dims(magnitude.argmax(axis=axis), axis)
+    value = np.take_along_axis(x, at, axis=axis)
+    return value.squeeze(axis), np.take_along_axis(magnitude, at, axis).squeeze(axis)
+
+
+def _qx_fit(
+    x: np.ndarray, wx: np.ndarray, w: np.ndarray, iscale: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """One trial of ``make_qx_quants``: the quants of ``iscale`` (-32..31;
+    ``np.rint`` is the C's ``nearest_int`` at these magnitudes) and their
+    sums ``sum((w x) l)``, ``sum((w l) l)`` per column, the C's way round."""
+    q = np.rint(x * iscale)
+    np.clip(q, -32, 31, out=q)
+    sum_lx = _sum_in_order(wx * q)
+    return sum_lx, _sum_in_order(w * q * q)
+
+
+def _make_qx(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``make_qx_quants(16, 32, x, L, 1, NULL)`` for every column of ``x``
+    ``(16, m)``: ``(scale (m,), the iscale of the quants kept (m,), the
+    all-zero columns (m,))``."""
+    f = np.float32
+    top, magnitude = _largest(x, axis=0)
+    zero = magnitude < _GROUP_MAX_EPS
+    w = x * x
+    wx = w * x
+    kept = f(-32) / top
+    sum_lx, sum_l2 = _qx_fit(x, wx, w, kept)
+    scale = np.where(sum_l2 != 0, sum_lx / sum_l2, f(0))
+    best = scale * sum_lx
+    for step in (*range(-9, 0), *range(1, 10)):
+        iscale = -(f(32) + f(0.1) * f(step)) / top
+        sum_lx, sum_l2 = _qx_fit(x, wx, w, iscale)
+        better = (sum_l2 > 0) & (sum_lx * sum_lx > best * sum_l2)
+        scale = np.where(better, sum_lx / sum_l2, scale)
+        best = np.where(better, scale * sum_lx, best)
+        kept = np.where(better, iscale, kept)
+    return np.where(zero, f(0), scale), kept, zero
+
+
+def _quantize_q6_k(blocks: np.ndarray) -> np.ndarray:
+    """Super-blocks ``(n, 256)`` float32 as Q6_K blocks ``(n, 210)`` uint8:
+    128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, f16 d."""
+    n = blocks.shape[0]
+    x = np.ascontiguousarray(blocks.reshape(n * 16, 16).T)  # (16, 16n)
+    # the C computes on through zero spans, infinities and NaNs: so do we
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return _q6_k_blocks(n, x)
+
+
+def _q6_k_blocks(n: int, x: np.ndarray) -> np.ndarray:
+    f = np.float32
+    scale, kept, zero = _make_qx(x)
+    # make_qx_quants' quants: where a scale rounds to 0 the block keeps them
+    fitted = np.clip(_nearest_int(kept * x), -32, 31) + 32
+    fitted[:, zero] = 0
+    top, magnitude = _largest(scale.reshape(n, 16), axis=1)
+    empty = magnitude < _GROUP_MAX_EPS  # (n,): every byte 0
+    iscale = (f(-128) / top)[:, None]  # (n, 1)
+    d = (f(1) / iscale).astype(np.float16)
+    scales = np.minimum(_nearest_int(iscale * scale.reshape(n, 16)), 127)
+    scales = scales.astype(np.int8)  # the C stores the int in an int8
+    sub_d = (d.astype(f) * scales.astype(f)).reshape(1, n * 16)
+    again = np.clip(_nearest_int(x / sub_d), -32, 31) + 32
+    q = np.where(sub_d == 0, fitted, again).astype(np.uint8)  # (16, 16n)
+    # value 128h + 32j + l at q[n, h, j, l]: bytes l of half h hold j = 0, 2
+    # (low, high nibble) and 1, 3; its 2-bit highs are bits 2j of qh[l]
+    q = q.T.reshape(n, 2, 4, 32)
+    low = q & np.uint8(15)
+    ql = np.concatenate(
+        [low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)],
+        axis=2,
+    )  # (n, 2, 64)
+    high = q >> np.uint8(4)
+    qh = high[:, :, 0] | high[:, :, 1] << 2 | high[:, :, 2] << 4 | high[:, :, 3] << 6
+    raw = np.concatenate(
+        [
+            ql.reshape(n, 128),
+            qh.reshape(n, 64),
+            scales.view(np.uint8),
+            d.view(np.uint8),
+        ],
+        axis=1,
+    )
+    raw[empty] = 0
+    return raw
+
+
 def quantize(w: np.ndarray, qtype: int) -> np.ndarray:
     """A float32 weight ``(out, in)`` as raw rows of GGML type ``qtype``
     (one of :data:`QUANTIZE_TYPES`): ``np.uint8 (out, row_bytes)``, the
@@ -288,11 +453,12 @@ def quantize(w: np.ndarray, qtype: int) -> np.ndarray:
         raise ValueError(f"w must be a 2-D float32 array, not {_describe(w)}")
     rows, n = w.shape
     size = row_bytes(kind, n)
-    if kind == GGMLType.Q4_K:
+    if kind in (GGMLType.Q4_K, GGMLType.Q6_K):
         supers = np.ascontiguousarray(w).reshape(-1, 256)
-        raw = np.empty((supers.shape[0], 144), np.uint8)
+        raw = np.empty((supers.shape[0], size * 256 // n), np.uint8)
+        blocks_of = _quantize_q4_k if kind == GGMLType.Q4_K else _quantize_q6_k
         for at in range(0, supers.shape[0], _Q4_K_CHUNK):
-            raw[at : at + _Q4_K_CHUNK] = _quantize_q4_k(supers[at : at + _Q4_K_CHUNK])
+            raw[at : at + _Q4_K_CHUNK] = blocks_of(supers[at : at + _Q4_K_CHUNK])
         return raw.reshape(rows, size)
     blocks = np.ascontiguousarray(w).reshape(-1, 32)
     if kind == GGMLType.Q8_0:

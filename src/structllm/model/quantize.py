@@ -440,9 +440,11 @@ def quantize(w: np.ndarray, qtype: int) -> np.ndarray:
     """A float32 weight ``(out, in)`` as raw rows of GGML type ``qtype``
     (one of :data:`QUANTIZE_TYPES`): ``np.uint8 (out, row_bytes)``, the
     bytes llama.cpp's ``quantize_row_*_ref`` writes (and gguf-py's
-    ``gguf.quants.quantize``, which has no Q4_K: that one is checked against
-    a transcription of the C). Q4_K runs at ~40 MB of float32 a second on
-    one core (its 21-trial search per 32 values); the others at hundreds."""
+    ``gguf.quants.quantize``, which has no Q4_K or Q6_K: those are checked
+    against transcriptions of the C, and equal libggml's own bytes). Q4_K
+    runs at ~40 MB of float32 a second on one core (its 21-trial search per
+    32 values), Q6_K at about twice that (19 trials per 16 values, one
+    scale each); the others at hundreds."""
     try:
         kind = GGMLType(qtype)
     except ValueError:

@@ -5,9 +5,11 @@ one at load (:func:`quantize_projections`).
 :func:`quantize` writes the bytes llama.cpp's ``quantize_row_*_ref`` writes
 (no importance matrix), vectorised in numpy over every block of a weight at
 once: the 32-value types are a few passes over the values; the K-quants'
-scale searches (Q4_K's 21 trials of a scale and a min per 32 values) run
-every trial over all sub-blocks together, values along the first axis so
-that each float32 sum adds in the C's order. The blocks are what
+scale searches (Q4_K's 21 trials of a scale and a min per 32 values,
+Q6_K's 19 of a scale per 16) run every trial over all sub-blocks together,
+values along the first axis so that each float32 sum adds in the C's order.
+Which type each weight gets is :func:`tensor_type`'s: for ``q4_k``,
+llama.cpp's Q4_K_M mix of Q4_K and Q6_K. The blocks are what
 :mod:`structllm.model.quant_kernels` multiplies from (its layouts,
 :func:`~structllm.model.quant_kernels.row_bytes`).
 """
@@ -114,7 +116,7 @@ _FALLBACK = {GGMLType.Q4_K: GGMLType.Q5_0, GGMLType.Q6_K: GGMLType.Q8_0}
 
 def use_more_bits(layer: int, num_layers: int) -> bool:
     """llama.cpp's ``use_more_bits``: the first and last eighth of the layers
-    (rounded down) and every third layer between; 12 of 30 on SmolLM2-135M,
+    (rounded down) and every third layer between; 14 of 30 on SmolLM2-135M,
     4 of 8 (0, 3, 6, 7) on the bench model."""
     eighth = num_layers // 8
     return layer < eighth or layer >= 7 * num_layers // 8 or (layer - eighth) % 3 == 2
@@ -132,7 +134,9 @@ def tensor_type(qtype: int, piece: str, in_features: int, num_layers: int) -> GG
     Q4_K for the rest; then a weight whose rows are not whole super-blocks
     takes the fallback, Q5_0 for Q4_K and Q8_0 for Q6_K (so SmolLM2's
     576-input head and ``v_proj`` are Q8_0, its other 576-input weights
-    Q5_0, its ``down_proj`` Q6_K or Q4_K). Other types are every weight's
+    Q5_0, its ``down_proj`` Q6_K or Q4_K: the types of its published Q4_K_M
+    file). Not applied: the C's rules for fused QKV weights, experts and
+    70B Llamas (Q5_K ``attn_v``). Other types are every weight's
     (``llama-quantize`` would give a Q4_0 or Q4_1 model a Q6_K head too:
     not done here)."""
     kind = GGMLType(qtype)

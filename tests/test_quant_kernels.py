@@ -68,9 +68,10 @@ def test_dequantize_rows_equals_gguf(kind: GGMLType) -> None:
 
 
 @pytest.mark.parametrize(
-    # gguf-py has no Q4_K quantizer: tests/test_quantize_q4k.py transcribes the C
+    # gguf-py has no Q4_K or Q6_K quantizer: tests/test_quantize_q4k.py and
+    # tests/test_quantize.py transcribe the C
     "kind",
-    sorted(qz.QUANTIZE_TYPES - {GGMLType.Q4_K}),
+    sorted(qz.QUANTIZE_TYPES - {GGMLType.Q4_K, GGMLType.Q6_K}),
     ids=lambda k: k.name,
 )
 def test_quantize_equals_gguf(kind: GGMLType) -> None:
@@ -184,7 +185,7 @@ def test_bad_arguments_raise_value_errors_naming_them() -> None:
         ("in_features", lambda: qk.matmul(x, raw, q8, rows, 48)),
         ("rows", lambda: qk.dequantize_rows(raw, q8, n, 2, 5)),
         ("w", lambda: qz.quantize(np.zeros((2, 32)), q8)),
-        ("qtype", lambda: qz.quantize(np.zeros((2, 256), np.float32), GGMLType.Q6_K)),
+        ("qtype", lambda: qz.quantize(np.zeros((2, 256), np.float32), GGMLType.Q5_K)),
     ]
     for name, call in cases:
         with pytest.raises(ValueError, match=name):

@@ -301,12 +301,10 @@ def test_lora_linear_adds_each_rows_update_into_out(
     if base_kind == "dense":
         base = DenseLinear(paddle.to_tensor(w.T.copy()))
     else:
-        from structllm.model import quant_kernels
+        from structllm.model import quant_kernels, quantize
 
         q8 = int(quant_kernels.GGMLType.Q8_0)
-        base = QuantizedLinear(
-            (QuantizedPart(quant_kernels.quantize(w, q8), q8),), d_in
-        )
+        base = QuantizedLinear((QuantizedPart(quantize.quantize(w, q8), q8),), d_in)
     batch = LoRABatch(method=method)  # type: ignore[arg-type]
     lin = LoRALinear(base, batch, tuple(features), 3, rank)
     slots = LoRASlots(3, rank, batch, {"p": lin})

@@ -11,6 +11,7 @@ import pytest
 
 from structllm.model import kernels
 from structllm.model import quant_kernels as qk
+from structllm.model import quantize as qz
 from structllm.model.quant_kernels import GGMLType
 
 gguf = pytest.importorskip("gguf")
@@ -67,9 +68,10 @@ def test_dequantize_rows_equals_gguf(kind: GGMLType) -> None:
 
 
 @pytest.mark.parametrize(
-    # gguf-py has no Q4_K quantizer: tests/test_quantize_q4k.py transcribes the C
+    # gguf-py has no Q4_K or Q6_K quantizer: tests/test_quantize_q4k.py and
+    # tests/test_quantize.py transcribe the C
     "kind",
-    sorted(qk.QUANTIZE_TYPES - {GGMLType.Q4_K}),
+    sorted(qz.QUANTIZE_TYPES - {GGMLType.Q4_K, GGMLType.Q6_K}),
     ids=lambda k: k.name,
 )
 def test_quantize_equals_gguf(kind: GGMLType) -> None:
@@ -77,7 +79,7 @@ def test_quantize_equals_gguf(kind: GGMLType) -> None:
     w = rng.standard_normal((33, 256), dtype=np.float32)
     w[0] = 0.0  # a zero block: scale 0, no division
     w[1, :32] = np.linspace(-1, 1, 32)  # exact halves to round
-    raw = qk.quantize(w, kind)
+    raw = qz.quantize(w, kind)
     np.testing.assert_array_equal(raw, gguf.quants.quantize(w, G(int(kind))))
     assert raw.shape == (33, qk.row_bytes(kind, 256))
 
@@ -182,8 +184,8 @@ def test_bad_arguments_raise_value_errors_naming_them() -> None:
         ("qtype", lambda: qk.matmul(x, raw, GGMLType.Q2_K, rows, 256)),
         ("in_features", lambda: qk.matmul(x, raw, q8, rows, 48)),
         ("rows", lambda: qk.dequantize_rows(raw, q8, n, 2, 5)),
-        ("w", lambda: qk.quantize(np.zeros((2, 32)), q8)),
-        ("qtype", lambda: qk.quantize(np.zeros((2, 256), np.float32), GGMLType.Q6_K)),
+        ("w", lambda: qz.quantize(np.zeros((2, 32)), q8)),
+        ("qtype", lambda: qz.quantize(np.zeros((2, 256), np.float32), GGMLType.Q5_K)),
     ]
     for name, call in cases:
         with pytest.raises(ValueError, match=name):
@@ -215,7 +217,7 @@ def q8_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     blocks = x.reshape(x.shape[0], -1, 32)
     d = np.abs(blocks).max(axis=2) / np.float32(127)
     inverse = np.where(d == 0, np.float32(0), np.float32(1) / np.where(d == 0, 1, d))
-    q = qk._round_away(blocks * inverse.astype(np.float32)[..., None]).astype(np.int64)
+    q = qz._round_away(blocks * inverse.astype(np.float32)[..., None]).astype(np.int64)
     s = (q.sum(axis=2).astype(np.float32) * d).astype(np.float16).astype(np.float32)
     return q, d.astype(np.float16).astype(np.float32), s
 
@@ -312,6 +314,7 @@ _ISA_SCRIPT = """
 import sys
 import numpy as np
 from structllm.model import quant_kernels as qk
+from structllm.model import quantize as qz
 data = np.load(sys.argv[1])
 out = {}
 for kind in sorted(qk.Q8_TYPES):

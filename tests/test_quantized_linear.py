@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 
 from structllm.errors import EngineConfigError, ModelLoadError
 from structllm.formats import GGUFFile
-from structllm.model import quant_kernels
+from structllm.model import quant_kernels, quantize
 from structllm.model._paddle import paddle
 from structllm.model.linear import DenseLinear
 from structllm.model.loader import build_model, load_model
@@ -140,13 +140,13 @@ def test_a_float_checkpoint_is_quantized_at_load(
     tensors = dict(load_file(directory / "model.safetensors"))
     for name, w in list(tensors.items()):
         if w.ndim == 2 and name != "model.embed_tokens.weight":
-            raw = quant_kernels.quantize(np.ascontiguousarray(w, np.float32), qtype)
+            raw = quantize.quantize(np.ascontiguousarray(w, np.float32), qtype)
             tensors[name] = quant_kernels.dequantize_rows(raw, qtype, w.shape[1])
     linears: dict[str, Any] = {}
     if plain.config.tie_word_embeddings:
         # the head quantizes the embedding's rows; the lookup keeps floats
         embed = np.ascontiguousarray(tensors["model.embed_tokens.weight"], np.float32)
-        raw = quant_kernels.quantize(embed, qtype)
+        raw = quantize.quantize(embed, qtype)
         head = quant_kernels.dequantize_rows(raw, qtype, embed.shape[1])
         linears["lm_head"] = DenseLinear(paddle.to_tensor(head), transposed=True)
     expected = build_model(plain.config, tensors, linears=linears)
@@ -156,26 +156,26 @@ def test_a_float_checkpoint_is_quantized_at_load(
     _close(_logits(loaded.model), _logits(expected))
 
 
-def _q4_k_or_fallback(in_features: int) -> int:
-    """llama-quantize's choice for a Q4_K model: Q5_0 where a row is not whole
-    256-value super-blocks."""
-    kind = quant_kernels.GGMLType.Q4_K if in_features % 256 == 0 else "Q5_0"
-    return int(quant_kernels.GGMLType[kind] if isinstance(kind, str) else kind)
-
-
-def _through_q4_k(w: np.ndarray) -> np.ndarray:
-    """A weight as its q4_k quantization at load dequantizes it (float32)."""
+def _through_q4_k(name: str, w: np.ndarray, num_layers: int = 2) -> np.ndarray:
+    """The HF weight ``name`` as its q4_k quantization at load dequantizes it
+    (float32): in the type llama.cpp's Q4_K_M mix gives it."""
     w = np.ascontiguousarray(w, np.float32)
-    kind = _q4_k_or_fallback(w.shape[1])
-    raw = quant_kernels.quantize(w, kind)
+    piece = name.removesuffix(".weight")
+    kind = quantize.tensor_type(
+        quant_kernels.GGMLType.Q4_K, piece, w.shape[1], num_layers
+    )
+    raw = quantize.quantize(w, kind)
     return quant_kernels.dequantize_rows(raw, kind, w.shape[1])
 
 
 @pytest.mark.parametrize(
     ("hidden", "types"),
     [
-        (256, {"Q4_K"}),  # every row whole super-blocks
-        (192, {"Q4_K", "Q5_0"}),  # down_proj's 512 inputs Q4_K, the rest Q5_0
+        # every row whole super-blocks: Q6_K for the head and layer 1's v, down
+        (256, {"Q4_K", "Q6_K"}),
+        # down_proj's 512 inputs Q4_K (layer 1 Q6_K), the rest Q5_0 (layer 1's
+        # v and the head Q8_0: Q6_K's fallback)
+        (192, {"Q4_K", "Q5_0", "Q6_K", "Q8_0"}),
     ],
 )
 def test_q4_k_at_load_computes_the_dequantized_model(
@@ -189,8 +189,10 @@ def test_q4_k_at_load_computes_the_dequantized_model(
     tensors = dict(load_file(directory / "model.safetensors"))
     for name, w in list(tensors.items()):
         if w.ndim == 2 and name != "model.embed_tokens.weight":
-            tensors[name] = _through_q4_k(w)
-    head = _through_q4_k(tensors["model.embed_tokens.weight"])
+            tensors[name] = _through_q4_k(name, w)
+    head = _through_q4_k(
+        "model.embed_tokens.weight", tensors["model.embed_tokens.weight"]
+    )
     linears: dict[str, Any] = {
         "lm_head": DenseLinear(paddle.to_tensor(head), transposed=True)
     }
@@ -217,7 +219,7 @@ def test_q4_k_greedy_tokens_are_the_dequantized_checkpoints(tmp_path: Path) -> N
     tensors = dict(load_file(directory / "model.safetensors"))
     for name, w in list(tensors.items()):
         if w.ndim == 2 and name != "model.embed_tokens.weight":
-            tensors[name] = _through_q4_k(w)
+            tensors[name] = _through_q4_k(name, w)
     save_file(tensors, str(dequantized / "model.safetensors"))
     for f in directory.iterdir():
         if f.name != "model.safetensors":

@@ -45,10 +45,13 @@ SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
 
 
 def _random_raw(qk, kind, rows, n, rng):  # type: ignore[no-untyped-def]
-    """Weights of ``kind``: quantized from normal floats where this module
-    quantizes, else random bytes with small finite f16 scales."""
-    if kind in qk.QUANTIZE_TYPES:
-        return qk.quantize(rng.standard_normal((rows, n), dtype=np.float32), kind)
+    """Weights of ``kind``: quantized from normal floats where
+    ``structllm.model.quantize`` quantizes, else random bytes with small
+    finite f16 scales."""
+    from structllm.model import quantize as qz
+
+    if kind in qz.QUANTIZE_TYPES:
+        return qz.quantize(rng.standard_normal((rows, n), dtype=np.float32), kind)
     values, size = qk.block_layout(kind)
     raw = rng.integers(0, 256, (rows, n // values, size), dtype=np.uint8)
     halves = {qk.GGMLType.Q4_K: (0, 2), qk.GGMLType.Q5_K: (0, 2)}

@@ -98,7 +98,7 @@ class EngineConfig:
         help="auto: a GGUF file's weights stay in their quantized blocks, a float "
         "checkpoint's in float32; none: dequantize a GGUF file to float32; "
         "q8_0/q4_0/q4_1/q4_k: quantize a float checkpoint's projections at load "
-        "(q4_k: Q5_0 where a row is not whole 256-value super-blocks)",
+        "(q4_k: llama-quantize's Q4_K_M mix of Q4_K and Q6_K)",
         topic="model",
     )
     quantized_activations: Literal["float", "q8"] = setting(

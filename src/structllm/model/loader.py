@@ -231,7 +231,11 @@ def load_model(
     float checkpoint's in float; ``none`` dequantizes a GGUF file to
     float32; ``q8_0``, ``q4_0``, ``q4_1``, ``q4_k`` quantize a float
     checkpoint's projections at load, as llama.cpp's ``llama-quantize``
-    would (the embedding lookup, norms and biases stay float32).
+    would (``model/quantize.py``; the embedding lookup, norms and biases
+    stay float32): ``q4_k`` is its Q4_K_M mix, Q6_K for the head and for
+    ``v_proj`` and ``down_proj`` in the first and last eighth of the layers
+    and every third between, Q4_K elsewhere, Q5_0 / Q8_0 where a row is not
+    whole 256-value super-blocks (``quantize.tensor_type``).
     ``quantized_activations``: how the quantized projections take their
     input, ``float`` (the float product) or ``q8`` (quantized to 8 bits
     first, as llama.cpp does: faster, llama.cpp's results); ``q8`` needs
@@ -285,7 +289,7 @@ def load_model(
             "safetensors (a directory), gguf (a .gguf file) or dummy"
         )
     if quantize is not None:
-        from structllm.model.quantized import quantize_projections
+        from structllm.model.quantize import quantize_projections
 
         linears = quantize_projections(config, tensors, quantize)
     llm = build_model(

@@ -25,7 +25,7 @@ the others by name when the model is built.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, MutableMapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -41,7 +41,6 @@ __all__ = [
     "QuantizedEmbedding",
     "QuantizedLinear",
     "QuantizedPart",
-    "quantize_projections",
     "quantized_linears",
     "set_activations",
     "warm_up",
@@ -196,62 +195,6 @@ class QuantizedEmbedding:
         )
 
 
-def quantize_projections(
-    config: Any,
-    tensors: MutableMapping[str, Any],
-    qtype_name: str,
-) -> dict[str, Linear]:
-    """Every projection of a float checkpoint quantized to ``qtype_name``
-    (``"Q8_0"``...), as ``build_model``'s ``linears``: the HF weights and
-    biases of each projection are taken out of ``tensors``; a tied head
-    quantizes the embedding's rows (the lookup keeps the float embedding).
-    A weight whose rows are not whole Q4_K super-blocks (256 values: 576
-    inputs, as SmolLM2's hidden size) is Q5_0 instead, as ``llama-quantize``
-    falls back. Refuses (:class:`EngineConfigError` on ``quantization``) a
-    type the kernels cannot quantize to, and a weight whose rows are not
-    whole blocks.
-    """
-    from structllm.model.loader import projection_loaders
-
-    qtype = int(quant_kernels.GGMLType[qtype_name])
-    if qtype not in {int(t) for t in quant_kernels.QUANTIZE_TYPES}:
-        raise EngineConfigError(
-            f"quantization={qtype_name.lower()} is not one the CPU kernels quantize to",
-            field="quantization",
-        )
-    loaders: dict[str, Any] = dict(projection_loaders(config))
-    if config.tie_word_embeddings:
-        loaders["lm_head"] = None
-    out: dict[str, Linear] = {}
-    for module, loader in loaders.items():
-        pieces = ("model.embed_tokens",) if loader is None else tuple(loader.pieces)
-        parts = []
-        in_features = 0
-        for piece in pieces:
-            name = piece + ".weight"
-            w = tensors[name] if loader is None else tensors.pop(name)
-            w = _float32(w)  # (out, in)
-            in_features = w.shape[1]
-            kind = qtype
-            if kind == quant_kernels.GGMLType.Q4_K and in_features % 256:
-                kind = int(quant_kernels.GGMLType.Q5_0)
-            per_block = quant_kernels.block_layout(kind)[0]
-            if w.shape[1] % per_block:
-                raise EngineConfigError(
-                    f"quantization={qtype_name.lower()}: {name} has {w.shape[1]} "
-                    f"inputs, not a multiple of the {per_block}-value block",
-                    field="quantization",
-                )
-            parts.append(QuantizedPart(quant_kernels.quantize(w, kind), kind))
-        bias = None
-        if loader is not None and loader.has_bias:
-            bias = paddle.to_tensor(
-                np.concatenate([_float32(tensors.pop(p + ".bias")) for p in pieces])
-            )
-        out[module] = QuantizedLinear.fuse(parts, in_features, bias)
-    return out
-
-
 def quantized_linears(linears: Iterable[tuple[str, Linear]]) -> list[QuantizedLinear]:
     """The :class:`QuantizedLinear` among named Linears (``weights.linears()``)."""
     return [lin for _, lin in linears if isinstance(lin, QuantizedLinear)]
@@ -279,10 +222,3 @@ def warm_up(linears: Iterable[tuple[str, Linear]]) -> None:
     found = quantized_linears(linears)
     if found:
         quant_kernels.warm_up(q8=any(lin.activations == "q8" for lin in found))
-
-
-def _float32(x: Any) -> np.ndarray:
-    """A float32 numpy copy of a Paddle tensor or array (any float dtype)."""
-    if isinstance(x, paddle.Tensor):
-        x = x.astype("float32").numpy()
-    return np.ascontiguousarray(x, dtype=np.float32)

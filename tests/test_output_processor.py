@@ -94,6 +94,48 @@ def test_outputs_for_unknown_ids_are_aborted() -> None:
     assert [s.request_id for s, _ in result.outputs] == ["a"]
 
 
+def test_first_tokens_are_taken_before_the_running_requests_next_ones() -> None:
+    proc = OutputProcessor()
+    old, new, newer = state("old"), state("new"), state("newer")
+    for s in (old, new, newer):
+        proc.add(s)
+    proc.process_outputs([step("old", "a")])
+    # the core lists the newest requests last
+    result = proc.process_outputs(
+        [step("old", "b"), step("new", "c"), step("newer", "d")]
+    )
+    assert [s.request_id for s, _ in result.outputs] == ["new", "newer", "old"]
+    result = proc.process_outputs(
+        [step("old", "e"), step("new", "f"), step("newer", "g")]
+    )
+    assert [s.request_id for s, _ in result.outputs] == ["old", "new", "newer"]
+
+
+# trio runs a batch of woken tasks in a random direction, so only asyncio's
+# order (the order of the wake-ups) can be asserted
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.anyio
+async def test_a_first_token_wakes_its_consumer_before_the_others() -> None:
+    proc = OutputProcessor()
+    woken: list[str] = []
+    queues = {rid: RequestOutputCollector(OutputKind.DELTA) for rid in ("old", "new")}
+    for rid, q in queues.items():
+        proc.add(state(rid, queue=q, output_kind=OutputKind.DELTA))
+    proc.process_outputs([step("old", "a")])
+    assert await queues["old"].next() is not None
+
+    async def consume(rid: str) -> None:
+        await queues[rid].next()
+        woken.append(rid)
+
+    async with anyio.create_task_group() as tg:
+        for rid in queues:
+            tg.start_soon(consume, rid)
+        await anyio.wait_all_tasks_blocked()
+        proc.process_outputs([step("old", "b"), step("new", "c")])
+    assert woken == ["new", "old"]
+
+
 def test_a_request_that_fails_to_process_fails_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

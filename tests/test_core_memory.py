@@ -8,6 +8,7 @@ entry and byte bounds however large the grammars.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import importlib.util
 from pathlib import Path
@@ -130,3 +131,19 @@ def test_idle_core_after_mixed_requests_keeps_nothing_of_them() -> None:
         assert not [o for o in gc.get_objects() if isinstance(o, Request)]
     finally:
         core.close()
+
+
+def test_the_stages_report_commits_the_kv_cache_as_it_is_used() -> None:
+    """``--stages`` on a 128 MiB cache: reserving it adds next to nothing to
+    the resident memory; 16 requests touch only the blocks they used."""
+    tool = _core_memory()
+    ns = argparse.Namespace(model="tiny-random", model_backend="auto", seed=0)
+    engine = {"max_model_len": 512, "num_blocks": 16384, "max_num_seqs": 16}
+    rows = {r["stage"]: r for r in tool.stages(ns, engine)["stages"]}
+    loaded = rows["model loaded, KV cache reserved"]
+    reserved = loaded["kv_reserved_mib"]
+    assert reserved >= 100
+    assert loaded["anon"] - rows["paddle"]["anon"] < reserved / 4
+    served = rows["16 requests of 256 + 64 tokens at once"]
+    assert 0 < served["kv_touched_mib"] < reserved / 8
+    assert list(rows)[-1] == "after malloc_trim(0)"

@@ -38,6 +38,7 @@ def test_a_cache_is_resident_only_as_far_as_its_blocks_are_written() -> None:
     model = _model()
     per_block = model.kv_cache_bytes_per_block()
     num_blocks = 256 * _MiB // per_block
+    gc.collect()
     before = _rss_anon()
     caches = model.allocate_kv_cache(num_blocks)
     assert _rss_anon() - before < 16 * _MiB  # 256 MiB reserved, nothing written

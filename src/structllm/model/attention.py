@@ -489,11 +489,12 @@ def lazy_zeros(shape: Sequence[int], dtype: str | paddle.dtype) -> paddle.Tensor
     page until one is written, so reading a never-written slot costs
     nothing and yields zeros. The tensor keeps the mapping alive; it is
     unmapped when the tensor is freed. bfloat16 goes through int16 bits
-    (numpy has no bfloat16); another dtype gets ``paddle.zeros``.
+    (numpy has no bfloat16); another dtype, or a system without POSIX
+    ``mmap``, gets ``paddle.zeros``.
     """
     name = str(dtype).removeprefix("paddle.")
     np_dtype = _LAZY_DTYPES.get(name)
-    if np_dtype is None:
+    if np_dtype is None or not hasattr(mmap, "MAP_PRIVATE"):  # or not POSIX
         return paddle.zeros(list(shape), dtype=dtype)
     size = math.prod(shape) * np.dtype(np_dtype).itemsize
     memory = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

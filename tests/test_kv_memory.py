@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import gc
 
+import attrs
 import numpy as np
 import pytest
 
+from structllm.config import EngineConfig
 from structllm.core.block_pool import BlockPool
+from structllm.core.engine_setup import (
+    kv_cache_touch_limit,
+    load_engine_model,
+    size_kv_cache,
+)
 from structllm.model._paddle import paddle
 from structllm.model.attention import SequenceSlice, lazy_zeros
 from structllm.model.config import tiny_random_config
@@ -149,3 +156,19 @@ def test_past_the_touch_limit_the_prefix_cache_evicts_instead_of_growing(
     assert pool.num_touched == 8 and pool.num_free == 0
     pool.free([b, *rest])
     pool.audit()
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "memory_blocks", "want"),
+    [(None, 100, None), (40, 100, None), (400, 100, 100)],
+)
+def test_the_touch_limit_is_what_kv_cache_memory_holds_when_fewer_blocks(
+    num_blocks: int | None, memory_blocks: int, want: int | None
+) -> None:
+    config = EngineConfig(model="tiny-random", max_model_len=64, num_blocks=num_blocks)
+    loaded = load_engine_model(config)
+    per_block = loaded.model.kv_cache_bytes_per_block()
+    config = attrs.evolve(config, kv_cache_memory=memory_blocks * per_block)
+    _, blocks = size_kv_cache(config, loaded)
+    assert blocks == (num_blocks or min(memory_blocks, 64 * 4))
+    assert kv_cache_touch_limit(config, loaded, blocks) == want

@@ -3,13 +3,18 @@
 What tools/core_memory.py measures, as properties that need no clock and no
 RSS: an idle core holds nothing of the requests it served, and the one
 cache that grows with distinct requests, the grammar cache, keeps to its
-entry and byte bounds however large the grammars.
+entry and byte bounds however large the grammars. And two that read RSS: a
+reserved KV cache is not resident until used, and an idle core gives
+malloc's kept memory back.
 """
 
 from __future__ import annotations
 
+import argparse
+import ctypes
 import gc
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -17,7 +22,9 @@ import pytest
 
 from structllm.config import EngineConfig
 from structllm.core.engine_core import EngineCore
-from structllm.core.request import Request
+from structllm.core.request import CoreRequest, Request
+from structllm.engine.core_process import loop
+from structllm.engine.protocol import Heartbeat, Message, Ready
 from structllm.structured import compiler as compiler_module
 from structllm.structured.compiler import (
     GrammarCompiler,
@@ -28,6 +35,7 @@ from structllm.structured.compiler import (
 from structllm.structured.spec import StructuredOutputs
 from structllm.structured.vocabulary import GrammarVocabulary
 from structllm.text.byte_tokenizer import ByteTokenizer
+from tests.test_core_process import GREEDY, core_loop, finished
 
 
 def _core_memory() -> ModuleType:
@@ -130,3 +138,70 @@ def test_idle_core_after_mixed_requests_keeps_nothing_of_them() -> None:
         assert not [o for o in gc.get_objects() if isinstance(o, Request)]
     finally:
         core.close()
+
+
+def test_the_stages_report_commits_the_kv_cache_as_it_is_used() -> None:
+    """``--stages`` on a 128 MiB cache: reserving it adds next to nothing to
+    the resident memory; 16 requests touch only the blocks they used."""
+    tool = _core_memory()
+    ns = argparse.Namespace(model="tiny-random", model_backend="auto", seed=0)
+    engine = {"max_model_len": 512, "num_blocks": 16384, "max_num_seqs": 16}
+    rows = {r["stage"]: r for r in tool.stages(ns, engine)["stages"]}
+    loaded = rows["model loaded, KV cache reserved"]
+    reserved = loaded["kv_reserved_mib"]
+    assert reserved >= 100
+    assert loaded["anon"] - rows["paddle"]["anon"] < reserved / 4
+    served = rows["16 requests of 256 + 64 tokens at once"]
+    assert 0 < served["kv_touched_mib"] < reserved / 8
+    assert list(rows)[-1] == "after malloc_trim(0)"
+
+
+def test_an_idle_core_gives_mallocs_kept_memory_back_once_a_spell(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After the warm-up and after each burst, once, a heartbeat interval
+    idle: a busy core keeps its pages."""
+    calls: list[int] = []
+    monkeypatch.setattr(loop, "release_kept_memory", lambda: calls.append(1))
+
+    def beats(n: int) -> Callable[[Message], bool]:
+        seen = [0]
+
+        def beat(m: Message) -> bool:
+            seen[0] += isinstance(m, Heartbeat)
+            return seen[0] == n
+
+        return beat
+
+    with core_loop(heartbeat_interval=0.05) as (peer, _):
+        peer.until(lambda m: isinstance(m, Ready))
+        peer.until(beats(4))
+        assert len(calls) == 1
+        peer.send(CoreRequest(request_id="a", prompt_token_ids=(1, 2), params=GREEDY))
+        peer.until(finished("a"))
+        peer.until(beats(4))
+        assert len(calls) == 2
+
+
+def test_releasing_kept_memory_shrinks_the_heap() -> None:
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    # 64 MiB of 16 KiB blocks (below the mmap threshold: in the heap), all
+    # freed but the last, which pins the heap's top: free() cannot shrink it
+    blocks = [libc.malloc(16 << 10) for _ in range(4096)]
+    for b in blocks:
+        ctypes.memset(b, 1, 16 << 10)
+    for b in blocks[:-1]:
+        libc.free(b)
+    kept = _rss_anon()
+    loop.release_kept_memory()
+    assert kept - _rss_anon() > 32 << 20
+    libc.free(blocks[-1])
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        line = next(ln for ln in f if ln.startswith("RssAnon:"))
+    return 1024 * int(line.split()[1])

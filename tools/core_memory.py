@@ -28,6 +28,17 @@ At the end each bounded cache is released in turn (the grammar cache, the
 prefix cache) and the live bytes it gave back are measured, then
 ``malloc_trim(0)`` shows what the allocator kept. Prints one JSON object
 (``rounds``, ``attribution``) and, on stderr, a table per round.
+
+    python tools/core_memory.py --stages [--model PATH.gguf]
+
+instead measures what each stage of a core process's startup adds to its
+resident memory (``VmRSS``, split into ``RssAnon``: heap, stacks, copied
+pages; and ``RssFile``: libraries and files mapped), in this fresh
+process: numba, Paddle, the model and its KV cache, the compiled kernels
+loaded, the first steps (oneDNN and MKL), then 16 requests of 256 tokens and
+64 generated at once, with ``bench serve``'s engine flags for the real model
+(``STAGE_ENGINE``). Run it with the environment a core process would have
+(``MALLOC_ARENA_MAX``...) to see what a setting changes.
 """
 
 from __future__ import annotations
@@ -52,6 +63,14 @@ from structllm.structured.spec import StructuredOutputs
 
 #: tools/soak.py's engine flags
 ENGINE = {"max_model_len": 2048, "num_blocks": 1024, "max_num_seqs": 64}
+
+#: bench serve's engine flags against llama.cpp (tools/bench_peers.py)
+STAGE_ENGINE = {
+    "max_model_len": 4096,
+    "num_blocks": 512,
+    "max_num_seqs": 16,
+    "num_threads": 2,
+}
 
 #: structured outputs that recur (the grammar cache hits them)
 FIXED_SPECS = (
@@ -103,6 +122,19 @@ def malloc_mib() -> dict[str, float]:
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return round(int(f.read().split()[1]) * os.sysconf("SC_PAGESIZE") / 2**20, 1)
+
+
+def status_mib() -> dict[str, float]:
+    """This process's resident memory, MiB: ``rss`` (VmRSS), ``anon``
+    (RssAnon), ``file`` (RssFile), ``peak`` (VmHWM)."""
+    keys = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "VmHWM": "peak"}
+    out: dict[str, float] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in keys:
+                out[keys[key]] = round(int(value.split()[0]) / 1024, 1)
+    return out
 
 
 def numba_specialisations() -> int:
@@ -429,6 +461,69 @@ def measure(ns: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def stages(ns: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any]:
+    """Resident memory after each stage of a core's startup, then under load.
+
+    Imports first (this module imports only the core's pure-Python side),
+    so run it in a fresh interpreter for the import stages to mean anything.
+    """
+    rows: list[dict[str, Any]] = []
+
+    def mark(stage: str, **extra: Any) -> None:
+        gc.collect()
+        rows.append({"stage": stage, **status_mib(), **extra})
+        r = rows[-1]
+        print(
+            f"{stage:<44} {r['rss']:>7} {r['anon']:>7} {r['file']:>7} {r['peak']:>7}",
+            file=sys.stderr,
+        )
+
+    head = ("stage (MiB)", "rss", "anon", "file", "peak")
+    print(f"{head[0]:<44} " + " ".join(f"{h:>7}" for h in head[1:]), file=sys.stderr)
+    mark("python, structllm's core modules")
+    import numba  # noqa: F401
+
+    mark("numba (llvmlite, LLVM)")
+    from structllm.model import _paddle, kernels
+
+    mark("paddle")
+    from structllm.engine.core_process.loop import _warm_up
+
+    config = EngineConfig(model=ns.model, model_backend=ns.model_backend, **engine)
+    core = EngineCore(config)
+    per_block = core.runner.model.kv_cache_bytes_per_block()
+
+    def kv() -> dict[str, float]:
+        return {
+            "kv_reserved_mib": round(core.kv_cache_bytes / 2**20, 1),
+            "kv_touched_mib": round(core.pool.num_touched * per_block / 2**20, 1),
+        }
+
+    mark("model loaded, KV cache reserved", **kv())
+    kernels.warm_up(config.kv_cache_dtype)
+    mark("compiled kernels loaded (numba)")
+    _warm_up(core, lambda _: None)
+    mark("first steps (oneDNN, MKL, quantized kernels)", **kv())
+    rng = random.Random(ns.seed)
+    vocab = min(1000, core.vocab_size)
+    for i in range(16):
+        core.add_request(
+            CoreRequest(
+                request_id=f"s{i}",
+                prompt_token_ids=tuple(rng.randrange(3, vocab) for _ in range(256)),
+                params=SamplingParams(max_tokens=64, ignore_eos=True),
+            )
+        )
+    while core.has_unfinished_requests():
+        core.step()
+    mark("16 requests of 256 + 64 tokens at once", **kv())
+    _libc.malloc_trim(0)
+    mark("after malloc_trim(0)")
+    del _paddle
+    core.close()
+    return {"model": ns.model, "engine": engine, "stages": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny-random")
@@ -440,8 +535,14 @@ def main() -> None:
     parser.add_argument(
         "--trace", action="store_true", help="tracemalloc from after the warm-up (slow)"
     )
+    parser.add_argument(
+        "--stages",
+        action="store_true",
+        help="resident memory at each stage of a core's startup (STAGE_ENGINE)",
+    )
     ns = parser.parse_args()
-    print(json.dumps(measure(ns), indent=1))
+    result = stages(ns, STAGE_ENGINE) if ns.stages else measure(ns)
+    print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -127,7 +127,9 @@ class EngineConfig:
     )
     kv_cache_memory: int = setting(
         _GiB // 2,
-        help="bytes for the KV cache when --num-blocks is not given",
+        help="the most bytes the KV cache may hold when --num-blocks is not "
+        "given (it holds at most max_num_seqs sequences of max_model_len; on "
+        "CPU its pages are committed as blocks are first used, not at start)",
         validator=_ONE,
         topic="engine",
     )

@@ -16,6 +16,15 @@ num_blocks`` and, when no request is live, ``num_used == 0``.
 Allocation takes free-uncached blocks first, then evicts free-cached ones
 least recently freed first. A referenced block is never evicted.
 
+Blocks never handed out yet (*fresh*) are handed out in id order, after the
+free-uncached blocks that were used before: the KV cache's memory is
+committed page by page as blocks are first written (``lazy_zeros`` in
+model/attention.py), so what is resident is the blocks ever handed out
+(:attr:`BlockPool.num_touched`). Fresh blocks come before evicting a cached
+one only while fewer than ``touch_limit`` blocks have been handed out;
+past it the prefix cache evicts instead of growing, and a fresh block is
+taken only when no free block is left otherwise.
+
 A **pin** (:meth:`BlockPool.pin`) is a named reference to the cached blocks
 of a prefix: they stay referenced, so never evicted, and keep their hashes
 through :meth:`~BlockPool.reset_prefix_cache`, until :meth:`~BlockPool.unpin`.
@@ -106,9 +115,20 @@ class BlockPoolStatistics:
 class BlockPool:
     num_blocks: int = attrs.field(validator=attrs.validators.ge(1))
     block_size: int = attrs.field(validator=attrs.validators.ge(1))
-    #: blocks with count 0; allocation takes from the front: uncached blocks
-    #: are kept in front, cached ones behind them in the order they were freed
-    _free: OrderedDict[int, None] = attrs.field(init=False)
+    #: blocks handed out at least once past which a cached block is evicted
+    #: rather than a fresh one touched; None: never (the prefix cache may
+    #: grow over the whole pool)
+    touch_limit: int | None = attrs.field(
+        default=None,
+        kw_only=True,
+        validator=attrs.validators.optional(attrs.validators.ge(0)),
+    )
+    #: used blocks with count 0; allocation takes from the front: uncached
+    #: blocks are kept in front, cached ones behind them in the order they
+    #: were freed (fresh blocks are not in it)
+    _free: OrderedDict[int, None] = attrs.field(init=False, factory=OrderedDict)
+    #: the first fresh block: blocks from it on were never handed out
+    _fresh: int = attrs.field(init=False, default=0)
     _ref_counts: list[int] = attrs.field(init=False)
     _hashes: list[BlockHash | None] = attrs.field(init=False)
     _cached: dict[BlockHash, int] = attrs.field(init=False, factory=dict)
@@ -118,17 +138,21 @@ class BlockPool:
     _pins: dict[str, list[int]] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
-        self._free = OrderedDict.fromkeys(range(self.num_blocks))
         self._ref_counts = [0] * self.num_blocks
         self._hashes = [None] * self.num_blocks
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.num_blocks - self._fresh
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self._fresh - len(self._free)
+
+    @property
+    def num_touched(self) -> int:
+        """Blocks handed out at least once (the cache's committed memory)."""
+        return self._fresh
 
     @property
     def num_cached(self) -> int:
@@ -142,14 +166,15 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free blocks (reference count 1 each), all or none.
 
-        Uncached blocks go first; then cached ones are evicted, least
-        recently freed first, and forget their hash.
+        Uncached blocks go first (used ones, then fresh ones below
+        ``touch_limit``); then cached ones are evicted, least recently freed
+        first, and forget their hash; then fresh ones beyond the limit.
         """
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
-        if n > len(self._free):
-            raise NoFreeBlocksError(f"asked for {n} blocks, {len(self._free)} free")
-        blocks = [self._free.popitem(last=False)[0] for _ in range(n)]
+        if n > self.num_free:
+            raise NoFreeBlocksError(f"asked for {n} blocks, {self.num_free} free")
+        blocks = [self._take() for _ in range(n)]
         for b in blocks:
             h = self._hashes[b]
             if h is not None:
@@ -159,6 +184,17 @@ class BlockPool:
                 self._total_evictions += 1
             self._ref_counts[b] = 1
         return blocks
+
+    def _take(self) -> int:
+        """The next free block to hand out (there is one)."""
+        first = next(iter(self._free), None)
+        if first is not None and self._hashes[first] is None:
+            return self._free.popitem(last=False)[0]
+        limit = self.num_blocks if self.touch_limit is None else self.touch_limit
+        if self._fresh < self.num_blocks and (first is None or self._fresh < limit):
+            self._fresh += 1
+            return self._fresh - 1
+        return self._free.popitem(last=False)[0]
 
     def incref(self, blocks: Iterable[int]) -> None:
         """Share ``blocks`` with one more owner (all or none).
@@ -296,9 +332,13 @@ class BlockPool:
         """Raise AssertionError unless the books balance (for tests)."""
         free = set(self._free)
         assert len(free) == len(self._free)
+        assert all(b < self._fresh for b in free), "a fresh block in the free list"
         for b in range(self.num_blocks):
             count, h = self._ref_counts[b], self._hashes[b]
             assert count >= 0, f"block {b} has count {count}"
+            if b >= self._fresh:
+                assert count == 0 and h is None, f"fresh block {b} was used"
+                continue
             assert (count == 0) == (b in free), f"block {b}: count {count} vs free"
             if h is not None:
                 assert self._cached.get(h) == b, f"block {b}: hash not registered"

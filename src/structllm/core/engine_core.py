@@ -22,6 +22,7 @@ from structllm.core.admission import check_pin, check_prompt, use_lora
 from structllm.core.block_pool import BlockPool
 from structllm.core.engine_setup import (
     engine_scheduler_config,
+    kv_cache_touch_limit,
     load_engine_model,
     size_kv_cache,
 )
@@ -142,7 +143,8 @@ class EngineCore:
         loaded = load_engine_model(config, 0, on_progress)
         self.model_config: ModelConfig = loaded.config
         self.max_model_len, num_blocks = size_kv_cache(config, loaded)
-        self.pool = BlockPool(num_blocks, config.block_size)
+        touch = kv_cache_touch_limit(config, loaded, num_blocks)
+        self.pool = BlockPool(num_blocks, config.block_size, touch_limit=touch)
         #: the KV cache's bytes, over every layer and every rank's heads
         self.kv_cache_bytes = loaded.model.kv_cache_bytes_per_block() * num_blocks * tp
         spec = config.speculative_config

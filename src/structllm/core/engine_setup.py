@@ -22,7 +22,12 @@ from structllm.errors import EngineConfigError
 if TYPE_CHECKING:
     from structllm.model.loader import LoadedModel, LoadProgress
 
-__all__ = ["engine_scheduler_config", "load_engine_model", "size_kv_cache"]
+__all__ = [
+    "engine_scheduler_config",
+    "kv_cache_touch_limit",
+    "load_engine_model",
+    "size_kv_cache",
+]
 
 
 def load_engine_model(
@@ -88,6 +93,24 @@ def size_kv_cache(config: EngineConfig, loaded: LoadedModel) -> tuple[int, int]:
             field="num_blocks" if config.num_blocks is not None else "kv_cache_memory",
         )
     return max_model_len, num_blocks
+
+
+def kv_cache_touch_limit(
+    config: EngineConfig, loaded: LoadedModel, num_blocks: int
+) -> int | None:
+    """The pool's ``touch_limit`` for a cache of ``num_blocks``: the blocks
+    ``kv_cache_memory`` holds, when fewer (else None, no limit).
+
+    On CPU the cache's memory is committed as blocks are first used, and
+    the block pool prefers a never-used block to evicting a cached prefix,
+    so under ever-new prompts the prefix cache grows until every block is
+    resident. Sized from ``kv_cache_memory`` (:func:`size_kv_cache`), the
+    cache is within it anyway; sized by ``num_blocks`` beyond it, running
+    sequences may still use every block, but cached prefixes are evicted
+    rather than grow the resident cache past ``kv_cache_memory``.
+    """
+    limit = config.kv_cache_memory // loaded.model.kv_cache_bytes_per_block()
+    return limit if limit < num_blocks else None
 
 
 def engine_scheduler_config(

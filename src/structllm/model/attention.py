@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import math
+import mmap
 import weakref
 from collections.abc import Collection, Mapping, Sequence
 
@@ -44,6 +45,7 @@ __all__ = [
     "PortableAttention",
     "RopeTables",
     "SequenceSlice",
+    "lazy_zeros",
     "slots_for",
 ]
 
@@ -86,7 +88,7 @@ class AttentionMetadata:
     num_tokens: int
     slot_mapping: np.ndarray  # (T,) int64: where each new token's K/V goes
     num_decodes: int  # rows 0..num_decodes-1 are one-token sequences
-    decode_slots: np.ndarray | None  # (B * K,) int64, padded with slot 0
+    decode_slots: np.ndarray | None  # (B * K,) int64, each row padded with its last
     decode_width: int  # K: the longest decode context
     #: window (None: full attention) -> (B, group, K) additive mask
     decode_masks: Mapping[int | None, paddle.Tensor]
@@ -166,9 +168,13 @@ class PortableAttention:
         elif num_decodes:
             lens = np.array([s.context_len + 1 for s in seqs[:num_decodes]])
             width = int(lens.max())
-            slots = np.zeros((num_decodes, width), dtype=np.int64)
+            slots = np.empty((num_decodes, width), dtype=np.int64)
             for i, s in enumerate(seqs[:num_decodes]):
                 slots[i, : lens[i]] = slots_for(s.block_table, 0, lens[i], bs)
+                # padded with the row's own newest slot, not another block's:
+                # masked out either way, but a stale NaN or inf times a zero
+                # weight would still poison the row
+                slots[i, lens[i] :] = slots[i, lens[i] - 1]
             keys = np.arange(width)[None, :]
             valid = keys < lens[:, None]  # (B, K)
             for window in self.windows:
@@ -247,10 +253,17 @@ class PortableAttention:
             mask = np.repeat(mask, self.group, axis=1)
         return host_tensor(mask)
 
-    def allocate(self, num_blocks: int, dtype: str) -> paddle.Tensor:
-        """One layer's K (or V) cache: ``(kv_heads, num_blocks * block_size, d)``."""
+    def allocate(self, num_blocks: int, dtype: str | paddle.dtype) -> paddle.Tensor:
+        """One layer's K (or V) cache: ``(kv_heads, num_blocks * block_size, d)``.
+
+        On the CPU its pages are committed as slots are first written, not
+        at start (:func:`lazy_zeros`): resident memory follows the blocks
+        the pool has handed out, not the cache's size.
+        """
         shape = [self.num_kv_heads, num_blocks * self.block_size, self.head_dim]
-        return paddle.zeros(shape, dtype=dtype)
+        if paddle.get_device() != "cpu":
+            return paddle.zeros(shape, dtype=dtype)
+        return lazy_zeros(shape, dtype)
 
     def forward(
         self,
@@ -460,6 +473,36 @@ class PortableAttention:
             scores = scores + mask
         probs = paddle.nn.functional.softmax(scores, axis=-1).astype(v.dtype)
         return paddle.matmul(probs, v)
+
+
+#: host dtypes a lazily committed cache can hold, as numpy sees their bits
+_LAZY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16}
+
+
+def lazy_zeros(shape: Sequence[int], dtype: str | paddle.dtype) -> paddle.Tensor:
+    """A zeroed CPU tensor whose memory is committed page by page, on first write.
+
+    ``paddle.zeros`` writes every byte at once, so a KV cache was resident in
+    full from the start whatever it held (360 MiB for SmolLM2-135M's 512
+    blocks). Here the memory is a private anonymous mapping, shared with
+    Paddle through DLPack: the kernel maps its shared zero page for every
+    page until one is written, so reading a never-written slot costs
+    nothing and yields zeros. The tensor keeps the mapping alive; it is
+    unmapped when the tensor is freed. bfloat16 goes through int16 bits
+    (numpy has no bfloat16); another dtype, or a system without POSIX
+    ``mmap``, gets ``paddle.zeros``.
+    """
+    name = str(dtype).removeprefix("paddle.")
+    np_dtype = _LAZY_DTYPES.get(name)
+    if np_dtype is None or not hasattr(mmap, "MAP_PRIVATE"):  # or not POSIX
+        return paddle.zeros(list(shape), dtype=dtype)
+    size = math.prod(shape) * np.dtype(np_dtype).itemsize
+    memory = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    array = np.frombuffer(memory, np_dtype, count=math.prod(shape)).reshape(shape)
+    # not host_tensor: its holder would keep the last cache's memory alive
+    # after the cache is freed (from_dlpack's small leak is once a cache)
+    tensor = paddle.from_dlpack(array)
+    return tensor.view(paddle.bfloat16) if name == "bfloat16" else tensor
 
 
 def _padded_tables(

@@ -34,7 +34,7 @@ def user_ids(state: CoreState) -> set[str]:
 
 async def assert_core_holds_nothing(llm: AsyncLLM) -> None:
     """Nothing live in the front end, and, asked now, nothing in any core:
-    no request, no KV block, no grammar compiling."""
+    no request, no KV block (a draft model's included), no grammar compiling."""
     assert llm.statistics().live_requests == 0
     with anyio.fail_after(10):
         states = await llm.inspect_cores()
@@ -42,4 +42,5 @@ async def assert_core_holds_nothing(llm: AsyncLLM) -> None:
         assert state is not None
         assert state.request_ids == [], state
         assert state.blocks_used == 0, state
+        assert state.draft_blocks_used == 0, state
         assert state.grammars_compiling == 0, state

@@ -124,6 +124,9 @@ class CoreState(msgspec.Struct, tag=True):
     #: the ids of the pins it holds, and the blocks they hold (in blocks_used)
     pins: list[str] = msgspec.field(default_factory=list)
     blocks_pinned: int = 0
+    #: KV blocks a draft model's cache holds for requests (speculative
+    #: decoding's "draft_model"; 0 without one)
+    draft_blocks_used: int = 0
 
 
 class AddLoRA(msgspec.Struct, tag=True):

@@ -226,11 +226,17 @@ def _warm_up(core: EngineCore, send: Send) -> None:
 
     send(LoadProgressMsg("warmup", 0, 1))
     kernels.warm_up(core.config.kv_cache_dtype)
+    # with speculation, room for a verification chunk of k + 1 positions (a
+    # draft model always proposes; prompt lookup when the tokens repeat)
+    spec = core.config.speculative_config
+    extra = 0 if spec is None else spec.num_speculative_tokens
     core.add_request(
         CoreRequest(
             request_id="__warmup__",
             prompt_token_ids=(0,) * 8,
-            params=SamplingParams(max_tokens=2, temperature=0.7, ignore_eos=True),
+            params=SamplingParams(
+                max_tokens=2 + extra, temperature=0.7, ignore_eos=True
+            ),
         )
     )
     while core.has_unfinished_requests():
@@ -381,6 +387,7 @@ def _state(core: EngineCore) -> CoreState:
         grammars_compiling=core.structured.num_compiling,
         pins=sorted(core.pool.pinned_names()),
         blocks_pinned=len(core.pool.pinned_blocks()),
+        draft_blocks_used=0 if core.draft is None else core.draft.pool.num_used,
     )
 
 

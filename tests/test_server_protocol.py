@@ -347,6 +347,7 @@ def test_responses_omit_only_what_was_not_given() -> None:
         "created": 1,
         "owned_by": "structllm",
         "root": "/m",
+        "parent": None,  # vLLM's: null on the base model's card
         "max_model_len": 8,
     }
     assert bodies.error_body("bad", param="x", code=400) == {

@@ -2267,9 +2267,10 @@ def _micro16(
 # The buffered kernel's block types fill its buffer from the GEMVs'
 # dequantizers (_blk32/_blk256: vectors, fastmath, stored 16 lanes at a
 # time) rather than the exact scalar _dq_* ones, which were most of a
-# T-of-16 call's time: 1.3-1.5x at 16 tokens (Q4_1, Q5_0, Q6_K), 1.0x for
-# Q8_0; Q4_K's measured 0.91x, so it keeps _dq_q4_k. The type is a literal,
-# as in the GEMVs of several tokens.
+# T-of-16 call's time: 1.2-1.5x at 16 tokens (Q4_1, Q5_0, Q6_K), 1.0-1.2x
+# for Q8_0, 0.99x for Q4_K (whose exact fill measured 0.83x beside the
+# vector micro-kernel). The type is a literal, as in the GEMVs of several
+# tokens.
 
 
 @_jit()
@@ -2326,6 +2327,8 @@ def _fill_quad(
         _fill32(6, w, r0, nrows, b0, b1, buf)
     elif qtype == 7:
         _fill32(7, w, r0, nrows, b0, b1, buf)
+    elif qtype == 12:
+        _fill256(12, w, r0, nrows, b0, b1, buf)
     elif qtype == 13:
         _fill256(13, w, r0, nrows, b0, b1, buf)
     elif qtype == 14:
@@ -2359,7 +2362,10 @@ def _matmul_rows(
         return
     n = x.shape[1]
     chunk = min(n, _CHUNK)
-    buf = np.zeros((_ROWS, chunk), np.float32)
+    # rows 16 floats longer than a chunk: at 1024 (4 KB) apart the micro-
+    # kernel's four weight loads measured 0.89x the scalar kernel's speed
+    # (576 x 1536), padded 1.01-1.05x
+    buf = np.zeros((_ROWS, chunk + 16), np.float32)
     sums = np.empty((4, _ROWS), np.float32)  # (token, row)
     for quad in range((stop - start + _ROWS - 1) // _ROWS):
         r0 = start + _ROWS * quad

@@ -208,6 +208,24 @@ def test_one_token_float_rows_of_any_length(kind: GGMLType) -> None:
         _assert_close(qk.matmul(x, raw, kind, 5, n), x, reference(raw, kind))
 
 
+def test_buffered_kernel_inputs_of_any_length_and_chunks() -> None:
+    """Past 8 tokens the buffered kernel runs: its vector micro-kernel where
+    a chunk's inputs are a multiple of 16, the scalar one elsewhere (float
+    rows of any length), over two chunks of 1024 inputs and a last quad of
+    fewer than 4 rows."""
+    rng = np.random.default_rng(5)
+    for kind, n in [
+        (GGMLType.F32, 37),
+        (GGMLType.F16, 1040),
+        (GGMLType.F32, 1043),
+        (GGMLType.Q6_K, 1280),
+        (GGMLType.Q5_0, 1056),
+    ]:
+        raw = random_raw(kind, 6, n, seed=n)
+        x = rng.standard_normal((13, n), dtype=np.float32)
+        _assert_close(qk.matmul(x, raw, kind, 6, n), x, reference(raw, kind))
+
+
 # -- q8 activations: llama.cpp's integer dot products ---------------------------
 
 

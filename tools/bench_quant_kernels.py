@@ -17,6 +17,17 @@ side; the load average is printed with each row.
 ``--activations q8`` times this copy with ``matmul(..., activations="q8")``
 (the baseline with its default, float activations).
 
+``--kernels`` times each kernel alone on one thread (``threaded=False``):
+for each type, each of SmolLM2's matrix shapes its blocks divide, ``T`` of
+1, 2, 4, 8 and 16 tokens, a "step" of 30 copies of the matrix (as 30
+layers: weights from L3, not L2) called once each; the figure is one
+thread's CPU time a call (``time.thread_time``, which preemption by other
+processes does not inflate), the median of ``--repeats`` steps, and GB/s
+of weight bytes over it. With ``--baseline`` the old copy runs the same
+steps alternately with this one. With ``--gguf FILE`` it then times the
+file's own step (every projection and the head, each tensor in its own
+type), summed by weight type. Runs in this process, no children.
+
 ``--prefill T`` compares, for T tokens through gate_up and down, the
 kernel with dequantizing 256-row tiles into numpy's BLAS and with float32.
 
@@ -25,6 +36,9 @@ Usage:
       [--types Q8_0 Q4_0 Q4_1 Q4_K Q6_K] [--repeats 10] [--gguf FILE.gguf]
       [--baseline OLD_quant_kernels.py]
   PYTHONPATH=src python tools/bench_quant_kernels.py --prefill 256
+  PYTHONPATH=src python tools/bench_quant_kernels.py --kernels
+      [--types Q8_0 Q5_0 Q4_K Q6_K] [--tokens 1 2 4 8 16]
+      [--baseline OLD_quant_kernels.py] [--gguf FILE.gguf]
 """
 
 from __future__ import annotations
@@ -253,11 +267,129 @@ def prefill(args: argparse.Namespace) -> None:
             )
 
 
+#: SmolLM2's matrices (out, in) the --kernels mode times, and the head's
+KERNEL_SHAPES = [*SHAPES, (VOCAB, HIDDEN)]
+
+
+def _cpu_seconds(fn: Callable[[], None], calls: int) -> float:
+    """One thread's CPU seconds a call of ``fn`` (which makes ``calls``)."""
+    start = time.thread_time()
+    fn()
+    return (time.thread_time() - start) / calls
+
+
+def _kernel_step(module, ws, x, y, kind, o, n) -> None:  # type: ignore[no-untyped-def]
+    """One call of ``module.matmul`` on each copy of the weight, one thread."""
+    for w in ws:
+        module.matmul(x, w, kind, o, n, out=y, threaded=False)
+
+
+def kernel_times(args: argparse.Namespace) -> None:
+    from structllm.model import kernels
+    from structllm.model import quant_kernels as qk
+
+    kernels.set_num_threads(1)
+    qk.warm_up()
+    base = _baseline(args.baseline)
+    mods = [qk] if base is None else [qk, base]
+    heads = {qk.GGMLType[name] for name in args.head_types}
+    rng = np.random.default_rng(0)
+    print(
+        "| type | out x in | T | us/call | GB/s |"
+        + (" baseline us/call | baseline GB/s | speed-up |" if base else "")
+    )
+    print("|---|---|---:|---:|---:|" + "---:|---:|---:|" * bool(base))
+    for kind in (qk.GGMLType[name] for name in args.types):
+        values = qk.block_layout(kind)[0]
+        for o, n in KERNEL_SHAPES:
+            if n % values or (o == VOCAB and kind not in heads):
+                continue
+            copies = 1 if o == VOCAB else LAYERS
+            w0 = _random_raw(qk, kind, o, n, rng)
+            ws = [w0.copy() for _ in range(copies)]
+            for t_len in args.tokens:
+                x = rng.standard_normal((t_len, n), dtype=np.float32)
+                y = np.empty((t_len, o), np.float32)
+                steps = [partial(_kernel_step, m, ws, x, y, kind, o, n) for m in mods]
+                for step in steps:
+                    step()  # compile, fault in
+                times: list[list[float]] = [[] for _ in steps]
+                for _ in range(args.repeats):  # alternately
+                    for i, step in enumerate(steps):
+                        times[i].append(_cpu_seconds(step, copies))
+                med = [float(np.median(t)) for t in times]
+                gbs = [w0.nbytes / s / 1e9 for s in med]
+                row = f"| {kind.name} | {o} x {n} | {t_len} |"
+                row += f" {med[0] * 1e6:.1f} | {gbs[0]:.1f} |"
+                if base is not None:
+                    row += f" {med[1] * 1e6:.1f} | {gbs[1]:.1f} |"
+                    row += f" {med[1] / med[0]:.2f}x |"
+                print(row, flush=True)
+    if args.gguf:
+        _file_step_times(qk, mods, args)
+
+
+def _file_weights(path: str):  # type: ignore[no-untyped-def]
+    """[(raw, type, out, in)] of every projection of a GGUF file's decode
+    step, each tensor its own (a Q4_K_M file mixes Q5_0, Q8_0, Q4_K, Q6_K),
+    and the tied head."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    weights = []
+    for t in reader.tensors:
+        if t.name.endswith(".weight") and len(t.shape) == 2:
+            n, o = (int(v) for v in t.shape)
+            weights.append((np.ascontiguousarray(t.data), int(t.tensor_type), o, n))
+    return weights
+
+
+def _file_step_times(qk, mods, args) -> None:  # type: ignore[no-untyped-def]
+    """One thread's CPU time of a whole decode step's matmuls of the file,
+    ``T`` tokens, by type, this copy and the baseline alternately."""
+    weights = _file_weights(args.gguf)
+    rng = np.random.default_rng(1)
+    by_type: dict[int, list] = {}  # type: ignore[type-arg]
+    for w in weights:
+        by_type.setdefault(w[1], []).append(w)
+    print(f"\n{args.gguf}: one thread's CPU ms a step, by weight type")
+    print(
+        "| type | matrices | MB | T | ms | GB/s |"
+        + " baseline ms | speed-up |" * (len(mods) > 1)
+    )
+    print("|---|---:|---:|---:|---:|---:|" + "---:|---:|" * (len(mods) > 1))
+    for kind, group in sorted(by_type.items()):
+        mb = sum(w.nbytes for w, *_ in group) / 1e6
+        for t_len in args.tokens:
+            xs = {
+                n: rng.standard_normal((t_len, n), dtype=np.float32) for *_, n in group
+            }
+            ys = [np.empty((t_len, o), np.float32) for _, _, o, _ in group]
+
+            def step(m, group=group, xs=xs, ys=ys) -> None:  # type: ignore[no-untyped-def]
+                for (w, k, o, n), y in zip(group, ys, strict=True):
+                    m.matmul(xs[n], w, k, o, n, out=y, threaded=False)
+
+            steps = [partial(step, m) for m in mods]
+            for f in steps:
+                f()
+            times: list[list[float]] = [[] for _ in steps]
+            for _ in range(args.repeats):
+                for i, f in enumerate(steps):
+                    times[i].append(_cpu_seconds(f, 1))
+            med = [float(np.median(t)) for t in times]
+            row = f"| {qk.GGMLType(kind).name} | {len(group)} | {mb:.1f} | {t_len} |"
+            row += f" {med[0] * 1e3:.2f} | {mb / 1e3 / med[0]:.1f} |"
+            if len(mods) > 1:
+                row += f" {med[1] * 1e3:.2f} | {med[1] / med[0]:.2f}x |"
+            print(row, flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument(
-        "--types", nargs="+", default=["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
+        "--types", nargs="*", default=["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
     )
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--repeats", type=int, default=10)
@@ -270,8 +402,21 @@ def main() -> None:
         help="matmul's activations option (q8: quantized activations); the"
         " baseline keeps its default",
     )
+    p.add_argument(
+        "--kernels", action="store_true", help="one-thread CPU time a kernel call"
+    )
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument(
+        "--head-types",
+        nargs="+",
+        default=["Q8_0", "Q6_K"],
+        help="types whose --kernels rows include the 49152 x 576 head",
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.kernels:
+        kernel_times(args)
+        return
     if args.child:
         args.threads = args.threads[0]
         (prefill if args.prefill else child)(args)

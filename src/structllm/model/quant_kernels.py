@@ -9,9 +9,9 @@ activations ``x (T, in)`` by it without a float copy of the whole weight:
 
 - Four rows at a time are dequantized into a small float32 buffer (a
   thread's own, 4 x 1024 values, 16 KB, in L1), a chunk of 1024 inputs at a
-  time, and every row of ``x`` is multiplied against them by a
-  register-blocked micro-kernel: 4 weight rows x 4 tokens, 16 running sums
-  that LLVM vectorises along the inputs. The weight's bytes are read once a
+  time (by the GEMVs' vector dequantizers, 16 lanes a store), and every row
+  of ``x`` is multiplied against them by a register-blocked micro-kernel:
+  4 weight rows x 4 tokens, 16 running sums of 16 lanes each. The weight's bytes are read once a
   call whatever ``T`` is (batch 16 reads them once, not 16 times) and each
   value is dequantized once; tokens come in fours, the rest one by one.
 - A single token (``T`` of 1, a decode step at batch 1) takes GEMV
@@ -19,12 +19,11 @@ activations ``x (T, in)`` by it without a float copy of the whole weight:
   vector registers and multiplied with ``x`` there, 16 lanes at a time,
   into running sums that stay in registers to the end of the row (no float
   buffer; 1.3-1.8x the buffered kernel's speed on SmolLM2's step). Up to
-  8 tokens (decode with a few concurrent streams) of a block type take
+  4 tokens (decode with a few concurrent streams) of a 32-value type take
   GEMVs of 4 and 2 tokens: each block dequantized into registers once and
-  multiplied into every token's sums (``T`` of 2 costs 0.9-1.3x ``T`` of
-  1 on a 3072 x 576 matrix, 1.9-2.7x faster than the buffered kernel; 1.5-
-  2.3x at 4). Run a token at a time they dequantized each block again a
-  token, 0.8-1.07x the buffered kernel's speed at 2.
+  multiplied into every token's sums (``T`` of 2 costs 1.4-1.6x ``T`` of
+  1 on a 3072 x 576 matrix, 1.5-1.7x faster than the buffered kernel).
+  K-quants take them at one token only (see :data:`_GEMV_TOKENS`).
 - Rows are spread over the engine's threads (:func:`set_num_threads` of
   :mod:`structllm.model.kernels`, the same OpenMP pool as the attention
   kernels), in contiguous runs of whole row quads.
@@ -269,6 +268,10 @@ def _vsum(v: Any) -> float:  # pragma: no cover - compiled
     return 0.0
 
 
+def _vstore(a: np.ndarray, index: int, v: Any) -> None:  # pragma: no cover
+    """Write a float vector to the float32 ``a[index:index + 16]``."""
+
+
 def _prefetch(w: np.ndarray, index: int) -> None:  # pragma: no cover - compiled
     """Ask for the cache line of byte ``index`` of ``w``'s data (flat, past
     its end allowed: a prefetch never faults) ahead of its use."""
@@ -402,6 +405,15 @@ def _define_vectors() -> tuple[Any, Any]:
     g["_vfloat"] = intrinsic(fvec, to_float, 1)
     g["_vlane"] = intrinsic(ivec, lane, 0)
     g["_vsum"] = intrinsic(types.float32, total, 1)
+
+    def store(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        builder.store(args[2], pointer(context, builder, sig, args, f32), align=4)
+        return context.get_dummy_value()
+
+    def store_typer(typingctx: Any, a: Any, index: Any, v: Any) -> Any:
+        return types.none(a, index, v), store
+
+    g["_vstore"] = extending.intrinsic(store_typer)
 
     def prefetch(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         array = context.make_array(sig.args[0])(context, builder, args[0])
@@ -992,6 +1004,9 @@ def _dequantize_quad(
     elif qtype == 14:
         for i in range(nrows):
             _dq_q6_k(w[r0 + i], b0, b1, buf[i], lanes)
+    elif qtype == 6:
+        for i in range(nrows):
+            _dq_q5_0(w[r0 + i], b0, b1, buf[i], lanes)
     else:
         for i in range(nrows):
             _dequantize_blocks(qtype, w[r0 + i], b0, b1, buf[i], lanes)
@@ -1003,7 +1018,8 @@ def _dequantize_quad(
 # are dequantized into registers (16 lanes at a time, the dequantizer's
 # arithmetic) and multiplied into running sums that stay there until the
 # row ends; nothing is stored between the weight bytes and the sum. The
-# 32-value types take two rows a pass (the last odd row alone): each ``x``
+# 32-value types (Q5_0/Q5_1 since issue 34: 2.2-2.6x on SmolLM2's
+# matrices, one thread's CPU time) take two rows a pass (the last odd row alone): each ``x``
 # vector loaded once for both, and twice the independent sums and weight
 # streams in flight, 1.1x on a matrix in L2 and 1.3-2x on SmolLM2's step,
 # whose weights come from L3 or memory (a row at a time waited on them).
@@ -1131,21 +1147,52 @@ def _gemv_q4_1(
 
 
 @_jit()
+def _q5_values(row: np.ndarray, h: int, q: int, lane: Any, lane16: Any) -> Any:
+    """A Q5_0/Q5_1 block's 32 values as two int32 vectors (0..31): the
+    nibbles at byte ``q`` with the fifth bits of the u32 at byte ``h``."""
+    low, one, four = _vsplat(15), _vsplat(1), _vsplat(4)
+    bits = _vsplat(_u32_at(row, h))  # bit j: value j's fifth
+    nibbles = _vbytes(row, q)
+    lo = (nibbles & low) | (((bits >> lane) & one) << four)
+    return lo, (nibbles >> four) | (((bits >> lane16) & one) << four)
+
+
+@_jit()
 def _gemv_q5_0(
     x: np.ndarray, w: np.ndarray, y: np.ndarray, start: int, stop: int
 ) -> None:  # pragma: no cover - compiled
     nb = x.shape[0] // 32
-    low, one, four, sixteen = _vsplat(15), _vsplat(1), _vsplat(4), _vsplat(16)
+    sixteen = _vsplat(16)
     lane, lane16 = _vlane(), _vlane() + _vsplat(16)
-    for r in range(start, stop):
+    pairs = (stop - start) // 2
+    for i in range(pairs):
+        r = start + 2 * i
+        row, row2 = w[r], w[r + 1]
+        ahead = r * w.shape[1] + _PREFETCH
+        a0 = a1 = b0 = b1 = _vzero()
+        for b in range(nb):
+            if b % 2 == 0:  # the pair's next 88 bytes
+                _prefetch(w, ahead + 44 * b)
+                _prefetch(w, ahead + 44 * b + 64)
+            x0, x1 = _vfloats(x, 32 * b), _vfloats(x, 32 * b + 16)
+            o = 22 * b
+            d = _vsplat(_f16_at(row, o))
+            lo, hi = _q5_values(row, o + 2, o + 6, lane, lane16)
+            a0 += d * _vfloat(lo - sixteen) * x0
+            a1 += d * _vfloat(hi - sixteen) * x1
+            d = _vsplat(_f16_at(row2, o))
+            lo, hi = _q5_values(row2, o + 2, o + 6, lane, lane16)
+            b0 += d * _vfloat(lo - sixteen) * x0
+            b1 += d * _vfloat(hi - sixteen) * x1
+        y[r] = _vsum(a0 + a1)
+        y[r + 1] = _vsum(b0 + b1)
+    for r in range(start + 2 * pairs, stop):
         row = w[r]
         a0 = a1 = _vzero()
         for b in range(nb):
-            d = _vsplat(_f16_at(row, 22 * b))
-            h = _vsplat(_u32_at(row, 22 * b + 2))  # bit j: value j's fifth
-            q = _vbytes(row, 22 * b + 6)
-            lo = (q & low) | (((h >> lane) & one) << four)
-            hi = (q >> four) | (((h >> lane16) & one) << four)
+            o = 22 * b
+            d = _vsplat(_f16_at(row, o))
+            lo, hi = _q5_values(row, o + 2, o + 6, lane, lane16)
             a0 += d * _vfloat(lo - sixteen) * _vfloats(x, 32 * b)
             a1 += d * _vfloat(hi - sixteen) * _vfloats(x, 32 * b + 16)
         y[r] = _vsum(a0 + a1)
@@ -1156,18 +1203,37 @@ def _gemv_q5_1(
     x: np.ndarray, w: np.ndarray, y: np.ndarray, start: int, stop: int
 ) -> None:  # pragma: no cover - compiled
     nb = x.shape[0] // 32
-    low, one, four = _vsplat(15), _vsplat(1), _vsplat(4)
     lane, lane16 = _vlane(), _vlane() + _vsplat(16)
-    for r in range(start, stop):
+    pairs = (stop - start) // 2
+    for i in range(pairs):
+        r = start + 2 * i
+        row, row2 = w[r], w[r + 1]
+        ahead = r * w.shape[1] + _PREFETCH
+        a0 = a1 = b0 = b1 = _vzero()
+        for b in range(nb):
+            if b % 4 == 0:  # the pair's next 192 bytes
+                _prefetch(w, ahead + 48 * b)
+                _prefetch(w, ahead + 48 * b + 64)
+                _prefetch(w, ahead + 48 * b + 128)
+            x0, x1 = _vfloats(x, 32 * b), _vfloats(x, 32 * b + 16)
+            o = 24 * b
+            d, m = _vsplat(_f16_at(row, o)), _vsplat(_f16_at(row, o + 2))
+            lo, hi = _q5_values(row, o + 4, o + 8, lane, lane16)
+            a0 += (d * _vfloat(lo) + m) * x0
+            a1 += (d * _vfloat(hi) + m) * x1
+            d, m = _vsplat(_f16_at(row2, o)), _vsplat(_f16_at(row2, o + 2))
+            lo, hi = _q5_values(row2, o + 4, o + 8, lane, lane16)
+            b0 += (d * _vfloat(lo) + m) * x0
+            b1 += (d * _vfloat(hi) + m) * x1
+        y[r] = _vsum(a0 + a1)
+        y[r + 1] = _vsum(b0 + b1)
+    for r in range(start + 2 * pairs, stop):
         row = w[r]
         a0 = a1 = _vzero()
         for b in range(nb):
-            d = _vsplat(_f16_at(row, 24 * b))
-            m = _vsplat(_f16_at(row, 24 * b + 2))
-            h = _vsplat(_u32_at(row, 24 * b + 4))
-            q = _vbytes(row, 24 * b + 8)
-            lo = (q & low) | (((h >> lane) & one) << four)
-            hi = (q >> four) | (((h >> lane16) & one) << four)
+            o = 24 * b
+            d, m = _vsplat(_f16_at(row, o)), _vsplat(_f16_at(row, o + 2))
+            lo, hi = _q5_values(row, o + 4, o + 8, lane, lane16)
             a0 += (d * _vfloat(lo) + m) * _vfloats(x, 32 * b)
             a1 += (d * _vfloat(hi) + m) * _vfloats(x, 32 * b + 16)
         y[r] = _vsum(a0 + a1)
@@ -1331,8 +1397,9 @@ def _gemv(
 # -- 2 and 4 tokens: a block dequantized once, multiplied into each token ------
 #
 # _blk_* dequantize one block (``b``; of a K-quant, the 64 values ``p``) into
-# vectors, as the GEMV kernels above do; _gemv2_*/_gemv4_* multiply each
-# dequantized vector into 2 or 4 tokens' running sums. Their type is a
+# vectors, as the GEMV kernels above do; _gemv2_32/_gemv4_32 multiply each
+# dequantized vector into 2 or 4 tokens' running sums, and the buffered
+# kernel's _fill32/_fill256 store them into its buffer. Their type is a
 # literal (numba compiles a kernel a type, the other types' branches pruned):
 # a dispatcher passed as an argument would work too, but numba cannot cache
 # a function that passes one.
@@ -1549,77 +1616,6 @@ def _gemv4_32(
 
 
 @_jit()
-def _gemv2_256(
-    qtype: int,
-    x: np.ndarray,
-    t: int,
-    w: np.ndarray,
-    y: np.ndarray,
-    start: int,
-    stop: int,
-) -> None:  # pragma: no cover - compiled
-    """Tokens ``t`` and ``t + 1`` of ``x`` against K-quant blocks."""
-    numba.literally(qtype)  # a kernel a type: the type's branch folded
-    x0, x1 = x[t], x[t + 1]
-    y0, y1 = y[t], y[t + 1]
-    nb = x.shape[1] // 256
-    for r in range(start, stop):
-        row = w[r]
-        a0 = a1 = a2 = a3 = c0 = c1 = c2 = c3 = _vzero()
-        for b in range(nb):
-            for p in range(4):
-                v0, v1, v2, v3 = _blk256(qtype, row, b, p)
-                k = 256 * b + 64 * p
-                a0 += v0 * _vfloats(x0, k)
-                a1 += v1 * _vfloats(x0, k + 16)
-                a2 += v2 * _vfloats(x0, k + 32)
-                a3 += v3 * _vfloats(x0, k + 48)
-                c0 += v0 * _vfloats(x1, k)
-                c1 += v1 * _vfloats(x1, k + 16)
-                c2 += v2 * _vfloats(x1, k + 32)
-                c3 += v3 * _vfloats(x1, k + 48)
-        y0[r] = _vsum((a0 + a1) + (a2 + a3))
-        y1[r] = _vsum((c0 + c1) + (c2 + c3))
-
-
-@_jit()
-def _gemv4_256(
-    qtype: int,
-    x: np.ndarray,
-    t: int,
-    w: np.ndarray,
-    y: np.ndarray,
-    start: int,
-    stop: int,
-) -> None:  # pragma: no cover - compiled
-    """Tokens ``t..t + 3`` of ``x`` against K-quant blocks (64 values a
-    step, two sums a token: 8 running sums and 4 dequantized vectors)."""
-    numba.literally(qtype)  # a kernel a type: the type's branch folded
-    x0, x1, x2, x3 = x[t], x[t + 1], x[t + 2], x[t + 3]
-    y0, y1, y2, y3 = y[t], y[t + 1], y[t + 2], y[t + 3]
-    nb = x.shape[1] // 256
-    for r in range(start, stop):
-        row = w[r]
-        a0 = a1 = b0 = b1 = c0 = c1 = e0 = e1 = _vzero()
-        for b in range(nb):
-            for p in range(4):
-                v0, v1, v2, v3 = _blk256(qtype, row, b, p)
-                k = 256 * b + 64 * p
-                a0 += v0 * _vfloats(x0, k) + v2 * _vfloats(x0, k + 32)
-                a1 += v1 * _vfloats(x0, k + 16) + v3 * _vfloats(x0, k + 48)
-                b0 += v0 * _vfloats(x1, k) + v2 * _vfloats(x1, k + 32)
-                b1 += v1 * _vfloats(x1, k + 16) + v3 * _vfloats(x1, k + 48)
-                c0 += v0 * _vfloats(x2, k) + v2 * _vfloats(x2, k + 32)
-                c1 += v1 * _vfloats(x2, k + 16) + v3 * _vfloats(x2, k + 48)
-                e0 += v0 * _vfloats(x3, k) + v2 * _vfloats(x3, k + 32)
-                e1 += v1 * _vfloats(x3, k + 16) + v3 * _vfloats(x3, k + 48)
-        y0[r] = _vsum(a0 + a1)
-        y1[r] = _vsum(b0 + b1)
-        y2[r] = _vsum(c0 + c1)
-        y3[r] = _vsum(e0 + e1)
-
-
-@_jit()
 def _gemv_tokens(
     qtype: int,
     x: np.ndarray,
@@ -1630,7 +1626,7 @@ def _gemv_tokens(
     start: int,
     stop: int,
 ) -> None:  # pragma: no cover - compiled
-    """Tokens ``t..t + n - 1`` (``n`` 2 or 4) of a block type's GEMV."""
+    """Tokens ``t..t + n - 1`` (``n`` 2 or 4) of a 32-value type's GEMV."""
     if qtype == 3:
         if n == 4:
             _gemv4_32(3, x, t, w, y, start, stop)
@@ -1651,25 +1647,10 @@ def _gemv_tokens(
             _gemv4_32(6, x, t, w, y, start, stop)
         else:
             _gemv2_32(6, x, t, w, y, start, stop)
-    elif qtype == 7:
-        if n == 4:
-            _gemv4_32(7, x, t, w, y, start, stop)
-        else:
-            _gemv2_32(7, x, t, w, y, start, stop)
-    elif qtype == 12:
-        if n == 4:
-            _gemv4_256(12, x, t, w, y, start, stop)
-        else:
-            _gemv2_256(12, x, t, w, y, start, stop)
-    elif qtype == 13:
-        if n == 4:
-            _gemv4_256(13, x, t, w, y, start, stop)
-        else:
-            _gemv2_256(13, x, t, w, y, start, stop)
     elif n == 4:
-        _gemv4_256(14, x, t, w, y, start, stop)
+        _gemv4_32(7, x, t, w, y, start, stop)
     else:
-        _gemv2_256(14, x, t, w, y, start, stop)
+        _gemv2_32(7, x, t, w, y, start, stop)
 
 
 # -- q8 activations -----------------------------------------------------------
@@ -2124,14 +2105,18 @@ def _matmul8_parallel(
 _CHUNK = 1024
 #: weight rows the micro-kernel reads at once
 _ROWS = 4
-#: up to this many tokens a call of a block type takes the GEMV kernels
-#: (4, 2 and 1 tokens at a time); more take the buffered kernel (at 8, 4
-#: tokens twice measured 0.67-0.76x its time; at 16, 0.98-1.19x)
-_GEMV_TOKENS = 8
+#: up to this many tokens a call of a 32-value type takes the GEMV kernels
+#: (4, 2 and 1 tokens at a time); more take the buffered kernel. Since its
+#: buffer is filled by vector dequantizers, one thread's CPU time on 3072 x
+#: 576 (Q4_1, Q8_0, Q5_0), GEMVs / buffered: T of 2 0.58-0.66x, 3 0.8-1.1x,
+#: 4 0.70-0.84x, 5 1.0-1.2x, 6 1.0-1.1x, 8 1.1-1.25x. K-quants take the
+#: GEMV at one token only: at 2 tokens their GEMVs measured 0.99x (Q4_K)
+#: and 1.2x (Q6_K) the buffered kernel's time, at 4 0.89x and 1.19x.
+_GEMV_TOKENS = 4
 #: the most tokens a GEMV kernel takes at once (4 or 2)
 _GEMV_GROUP = 4
-#: the block types (GGML numbers): the GEMVs of several tokens take these
-_BLOCK_TYPES = (2, 3, 6, 7, 8, 12, 13, 14)
+#: the 32-value types (GGML numbers): the GEMVs of several tokens take these
+_BLOCK_TYPES = (2, 3, 6, 7, 8)
 
 
 @_jit()
@@ -2203,6 +2188,155 @@ def _micro(
 
 
 @_jit()
+def _micro16(
+    x: np.ndarray,  # (T, in)
+    k0: int,  # the chunk: inputs k0..k0+kn-1, kn a multiple of 16
+    kn: int,
+    buf: np.ndarray,  # (4, >= kn): 4 dequantized weight rows
+    out: np.ndarray,  # (T, out_features)
+    r0: int,  # the first row's output column
+    nrows: int,  # how many of the 4 are real rows
+    accumulate: bool,  # add to out (a later chunk) or write it (the first)
+    sums: np.ndarray,  # (4, 4) float32 scratch
+) -> None:  # pragma: no cover - compiled
+    """:func:`_micro` with its 16 sums spelled out as vectors (16 lanes of
+    inputs each, reduced once a chunk): 1.1-1.2x its time at ``T`` of 16,
+    where LLVM's own vectorisation of the scalar sums left it short."""
+    t_len = x.shape[0]
+    w0, w1, w2, w3 = buf[0], buf[1], buf[2], buf[3]
+    for tq in range(t_len // 4):
+        t = 4 * tq
+        x0, x1 = x[t, k0 : k0 + kn], x[t + 1, k0 : k0 + kn]
+        x2, x3 = x[t + 2, k0 : k0 + kn], x[t + 3, k0 : k0 + kn]
+        s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = _vzero()
+        s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = _vzero()
+        for j in range(kn // 16):
+            k = 16 * j
+            v0, v1 = _vfloats(w0, k), _vfloats(w1, k)
+            v2, v3 = _vfloats(w2, k), _vfloats(w3, k)
+            a = _vfloats(x0, k)
+            s00 += a * v0
+            s01 += a * v1
+            s02 += a * v2
+            s03 += a * v3
+            a = _vfloats(x1, k)
+            s10 += a * v0
+            s11 += a * v1
+            s12 += a * v2
+            s13 += a * v3
+            a = _vfloats(x2, k)
+            s20 += a * v0
+            s21 += a * v1
+            s22 += a * v2
+            s23 += a * v3
+            a = _vfloats(x3, k)
+            s30 += a * v0
+            s31 += a * v1
+            s32 += a * v2
+            s33 += a * v3
+        sums[0, 0], sums[0, 1] = _vsum(s00), _vsum(s01)
+        sums[0, 2], sums[0, 3] = _vsum(s02), _vsum(s03)
+        sums[1, 0], sums[1, 1] = _vsum(s10), _vsum(s11)
+        sums[1, 2], sums[1, 3] = _vsum(s12), _vsum(s13)
+        sums[2, 0], sums[2, 1] = _vsum(s20), _vsum(s21)
+        sums[2, 2], sums[2, 3] = _vsum(s22), _vsum(s23)
+        sums[3, 0], sums[3, 1] = _vsum(s30), _vsum(s31)
+        sums[3, 2], sums[3, 3] = _vsum(s32), _vsum(s33)
+        for i in range(4):
+            dst = out[t + i, r0 : r0 + nrows]
+            for r in range(nrows):
+                dst[r] = dst[r] + sums[i, r] if accumulate else sums[i, r]
+    for t in range(t_len - t_len % 4, t_len):
+        xt = x[t, k0 : k0 + kn]
+        s0 = s1 = s2 = s3 = _vzero()
+        for j in range(kn // 16):
+            k = 16 * j
+            a = _vfloats(xt, k)
+            s0 += a * _vfloats(w0, k)
+            s1 += a * _vfloats(w1, k)
+            s2 += a * _vfloats(w2, k)
+            s3 += a * _vfloats(w3, k)
+        sums[0, 0], sums[0, 1] = _vsum(s0), _vsum(s1)
+        sums[0, 2], sums[0, 3] = _vsum(s2), _vsum(s3)
+        dst = out[t, r0 : r0 + nrows]
+        for r in range(nrows):
+            dst[r] = dst[r] + sums[0, r] if accumulate else sums[0, r]
+
+
+# The buffered kernel's block types fill its buffer from the GEMVs'
+# dequantizers (_blk32/_blk256: vectors, fastmath, stored 16 lanes at a
+# time) rather than the exact scalar _dq_* ones, which were most of a
+# T-of-16 call's time: 1.2-1.5x at 16 tokens (Q4_1, Q5_0, Q6_K), 1.0-1.2x
+# for Q8_0, 0.99x for Q4_K (whose exact fill measured 0.83x beside the
+# vector micro-kernel). The type is a literal, as in the GEMVs of several
+# tokens.
+
+
+@_jit()
+def _fill32(
+    qtype: int, w: np.ndarray, r0: int, nrows: int, b0: int, b1: int, buf: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    """Blocks ``b0..b1-1`` of rows ``r0..r0+nrows-1`` (32-value blocks)."""
+    numba.literally(qtype)  # a kernel a type: the type's branch folded
+    for i in range(nrows):
+        row, dst = w[r0 + i], buf[i]
+        for b in range(b0, b1):
+            v0, v1 = _blk32(qtype, row, b)
+            _vstore(dst, 32 * (b - b0), v0)
+            _vstore(dst, 32 * (b - b0) + 16, v1)
+
+
+@_jit()
+def _fill256(
+    qtype: int, w: np.ndarray, r0: int, nrows: int, b0: int, b1: int, buf: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    """Blocks ``b0..b1-1`` of rows ``r0..r0+nrows-1`` (K-quant blocks)."""
+    numba.literally(qtype)  # a kernel a type: the type's branch folded
+    for i in range(nrows):
+        row, dst = w[r0 + i], buf[i]
+        for b in range(b0, b1):
+            for p in range(4):
+                v0, v1, v2, v3 = _blk256(qtype, row, b, p)
+                k = 256 * (b - b0) + 64 * p
+                _vstore(dst, k, v0)
+                _vstore(dst, k + 16, v1)
+                _vstore(dst, k + 32, v2)
+                _vstore(dst, k + 48, v3)
+
+
+@_jit()
+def _fill_quad(
+    qtype: int,
+    w: np.ndarray,
+    r0: int,
+    nrows: int,
+    b0: int,
+    b1: int,
+    buf: np.ndarray,
+    lanes: int,
+) -> None:  # pragma: no cover - compiled
+    """:func:`_dequantize_quad`'s job, vectorised for the block types."""
+    if qtype == 3:
+        _fill32(3, w, r0, nrows, b0, b1, buf)
+    elif qtype == 8:
+        _fill32(8, w, r0, nrows, b0, b1, buf)
+    elif qtype == 2:
+        _fill32(2, w, r0, nrows, b0, b1, buf)
+    elif qtype == 6:
+        _fill32(6, w, r0, nrows, b0, b1, buf)
+    elif qtype == 7:
+        _fill32(7, w, r0, nrows, b0, b1, buf)
+    elif qtype == 12:
+        _fill256(12, w, r0, nrows, b0, b1, buf)
+    elif qtype == 13:
+        _fill256(13, w, r0, nrows, b0, b1, buf)
+    elif qtype == 14:
+        _fill256(14, w, r0, nrows, b0, b1, buf)
+    else:
+        _dequantize_quad(qtype, w, r0, nrows, b0, b1, buf, lanes)
+
+
+@_jit()
 def _matmul_rows(
     x: np.ndarray,  # (T, in) float32
     w: np.ndarray,  # (out_features, row_bytes) uint8
@@ -2227,7 +2361,10 @@ def _matmul_rows(
         return
     n = x.shape[1]
     chunk = min(n, _CHUNK)
-    buf = np.zeros((_ROWS, chunk), np.float32)
+    # rows 16 floats longer than a chunk: at 1024 (4 KB) apart the micro-
+    # kernel's four weight loads measured 0.89x the scalar kernel's speed
+    # (576 x 1536), padded 1.01-1.05x
+    buf = np.zeros((_ROWS, chunk + 16), np.float32)
     sums = np.empty((4, _ROWS), np.float32)  # (token, row)
     for quad in range((stop - start + _ROWS - 1) // _ROWS):
         r0 = start + _ROWS * quad
@@ -2235,10 +2372,13 @@ def _matmul_rows(
         for c in range((n + chunk - 1) // chunk):
             k0 = c * chunk
             kn = min(chunk, n - k0)
-            _dequantize_quad(
+            _fill_quad(
                 qtype, w, r0, nrows, k0 // values, (k0 + kn) // values, buf, lanes
             )
-            _micro(x, k0, kn, buf, out, r0, nrows, c > 0, sums)
+            if kn % 16 == 0:
+                _micro16(x, k0, kn, buf, out, r0, nrows, c > 0, sums)
+            else:  # float rows of any length
+                _micro(x, k0, kn, buf, out, r0, nrows, c > 0, sums)
         if nrows < _ROWS:  # the last rows: no stale weights in later calls
             buf[:] = 0.0
 
@@ -2272,8 +2412,14 @@ def _matmul_parallel(
 
 #: the dequantizers' inner trip count, given at run time (see the module doc)
 _LANES = 32
-#: below this many multiply-adds a call runs on the calling thread: the
-#: hand-off to a second thread costs a few microseconds
+#: below this many multiply-adds a call runs on the calling thread. A
+#: hand-off to the second thread measured ~2 us with its core free, so
+#: splitting pays where one thread's CPU time a call is past ~4 us; the
+#: GEMVs do 10-13 G multiply-adds a second a thread (SmolLM2's 576 x 576 at
+#: one token: 24-33 us, ``tools/bench_quant_kernels.py --kernels``), so
+#: 65536 is ~5 us: every projection of a real model splits, a toy's don't.
+#: (With the other core busy a hand-off took 28 us; no rule here can see
+#: that, and the engine's thread count is the place to say so.)
 _PARALLEL_MIN_WORK = 1 << 16
 
 

@@ -4,7 +4,7 @@ A weight of Hugging Face shape ``(out, in)`` stays as ``out`` rows of raw
 bytes, ``np.uint8 (out, row_bytes(qtype, in))``: each row ``in /
 values_per_block`` blocks of a scale (and a min) and packed integers, as
 ``ggml-common.h`` lays them out (a zero-copy view of a GGUF file's mmap, or
-what :func:`quantize` returns). :func:`matmul` multiplies float32
+what :func:`structllm.model.quantize.quantize` returns). :func:`matmul` multiplies float32
 activations ``x (T, in)`` by it without a float copy of the whole weight:
 
 - Four rows at a time are dequantized into a small float32 buffer (a
@@ -107,7 +107,6 @@ from structllm.model import kernels
 __all__ = [
     "MATMUL_TYPES",
     "Q8_TYPES",
-    "QUANTIZE_TYPES",
     "GGMLType",
     "available",
     "block_layout",
@@ -152,11 +151,6 @@ MATMUL_TYPES = frozenset(
         GGMLType.Q5_K,
         GGMLType.Q6_K,
     }
-)
-
-#: types :func:`quantize` writes
-QUANTIZE_TYPES = frozenset(
-    {GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q4_K}
 )
 
 

@@ -244,6 +244,16 @@ async def test_lora_modules_go_to_the_lora_targets_only() -> None:
         await run_comparison(config, targets, lora_targets=["three"])
 
 
+@pytest.mark.anyio
+async def test_the_log_names_the_commonest_failure() -> None:
+    log: list[str] = []
+    async with open_fake_server(fail=lambda n: "500" if n % 2 else None) as one:
+        targets = [Target("one", url=one.url)]
+        await run_comparison(ServeConfig(**WORKLOAD), targets, warmup=0, log=log.append)
+    assert "  3 ok, 3 failed" in log[1]
+    assert log[2] == "  3 x HTTP 500: boom"
+
+
 def test_command_line_table_json_and_plot(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -363,6 +363,9 @@ async def _run_rounds(
                     f"{s.output_throughput:.1f} output tok/s "
                     f"({time.perf_counter() - started:.0f} s with start and stop)"
                 )
+                if errors := [q.error for q in result.requests if q.error]:
+                    top = max(set(errors), key=errors.count)  # the commonest
+                    log(f"  {errors.count(top)} x {top}")
                 runs.append(Run(target.name, r, result, memory))
 
 

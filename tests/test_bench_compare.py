@@ -19,6 +19,7 @@ from typing import Any
 import anyio
 import pytest
 
+from structllm.bench.lora import write_random_adapters
 from structllm.bench.serve import ServeConfig
 from structllm.bench.serve_client import open_client
 from structllm.bench.serve_compare import FIGURES, Comparison, Run, run_comparison
@@ -218,6 +219,41 @@ async def test_every_target_gets_the_same_workload_rotating() -> None:
     assert c.runs_of("two")[0].memory == MemoryReport()  # no /metrics: unknown
 
 
+@pytest.mark.anyio
+async def test_lora_modules_go_to_the_lora_targets_only() -> None:
+    """Target "two" gets the requests spread over the adapters (and warm-up
+    requests going round them), "one" the same prompts on its base model."""
+    async with open_fake_server() as one, open_fake_server() as two:
+        targets = [Target("one", url=one.url), Target("two", url=two.url)]
+        workload = {**WORKLOAD, "num_prompts": 20}
+        config = ServeConfig(**workload, lora_modules=("x", "y", "z"))
+        c = await run_comparison(
+            config, targets, warmup=3, lora_targets=["two"], log=lambda _: None
+        )
+    assert [b["model"] for b in one.bodies] == ["fake-model"] * 23
+    assert [b["model"] for b in two.bodies[:3]] == ["x", "y", "z"]  # warm-up
+    assert {b["model"] for b in two.bodies[3:]} == {"x", "y", "z"}
+    prompts = [sorted(json.dumps(b["prompt"]) for b in f.bodies) for f in (one, two)]
+    assert prompts[0] == prompts[1]
+    runs = {r.target: r.to_json() for r in c.runs}
+    assert (runs["one"]["lora_modules"], runs["two"]["lora_modules"]) == (
+        [],
+        ["x", "y", "z"],
+    )
+    with pytest.raises(ValueError, match="names no target"):
+        await run_comparison(config, targets, lora_targets=["three"])
+
+
+@pytest.mark.anyio
+async def test_the_log_names_the_commonest_failure() -> None:
+    log: list[str] = []
+    async with open_fake_server(fail=lambda n: "500" if n % 2 else None) as one:
+        targets = [Target("one", url=one.url)]
+        await run_comparison(ServeConfig(**WORKLOAD), targets, warmup=0, log=log.append)
+    assert "  3 ok, 3 failed" in log[1]
+    assert log[2] == "  3 x HTTP 500: boom"
+
+
 def test_command_line_table_json_and_plot(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -281,6 +317,11 @@ def test_a_server_that_cannot_start_keeps_the_runs_before_it(
         (["--server", "a=http://x", "--server", "a=http://y"], "distinct names"),
         (["--server", "a=http://x", "--rounds", "0"], "--rounds must be"),
         (["--launch", "a=serve"], "must contain"),
+        (["--server", "a=http://x", "--lora-targets", "a"], "needs --lora-modules"),
+        (
+            ["--server", "a=http://x", "--lora-modules", "m", "--lora-targets", "b"],
+            "names no target ['b']",
+        ),
     ],
 )
 def test_command_line_refusals(
@@ -347,6 +388,24 @@ async def test_launched_structllm_is_measured_and_stopped() -> None:
     counts = only.result.summary.spec_decode
     assert counts is not None  # structllm's counters, read before and after
     assert 0 <= counts.accepted_tokens <= counts.draft_tokens
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the command's loop
+@pytest.mark.anyio
+async def test_launched_structllm_serves_random_adapters(tmp_path: Path) -> None:
+    """A server started with two of ``bench.lora``'s random adapters serves
+    the requests spread over them (an unknown model would be a 404)."""
+    adapters = write_random_adapters("tiny", tmp_path, count=2, rank=4)
+    assert sorted(adapters) == ["a0", "a1"]
+    serve = f"{sys.executable} -m structllm.cli serve tiny --port {{port}}"
+    serve += " --max-model-len 256 --enable-lora --max-loras 2 --max-lora-rank 4"
+    serve += " --lora-modules " + " ".join(f"{n}={p}" for n, p in adapters.items())
+    config = ServeConfig(**WORKLOAD, lora_modules=tuple(adapters))
+    targets = [Target("lora", command=serve)]
+    c = await run_comparison(config, targets, warmup=2, log=lambda _: None)
+    (only,) = c.runs
+    assert only.result.summary.completed == 6
+    assert only.result.config.model == "tiny"  # the base: first of /v1/models
 
 
 def test_sigterm_stops_the_benchmark_and_its_launched_server() -> None:

@@ -29,6 +29,7 @@ from structllm.bench.serve import (
     add_serve_args,
     arrival_times,
     make_requests,
+    request_body,
     run_benchmark,
     run_serve,
 )
@@ -211,6 +212,26 @@ def test_workload_is_seeded_and_in_range() -> None:
     text = make_requests(attrs.evolve(cfg, prompt_kind="text"))
     assert all(isinstance(s.prompt, str) for s in text)
     assert [len(str(s.prompt).split()) for s in text] == [s.prompt_len for s in text]
+
+
+def test_requests_spread_over_the_lora_modules_from_the_seed() -> None:
+    """vLLM's ``--lora-modules``: each request's model is one of the names,
+    drawn from the seed; the prompts are those of the base-model workload."""
+    names = ("a0", "a1", "a2", "a3")
+    base = ServeConfig(url="http://x", num_prompts=400)
+    cfg = attrs.evolve(base, lora_modules=names)
+    specs = make_requests(cfg)
+    models = [s.model for s in specs]
+    assert models == [s.model for s in make_requests(cfg)]
+    assert models != [s.model for s in make_requests(attrs.evolve(cfg, seed=1))]
+    counts = {n: models.count(n) for n in names}
+    assert sum(counts.values()) == 400 and min(counts.values()) > 70, counts
+    assert models[:8] != sorted(models[:8])  # drawn, not dealt in turn
+    plain = make_requests(base)
+    assert [s.model for s in plain] == [None] * 400
+    assert [attrs.evolve(s, model=None) for s in specs] == plain
+    assert request_body(specs[0], cfg, "base")["model"] == specs[0].model
+    assert request_body(plain[0], base, "base")["model"] == "base"
 
 
 def test_poisson_arrivals_are_reproducible() -> None:
@@ -472,6 +493,24 @@ def test_flags() -> None:
     assert chat.prompt_kind == "text"
     bad = parse(["--endpoint", "/v1/chat/completions", "--prompt-kind", "tokens"])
     assert run_serve(bad) == 2
+    lora = ServeConfig.from_namespace(parse(["--lora-modules", "a", "b"]))
+    assert lora.lora_modules == ("a", "b")
+    assert run_serve(parse(["--lora-modules", "a", "--lora-targets", "x"])) == 2
+
+
+@pytest.mark.anyio
+async def test_lora_requests_name_their_adapters() -> None:
+    async with open_fake_server() as fake:
+        cfg = config(fake, num_prompts=40, lora_modules=("x", "y"))
+        result = await run_benchmark(cfg)
+    assert result.summary.completed == 40
+    assert result.config.model == "fake-model"
+    sent = [b["model"] for b in fake.bodies]
+    assert sorted(set(sent)) == ["x", "y"]
+    # the bodies arrive in any order; each prompt went with its spec's model
+    by_prompt = {json.dumps(b["prompt"]): b["model"] for b in fake.bodies}
+    for spec in make_requests(cfg):
+        assert by_prompt[json.dumps(list(spec.prompt))] == spec.model
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

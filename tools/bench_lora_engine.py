@@ -15,59 +15,15 @@ one warm-up run of each: the kernels' first compiles, the adapters' slots).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import safetensors.numpy
 
 from structllm import LLM, LoRARequest, SamplingParams
-from structllm.model.loader import hf_tensor_shapes
-
-PROJECTIONS = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
-}
-
-
-def write_adapter(directory: Path, llm: LLM, rank: int, seed: int) -> None:
-    """A random PEFT adapter for ``llm``'s model in ``directory``."""
-    config = llm.core.model_config
-    shapes = hf_tensor_shapes(config)
-    rng = np.random.default_rng(seed)
-    tensors = {}
-    for layer in range(config.num_hidden_layers):
-        for name, block in PROJECTIONS.items():
-            module = f"model.layers.{layer}.{block}.{name}"
-            out_f, in_f = shapes[module + ".weight"]
-            key = f"base_model.model.{module}.lora_"
-            tensors[key + "A.weight"] = (
-                rng.standard_normal((rank, in_f)) / np.sqrt(in_f)
-            ).astype(np.float32)
-            tensors[key + "B.weight"] = (
-                rng.standard_normal((out_f, rank)) * 0.01
-            ).astype(np.float32)
-    directory.mkdir(parents=True)
-    safetensors.numpy.save_file(tensors, str(directory / "adapter_model.safetensors"))
-    (directory / "adapter_config.json").write_text(
-        json.dumps(
-            {
-                "peft_type": "LORA",
-                "r": rank,
-                "lora_alpha": 2 * rank,
-                "target_modules": list(PROJECTIONS),
-                "bias": "none",
-            }
-        )
-    )
+from structllm.bench.lora import write_random_adapter
 
 
 def main() -> None:
@@ -102,7 +58,7 @@ def main() -> None:
         loras = []
         for i in range(args.adapters):
             d = Path(tmp) / f"adapter-{i}"
-            write_adapter(d, llm, args.rank, i)
+            write_random_adapter(d, llm.core.model_config, rank=args.rank, seed=i)
             loras.append(LoRARequest(f"a{i}", i + 1, str(d)))
             llm.add_lora(loras[-1])
         spread = [loras[i % len(loras)] for i in range(args.requests)]

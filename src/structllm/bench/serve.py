@@ -35,6 +35,9 @@ stream with no text, or ``--timeout``; failures are counted, not raised.
                  end_time, ttft, e2e, chunk_times, itl (seconds; times are
                  from the benchmark's start)}
 
+``--lora-modules NAME ...`` spreads the requests over a server's LoRA
+adapters: each one's ``model`` is one of the names, drawn from ``--seed``.
+
 ``--plot PATH.png`` draws the TTFT and e2e histograms, ITL over time and the
 latency CDFs (matplotlib, imported only then).
 
@@ -184,6 +187,13 @@ class ServeConfig:
         help="seconds per request, in all (inf: none)",
         validator=attrs.validators.gt(0.0),
     )
+    lora_modules: tuple[str, ...] = setting(
+        (),
+        help="LoRA adapters the server serves: each request's model is one of "
+        "these names, drawn from --seed (as vLLM's benchmark does)",
+        metavar="NAME",
+        many=True,
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.prompt_kind == "tokens" and self.endpoint != "/v1/completions":
@@ -242,6 +252,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "measured",
     )
     g.add_argument(
+        "--lora-targets",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the targets whose requests go to --lora-modules' adapters; the "
+        "others get the base model (default: every target)",
+    )
+    g.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -274,11 +292,22 @@ class RequestSpec:
     prompt: tuple[int, ...] | str
     prompt_len: int
     max_tokens: int
+    #: the LoRA adapter it names as its model (None: the config's model)
+    model: str | None = None
 
 
 def make_requests(config: ServeConfig) -> list[RequestSpec]:
-    """``config.num_prompts`` requests, deterministic in ``config.seed``."""
+    """``config.num_prompts`` requests, deterministic in ``config.seed``.
+
+    With ``config.lora_modules`` each names one of them, drawn uniformly from
+    a seeded stream of its own: the prompts are the same with or without
+    adapters, so a base-model run and an adapter run compare like for like.
+    """
     rng = np.random.default_rng(config.seed)
+    names = config.lora_modules
+    picks = np.random.default_rng([2, config.seed]).integers(
+        0, max(1, len(names)), size=config.num_prompts
+    )
     specs = []
     for i in range(config.num_prompts):
         plen = int(rng.integers(config.input_len[0], config.input_len[1] + 1))
@@ -288,7 +317,8 @@ def make_requests(config: ServeConfig) -> list[RequestSpec]:
             prompt = tuple(rng.integers(3, config.vocab_size, size=plen).tolist())
         else:
             prompt = " ".join(_WORDS[j] for j in rng.integers(0, len(_WORDS), plen))
-        specs.append(RequestSpec(i, prompt, plen, olen))
+        model = names[picks[i]] if names else None
+        specs.append(RequestSpec(i, prompt, plen, olen, model))
     return specs
 
 
@@ -307,7 +337,7 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
 
 def request_body(spec: RequestSpec, config: ServeConfig, model: str) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "model": model,
+        "model": spec.model or model,
         "max_tokens": spec.max_tokens,
         "temperature": 0,
         "ignore_eos": True,
@@ -379,6 +409,9 @@ def run_serve(ns: argparse.Namespace) -> int:
         config = ServeConfig.from_namespace(ns)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if ns.lora_targets is not None and not (ns.server or ns.launch):
+        print("error: --lora-targets names --server/--launch targets", file=sys.stderr)
         return 2
     if ns.server or ns.launch:
         from structllm.bench.serve_compare import run_compare

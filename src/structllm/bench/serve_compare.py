@@ -7,7 +7,12 @@ seed ``seed + r`` to every target, starting with target ``r mod n``: a
 slow drift of the machine's speed then falls on every target alike, and no
 server sees a prompt twice (a prefix cache would make a repeat cheap).
 Before each run a target gets ``--warmup`` short requests that are not
-counted. A launched target is started for its run and stopped after it
+counted. ``--lora-modules`` spreads the requests over LoRA adapters on
+the targets ``--lora-targets`` names (all by default; ``lora_targets`` of
+:func:`run_comparison`); the others get the same prompts on their base
+model. The warm-up requests go round the adapters (``--warmup`` at least
+their number puts each in the engine's slots before the run). A launched
+target is started for its run and stopped after it
 (:mod:`structllm.bench.serve_targets`, which also measures memory); one
 that does not come up ends the comparison, whose finished runs are still
 printed and written.
@@ -22,8 +27,8 @@ counters); they are not compared. ``--json`` writes::
     {"config":  ServeConfig fields but url and model (they are per run),
      "rounds":  R,
      "targets": [{"name", "url", "command"}],
-     "runs":    [{"target", "round", "url", "model", "seed", "summary",
-                  "memory", "requests"}],
+     "runs":    [{"target", "round", "url", "model", "lora_modules", "seed",
+                  "summary", "memory", "requests"}],
      "median":  {target: {figure: value}},
      "ratio":   {target: {figure: ratio to the first target}}}
 """
@@ -34,12 +39,10 @@ import argparse
 import functools
 import json
 import math
-import signal
 import statistics
 import sys
-import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +67,9 @@ from structllm.bench.serve_targets import (
     LaunchError,
     MemoryReport,
     Target,
+    check_lora_targets,
     open_target,
+    until_signalled,
 )
 
 __all__ = [
@@ -139,6 +144,7 @@ class Run:
             "round": self.round,
             "url": c.url,
             "model": c.model,
+            "lora_modules": list(c.lora_modules),
             "seed": c.seed,
             "summary": self.result.summary.to_json(),
             "memory": self.memory.to_json(),
@@ -253,11 +259,15 @@ class Comparison:
 async def _warm_up(
     client: httpx.AsyncClient, config: ServeConfig, model: str, count: int
 ) -> str | None:
-    """``count`` short requests (prompts of their own seed), not measured;
-    the first error, if any."""
+    """``count`` short requests (prompts of their own seed), not measured,
+    going round the LoRA adapters; the first error, if any."""
     warm = attrs.evolve(config, num_prompts=count, seed=config.seed + 2**31)
-    for spec in make_requests(warm):
-        body = request_body(attrs.evolve(spec, max_tokens=4), config, model)
+    names = config.lora_modules
+    for i, spec in enumerate(make_requests(warm)):
+        adapter = names[i % len(names)] if names else None
+        body = request_body(
+            attrs.evolve(spec, max_tokens=4, model=adapter), config, model
+        )
         seen = Progress()
         await stream_request(client, config.url + config.endpoint, body, 0.0, seen)
         if seen.error is not None:
@@ -284,9 +294,11 @@ async def run_comparison(
     rounds: int = 1,
     warmup: int = 1,
     startup_timeout: float = 600.0,
+    lora_targets: Collection[str] | None = None,
     log: Callable[[str], None] = _log,
 ) -> Comparison:
-    """Run ``config``'s workload against every target, ``rounds`` times.
+    """Run ``config``'s workload against every target, ``rounds`` times;
+    ``config.lora_modules`` only on ``lora_targets`` (None: on all).
 
     Request failures are counted in the runs. A launched target that does
     not come up, or a server whose model cannot be found, stops the
@@ -294,9 +306,16 @@ async def run_comparison(
     """
     if not targets or len({t.name for t in targets}) != len(targets):
         raise ValueError(f"targets need distinct names: {[t.name for t in targets]}")
+    check_lora_targets(lora_targets, [t.name for t in targets], config.lora_modules)
+    configs = {
+        t.name: config
+        if lora_targets is None or t.name in lora_targets
+        else attrs.evolve(config, lora_modules=())
+        for t in targets
+    }
     runs: list[Run] = []
     try:
-        await _run_rounds(config, targets, runs, rounds, warmup, startup_timeout, log)
+        await _run_rounds(configs, targets, runs, rounds, warmup, startup_timeout, log)
     except (LaunchError, httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
         partial = Comparison(tuple(targets), rounds, tuple(runs))
         raise ComparisonStopped(str(exc) or repr(exc), partial) from exc
@@ -304,7 +323,7 @@ async def run_comparison(
 
 
 async def _run_rounds(
-    config: ServeConfig,
+    configs: dict[str, ServeConfig],
     targets: Sequence[Target],
     runs: list[Run],
     rounds: int,
@@ -318,8 +337,11 @@ async def _run_rounds(
         for r in range(rounds):
             order = [*targets[r % n :], *targets[: r % n]]
             for target in order:
+                config = configs[target.name]
                 where = target.url or target.command
                 log(f"round {r + 1}/{rounds}: {target.name} ({where})")
+                if config.lora_modules:
+                    log(f"  requests over adapters {' '.join(config.lora_modules)}")
                 started = time.perf_counter()
                 async with open_target(
                     target, client, startup_timeout=startup_timeout
@@ -341,6 +363,9 @@ async def _run_rounds(
                     f"{s.output_throughput:.1f} output tok/s "
                     f"({time.perf_counter() - started:.0f} s with start and stop)"
                 )
+                if errors := [q.error for q in result.requests if q.error]:
+                    top = max(set(errors), key=errors.count)  # the commonest
+                    log(f"  {errors.count(top)} x {top}")
                 runs.append(Run(target.name, r, result, memory))
 
 
@@ -354,6 +379,7 @@ def _targets(ns: argparse.Namespace) -> list[Target]:
     names = [t.name for t in targets]
     if len(set(names)) != len(names):
         raise ValueError(f"targets need distinct names: {names}")
+    check_lora_targets(ns.lora_targets, names, ns.lora_modules)
     if ns.url != ServeConfig().url:
         raise ValueError("--url is one server; name each with --server NAME=URL")
     if ns.rounds < 1:
@@ -363,30 +389,6 @@ def _targets(ns: argparse.Namespace) -> list[Target]:
     if not ns.startup_timeout > 0:
         raise ValueError(f"--startup-timeout must be positive: {ns.startup_timeout}")
     return targets
-
-
-async def _until_signalled(
-    run: Callable[[], Awaitable[Comparison]],
-) -> Comparison | None:
-    """``run()``, cancelled by SIGTERM or SIGHUP (None then) as Ctrl-C cancels
-    it: a launched server runs in a session of its own, which a terminal's or
-    a CI runner's signals do not reach, so only our cleanup stops it."""
-    if threading.current_thread() is not threading.main_thread():
-        return await run()  # only the main thread receives signals
-    done: list[Comparison] = []
-    async with anyio.create_task_group() as tg:
-
-        async def watch() -> None:
-            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP) as signals:
-                async for signum in signals:
-                    _log(f"{signal.Signals(signum).name}: stopping")
-                    tg.cancel_scope.cancel()
-                    return
-
-        tg.start_soon(watch)
-        done.append(await run())
-        tg.cancel_scope.cancel()
-    return done[0] if done else None
 
 
 def run_compare(ns: argparse.Namespace, config: ServeConfig) -> int:
@@ -410,9 +412,10 @@ def run_compare(ns: argparse.Namespace, config: ServeConfig) -> int:
         rounds=ns.rounds,
         warmup=ns.warmup,
         startup_timeout=ns.startup_timeout,
+        lora_targets=ns.lora_targets,
     )
     try:
-        comparison = anyio.run(_until_signalled, run, backend="asyncio")
+        comparison = anyio.run(until_signalled, run, backend="asyncio")
     except ComparisonStopped as exc:
         print(f"error: {exc}", file=sys.stderr)
         if not exc.partial.runs:

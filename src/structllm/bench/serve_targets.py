@@ -7,7 +7,8 @@ A launched command is split like a shell line (no shell runs it) and
 its own, its output goes to a log file, whose tail is shown if it fails to
 start. It counts as up once ``GET /v1/models`` lists a model. It is stopped
 with SIGTERM (then SIGKILL to its process group, after a grace period)
-before the next target starts.
+before the next target starts, or when the benchmark gets SIGTERM or SIGHUP
+(:func:`until_signalled`).
 
 Memory, measured after each run:
 
@@ -33,10 +34,12 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import anyio
 import anyio.abc
@@ -51,12 +54,14 @@ __all__ = [
     "MemoryReport",
     "ProcessMemory",
     "Target",
+    "check_lora_targets",
     "open_target",
     "process_tree",
     "scrape_memory",
     "scrape_spec_decode",
     "spec_decode_counts",
     "tree_memory",
+    "until_signalled",
 ]
 
 #: the /metrics samples read into :class:`MemoryReport`, and their fields
@@ -75,6 +80,8 @@ _SPEC_COUNTERS = (
 )
 _SPEC_PREFIXES = ("structllm_", "vllm:")
 
+
+T = TypeVar("T")
 
 #: seconds for a GET of /metrics or /v1/models (the client has no timeout)
 _GET_TIMEOUT = 30.0
@@ -123,6 +130,19 @@ class Target:
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "url": self.url, "command": self.command}
+
+
+def check_lora_targets(
+    lora_targets: Collection[str] | None, names: Sequence[str], modules: Sequence[str]
+) -> None:
+    """ValueError unless ``lora_targets`` (if any) are among the targets'
+    ``names`` and there are ``modules`` to send them."""
+    if lora_targets is None:
+        return
+    if not modules:
+        raise ValueError("--lora-targets needs --lora-modules: the adapters' names")
+    if unknown := sorted(set(lora_targets) - set(names)):
+        raise ValueError(f"--lora-targets names no target {unknown}: {list(names)}")
 
 
 @attrs.frozen
@@ -370,3 +390,25 @@ async def open_target(
             yield Running(target, url, process)
         finally:
             await _stop(process, grace)
+
+
+async def until_signalled(run: Callable[[], Awaitable[T]]) -> T | None:
+    """``run()``, cancelled by SIGTERM or SIGHUP (None then) as Ctrl-C cancels
+    it: a launched server runs in a session of its own, which a terminal's or
+    a CI runner's signals do not reach, so only our cleanup stops it."""
+    if threading.current_thread() is not threading.main_thread():
+        return await run()  # only the main thread receives signals
+    done: list[T] = []
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGHUP) as signals:
+                async for signum in signals:
+                    print(f"{signal.Signals(signum).name}: stopping", file=sys.stderr)
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(watch)
+        done.append(await run())
+        tg.cancel_scope.cancel()
+    return done[0] if done else None

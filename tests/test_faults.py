@@ -82,12 +82,40 @@ async def test_forward_raises_at_step() -> None:
 
 
 async def test_hung_worker_detected_by_heartbeat() -> None:
+    """A wedged step: heartbeats go on for ``step_timeout``, then stop."""
     with inject_fault("hang_at_step:3"):
-        async with AsyncLLM.open("tiny-random", heartbeat_timeout=1.0, **ENGINE) as llm:
+        async with AsyncLLM.open(
+            "tiny-random", heartbeat_timeout=1.0, step_timeout=0.5, **ENGINE
+        ) as llm:
             start = time.monotonic()
             err, failed_at = await consume_until_dead(llm)
             assert isinstance(err.__cause__, TimeoutError)
-            assert failed_at - start < 2.0 + 1.0  # timeout plus a few steps
+            # step_timeout + heartbeat_timeout, plus a few steps
+            assert failed_at - start < 2.5 + 1.0
+            with anyio.fail_after(30):
+                assert (await llm.complete("x", SHORT)).finish_reason == "length"
+
+
+async def test_a_step_longer_than_the_heartbeat_timeout_is_not_a_dead_core() -> None:
+    """A slow step (3 s, three times ``heartbeat_timeout``) keeps the core
+    alive: heartbeats go on through it, and every request finishes."""
+    from structllm.engine.child import SLOW_STEP_S
+
+    with inject_fault("slow_at_step:3"):
+        async with AsyncLLM.open(
+            "tiny-random",
+            heartbeat_interval=0.2,
+            heartbeat_timeout=SLOW_STEP_S / 3,
+            **ENGINE,
+        ) as llm:
+            start = time.monotonic()
+            with anyio.fail_after(30):
+                out = await llm.complete(
+                    "x", SamplingParams(max_tokens=8, ignore_eos=True)
+                )
+            assert out.finish_reason == "length"
+            assert time.monotonic() - start >= SLOW_STEP_S  # it did run slow
+            assert llm.statistics().restarts == 0
             with anyio.fail_after(30):
                 assert (await llm.complete("x", SHORT)).finish_reason == "length"
 

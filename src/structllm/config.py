@@ -324,6 +324,14 @@ class FrontendConfig:
         validator=_POSITIVE,
         topic="supervision",
     )
+    step_timeout: float = setting(
+        300.0,
+        help="the longest one step may run: a core keeps sending heartbeats "
+        "through a slow step for this long, then goes silent (a wedged step), "
+        "and --heartbeat-timeout later it is declared dead",
+        validator=_POSITIVE,
+        topic="supervision",
+    )
     startup_timeout: float = setting(
         600.0,
         help="seconds the core may take to load",

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-__all__ = ["exit_with_parent", "inject_fault", "peak_rss_bytes"]
+__all__ = ["SLOW_STEP_S", "exit_with_parent", "inject_fault", "peak_rss_bytes"]
 
 
 def peak_rss_bytes() -> int:
@@ -36,6 +36,10 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else 1024 * peak
 
 
+#: how long the ``slow_at_step`` fault's step takes
+SLOW_STEP_S = 3.0
+
+
 def inject_fault(kind: str, step: int) -> None:
     """Test hook: fail on purpose at a given step."""
     if kind == "raise_at_step":
@@ -46,6 +50,9 @@ def inject_fault(kind: str, step: int) -> None:
             time.sleep(3600)
     if kind == "exit_at_step":
         os._exit(3)
+    if kind == "slow_at_step":  # a step far longer than heartbeat_timeout
+        time.sleep(SLOW_STEP_S)
+        return
     raise ValueError(f"unknown fault {kind!r}")
 
 

@@ -73,7 +73,8 @@ class Start(msgspec.Struct, tag=True):
 
     config: EngineConfig
     heartbeat_interval: float
-    #: test hook: "raise_at_step:N", "hang_at_step:N", "exit_at_step:N"
+    #: test hook: "raise_at_step:N", "hang_at_step:N", "exit_at_step:N",
+    #: "slow_at_step:N" (see :mod:`structllm.testing.faults`)
     fault: str | None = None
     #: the tokenizer structured-output grammars use (None: the model's)
     tokenizer: str | None = None
@@ -81,6 +82,8 @@ class Start(msgspec.Struct, tag=True):
     #: pings its followers every ``heartbeat_interval`` and a follower that
     #: hears nothing for this long exits
     heartbeat_timeout: float = 10.0
+    #: how long one step may run while the core keeps sending heartbeats
+    step_timeout: float = 300.0
 
 
 class AbortRequests(msgspec.Struct, tag=True):

@@ -14,6 +14,8 @@ acts on it (:mod:`structllm.engine.child`):
 - ``"raise_at_step:N"``: the forward pass of step N raises;
 - ``"hang_at_step:N"``: step N blocks, heartbeats stop;
 - ``"exit_at_step:N"``: the process exits at step N;
+- ``"slow_at_step:N"``: step N takes 3 s more (heartbeats go on through it,
+  up to ``step_timeout``);
 - ``"rank1:"`` before one of them: tensor-parallel rank 1 does it instead
   (counting warm-up's forwards).
 

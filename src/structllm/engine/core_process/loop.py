@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from structllm.engine.child import exit_with_parent, inject_fault, peak_rss_bytes
+from structllm.engine.core_process.pulse import Pulse
 from structllm.engine.protocol import (
     AbortRequests,
     AddFailed,
@@ -125,9 +126,11 @@ def serve(sock: socket.socket, *, tensor_parallel: bool = False) -> int:
             if core is None:
                 return 1
             ready.set()
+            pulse = Pulse(send, start.heartbeat_interval, start.step_timeout)
             try:
-                return _loop(core, start, first, receive, send, group)
+                return _loop(core, start, first, receive, send, pulse, group)
             finally:
+                pulse.close()
                 core.close()
         finally:
             if group is not None:
@@ -266,6 +269,7 @@ def _loop(
     backlog: list[Message],
     receive: Receive,
     send: Send,
+    pulse: Pulse,
     group: RankGroup | None = None,
 ) -> int:
     fault = start.fault if not (start.fault or "").startswith("rank1:") else None
@@ -313,9 +317,10 @@ def _loop(
                 send(_heartbeat(core))
             continue
         try:
-            if fault_kind and steps == int(fault_step):
-                inject_fault(fault_kind, steps)
-            out = core.step()
+            with pulse.during_step(_heartbeat(core)):
+                if fault_kind and steps == int(fault_step):
+                    inject_fault(fault_kind, steps)
+                out = core.step()
         except Exception as exc:
             # A follower's death breaks the step's collective ("connection
             # reset by peer"): wait briefly for the watch to say whose.

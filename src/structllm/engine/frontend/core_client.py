@@ -300,6 +300,7 @@ class CoreClient:
                             fault=fault,
                             tokenizer=self.config.tokenizer,
                             heartbeat_timeout=self.config.heartbeat_timeout,
+                            step_timeout=self.config.step_timeout,
                         ),
                         startup_timeout=self.config.startup_timeout,
                         show_progress=self.config.show_progress,

@@ -2,7 +2,7 @@
 
     python tools/compare_llamacpp_tokens.py --work /work/peers --type Q4_1 \\
         [--type Q8_0 --type Q4_K_M] [--prompts 16] [--max-tokens 64] \\
-        [--threads 2] [--json OUT.json]
+        [--threads 2] [--llama-variant "-fa off"] [--json OUT.json]
 
 For each ``--type`` the file is SmolLM2-135M-Instruct in that type: the
 shipped Q4_1 (the built-in ``smollm2``, ``structllm.models.resolve_model``)
@@ -35,15 +35,23 @@ to that step, so a small margin there is a near-tie that any reordering of
 a float sum may flip. Then, per type and mode: the share of prompts whose
 tokens equal llama.cpp's, the share of llama.cpp's token positions matched
 before the first difference, and how many first differences were near-ties
-(structllm's margin below ``--near-tie``). ``--json`` writes it all,
-tokens and margins included.
+(structllm's margin below ``--near-tie``). ``--llama-variant FLAGS`` adds
+a second llama.cpp run with those flags, compared with the first the same
+way: how far llama.cpp's tokens move under a change of its own arithmetic
+(``-fa off``: attention products in float32, not float16), the yardstick
+for the q8 run. ``--json`` writes it all, tokens and margins included.
+docs/models.md ("Checked against llama.cpp") has the results: SmolLM2's
+greedy path runs at margins of a tenth of a logit, so no run, llama.cpp's
+second included, keeps llama.cpp's tokens on more than 4 prompts of 16.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -244,7 +252,7 @@ def open_llama_server(
 
 def llama_greedy(
     url: str, prompts: Sequence[list[int]], max_tokens: int
-) -> list[tuple[list[int], list[dict[int, float]]]]:
+) -> list[tuple[list[int], list[dict[int, float] | None]]]:
     """llama.cpp's greedy tokens and each step's two best log-probabilities."""
     out = []
     for ids in prompts:
@@ -257,7 +265,7 @@ def llama_greedy(
             "return_tokens": True,
         }
         reply = post(f"{url}/completion", body)
-        steps = [
+        steps: list[dict[int, float] | None] = [
             {int(p["id"]): float(p["logprob"]) for p in step["top_logprobs"]}
             for step in reply["completion_probabilities"]
         ]
@@ -367,6 +375,12 @@ def main() -> int:
     parser.add_argument("--near-tie", type=float, default=1e-2)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
+        "--llama-variant",
+        default="",
+        help="llama-server flags of a second llama.cpp run compared with the "
+        "first (e.g. '-fa off'): llama.cpp's tokens against its own",
+    )
+    parser.add_argument(
         "--llama-arg", action="append", default=[], help="a flag for llama-server"
     )
     ns = parser.parse_args()
@@ -386,10 +400,21 @@ def main() -> int:
             "q8_projections": [reached, quantized],
         }
         entry["llama.cpp"] = [tokens for tokens, _ in theirs]
+        runs: dict[str, list[tuple[list[int], list[dict[int, float] | None]]]] = {}
+        stop: frozenset[int] = frozenset()
         for activations in ("float", "q8"):
-            ours, stop = structllm_greedy(
+            runs[activations], stop = structllm_greedy(
                 gguf, prompts, ns.max_tokens, activations, ns.threads
             )
+        if ns.llama_variant:
+            # llama.cpp against itself: how far its own tokens move when
+            # only its attention's precision does
+            variant = shlex.split(ns.llama_variant)
+            with open_llama_server(binary, gguf, ns.threads, variant) as url:
+                runs[f"llama.cpp {ns.llama_variant}"] = llama_greedy(
+                    url, prompts, ns.max_tokens
+                )
+        for label, ours in runs.items():
             rows = [
                 compare_prompt(
                     strip_stop(o, stop), strip_stop(t, stop), o_steps, t_steps
@@ -397,9 +422,7 @@ def main() -> int:
                 for (o, o_steps), (t, t_steps) in zip(ours, theirs, strict=True)
             ]
             total = agreement(rows, ns.near_tie)
-            print(
-                f"\n{kind} ({reached}/{quantized} projections q8-able), {activations}:"
-            )
+            print(f"\n{kind} ({reached}/{quantized} projections q8-able), {label}:")
             for text, row in zip(PROMPTS, rows, strict=False):
                 where = "-" if row.divergence is None else str(row.divergence)
                 print(
@@ -410,22 +433,25 @@ def main() -> int:
                 f"  identical {total.identical}/{total.prompts}, positions "
                 f"{total.positions:.1%}, near-ties {total.near_ties}/{total.divergent}"
             )
-            entry[activations] = {
+            entry[label] = {
                 "tokens": [o for o, _ in ours],
                 "rows": [attrs.asdict(r) for r in rows],
                 "agreement": attrs.asdict(total),
             }
-            summary.append((kind, activations, reached, quantized, total))
+            summary.append((kind, label, reached, quantized, total))
         report[kind] = entry
     print(
-        f"\n| file | activations | q8 reaches | identical | positions | near-ties (< {ns.near_tie:g}) |"
+        "\n| file | run | q8 reaches | identical | positions | "
+        f"near-ties (< {ns.near_tie:g}) | median margin |"
     )
-    print("|---|---|---:|---:|---:|---:|")
-    for kind, activations, reached, quantized, total in summary:
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for kind, label, reached, quantized, total in summary:
+        known = [m for m in total.margins if m is not None]
+        median = fmt(statistics.median(known)) if known else "-"
         print(
-            f"| {kind} | {activations} | {reached}/{quantized} | "
+            f"| {kind} | {label} | {reached}/{quantized} | "
             f"{total.identical}/{total.prompts} | {total.positions:.1%} | "
-            f"{total.near_ties}/{total.divergent} |"
+            f"{total.near_ties}/{total.divergent} | {median} |"
         )
     if ns.json is not None:
         ns.json.write_text(json.dumps(report, indent=1))

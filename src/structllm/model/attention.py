@@ -29,6 +29,8 @@ A GPU backend can replace :class:`PortableAttention` by providing the same
 from __future__ import annotations
 
 import collections
+import ctypes
+import functools
 import math
 import mmap
 import weakref
@@ -479,6 +481,52 @@ class PortableAttention:
 _LAZY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16}
 
 
+@functools.cache
+def _libc() -> ctypes.PyDLL:
+    """libc's ``mmap``/``munmap``, called with the GIL held (``PyDLL``)."""
+    libc = ctypes.PyDLL(None)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+        ctypes.c_int, ctypes.c_long,
+    ]  # fmt: skip
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+class _AnonymousPages:
+    """``size`` bytes of private anonymous memory (``mmap(2)``), unmapped when
+    the last array over them is freed, *without releasing the GIL*.
+
+    Python's ``mmap`` object releases the GIL around ``munmap`` in its
+    dealloc. Freed as a Paddle tensor's DLPack base, that dealloc runs
+    inside Paddle's deleter, under Paddle's deleter mutex: another thread
+    freeing any DLPack tensor then holds the GIL and waits for that mutex
+    while this one waits for the GIL, a deadlock (seen with four
+    tensor-parallel ranks in threads, each freeing its cache). ``mmap`` and
+    ``munmap`` through ``ctypes.PyDLL`` keep the GIL, as a plain numpy
+    array's free does.
+    """
+
+    def __init__(self, size: int) -> None:
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        prot = mmap.PROT_READ | mmap.PROT_WRITE
+        address = _libc().mmap(None, size, prot, flags, -1, 0)
+        if address is None or address == ctypes.c_void_p(-1).value:
+            raise MemoryError(f"mmap of {size} bytes failed")
+        self.address: int = address
+        self.size = size
+        self.__array_interface__ = {
+            "shape": (size,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+        }
+
+    def __del__(self) -> None:
+        _libc().munmap(self.address, self.size)
+
+
 def lazy_zeros(shape: Sequence[int], dtype: str | paddle.dtype) -> paddle.Tensor:
     """A zeroed CPU tensor whose memory is committed page by page, on first write.
 
@@ -494,11 +542,11 @@ def lazy_zeros(shape: Sequence[int], dtype: str | paddle.dtype) -> paddle.Tensor
     """
     name = str(dtype).removeprefix("paddle.")
     np_dtype = _LAZY_DTYPES.get(name)
-    if np_dtype is None or not hasattr(mmap, "MAP_PRIVATE"):  # or not POSIX
+    if np_dtype is None or not hasattr(mmap, "MAP_ANONYMOUS"):  # or not POSIX
         return paddle.zeros(list(shape), dtype=dtype)
     size = math.prod(shape) * np.dtype(np_dtype).itemsize
-    memory = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    array = np.frombuffer(memory, np_dtype, count=math.prod(shape)).reshape(shape)
+    pages = np.asarray(_AnonymousPages(max(size, 1)))  # keeps them as its base
+    array = pages[:size].view(np_dtype).reshape(shape)
     # not host_tensor: its holder would keep the last cache's memory alive
     # after the cache is freed (from_dlpack's small leak is once a cache)
     tensor = paddle.from_dlpack(array)

@@ -222,13 +222,15 @@ async def test_a_rank_that_raises_fails_the_group_loudly(
 
 
 async def test_a_hung_follower_is_caught_by_the_heartbeat() -> None:
-    """Rank 0 waits in the step's collective, silent; the supervisor's
-    heartbeat timeout kills it, and rank 1 dies with it."""
+    """Rank 0 waits in the step's collective; its heartbeats stop once the
+    step has run ``step_timeout``, the supervisor's heartbeat timeout kills
+    it, and rank 1 dies with it."""
     with inject_fault("rank1:hang_at_step:4"):
         async with AsyncLLM.open(
             "tiny-random",
             tensor_parallel_size=2,
             heartbeat_timeout=2.0,
+            step_timeout=1.0,
             **ENGINE,
             **FRONT,
         ) as llm:
@@ -239,7 +241,8 @@ async def test_a_hung_follower_is_caught_by_the_heartbeat() -> None:
             with pytest.raises(EngineDeadError) as info:
                 await llm.complete("Hello", LONG)
             assert isinstance(info.value.__cause__, TimeoutError)
-            assert time.monotonic() - start < 2.0 + 2.0  # the timeout, a few steps
+            # step_timeout + heartbeat_timeout, a few steps
+            assert time.monotonic() - start < 1.0 + 2.0 + 2.0
             with anyio.fail_after(60):
                 out = await llm.complete("Hello", GREEDY)
             assert len(out.token_ids) == GREEDY.max_tokens

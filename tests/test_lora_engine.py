@@ -40,6 +40,22 @@ def _llm(bpe_dir: Path, **engine: Any) -> LLM:
     )
 
 
+def _open_async(bpe_dir: Path, **engine: Any) -> Any:
+    """``AsyncLLM.open`` on the base checkpoint with two adapter slots."""
+    from structllm import AsyncLLM
+
+    return AsyncLLM.open(
+        str(DATA / "llama-base"),
+        tokenizer=str(bpe_dir),
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        block_size=4,
+        show_progress=False,
+        **engine,
+    )
+
+
 def _prompts(n: int, length: int = 11) -> list[list[int]]:
     rng = np.random.default_rng(3)
     return [rng.integers(3, 128, size=length + i).tolist() for i in range(n)]
@@ -169,19 +185,13 @@ def test_bad_adapters_fail_their_request_and_the_engine_serves_on(
 
 @pytest.mark.anyio
 async def test_async_llm_over_the_core_process(bpe_dir: Path, tmp_path: Path) -> None:
-    from structllm import AsyncLLM, ModelLoadError
+    from structllm import ModelLoadError
 
     prompt = _prompts(1)[0]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    async with AsyncLLM.open(
-        str(DATA / "llama-base"),
-        tokenizer=str(bpe_dir),
-        enable_lora=True,
-        max_loras=2,
-        max_lora_rank=8,
-        block_size=4,
+    async with _open_async(
+        bpe_dir,
         num_blocks=64,
-        show_progress=False,
     ) as llm:
         assert await llm.add_lora(LORAS[1])
         assert not await llm.add_lora(LORAS[1])
@@ -210,19 +220,12 @@ async def test_async_llm_over_the_core_process(bpe_dir: Path, tmp_path: Path) ->
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_every_data_parallel_replica_gets_the_adapter(bpe_dir: Path) -> None:
-    from structllm import AsyncLLM
 
     prompts = _prompts(4)
-    async with AsyncLLM.open(
-        str(DATA / "llama-base"),
-        tokenizer=str(bpe_dir),
-        enable_lora=True,
-        max_loras=2,
-        max_lora_rank=8,
-        block_size=4,
+    async with _open_async(
+        bpe_dir,
         num_blocks=64,
         data_parallel_size=2,
-        show_progress=False,
     ) as llm:
         assert await llm.add_lora(LORAS[0])
         assert not await llm.add_lora(LORAS[0])  # both replicas know it
@@ -246,21 +249,15 @@ async def test_adapters_work_again_after_the_core_restarts(bpe_dir: Path) -> Non
     was loaded by ``add_lora`` (the server's registry) or only named."""
     import anyio
 
-    from structllm import AsyncLLM, EngineDeadError
+    from structllm import EngineDeadError
     from structllm.server.lora.registry import LoRARegistry
 
     prompts = _prompts(3)
     long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    async with AsyncLLM.open(
-        str(DATA / "llama-base"),
-        tokenizer=str(bpe_dir),
-        enable_lora=True,
-        max_loras=2,
-        max_lora_rank=8,
-        block_size=4,
+    async with _open_async(
+        bpe_dir,
         num_blocks=128,
         max_restarts=2,
-        show_progress=False,
     ) as llm:
         registry = LoRARegistry("base")
         loaded = await registry.load(llm, "all", LORAS[1].lora_path)

@@ -317,7 +317,7 @@ def _loop(
                 send(_heartbeat(core))
             continue
         try:
-            with pulse.during_step(_heartbeat(core)):
+            with pulse.during_step(_heartbeat(core, memory=False)):
                 if fault_kind and steps == int(fault_step):
                     inject_fault(fault_kind, steps)
                 out = core.step()
@@ -376,11 +376,12 @@ def release_kept_memory() -> None:
         trim(0)
 
 
-def _heartbeat(core: EngineCore) -> Heartbeat:
+def _heartbeat(core: EngineCore, *, memory: bool = True) -> Heartbeat:
+    """The core's counts, and its peak memory unless ``memory`` is false (a
+    read of /proc: the step's pulse reads it only when it sends)."""
     s = core.scheduler
-    return Heartbeat(
-        len(s.running), len(s.waiting), core.pool.num_used, peak_rss_bytes()
-    )
+    peak = peak_rss_bytes() if memory else 0
+    return Heartbeat(len(s.running), len(s.waiting), core.pool.num_used, peak)
 
 
 def _state(core: EngineCore) -> CoreState:

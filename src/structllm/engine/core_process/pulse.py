@@ -7,6 +7,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from msgspec.structs import replace
+
+from structllm.engine.child import peak_rss_bytes
 from structllm.engine.protocol import Heartbeat, Message
 
 __all__ = ["Pulse"]
@@ -19,7 +22,8 @@ class Pulse:
     except while a step runs: one that outlasts ``heartbeat_timeout`` (a
     1,024-token prefill on a loaded machine, a slow first compile) would look
     like a dead core. While a step runs, this thread sends the heartbeat
-    taken just before it again every ``interval``, for at most
+    taken just before it again every ``interval`` (with the peak memory read
+    then, not on every step), for at most
     ``step_timeout`` seconds of that step; then it goes quiet, so a wedged
     step is still declared dead, ``heartbeat_timeout`` after that. The
     model's kernels release the GIL, so the thread runs during them.
@@ -75,4 +79,4 @@ class Pulse:
                 if time.monotonic() - started >= self._step_timeout:
                     continue  # a wedged step: quiet until it ends
                 with contextlib.suppress(OSError):
-                    self._send(beat)
+                    self._send(replace(beat, peak_rss_bytes=peak_rss_bytes()))

@@ -19,7 +19,9 @@ dependency; the steps:
    float16 KV cache), ``structllm serve`` under asyncio, and under trio
    (float32 KV cache, its default), all with ``--threads`` threads.
    First 16 concurrent clients (``--num-prompts`` requests), then one
-   stream (10 requests). Each writes ``OUT_c16.json/png`` and
+   stream (10 requests). ``--variant NAME=FLAGS`` adds a structllm
+   server with more flags (llama.cpp's numerics: ``like-llamacpp=
+   --quantized-activations q8 --kv-cache-dtype bfloat16``). Each writes ``OUT_c16.json/png`` and
    ``OUT_single.json/png`` (the JSON without its per-request records,
    which stay in ``--work``).
 
@@ -143,6 +145,16 @@ def main() -> int:
         help="leave a server out",
     )
     p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="one more structllm server (asyncio), named structllm-NAME, with "
+        "these serve flags added; e.g. 'like-llamacpp=--quantized-activations "
+        "q8 --kv-cache-dtype bfloat16' (llama.cpp's q8 activations and 16-bit "
+        "KV cache); repeatable",
+    )
+    p.add_argument(
         "--real",
         action="append",
         default=[],
@@ -221,6 +233,9 @@ def compare(
     for loop in ("asyncio", "trio"):
         if loop not in ns.skip:
             launch[f"structllm-{loop}"] = f"{serve} --loop {loop}"
+    for variant in ns.variant:
+        name, _, flags = variant.partition("=")
+        launch[f"structllm-{name}"] = f"{serve} --loop asyncio {flags}"
     workload = ["--input-len", "16", "256", "--output-len", "16", "128", *prompts]
     workload += ["--seed", "0", "--rounds", str(ns.rounds)]
     targets = [a for item in launch.items() for a in ("--launch", "=".join(item))]

@@ -45,6 +45,30 @@ def test_params_per_prompt_and_priority(llm: LLM) -> None:
     assert e.value.field == "params"
 
 
+def test_an_offline_list_runs_longest_first() -> None:
+    # one request at a time, so the queue times give the admission order
+    one = LLM(
+        "tiny-random",
+        show_progress=False,
+        max_model_len=128,
+        num_blocks=64,
+        max_num_seqs=1,
+    )
+    lengths = [2, 9, None, 5, 9]
+    params = [
+        SamplingParams(temperature=0, max_tokens=n or 128, ignore_eos=n is not None)
+        for n in lengths
+    ]
+    params[2] = SamplingParams(temperature=0, max_tokens=None, stop_token_ids=[7])
+    outs = one.generate(["a", "b", "c", "d", "e"], params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs][:2] == [2, 9]
+    waits = [o.queue_time for o in outs]
+    assert all(w is not None for w in waits)
+    admitted = sorted(range(5), key=lambda i: waits[i] or 0.0)
+    # None (to the model's length) first, then 9, 9 in the given order, 5, 2
+    assert admitted == [2, 1, 4, 3, 0]
+
+
 def test_stop_string_and_logprobs(llm: LLM) -> None:
     base = llm.generate(
         "Hello", SamplingParams(temperature=0, max_tokens=20), use_tqdm=False

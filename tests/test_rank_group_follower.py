@@ -97,7 +97,7 @@ def test_a_follower_ends_itself_when_rank_0_is_silent_past_its_step(
     )
     took = time.monotonic() - float(done.stdout)  # CLOCK_MONOTONIC: one per host
     assert done.returncode == code, done.stderr.decode()
-    assert after <= took < after + 2.0
+    assert after <= took < after + 5.0  # a loaded machine
     if code == 1:
         assert (
             "(step_timeout 0.6s + heartbeat timeout 0.3s); exiting"

@@ -30,6 +30,7 @@ import pytest
 from structllm import ModelLoadError, SamplingParams
 from structllm.cli import build_parser
 from structllm.config import EngineConfig, FrontendConfig, from_arguments
+from structllm.engine.child import SLOW_STEP_S
 from structllm.engine.frontend.async_llm import AsyncLLM
 from structllm.engine.rank_group.env import connect_env, free_ports
 from structllm.engine.rank_group.protocol import Hello, RankSetup, frame, receive
@@ -37,6 +38,7 @@ from structllm.errors import EngineConfigError, EngineCoreError
 from structllm.llm import LLM
 from structllm.model._paddle import paddle
 from structllm.model.checkpoint import write_random_checkpoint
+from structllm.testing.faults import inject_fault
 from tests.processes import consume_until_dead, wait_gone
 from tests.test_tensor_parallel_engine import CONFIGS, ENGINE, FRONT, PROMPTS
 
@@ -172,6 +174,36 @@ async def test_a_connected_follower_gives_the_greedy_tokens_of_one(
         # rank 0 closed the connection: the follower exits, and says nothing
         assert follower.wait(10) == 0, _stderr(err)
     wait_gone(rank0)
+
+
+async def test_a_step_longer_than_the_heartbeat_timeout_keeps_the_follower(
+    tmp_path: Path, address: str
+) -> None:
+    """Rank 1's step 6 holds the GIL for 3 s (as a kernel compiling on a
+    machine with a cold cache does), three times the heartbeat timeout: no
+    thread of the follower reads rank 0's pings meanwhile, but a follower
+    mid-step waits ``step_timeout + heartbeat_timeout`` for rank 0, as rank
+    0's front end waits for rank 0; the request completes, nothing restarts."""
+    beat = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0}
+    with (
+        inject_fault("rank1:stall_at_step:6"),
+        _follower(address, tmp_path) as (follower, err),
+    ):
+        async with AsyncLLM.open(
+            "tiny-random",
+            tensor_parallel_size=2,
+            tensor_parallel_listen=address,
+            **ENGINE,
+            **FRONT,
+            **beat,
+        ) as llm:
+            start = time.monotonic()
+            out = await llm.complete("Hello", GREEDY)
+            assert time.monotonic() - start >= SLOW_STEP_S  # the stall was here
+            assert len(out.token_ids) == GREEDY.max_tokens
+            assert follower.poll() is None, _stderr(err)
+            assert llm.statistics().restarts == 0
+        assert follower.wait(10) == 0, _stderr(err)
 
 
 async def test_paddle_launch_starts_the_followers(tmp_path: Path, address: str) -> None:

@@ -10,6 +10,7 @@ their memory (:func:`peak_rss_bytes`).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
 import resource
@@ -36,7 +37,7 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else 1024 * peak
 
 
-#: how long the ``slow_at_step`` fault's step takes
+#: how long the ``slow_at_step`` and ``stall_at_step`` faults' steps take
 SLOW_STEP_S = 3.0
 
 
@@ -52,6 +53,9 @@ def inject_fault(kind: str, step: int) -> None:
         os._exit(3)
     if kind == "slow_at_step":  # a step far longer than heartbeat_timeout
         time.sleep(SLOW_STEP_S)
+        return
+    if kind == "stall_at_step":  # as slow, holding the GIL (a kernel compiling)
+        ctypes.PyDLL(None).usleep(int(SLOW_STEP_S * 1e6))  # no thread runs
         return
     raise ValueError(f"unknown fault {kind!r}")
 

@@ -357,5 +357,8 @@ def load_tokenizer(path_or_name: str | Path) -> Tokenizer:
         from structllm.text.gguf_tokenizer import tokenizer_from_gguf
 
         with GGUFFile.open(path) as f:
-            return tokenizer_from_gguf(f.metadata, source=path.name)
+            metadata = f.metadata
+        # the map closed: the pages of the metadata it read leave this
+        # process's resident memory before the tokenizer is built
+        return tokenizer_from_gguf(metadata, source=path.name)
     return HFTokenizer.from_directory(path)

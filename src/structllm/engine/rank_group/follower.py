@@ -15,10 +15,12 @@ rows.
 
 - A spawned follower watches rank 0's pid through a pidfd, as the core
   process watches the front end, and reads EOF when rank 0 closes.
-- A connected follower has no pid to watch across machines: a reader
-  thread ends the process when rank 0 closes the connection or falls
-  silent for the heartbeat timeout, with a SIGALRM as the kernel's backup
-  (:func:`_follow_connected`).
+- A connected follower has no pid to watch across machines: it ends
+  itself when rank 0 closes the connection or falls silent for the
+  heartbeat timeout (between steps) or for ``step_timeout`` plus the
+  heartbeat timeout since its step began (mid-step: rank 0's front end
+  gives rank 0's steps as long), with a SIGALRM as the kernel's backup
+  (:func:`_follow_connected`, :class:`Silence`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NoReturn
 
 import attrs
@@ -61,7 +63,7 @@ if TYPE_CHECKING:
     from structllm.model.lora import LoRAAdapter, LoRASlots
     from structllm.model.protocol import CausalLM
 
-__all__ = ["CONNECT_TIMEOUT", "main"]
+__all__ = ["CONNECT_TIMEOUT", "Silence", "main"]
 
 #: default seconds a ``--connect`` follower keeps trying to reach rank 0
 CONNECT_TIMEOUT = 600.0
@@ -83,12 +85,14 @@ def _follow_connected(sock: socket.socket, setup_timeout: float) -> int:
 
     A reader thread takes every message off the socket and ends the process
     at once (even mid-step, blocked in a collective) when rank 0 closes the
-    connection or has been silent for ``silence_timeout``: no pidfd crosses
-    machines, and a collective whose peer vanished may never return. A
-    thread needs the GIL, which Paddle holds through some blocking calls
-    (``init_parallel_env`` waiting for the store holds it), so the kernel
-    backs it up: each message re-arms a SIGALRM (default action: the
-    process ends) due ``_ALARM_GRACE`` seconds after the silence timeout.
+    connection; a watchdog thread ends it when rank 0 has been silent past
+    its :class:`Silence` deadline: no pidfd crosses machines, and a
+    collective whose peer vanished may never return. A thread needs the
+    GIL, which Paddle holds through some blocking calls
+    (``init_parallel_env`` waiting for the store holds it; so does a kernel
+    compiling in a step), so the kernel backs them up: every change of the
+    deadline re-arms a SIGALRM (default action: the process ends) due
+    ``_ALARM_GRACE`` seconds after it.
     """
     sock.sendall(frame(Hello(os.getpid(), socket.gethostname())))
     sock.settimeout(setup_timeout)  # rank 0 answers once every rank is in
@@ -98,41 +102,128 @@ def _follow_connected(sock: socket.socket, setup_timeout: float) -> int:
         _exit_now(f"rank 0 sent no setup within {setup_timeout:g}s", 1)
     if not isinstance(setup, RankSetup) or setup.silence_timeout is None:
         return 0  # rank 0 went away (or gave up waiting for the others)
+    sock.settimeout(None)
     apply_env(setup.env)
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    _rearm(setup.silence_timeout)
+    watch = _Watch(Silence(setup.silence_timeout, setup.step_timeout, time.monotonic()))
     inbox: queue.SimpleQueue[RankMessage] = queue.SimpleQueue()
     threading.Thread(
-        target=_read_rank0,
-        args=(sock, inbox, setup.silence_timeout),
-        name="rank0-reader",
-        daemon=True,
+        target=_read_rank0, args=(sock, inbox, watch), name="rank0-reader", daemon=True
     ).start()
-    return _run_steps(setup, inbox.get)
+    threading.Thread(target=watch.run, name="rank0-watchdog", daemon=True).start()
+    return _run_steps(setup, inbox.get, watch.step)
 
 
 def _read_rank0(
-    sock: socket.socket, inbox: queue.SimpleQueue[RankMessage], silence: float
+    sock: socket.socket, inbox: queue.SimpleQueue[RankMessage], watch: _Watch
 ) -> None:
-    sock.settimeout(silence)
     while True:
         try:
             msg = receive(sock)
-        except TimeoutError:
-            _exit_now(f"no word from rank 0 for {silence:g}s (heartbeat timeout)", 1)
         except (OSError, msgspec.DecodeError):
             msg = None
         if msg is None:
             _exit_now(None, 0)  # rank 0 closed the group
-        _rearm(silence)
+        watch.heard()
         if not isinstance(msg, Ping):
             inbox.put(msg)
 
 
-def _rearm(silence: float) -> None:
-    """Have the kernel end this process unless rank 0 is heard from again
-    within ``silence`` seconds (and a grace, for the reader to say why)."""
-    signal.setitimer(signal.ITIMER_REAL, silence + _ALARM_GRACE)
+@attrs.define
+class Silence:
+    """How long a ``--connect`` follower waits for word from rank 0: the
+    deadline, kept as times of :func:`time.monotonic` (pure, for tests).
+
+    Between steps rank 0 pings every heartbeat interval, so
+    ``heartbeat_timeout`` (``timeout``) of silence means it is gone. A step
+    may take far longer (a long prefill on a loaded machine, a kernel
+    compiling with the GIL held on either side, when no thread reads or
+    sends pings), and rank 0's front end lets rank 0's steps run
+    ``step_timeout`` before it stops hearing heartbeats; so mid-step the
+    follower waits ``step_timeout + timeout`` after the step began, as the
+    front end does for rank 0, and a wedged or frozen rank 0 is still
+    caught. The end of the follower's forward counts as word from rank 0:
+    the forward's all-reduces met rank 0's.
+    """
+
+    timeout: float
+    #: None: rank 0 gave none (it waits only ``timeout`` mid-step too)
+    step_timeout: float | None
+    #: when rank 0 was last heard from
+    heard_at: float
+    #: when this rank's current step began (None: between steps)
+    step_began: float | None = None
+
+    def heard(self, now: float) -> None:
+        self.heard_at = max(self.heard_at, now)
+
+    def begin_step(self, now: float) -> None:
+        self.step_began = now
+
+    def end_step(self, now: float) -> None:
+        self.step_began = None
+        self.heard(now)
+
+    def deadline(self) -> float:
+        """When rank 0's silence ends this follower."""
+        quiet = self.heard_at + self.timeout
+        if self.step_began is None or self.step_timeout is None:
+            return quiet
+        return max(quiet, self.step_began + self.step_timeout + self.timeout)
+
+    def why(self, now: float) -> str:
+        """What to say on the way out, at ``now`` past the deadline."""
+        silent = f"no word from rank 0 for {now - self.heard_at:.3g}s"
+        if self.step_began is None or self.step_timeout is None:
+            return f"{silent} (heartbeat timeout {self.timeout:g}s)"
+        return (
+            f"{silent}, {now - self.step_began:.3g}s into a step (step_timeout "
+            f"{self.step_timeout:g}s + heartbeat timeout {self.timeout:g}s)"
+        )
+
+
+@attrs.define(eq=False)
+class _Watch:
+    """:class:`Silence` kept by the reader (``heard``) and the step loop
+    (``step``), enforced by a watchdog thread (``run``) and a SIGALRM."""
+
+    silence: Silence
+    _cond: threading.Condition = attrs.Factory(threading.Condition)
+
+    def __attrs_post_init__(self) -> None:
+        self._rearm()
+
+    def heard(self) -> None:
+        with self._cond:
+            self.silence.heard(time.monotonic())
+            self._rearm()
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        with self._cond:
+            self.silence.begin_step(time.monotonic())
+            self._rearm()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.silence.end_step(time.monotonic())
+                self._rearm()
+                self._cond.notify()  # the deadline may be sooner now
+
+    def run(self) -> None:
+        """End the process once the deadline passes without word."""
+        with self._cond:
+            while (left := self.silence.deadline() - time.monotonic()) > 0:
+                self._cond.wait(left)
+            why = self.silence.why(time.monotonic())
+        _exit_now(why, 1)
+
+    def _rearm(self) -> None:
+        """Have the kernel end this process a grace after the deadline (for
+        when the watchdog cannot run to say why)."""
+        left = self.silence.deadline() - time.monotonic()
+        signal.setitimer(signal.ITIMER_REAL, max(left, 0.0) + _ALARM_GRACE)
 
 
 def _exit_now(why: str | None, code: int) -> NoReturn:
@@ -144,8 +235,15 @@ def _exit_now(why: str | None, code: int) -> NoReturn:
     os._exit(code)
 
 
-def _run_steps(setup: RankSetup, next_message: Callable[[], RankMessage | None]) -> int:
-    """Load the shard, then run each step's forward until no message is left."""
+def _run_steps(
+    setup: RankSetup,
+    next_message: Callable[[], RankMessage | None],
+    during_step: Callable[[], contextlib.AbstractContextManager[None]] = (
+        contextlib.nullcontext
+    ),
+) -> int:
+    """Load the shard, then run each step's forward (inside ``during_step()``)
+    until no message is left."""
     from structllm.core.engine_setup import load_engine_model
     from structllm.core.runner import run_forward
     from structllm.engine.child import inject_fault
@@ -169,14 +267,15 @@ def _run_steps(setup: RankSetup, next_message: Callable[[], RankMessage | None])
         elif isinstance(msg, Step):
             if kv_caches is None:
                 raise RuntimeError("a step before the KV cache was allocated")
-            if lora is not None:
-                rows = next_message()
-                if rows is None:
-                    break  # rank 0 closed the group mid-step
-                lora.apply(rows)
-            if fault_kind and steps == int(fault_step):
-                inject_fault(fault_kind, steps)
-            run_forward(model, kv_caches, msg.input)
+            with during_step():
+                if lora is not None:
+                    rows = next_message()
+                    if rows is None:
+                        break  # rank 0 closed the group mid-step
+                    lora.apply(rows)
+                if fault_kind and steps == int(fault_step):
+                    inject_fault(fault_kind, steps)
+                run_forward(model, kv_caches, msg.input)
             steps += 1
     return 0
 

@@ -48,8 +48,12 @@ same rules hold, with the connection as the only tie:
   thread, as above) or when not every follower has connected within
   ``tensor_parallel_connect_timeout`` (the group does not start);
 - no pidfd crosses machines: rank 0 :class:`Ping` s each follower every
-  heartbeat interval, and a follower exits at once when its connection
-  closes or it has heard nothing for the heartbeat timeout, even mid-step.
+  heartbeat interval when it has sent nothing else (during steps too), and
+  a follower exits at once when its connection closes, or when it has
+  heard nothing for the heartbeat timeout, or mid-step for
+  ``step_timeout`` plus the heartbeat timeout since its step began (as
+  rank 0's front end waits for rank 0's steps: a slow step, or one that
+  holds the GIL, is not a dead rank 0).
 
 This module is rank 0's side, :class:`RankGroup`. A follower's side is
 :mod:`structllm.engine.rank_group.follower`, whose :func:`main` runs as the
@@ -149,6 +153,7 @@ class RankGroup:
         on_lost: Callable[[str], None],
         fault: str | None = None,
         heartbeat: tuple[float, float] = (1.0, 10.0),
+        step_timeout: float = 300.0,
     ) -> RankGroup:
         """Start the followers (or, with ``config.tensor_parallel_listen``,
         wait for them to connect), then join the process group as rank 0.
@@ -156,7 +161,8 @@ class RankGroup:
         Returns once the group is up; the followers are then loading their
         shards (rank 0 loads its own meanwhile). ``fault`` is a test hook
         for rank 1. ``heartbeat``: (interval, timeout) of rank 0's pings to
-        connected followers.
+        connected followers; ``step_timeout``: how long past the timeout a
+        connected follower waits mid-step (the front end's, for rank 0).
         """
         wake_r, wake_w = os.pipe()
         group = cls(config.tensor_parallel_size, [], on_lost, wake_r, wake_w)
@@ -164,7 +170,7 @@ class RankGroup:
             if config.tensor_parallel_listen is None:
                 env = group._spawn(config, fault)
             else:
-                env = group._accept(config, fault, heartbeat)
+                env = group._accept(config, fault, heartbeat, step_timeout)
             group._watch = threading.Thread(
                 target=group._watch_followers, name="rank-watch", daemon=True
             )
@@ -206,6 +212,7 @@ class RankGroup:
         config: EngineConfig,
         fault: str | None,
         heartbeat: tuple[float, float],
+        step_timeout: float,
     ) -> dict[str, str]:
         """Wait for ranks 1..size-1 to connect; rank 0's variables."""
         field = "tensor_parallel_listen"
@@ -232,7 +239,11 @@ class RankGroup:
         for f in self._followers:
             env = connect_env(f.rank, endpoints, backend, store)
             setup = RankSetup(
-                config, fault if f.rank == 1 else None, env, silence_timeout=timeout
+                config,
+                fault if f.rank == 1 else None,
+                env,
+                silence_timeout=timeout,
+                step_timeout=step_timeout,
             )
             f.sock.sendall(frame(setup))
         self._pinger = threading.Thread(

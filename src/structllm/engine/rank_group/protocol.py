@@ -65,6 +65,9 @@ class RankSetup(msgspec.Struct, tag=True):
     #: ``--connect`` followers: exit after this many seconds without a word
     #: from rank 0 (None: a spawned follower watches rank 0's pid instead)
     silence_timeout: float | None = None
+    #: ``--connect`` followers: mid-step, wait this much longer for rank 0
+    #: (its ``step_timeout``: its front end lets its steps run as long)
+    step_timeout: float | None = None
 
 
 class Ping(msgspec.Struct, tag=True):

@@ -16,6 +16,8 @@ acts on it (:mod:`structllm.engine.child`):
 - ``"exit_at_step:N"``: the process exits at step N;
 - ``"slow_at_step:N"``: step N takes 3 s more (heartbeats go on through it,
   up to ``step_timeout``);
+- ``"stall_at_step:N"``: step N holds the GIL for 3 s (no thread of the
+  process runs: a follower's reader and watchdog wait it out);
 - ``"rank1:"`` before one of them: tensor-parallel rank 1 does it instead
   (counting warm-up's forwards).
 

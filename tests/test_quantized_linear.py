@@ -14,10 +14,15 @@ from structllm.errors import EngineConfigError, ModelLoadError
 from structllm.formats import GGUFFile
 from structllm.model import quant_kernels, quantize
 from structllm.model._paddle import paddle
+from structllm.model.attention import SequenceSlice
 from structllm.model.linear import DenseLinear
 from structllm.model.loader import build_model, load_model
 from structllm.model.parallel import load_model_shard
-from structllm.model.quantized import QuantizedEmbedding, QuantizedLinear
+from structllm.model.quantized import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedPart,
+)
 from structllm.models import make_tiny_model
 from tests.gguf_convert import convert
 from tests.test_gguf_loading import _logits
@@ -77,6 +82,66 @@ def test_pieces_of_different_types_fuse(tmp_path: Path) -> None:
         _logits(kept),
         _logits(load_model(tmp_path / "m.gguf", quantization="none").model),
     )
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_host_arrays_multiply_as_tensors_do(rows: int) -> None:
+    """``matmul_into`` writes each part's columns (straight into them at one
+    row, through a copy at more); the tensor call is the same product."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((12, 32)).astype(np.float32)
+    halves = w[8:].astype(np.float16)
+    lin = QuantizedLinear(
+        (
+            QuantizedPart(w[:8].view(np.uint8), quant_kernels.GGMLType.F32),
+            QuantizedPart(halves.view(np.uint8), quant_kernels.GGMLType.F16),
+        ),
+        32,
+    )
+    x = rng.standard_normal((rows, 32)).astype(np.float32)
+    out = np.full((rows, 12), np.nan, np.float32)
+    assert lin.matmul_into(x, out) is out
+    exact = x @ np.concatenate([w[:8], halves.astype(np.float32)]).T
+    _close(out, exact)
+    np.testing.assert_array_equal(lin(paddle.to_tensor(x)).numpy(), out)
+
+
+def test_a_decode_step_multiplies_host_views(tmp_path: Path) -> None:
+    """Decode rows alone take the step buffers' host views into the
+    quantized projections (q/k/v of two types among them): their logits
+    are the dequantized model's."""
+    directory = _checkpoint(tmp_path, "llama")
+    types = {"model.layers.0.self_attn.v_proj.weight": "Q8_0"}
+    convert(directory, tmp_path / "m.gguf", qtype="Q4_1", types=types)
+    kept = load_model(tmp_path / "m.gguf").model
+    dense = load_model(tmp_path / "m.gguf", quantization="none").model
+    assert kept.weights.layers[0].qkv.types == ("Q4_1", "Q8_0")
+    for rows in (1, 3):
+        _close(_decode_logits(kept, rows), _decode_logits(dense, rows))
+
+
+def _decode_logits(model: Any, rows: int) -> np.ndarray:
+    """Logits of a step of ``rows`` one-token sequences, each after a
+    5-token prompt (prefilled the step before)."""
+    caches = model.allocate_kv_cache(2 * rows)
+    prompt = [SequenceSlice(0, 5, [2 * r, 2 * r + 1]) for r in range(rows)]
+    ids = np.arange(5 * rows) % 7 + 1
+    model.forward(
+        paddle.to_tensor(ids),
+        paddle.to_tensor(np.tile(np.arange(5), rows)),
+        caches,
+        model.attention.build_metadata(prompt),
+    )
+    decode = [SequenceSlice(5, 1, [2 * r, 2 * r + 1]) for r in range(rows)]
+    meta = model.attention.build_metadata(decode)
+    assert meta.num_decodes == meta.num_tokens == rows
+    hidden = model.forward(
+        paddle.to_tensor(np.arange(rows) + 3),
+        paddle.to_tensor(np.full(rows, 5)),
+        caches,
+        meta,
+    )
+    return np.asarray(model.compute_logits(hidden).numpy())
 
 
 def test_the_weights_stay_as_small_as_the_file(tmp_path: Path) -> None:

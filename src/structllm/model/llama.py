@@ -23,6 +23,7 @@ from structllm.model._paddle import paddle
 from structllm.model.attention import AttentionMetadata, PortableAttention, RopeTables
 from structllm.model.config import ModelConfig, RopeScaling
 from structllm.model.linear import Backend, Linear
+from structllm.model.quantized import QuantizedLinear
 
 if TYPE_CHECKING:
     from structllm.model.lora import LoRASlots
@@ -389,25 +390,39 @@ class LlamaForCausalLM:
         rows, hidden = x.shape
         inner = layers[0].down.in_features
         x_t, x_h = buffers.get("residual", (rows, hidden))
-        h_t, h_h = buffers.get("normed", (rows, hidden))
-        out_t, out_h = buffers.get("out", (rows, hidden))
-        gate_up_t, gate_up_h = buffers.get("gate_up", (rows, 2 * inner))
-        act_t, act_h = buffers.get("act", (rows, inner))
-        qkv = self.attention.qkv_buffer(meta, layers[0].qkv.out_features)
-        assert qkv is not None
+        normed = buffers.get("normed", (rows, hidden))
+        h_h = normed[1]
+        out = buffers.get("out", (rows, hidden))
+        out_h = out[1]
+        gate_up = buffers.get("gate_up", (rows, 2 * inner))
+        act = buffers.get("act", (rows, inner))
+        qkv = buffers.get("qkv", (rows, layers[0].qkv.out_features))
         views = self.attention.host_view
         x_h[...] = np.from_dlpack(x)
         eps = c.rms_norm_eps
         kernels.add_rms_norm(x_h, views(layers[0].input_norm), eps, h_h)
         for i, layer in enumerate(layers):
-            layer.qkv(h_t, out=qkv[0])
-            attn = self._attention(i, qkv[1], kv_caches, meta, positions)
-            layer.o(attn, out=out_t)
+            _project(layer.qkv, normed, qkv)
+            k_cache, v_cache = kv_caches[i]
+            attn = self.attention.decode_qkv(
+                qkv[1],
+                k_cache,
+                v_cache,
+                meta,
+                positions,
+                self._rope,
+                self._windows[i],
+                layer.q_norm,
+                layer.k_norm,
+                eps,
+                layer.qkv.bias,
+            )  # (B, nh * d)
+            _project(layer.o, attn, out)
             norm = views(layer.post_attention_norm)
             kernels.add_rms_norm(x_h, norm, eps, h_h, delta=out_h)
-            layer.gate_up(h_t, out=gate_up_t)
-            kernels.swiglu(gate_up_h, act_h)
-            layer.down(act_t, out=out_t)
+            _project(layer.gate_up, normed, gate_up)
+            kernels.swiglu(gate_up[1], act[1])
+            _project(layer.down, act, out)
             if i + 1 < len(layers):
                 norm = views(layers[i + 1].input_norm)
                 kernels.add_rms_norm(x_h, norm, eps, h_h, delta=out_h)
@@ -420,6 +435,19 @@ class LlamaForCausalLM:
         return (
             logits.astype(paddle.float32) if logits.dtype != paddle.float32 else logits
         )
+
+
+def _project(
+    linear: Linear,
+    x: tuple[paddle.Tensor, np.ndarray],  # (T, in) a step buffer, its host view
+    out: tuple[paddle.Tensor, np.ndarray],  # (T, out) likewise, written
+) -> None:
+    """``linear(x, out=out)``; a quantized Linear multiplies the buffers'
+    host views instead (no DLPack a call)."""
+    if isinstance(linear, QuantizedLinear):
+        linear.matmul_into(x[1], out[1])
+    else:
+        linear(x[0], out=out[0])
 
 
 def _embed_tokens(

@@ -365,12 +365,31 @@ class PortableAttention:
         attends into (the next call reuses it) and its host view, for a
         caller that multiplies host arrays."""
         assert meta.use_kernels and not meta.prefills
+        assert meta.decode_tables is not None and meta.decode_lens is not None
+        b, nh, d = meta.num_decodes, self.num_heads, self.head_dim
         k_host, v_host = self._host_cache(k_cache, v_cache, meta)
-        q_host = self._rope_and_write(
-            qkv, k_host, v_host, meta, positions, rope, q_norm, k_norm, eps, bias
+        out = self.buffers.get("attention", (b, nh * d))
+        kernels.rope_write_attend(
+            qkv,
+            positions,
+            rope.cos,
+            rope.sin,
+            None if q_norm is None else self.host_view(q_norm),
+            None if k_norm is None else self.host_view(k_norm),
+            eps,
+            k_host,
+            v_host,
+            meta.slot_mapping,
+            self._rotated_q.array((b, nh, d)),
+            meta.decode_tables,
+            meta.decode_lens,
+            window,
+            self.scale,
+            self.block_size,
+            out[1].reshape(b, nh, d),
+            bias=None if bias is None else self.host_view(bias),
+            threaded=meta.decode_threaded,
         )
-        out = self.buffers.get("attention", self._attention_shape(meta))
-        self._attend_decodes(q_host, (k_host, v_host), meta, window, out[1])
         return out
 
     def _rope_and_write(

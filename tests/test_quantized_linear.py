@@ -16,6 +16,7 @@ from structllm.model import quant_kernels, quantize
 from structllm.model._paddle import paddle
 from structllm.model.attention import SequenceSlice
 from structllm.model.linear import DenseLinear
+from structllm.model.llama import KEPT_LOGITS_ROWS
 from structllm.model.loader import build_model, load_model
 from structllm.model.parallel import load_model_shard
 from structllm.model.quantized import (
@@ -142,6 +143,31 @@ def _decode_logits(model: Any, rows: int) -> np.ndarray:
         meta,
     )
     return np.asarray(model.compute_logits(hidden).numpy())
+
+
+def test_a_quantized_heads_logits_reuse_their_memory(tmp_path: Path) -> None:
+    """Up to KEPT_LOGITS_ROWS rows, compute_logits writes into memory the
+    model keeps (the next call's); more rows get their own."""
+    directory = _checkpoint(tmp_path, "llama")
+    convert(directory, tmp_path / "m.gguf", qtype="Q8_0")
+    model = load_model(tmp_path / "m.gguf").model
+    head = model.weights.lm_head
+    assert isinstance(head, QuantizedLinear)
+    rng = np.random.default_rng(5)
+    hidden = rng.standard_normal((KEPT_LOGITS_ROWS + 1, head.in_features))
+    hidden = hidden.astype(np.float32)
+
+    def fresh(rows: np.ndarray) -> np.ndarray:  # as many rows: the same kernel
+        return np.asarray(head(paddle.to_tensor(rows)).numpy())
+
+    three = model.compute_logits(paddle.to_tensor(hidden[:3]))
+    np.testing.assert_array_equal(three.numpy(), fresh(hidden[:3]))
+    two = model.compute_logits(paddle.to_tensor(hidden[3:5]))
+    np.testing.assert_array_equal(two.numpy(), fresh(hidden[3:5]))
+    np.testing.assert_array_equal(three.numpy()[:2], two.numpy())  # overwritten
+    many = model.compute_logits(paddle.to_tensor(hidden))
+    np.testing.assert_array_equal(many.numpy(), fresh(hidden))
+    np.testing.assert_array_equal(two.numpy(), fresh(hidden[3:5]))  # not reused
 
 
 def test_the_weights_stay_as_small_as_the_file(tmp_path: Path) -> None:

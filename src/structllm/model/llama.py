@@ -390,7 +390,11 @@ class LlamaForCausalLM:
         kept for this batch size and every other op is a compiled kernel on
         those buffers' host views, so a layer makes no tensor. At batch 1 the
         ops between the matmuls were a third of the step; this path is 6-8%
-        faster there (docs/benchmarks.md)."""
+        faster there (docs/benchmarks.md). Quantized projections multiply
+        the host views themselves (``QuantizedLinear.matmul_into``) and the
+        attention is one kernel call (``PortableAttention.decode_qkv``):
+        a further 9% of SmolLM2-135M Q4_1's CPU time a token at batch 1
+        (``tools/decode_overhead.py``)."""
         c = self.config
         layers = self.weights.layers
         buffers = self.attention.buffers

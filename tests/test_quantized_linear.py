@@ -3,6 +3,7 @@ quantized at load, and where they may not run."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +204,13 @@ def test_the_embedding_stays_in_its_blocks(tmp_path: Path) -> None:
     np.testing.assert_array_equal(kept.embed.lookup(ids).numpy(), want)
     with pytest.raises(IndexError):
         kept.embed.lookup(paddle.to_tensor(np.array([table.shape[0]], np.int64)))
+    # a lookup a step keeps nothing alive (paddle.to_tensor kept a list each)
+    gc.collect()
+    before = len(gc.get_objects())
+    for _ in range(300):
+        kept.embed.lookup(ids)
+    gc.collect()
+    assert len(gc.get_objects()) - before < 30
 
 
 def test_the_predictors_refuse_quantized_weights_by_name(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ import numpy as np
 
 from structllm.errors import EngineConfigError, ModelLoadError
 from structllm.model import quant_kernels
-from structllm.model._paddle import paddle
+from structllm.model._paddle import host_tensor, paddle
 from structllm.model.linear import Backend, Linear
 
 __all__ = [
@@ -208,7 +208,8 @@ class QuantizedEmbedding:
         """The rows of ``ids`` as float32; an id outside the vocabulary
         raises IndexError (numpy's indexing checks it)."""
         rows = self.part.raw[ids.numpy()]  # (T, row_bytes), a copy
-        return paddle.to_tensor(
+        # host_tensor: paddle.to_tensor leaked a little on every step's call
+        return host_tensor(
             quant_kernels.dequantize_rows(rows, self.part.qtype, self.hidden)
         )
 

@@ -19,7 +19,10 @@ the embedding, metadata and the Python between them.
 to OUT.npz: the logits of the ``time`` step at batches 1 and 16, and
 greedy tokens with their top-5 logprobs from the offline ``LLM``, one
 stream and 16 at once; ``compare`` says whether two such files are equal
-bit for bit.
+bit for bit. Save each side from a process that loaded the kernels from
+numba's disk cache (run ``check`` twice after changing them): a process
+that compiled them gave other bits than later ones, in both trees of an
+A/B (2026-12: logits of the batch-16 step, or the 16-stream tokens).
 """
 
 import argparse

@@ -177,6 +177,57 @@ def test_rope_and_write_matches_the_paddle_ops(family: str) -> None:
     assert not k_cache[:, untouched].any() and not v_cache[:, untouched].any()
 
 
+@pytest.mark.parametrize("threaded", [False, True])
+@pytest.mark.parametrize("qwen", [False, True])
+def test_rope_write_attend_is_rope_and_write_then_decode_attention(
+    threaded: bool, qwen: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One call a layer, the two kernels' arithmetic bit for bit (Qwen's
+    bias and q/k norms included; the threaded attention too)."""
+    if threaded:
+        if kernels.numba.config.NUMBA_NUM_THREADS < 2:
+            pytest.skip("one thread: nothing to spread")
+        monkeypatch.setattr(kernels, "_threads", 2)
+    rng = np.random.default_rng(4)
+    nh, kvh, d, bs, b = 6, 2, 16, 4, 3
+    lens = np.array([5, 1, 9], np.int64)
+    tables = np.array([[0, 1, 0], [2, 0, 0], [3, 4, 5]], np.int64)
+    slots = np.array(
+        [
+            t[(n - 1) // bs] * bs + (n - 1) % bs
+            for t, n in zip(tables, lens, strict=True)
+        ]
+    )
+    qkv = rng.standard_normal((b, (nh + 2 * kvh) * d)).astype(np.float32)
+    positions = lens - 1
+    table = rng.standard_normal((12, d)).astype(np.float32)
+    norm = rng.standard_normal(d).astype(np.float32) if qwen else None
+    bias = rng.standard_normal(qkv.shape[1]).astype(np.float32) if qwen else None
+    cache = rng.standard_normal((kvh, 6 * bs, d)).astype(np.float32)
+
+    def rope(k_cache: np.ndarray, v_cache: np.ndarray, q: np.ndarray) -> None:
+        kernels.rope_and_write(
+            qkv, positions, table, -table, nh, norm, norm, 1e-6, k_cache,
+            v_cache, slots, q, bias=bias,
+        )  # fmt: skip
+
+    want_k, want_v = cache.copy(), cache[::-1].copy()
+    q = np.empty((b, nh, d), np.float32)
+    rope(want_k, want_v, q)
+    want = kernels.decode_attention(q, want_k, want_v, tables, lens, 3, 0.25, bs)
+    k_cache, v_cache = cache.copy(), cache[::-1].copy()
+    out = np.full((b, nh, d), np.nan, np.float32)
+    got = kernels.rope_write_attend(
+        qkv, positions, table, -table, norm, norm, 1e-6, k_cache, v_cache,
+        slots, np.empty_like(q), tables, lens, 3, 0.25, bs, out, bias=bias,
+        threaded=threaded,
+    )  # fmt: skip
+    assert got is out
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(k_cache, want_k)
+    np.testing.assert_array_equal(v_cache, want_v)
+
+
 def test_kernels_refuse_slots_and_positions_outside_their_arrays() -> None:
     cache = np.zeros((2, 8, 4), np.float32)
     new = np.zeros((1, 2, 4), np.float32)

@@ -3,6 +3,7 @@ quantized at load, and where they may not run."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,16 @@ from structllm.errors import EngineConfigError, ModelLoadError
 from structllm.formats import GGUFFile
 from structllm.model import quant_kernels, quantize
 from structllm.model._paddle import paddle
+from structllm.model.attention import SequenceSlice
 from structllm.model.linear import DenseLinear
+from structllm.model.llama import KEPT_LOGITS_ROWS
 from structllm.model.loader import build_model, load_model
 from structllm.model.parallel import load_model_shard
-from structllm.model.quantized import QuantizedEmbedding, QuantizedLinear
+from structllm.model.quantized import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedPart,
+)
 from structllm.models import make_tiny_model
 from tests.gguf_convert import convert
 from tests.test_gguf_loading import _logits
@@ -79,6 +86,91 @@ def test_pieces_of_different_types_fuse(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_host_arrays_multiply_as_tensors_do(rows: int) -> None:
+    """``matmul_into`` writes each part's columns (straight into them at one
+    row, through a copy at more); the tensor call is the same product."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((12, 32)).astype(np.float32)
+    halves = w[8:].astype(np.float16)
+    lin = QuantizedLinear(
+        (
+            QuantizedPart(w[:8].view(np.uint8), quant_kernels.GGMLType.F32),
+            QuantizedPart(halves.view(np.uint8), quant_kernels.GGMLType.F16),
+        ),
+        32,
+    )
+    x = rng.standard_normal((rows, 32)).astype(np.float32)
+    out = np.full((rows, 12), np.nan, np.float32)
+    assert lin.matmul_into(x, out) is out
+    exact = x @ np.concatenate([w[:8], halves.astype(np.float32)]).T
+    _close(out, exact)
+    np.testing.assert_array_equal(lin(paddle.to_tensor(x)).numpy(), out)
+
+
+def test_a_decode_step_multiplies_host_views(tmp_path: Path) -> None:
+    """Decode rows alone take the step buffers' host views into the
+    quantized projections (q/k/v of two types among them): their logits
+    are the dequantized model's."""
+    directory = _checkpoint(tmp_path, "llama")
+    types = {"model.layers.0.self_attn.v_proj.weight": "Q8_0"}
+    convert(directory, tmp_path / "m.gguf", qtype="Q4_1", types=types)
+    kept = load_model(tmp_path / "m.gguf").model
+    dense = load_model(tmp_path / "m.gguf", quantization="none").model
+    assert kept.weights.layers[0].qkv.types == ("Q4_1", "Q8_0")
+    for rows in (1, 3):
+        _close(_decode_logits(kept, rows), _decode_logits(dense, rows))
+
+
+def _decode_logits(model: Any, rows: int) -> np.ndarray:
+    """Logits of a step of ``rows`` one-token sequences, each after a
+    5-token prompt (prefilled the step before)."""
+    caches = model.allocate_kv_cache(2 * rows)
+    prompt = [SequenceSlice(0, 5, [2 * r, 2 * r + 1]) for r in range(rows)]
+    ids = np.arange(5 * rows) % 7 + 1
+    model.forward(
+        paddle.to_tensor(ids),
+        paddle.to_tensor(np.tile(np.arange(5), rows)),
+        caches,
+        model.attention.build_metadata(prompt),
+    )
+    decode = [SequenceSlice(5, 1, [2 * r, 2 * r + 1]) for r in range(rows)]
+    meta = model.attention.build_metadata(decode)
+    assert meta.num_decodes == meta.num_tokens == rows
+    hidden = model.forward(
+        paddle.to_tensor(np.arange(rows) + 3),
+        paddle.to_tensor(np.full(rows, 5)),
+        caches,
+        meta,
+    )
+    return np.asarray(model.compute_logits(hidden).numpy())
+
+
+def test_a_quantized_heads_logits_reuse_their_memory(tmp_path: Path) -> None:
+    """Up to KEPT_LOGITS_ROWS rows, compute_logits writes into memory the
+    model keeps (the next call's); more rows get their own."""
+    directory = _checkpoint(tmp_path, "llama")
+    convert(directory, tmp_path / "m.gguf", qtype="Q8_0")
+    model = load_model(tmp_path / "m.gguf").model
+    head = model.weights.lm_head
+    assert isinstance(head, QuantizedLinear)
+    rng = np.random.default_rng(5)
+    hidden = rng.standard_normal((KEPT_LOGITS_ROWS + 1, head.in_features))
+    hidden = hidden.astype(np.float32)
+
+    def fresh(rows: np.ndarray) -> np.ndarray:  # as many rows: the same kernel
+        return np.asarray(head(paddle.to_tensor(rows)).numpy())
+
+    three = model.compute_logits(paddle.to_tensor(hidden[:3]))
+    np.testing.assert_array_equal(three.numpy(), fresh(hidden[:3]))
+    two = model.compute_logits(paddle.to_tensor(hidden[3:5]))
+    np.testing.assert_array_equal(two.numpy(), fresh(hidden[3:5]))
+    np.testing.assert_array_equal(three.numpy()[:2], two.numpy())  # overwritten
+    many = model.compute_logits(paddle.to_tensor(hidden))
+    np.testing.assert_array_equal(many.numpy(), fresh(hidden))
+    np.testing.assert_array_equal(two.numpy(), fresh(hidden[3:5]))  # not reused
+
+
 def test_the_weights_stay_as_small_as_the_file(tmp_path: Path) -> None:
     directory = _checkpoint(tmp_path, "llama", tie_word_embeddings=True)
     convert(directory, tmp_path / "m.gguf", qtype="Q4_0")
@@ -112,6 +204,13 @@ def test_the_embedding_stays_in_its_blocks(tmp_path: Path) -> None:
     np.testing.assert_array_equal(kept.embed.lookup(ids).numpy(), want)
     with pytest.raises(IndexError):
         kept.embed.lookup(paddle.to_tensor(np.array([table.shape[0]], np.int64)))
+    # a lookup a step keeps nothing alive (paddle.to_tensor kept a list each)
+    gc.collect()
+    before = len(gc.get_objects())
+    for _ in range(300):
+        kept.embed.lookup(ids)
+    gc.collect()
+    assert len(gc.get_objects()) - before < 30
 
 
 def test_the_predictors_refuse_quantized_weights_by_name(tmp_path: Path) -> None:

@@ -339,8 +339,75 @@ class PortableAttention:
         at once): use it before attending the next layer.
         """
         assert meta.use_kernels
-        t = meta.num_tokens
         k_host, v_host = self._host_cache(k_cache, v_cache, meta)
+        q_host = self._rope_and_write(
+            qkv, k_host, v_host, meta, positions, rope, q_norm, k_norm, eps, bias
+        )
+        return self._attend_kernels(
+            q_host, (k_cache, v_cache), (k_host, v_host), meta, window
+        )
+
+    def decode_qkv(
+        self,
+        qkv: np.ndarray,  # (B, (nh + 2 kvh) d): [q | k | v] before bias and RoPE
+        k_cache: paddle.Tensor,  # (num_kv_heads, num_slots, head_dim)
+        v_cache: paddle.Tensor,
+        meta: AttentionMetadata,
+        positions: np.ndarray,  # (B,) int64, each inside the RoPE tables
+        rope: RopeTables,
+        window: int | None = None,
+        q_norm: paddle.Tensor | None = None,  # (d,) Qwen3
+        k_norm: paddle.Tensor | None = None,
+        eps: float = 0.0,
+        bias: paddle.Tensor | None = None,  # ((nh + 2 kvh) d,) Qwen2
+    ) -> tuple[paddle.Tensor, np.ndarray]:  # (B, num_heads * head_dim)
+        """:meth:`forward_qkv` of a step of decode rows alone: the buffer it
+        attends into (the next call reuses it) and its host view, for a
+        caller that multiplies host arrays."""
+        assert meta.use_kernels and not meta.prefills
+        assert meta.decode_tables is not None and meta.decode_lens is not None
+        b, nh, d = meta.num_decodes, self.num_heads, self.head_dim
+        k_host, v_host = self._host_cache(k_cache, v_cache, meta)
+        out = self.buffers.get("attention", (b, nh * d))
+        kernels.rope_write_attend(
+            qkv,
+            positions,
+            rope.cos,
+            rope.sin,
+            None if q_norm is None else self.host_view(q_norm),
+            None if k_norm is None else self.host_view(k_norm),
+            eps,
+            k_host,
+            v_host,
+            meta.slot_mapping,
+            self._rotated_q.array((b, nh, d)),
+            meta.decode_tables,
+            meta.decode_lens,
+            window,
+            self.scale,
+            self.block_size,
+            out[1].reshape(b, nh, d),
+            bias=None if bias is None else self.host_view(bias),
+            threaded=meta.decode_threaded,
+        )
+        return out
+
+    def _rope_and_write(
+        self,
+        qkv: np.ndarray,  # (T, (nh + 2 kvh) d)
+        k_host: np.ndarray,  # (kvh, S, d) checked against meta.max_slot
+        v_host: np.ndarray,
+        meta: AttentionMetadata,
+        positions: np.ndarray,  # (T,) checked
+        rope: RopeTables,
+        q_norm: paddle.Tensor | None,
+        k_norm: paddle.Tensor | None,
+        eps: float,
+        bias: paddle.Tensor | None,
+    ) -> np.ndarray:  # (T, nh, d) the rotated queries, reused by the next call
+        """``kernels.rope_and_write``'s pass: the cache writes, and the
+        rotated queries into the scratch buffer."""
+        t = meta.num_tokens
         q_host = self._rotated_q.array((t, self.num_heads, self.head_dim))
         kernels.rope_and_write(
             qkv,
@@ -358,9 +425,10 @@ class PortableAttention:
             bias=None if bias is None else self.host_view(bias),
             checked=True,
         )
-        return self._attend_kernels(
-            q_host, (k_cache, v_cache), (k_host, v_host), meta, window
-        )
+        return q_host
+
+    def _attention_shape(self, meta: AttentionMetadata) -> tuple[int, int]:
+        return (meta.num_decodes, self.num_heads * self.head_dim)
 
     def _host_cache(
         self, k_cache: paddle.Tensor, v_cache: paddle.Tensor, meta: AttentionMetadata
@@ -388,31 +456,43 @@ class PortableAttention:
         nh, d = self.num_heads, self.head_dim
         b = meta.num_decodes
         if not meta.prefills:  # the output's memory is reused (see forward_qkv)
-            tensor, flat = self.buffers.get("attention", (b, nh * d))
-            out = flat.reshape(b, nh, d)
+            tensor, flat = self.buffers.get("attention", self._attention_shape(meta))
         else:
             tensor = paddle.empty([meta.num_tokens, nh * d], "float32")
-            out = np.from_dlpack(tensor).reshape(meta.num_tokens, nh, d)
+            flat = np.from_dlpack(tensor)
         if b:
-            assert meta.decode_tables is not None and meta.decode_lens is not None
-            kernels.decode_attention(
-                q[:b],
-                *host_caches,
-                meta.decode_tables,
-                meta.decode_lens,
-                window,
-                self.scale,
-                self.block_size,
-                out=out[:b],
-                threaded=meta.decode_threaded,
-            )
+            self._attend_decodes(q, host_caches, meta, window, flat)
         if meta.prefills:
+            out = flat.reshape(meta.num_tokens, nh, d)
             cache = _SlotIO(*caches, self._gathered, self._views, meta)
             queries = host_tensor(q)
             for p in meta.prefills:
                 rows = np.from_dlpack(self._prefill(queries, p, cache, window))
                 out[p.start : p.stop] = rows.reshape(-1, nh, d)
         return tensor
+
+    def _attend_decodes(
+        self,
+        q: np.ndarray,  # (T, nh, d) rotated, decode rows first
+        host_caches: tuple[np.ndarray, np.ndarray],  # this step's keys written
+        meta: AttentionMetadata,
+        window: int | None,
+        out: np.ndarray,  # (T, nh * d): the decode rows' are written
+    ) -> None:
+        """The decode rows, in one kernel call reading the cache in place."""
+        b = meta.num_decodes
+        assert meta.decode_tables is not None and meta.decode_lens is not None
+        kernels.decode_attention(
+            q[:b],
+            *host_caches,
+            meta.decode_tables,
+            meta.decode_lens,
+            window,
+            self.scale,
+            self.block_size,
+            out=out[:b].reshape(b, self.num_heads, self.head_dim),
+            threaded=meta.decode_threaded,
+        )
 
     def _decode_ops(
         self,

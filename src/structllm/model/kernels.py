@@ -50,6 +50,7 @@ __all__ = [
     "decode_attention",
     "gather",
     "rope_and_write",
+    "rope_write_attend",
     "set_num_threads",
     "swiglu",
     "warm_up",
@@ -438,6 +439,68 @@ def _decode_attention_parallel(
         )
 
 
+@_jit()
+def _rope_write_attend(
+    qkv: np.ndarray,
+    bias: np.ndarray,
+    positions: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    q_norm: np.ndarray,
+    k_norm: np.ndarray,
+    eps: float,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    slots: np.ndarray,
+    q: np.ndarray,  # (B, nh, d) scratch: the rotated queries
+    tables: np.ndarray,
+    lens: np.ndarray,
+    window: int,
+    scale: float,
+    block_size: int,
+    out: np.ndarray,
+) -> None:  # pragma: no cover - compiled
+    _rope_and_write(
+        qkv, bias, positions, cos, sin, q.shape[1], q_norm, k_norm, eps,
+        k_cache, v_cache, slots, q,
+    )  # fmt: skip
+    for bh in range(q.shape[0] * k_cache.shape[0]):
+        _attend_one(
+            bh, q, k_cache, v_cache, tables, lens, window, scale, block_size, out
+        )
+
+
+@_jit(parallel=True)
+def _rope_write_attend_parallel(
+    qkv: np.ndarray,
+    bias: np.ndarray,
+    positions: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    q_norm: np.ndarray,
+    k_norm: np.ndarray,
+    eps: float,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    slots: np.ndarray,
+    q: np.ndarray,
+    tables: np.ndarray,
+    lens: np.ndarray,
+    window: int,
+    scale: float,
+    block_size: int,
+    out: np.ndarray,
+) -> None:  # pragma: no cover - compiled
+    _rope_and_write(
+        qkv, bias, positions, cos, sin, q.shape[1], q_norm, k_norm, eps,
+        k_cache, v_cache, slots, q,
+    )  # fmt: skip
+    for bh in _prange(q.shape[0] * k_cache.shape[0]):
+        _attend_one(
+            bh, q, k_cache, v_cache, tables, lens, window, scale, block_size, out
+        )
+
+
 # every fast-math flag but reassociation, which would fold the two halves
 # of ln2 back into one and lose the reduction's precision
 @_jit(fastmath={"nnan", "ninf", "nsz", "arcp", "contract", "afn"})
@@ -695,6 +758,56 @@ def decode_attention(
     return out
 
 
+def rope_write_attend(
+    qkv: np.ndarray,
+    positions: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    q_norm: np.ndarray | None,
+    k_norm: np.ndarray | None,
+    eps: float,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    slots: np.ndarray,
+    q: np.ndarray,
+    tables: np.ndarray,
+    lens: np.ndarray,
+    window: int | None,
+    scale: float,
+    block_size: int,
+    out: np.ndarray,
+    *,
+    bias: np.ndarray | None = None,
+    threaded: bool = False,
+) -> np.ndarray:
+    """A step of decode rows' whole attention from their fused projection
+    ``qkv (B, (nh + 2 kvh) d)`` in one call: :func:`rope_and_write` (the
+    rotated queries into the scratch ``q (B, nh, d)``), then
+    :func:`decode_attention` into ``out (B, nh, d)``, the same arithmetic.
+    One call instead of two a layer: each costs several microseconds of
+    Python and argument checks in the middle of a step. The caller has
+    range-checked ``slots``, ``positions`` and ``tables`` (the kernels
+    read and write unchecked). ``threaded``: the attention spreads its
+    rows over the threads (the writes stay on the calling thread), as
+    :func:`worth_threading` said for this step. Returns ``out``."""
+    if out.shape != q.shape or q.shape[0] != qkv.shape[0]:
+        raise ValueError(f"out {out.shape} and q {q.shape} for qkv {qkv.shape}")
+    if bias is not None and bias.shape != qkv.shape[1:]:
+        raise ValueError(f"bias is {bias.shape}, not {qkv.shape[1:]}")
+    args = (
+        qkv, _NO_NORM if bias is None else bias, positions, cos, sin,
+        _NO_NORM if q_norm is None else q_norm,
+        _NO_NORM if k_norm is None else k_norm,
+        eps, k_cache, v_cache, slots, q, tables, lens, window or 0, scale,
+        block_size, out,
+    )  # fmt: skip
+    if threaded and _threads > 1:
+        _threaded(_rope_write_attend_parallel, _rope_write_attend, args)
+    else:
+        _rope_write_attend(*args)
+    return out
+
+
 def _threaded(kernel: Any, serial: Any, args: tuple[Any, ...]) -> None:
     """``kernel(*args)`` on ``_threads`` threads; ``serial(*args)`` where
     numba has no thread pool that takes concurrent launches."""
@@ -787,7 +900,14 @@ def warm_up(kv_cache_dtype: str = "auto") -> None:
         args = (q, cache, cache, tables, lens, 0, 1.0, 4, out)
         _threaded(_decode_attention_parallel, _decode_attention, args)
     _write_kv(q, q, cache, cache, slots)
-    qkv = np.zeros((1, 6), np.float32)
+    qkv = np.zeros((1, 6), np.float32)  # one head each of q, k, v
+    fused = (
+        qkv, _NO_NORM, slots, rope, rope, _NO_NORM, _NO_NORM, 1e-6, cache,
+        cache, slots, out.copy(), tables, lens, 0, 1.0, 4, out,
+    )  # fmt: skip
+    _rope_write_attend(*fused)
+    if _threads > 1:
+        _threaded(_rope_write_attend_parallel, _rope_write_attend, fused)
     _rope_and_write(
         qkv,
         _NO_NORM,

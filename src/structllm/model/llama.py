@@ -19,16 +19,18 @@ import numpy as np
 
 from structllm.errors import EngineConfigError
 from structllm.model import kernels
-from structllm.model._paddle import paddle
+from structllm.model._paddle import host_tensor, paddle
 from structllm.model.attention import AttentionMetadata, PortableAttention, RopeTables
 from structllm.model.config import ModelConfig, RopeScaling
 from structllm.model.linear import Backend, Linear
+from structllm.model.quantized import QuantizedLinear
 
 if TYPE_CHECKING:
     from structllm.model.lora import LoRASlots
     from structllm.model.quantized import QuantizedEmbedding
 
 __all__ = [
+    "KEPT_LOGITS_ROWS",
     "LAYER_PROJECTIONS",
     "DecoderLayerWeights",
     "LlamaForCausalLM",
@@ -37,6 +39,10 @@ __all__ = [
     "rope_attention_factor",
     "rope_inv_freq",
 ]
+
+#: compute_logits keeps the memory of at most this many rows of logits (a
+#: decode batch's; a prompt's logprobs take fresh memory)
+KEPT_LOGITS_ROWS = 64
 
 _fused_rms_norm = paddle.incubate.nn.functional.fused_rms_norm
 #: Paddle's CPU fused_rms_norm kernel is AVX-512 code: SIGILL on AVX2-only CPUs
@@ -200,6 +206,8 @@ class LlamaForCausalLM:
             sin=np.concatenate([-sin, sin], -1).astype(np.float32),
         )
         self._cos = paddle.to_tensor(self._rope.cos)
+        #: the logits compute_logits writes a quantized head's into
+        self._logits = np.empty(0, np.float32)
         self._sin = paddle.to_tensor(self._rope.sin)
 
     def set_lora_rows(self, rows: Sequence[int] | np.ndarray | None) -> None:
@@ -382,32 +390,50 @@ class LlamaForCausalLM:
         kept for this batch size and every other op is a compiled kernel on
         those buffers' host views, so a layer makes no tensor. At batch 1 the
         ops between the matmuls were a third of the step; this path is 6-8%
-        faster there (docs/benchmarks.md)."""
+        faster there (docs/benchmarks.md). Quantized projections multiply
+        the host views themselves (``QuantizedLinear.matmul_into``) and the
+        attention is one kernel call (``PortableAttention.decode_qkv``):
+        a further 9% of SmolLM2-135M Q4_1's CPU time a token at batch 1
+        (``tools/decode_overhead.py``)."""
         c = self.config
         layers = self.weights.layers
         buffers = self.attention.buffers
         rows, hidden = x.shape
         inner = layers[0].down.in_features
         x_t, x_h = buffers.get("residual", (rows, hidden))
-        h_t, h_h = buffers.get("normed", (rows, hidden))
-        out_t, out_h = buffers.get("out", (rows, hidden))
-        gate_up_t, gate_up_h = buffers.get("gate_up", (rows, 2 * inner))
-        act_t, act_h = buffers.get("act", (rows, inner))
-        qkv = self.attention.qkv_buffer(meta, layers[0].qkv.out_features)
-        assert qkv is not None
+        normed = buffers.get("normed", (rows, hidden))
+        h_h = normed[1]
+        out = buffers.get("out", (rows, hidden))
+        out_h = out[1]
+        gate_up = buffers.get("gate_up", (rows, 2 * inner))
+        act = buffers.get("act", (rows, inner))
+        qkv = buffers.get("qkv", (rows, layers[0].qkv.out_features))
         views = self.attention.host_view
         x_h[...] = np.from_dlpack(x)
         eps = c.rms_norm_eps
         kernels.add_rms_norm(x_h, views(layers[0].input_norm), eps, h_h)
         for i, layer in enumerate(layers):
-            layer.qkv(h_t, out=qkv[0])
-            attn = self._attention(i, qkv[1], kv_caches, meta, positions)
-            layer.o(attn, out=out_t)
+            _project(layer.qkv, normed, qkv)
+            k_cache, v_cache = kv_caches[i]
+            attn = self.attention.decode_qkv(
+                qkv[1],
+                k_cache,
+                v_cache,
+                meta,
+                positions,
+                self._rope,
+                self._windows[i],
+                layer.q_norm,
+                layer.k_norm,
+                eps,
+                layer.qkv.bias,
+            )  # (B, nh * d)
+            _project(layer.o, attn, out)
             norm = views(layer.post_attention_norm)
             kernels.add_rms_norm(x_h, norm, eps, h_h, delta=out_h)
-            layer.gate_up(h_t, out=gate_up_t)
-            kernels.swiglu(gate_up_h, act_h)
-            layer.down(act_t, out=out_t)
+            _project(layer.gate_up, normed, gate_up)
+            kernels.swiglu(gate_up[1], act[1])
+            _project(layer.down, act, out)
             if i + 1 < len(layers):
                 norm = views(layers[i + 1].input_norm)
                 kernels.add_rms_norm(x_h, norm, eps, h_h, delta=out_h)
@@ -416,10 +442,43 @@ class LlamaForCausalLM:
         return x_t
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:  # (N, V) float32
-        logits = self.weights.lm_head(hidden)
+        """The head's logits. Of a quantized head and up to
+        :data:`KEPT_LOGITS_ROWS` rows on the host, they are written into
+        memory this model keeps (valid until the next call: the engine
+        copies them to numpy at once). A fresh ``(16, 49152)`` tensor a
+        decode step was fresh pages each time: 2 ms of SmolLM2's 12 ms
+        head at batch 16."""
+        head = self.weights.lm_head
+        rows = hidden.shape[0]
+        if (
+            isinstance(head, QuantizedLinear)
+            and rows <= KEPT_LOGITS_ROWS
+            and hidden.place.is_cpu_place()
+        ):
+            size = rows * head.out_features
+            if self._logits.size < size:
+                self._logits = np.empty(size, np.float32)
+            out = self._logits[:size].reshape(rows, head.out_features)
+            x = np.from_dlpack(hidden)  # (N, H)
+            head.matmul_into(np.ascontiguousarray(x), out)
+            return host_tensor(out)
+        logits = head(hidden)
         return (
             logits.astype(paddle.float32) if logits.dtype != paddle.float32 else logits
         )
+
+
+def _project(
+    linear: Linear,
+    x: tuple[paddle.Tensor, np.ndarray],  # (T, in) a step buffer, its host view
+    out: tuple[paddle.Tensor, np.ndarray],  # (T, out) likewise, written
+) -> None:
+    """``linear(x, out=out)``; a quantized Linear multiplies the buffers'
+    host views instead (no DLPack a call)."""
+    if isinstance(linear, QuantizedLinear):
+        linear.matmul_into(x[1], out[1])
+    else:
+        linear(x[0], out=out[0])
 
 
 def _embed_tokens(

@@ -33,7 +33,7 @@ import numpy as np
 
 from structllm.errors import EngineConfigError, ModelLoadError
 from structllm.model import quant_kernels
-from structllm.model._paddle import paddle
+from structllm.model._paddle import host_tensor, paddle
 from structllm.model.linear import Backend, Linear
 
 __all__ = [
@@ -138,28 +138,46 @@ class QuantizedLinear(Linear):
             xh = np.ascontiguousarray(xh)
         if out is None:
             out = paddle.empty([xh.shape[0], self._out_features], dtype="float32")
-        oh = np.from_dlpack(out)  # (T, out), written in place
+        self.matmul_into(xh, np.from_dlpack(out))
+        return out
+
+    def matmul_into(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``x @ W.T`` of host arrays: ``x (T, in)`` into ``out (T, out)``,
+        both float32 and C-contiguous (``quant_kernels.matmul`` checks).
+        Returns ``out``.
+
+        No tensor and no DLPack: a decode step's buffers pass their numpy
+        views (``llama._decode_layers``), where a call through tensors
+        cost 10-13 us of views and checks, a tenth of the step at batch 1.
+        A weight of several types writes each part's columns; at one row
+        those columns are contiguous and take the kernel's output directly.
+        """
         if len(self.parts) == 1:
             part = self.parts[0]
             quant_kernels.matmul(
-                xh,
+                x,
                 part.raw,
                 part.qtype,
                 part.rows,
                 self._in_features,
-                out=oh,
+                out=out,
                 activations=self.activations,
             )
             return out
         for part, (a, b) in zip(self.parts, self._columns, strict=True):
-            oh[:, a:b] = quant_kernels.matmul(
-                xh,
+            columns = out[:, a:b]
+            direct = columns.flags.c_contiguous
+            result = quant_kernels.matmul(
+                x,
                 part.raw,
                 part.qtype,
                 part.rows,
                 self._in_features,
+                out=columns if direct else None,
                 activations=self.activations,
             )
+            if not direct:
+                columns[...] = result
         return out
 
 
@@ -190,7 +208,8 @@ class QuantizedEmbedding:
         """The rows of ``ids`` as float32; an id outside the vocabulary
         raises IndexError (numpy's indexing checks it)."""
         rows = self.part.raw[ids.numpy()]  # (T, row_bytes), a copy
-        return paddle.to_tensor(
+        # host_tensor: paddle.to_tensor leaked a little on every step's call
+        return host_tensor(
             quant_kernels.dequantize_rows(rows, self.part.qtype, self.hidden)
         )
 

@@ -171,7 +171,7 @@ class Sampler:
         (which come from the raw logits): a fresh (N, V) array costs more
         in page faults than the copy itself (5 ms at 16 x 152k).
         """
-        raw = _check_logits(logits, len(rows))  # (N, V) float32
+        raw, best = _checked_argmax(logits, len(rows))  # (N, V) float32, (N,)
         n = raw.shape[0]
         base = raw  # the raw logits, grammar-masked where a row has a grammar
         if bitmask is not None:
@@ -191,13 +191,17 @@ class Sampler:
         u = np.array([r.generator.random() for r in rows if not r.params.greedy])
 
         x = process_logits(base, rows)  # (N, V)
+        if bitmask is not None or x is not raw:  # raw's argmax is not x's
+            best = x.argmax(axis=1)
+        # one pass over the logits for the greedy rows, not three and a copy
+        # (0.5-1 ms a step at 16 x 49152)
+        dead = ~(x[np.arange(n), best] > -np.inf)  # all -inf after masking
         tokens = np.zeros(n, dtype=np.int64)
-        dead = ~(x.max(axis=1, initial=-np.inf) > -np.inf)  # all -inf after masking
         if dead.any():  # the grammar's best, if the row has one
             tokens[dead] = base[dead].argmax(axis=1)
         greedy = ~rand & ~dead
         if greedy.any():
-            tokens[greedy] = x[greedy].argmax(axis=1)
+            tokens[greedy] = best[greedy]
         live = rand & ~dead
         if live.any():
             u_live = u[live[rand]]
@@ -311,18 +315,24 @@ class Sampler:
 
 def _check_logits(logits: npt.ArrayLike, n: int) -> F32:
     """Validate shape and values; NaN or +inf raises naming the first bad row."""
+    return _checked_argmax(logits, n)[0]
+
+
+def _checked_argmax(logits: npt.ArrayLike, n: int) -> tuple[F32, I64]:
+    """:func:`_check_logits`, and each row's argmax from the same pass."""
     x = np.asarray(logits, dtype=np.float32)
     if x.ndim != 2 or x.shape[0] != n:
         raise ValueError(f"logits must have shape ({n}, vocab), got {x.shape}")
     if x.shape[1] == 0:
         raise ValueError("logits must have a non-empty vocabulary")
-    top = x.max(axis=1)  # (N,) NaN propagates
+    best: I64 = x.argmax(axis=1)  # (N,) a NaN, if any, else the first +inf
+    top = x[np.arange(n), best]
     bad = np.flatnonzero(np.isnan(top) | (top == np.inf))
     if bad.size:
         i = int(bad[0])
         what = "NaN" if np.isnan(x[i]).any() else "+inf"
         raise ValueError(f"logits row {i} contains {what}")
-    return x
+    return x, best
 
 
 def _order_keys(values: F32, ids: I64) -> I64:

@@ -268,6 +268,11 @@ class _Chunks(Chunks[ChatRequest]):
             extra["prompt_logprobs"] = pl
         return self._chunk([choice], usage, **extra)
 
+    def delta_event(
+        self, job: Job, out: RequestOutput, usage: bodies.Usage | None
+    ) -> dict[str, Any]:
+        return bodies.dump(self.delta(job, out, usage))
+
     def closing(
         self, usage: bodies.Usage, metrics: bodies.PerRequestMetrics | None
     ) -> ChatCompletionStreamResponse:

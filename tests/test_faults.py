@@ -125,12 +125,14 @@ async def test_restart_budget_exhausted() -> None:
         async with AsyncLLM.open(
             "tiny-random", max_restarts=1, restart_backoff=0.05, **ENGINE
         ) as llm:
-            for _ in range(2):
-                with pytest.raises(EngineDeadError):
-                    with anyio.fail_after(30):
-                        await llm.complete("x", SHORT)
+            # wait_dead (the server's watch) returns once it is dead for good
             with anyio.fail_after(30):
-                await llm.wait_statistics(lambda s: s.dead)
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(llm.wait_dead)
+                    for _ in range(2):
+                        with pytest.raises(EngineDeadError):
+                            await llm.complete("x", SHORT)
+                    await llm.wait_statistics(lambda s: s.dead)
             start = time.monotonic()
             with pytest.raises(EngineDeadError, match="not restarting"):
                 await llm.complete("x", SHORT)

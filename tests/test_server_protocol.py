@@ -372,3 +372,117 @@ def test_response_schema_required_fields() -> None:
     }
     delta = schema["$defs"]["ChatDelta"]
     assert delta["required"] == []
+
+
+def _completion_chunks(**body: Any) -> Any:
+    """A streaming completion's chunk writer, outside any server."""
+    from structllm.server.base import EngineSlot
+    from structllm.server.completions.serving import CompletionServing, _Chunks
+    from structllm.server.metrics import Metrics
+    from structllm.server.serving import ServerConfig
+
+    slot = EngineSlot()
+    serving = CompletionServing(slot, ServerConfig(model_name="m"), Metrics(lambda: {}))
+    req = validate(CompletionRequest, {"model": "m", "prompt": [5, 6], **body})
+    return _Chunks(serving, req, "cmpl-1")
+
+
+def _chat_chunks(**body: Any) -> Any:
+    """A streaming chat completion's chunk writer, outside any server."""
+    from structllm.engine.frontend.inputs import Prompt
+    from structllm.server.base import EngineSlot
+    from structllm.server.chat.serving import ChatServing, RenderedChat, _Chunks
+    from structllm.server.metrics import Metrics
+    from structllm.server.serving import ServerConfig
+
+    slot = EngineSlot()
+    serving = ChatServing(slot, ServerConfig(model_name="m"), Metrics(lambda: {}))
+    req = validate(ChatRequest, {"model": "m", "messages": CHAT, **body})
+    chat = RenderedChat(Prompt(None, [5, 6]), SamplingParams(), None)
+    return _Chunks(serving, req, "chatcmpl-1", 0, chat)
+
+
+def _output(text: str, finish_reason: Any, stop_reason: Any) -> Any:
+    from structllm.outputs import CompletionOutput, RequestOutput
+
+    return RequestOutput(
+        request_id="r",
+        prompt=None,
+        prompt_token_ids=(5, 6),
+        outputs=(
+            CompletionOutput(
+                text=text,
+                token_ids=(7, 8),
+                logprobs=None,
+                cumulative_logprob=None,
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
+            ),
+        ),
+        finished=finish_reason is not None,
+        num_generated_tokens=2,
+    )
+
+
+_PLAIN_CHUNKS = [
+    (" fox", None, None),
+    ("", None, None),
+    ("x", None, 3),  # a stop reason is sent with the finish only
+    ('é\n"x"', "length", None),
+    ("end", "stop", "</s>"),
+    ("", "stop", 2),
+]
+
+
+@pytest.mark.parametrize("return_token_ids", [False, True])
+@pytest.mark.parametrize(("text", "finish_reason", "stop_reason"), _PLAIN_CHUNKS)
+def test_a_plain_chat_chunk_is_the_models_dump(
+    return_token_ids: bool, text: str, finish_reason: Any, stop_reason: Any
+) -> None:
+    """As for completions: ``delta_event``'s object is the models' dump."""
+    from structllm.engine.frontend.inputs import Prompt
+    from structllm.server.jobs import Job
+
+    fast = _chat_chunks(return_token_ids=return_token_ids)
+    assert fast.plain
+    model = _chat_chunks(return_token_ids=return_token_ids)
+    job = Job(1, 0, Prompt(None, [5, 6]), SamplingParams())
+    out = _output(text, finish_reason, stop_reason)
+    got = fast.delta_event(job, out, None)
+    want = bodies.dump(model.delta(job, out, None))
+    got["created"] = want["created"]  # the clock may tick between them
+    assert list(got) == list(want)
+    assert list(got["choices"][0]) == list(want["choices"][0])
+    assert got == want
+
+
+def test_a_chat_with_tools_is_not_plain() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    assert not _chat_chunks(tools=[tool], tool_choice="required").plain
+
+
+@pytest.mark.parametrize("return_token_ids", [False, True])
+@pytest.mark.parametrize(("text", "finish_reason", "stop_reason"), _PLAIN_CHUNKS)
+def test_a_plain_completion_chunk_is_the_models_dump(
+    return_token_ids: bool,
+    text: str,
+    finish_reason: Any,
+    stop_reason: Any,
+) -> None:
+    """``delta_event`` builds a plain chunk without the pydantic models: the
+    same JSON object as the models' dump, keys in the same order, over two
+    chunks (the prompt's ids go with the first only)."""
+    from structllm.engine.frontend.inputs import Prompt
+    from structllm.server.jobs import Job
+
+    fast = _completion_chunks(return_token_ids=return_token_ids)
+    model = _completion_chunks(return_token_ids=return_token_ids)
+    job = Job(1, 0, Prompt(None, [5, 6]), SamplingParams())
+    out = _output(text, finish_reason, stop_reason)
+    for _ in range(2):
+        got = fast.delta_event(job, out, None)
+        want = bodies.dump(model.delta(job, out, None))
+        got["created"] = want["created"]  # the clock may tick between them
+        assert list(got) == list(want)
+        assert list(got["choices"][0]) == list(want["choices"][0])
+        assert got == want

@@ -5,7 +5,7 @@ chunks (:meth:`~structllm.server.serving.Serving.stream` runs the jobs)."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 from pydantic import BaseModel
@@ -83,6 +83,12 @@ class StreamFormat(Protocol):
     def delta(
         self, job: Job, out: RequestOutput, usage: bodies.Usage | None
     ) -> BaseModel: ...
+    def delta_event(
+        self, job: Job, out: RequestOutput, usage: bodies.Usage | None
+    ) -> dict[str, Any]:
+        """``delta``'s chunk as the JSON object sent (the one event a token)."""
+        ...
+
     def closing(
         self, usage: bodies.Usage, metrics: bodies.PerRequestMetrics | None
     ) -> BaseModel: ...

@@ -297,6 +297,6 @@ def _leaf(exc: BaseException) -> str:
 
 async def _watch_engine(llm: AsyncLLM, shutdown: anyio.Event) -> None:
     """Stop serving once the engine has died for good (exit status 1)."""
-    await llm.wait_statistics(lambda s: s.dead)
+    await llm.wait_dead()
     print("structllm: the engine died for good, shutting down", file=sys.stderr)
     shutdown.set()

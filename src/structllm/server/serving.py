@@ -109,7 +109,7 @@ class Serving(ServingBase):
             async def on_output(o: RequestOutput) -> None:
                 generated[job.index] = o.num_generated_tokens
                 cached[job.index] = o.num_cached_tokens or 0
-                await emit(bodies.dump(fmt.delta(job, o, running_usage())))
+                await emit(fmt.delta_event(job, o, running_usage()))
 
             await self.observe(job, on_output)
 

@@ -369,6 +369,14 @@ class AsyncLLM(FrontEnd):
             await self._client.wait_changed()
         return stats
 
+    async def wait_dead(self) -> None:
+        """Wait until the engine has died for good (``statistics().dead``).
+
+        Unlike ``wait_statistics(lambda s: s.dead)``, nothing wakes it before
+        then: a server waits on this for as long as it serves.
+        """
+        await self._client.wait_dead()
+
     # -------------------------------------------------------------- shutdown
 
     async def _shutdown(self) -> None:

@@ -353,11 +353,18 @@ class CoreClient:
         """Add the core's cumulative counters' growth to this client's
         totals (a restarted core counts from zero again)."""
         queries, hits = step.prefix_cache_queries, step.prefix_cache_hits
+        spec = (step.num_drafts, step.num_draft_tokens, step.num_accepted_tokens)
+        expired = (step.num_expired, step.expired_tokens_skipped)
+        if (
+            (queries, hits) == self._core_prefix_cache
+            and spec == self._core_spec_decode
+            and expired == self._core_expired
+        ):
+            return  # most steps: no new prompt, draft or expiry
         old_q, old_h = self._core_prefix_cache
         total_q, total_h = self.prefix_cache
         self.prefix_cache = (total_q + queries - old_q, total_h + hits - old_h)
         self._core_prefix_cache = (queries, hits)
-        spec = (step.num_drafts, step.num_draft_tokens, step.num_accepted_tokens)
         self.spec_decode = tuple(  # type: ignore[assignment]
             total + now - old
             for total, now, old in zip(
@@ -365,7 +372,6 @@ class CoreClient:
             )
         )
         self._core_spec_decode = spec
-        expired = (step.num_expired, step.expired_tokens_skipped)
         self.expired = (
             self.expired[0] + expired[0] - self._core_expired[0],
             self.expired[1] + expired[1] - self._core_expired[1],
@@ -413,33 +419,42 @@ class CoreClient:
         raise CoreLost(ChildProcessError(f"the core process exited with code {code}"))
 
     async def _read(self, conn: CoreConnection) -> None:
+        """Handle the core's messages; CoreLost after ``heartbeat_timeout``
+        of silence.
+
+        One deadline covers many messages: when it passes, it is moved on
+        from the last message heard, and only a real silence raises (a
+        cancel scope a message cost a timer and a scope a token).
+        """
         timeout = self.config.heartbeat_timeout
         while True:
-            try:
-                with anyio.fail_after(timeout):
+            assert self.last_heard is not None
+            with anyio.move_on_at(self.last_heard + timeout):
+                while True:
                     msg = await receive(conn)
-                self.last_heard = anyio.current_time()
-            except TimeoutError:
+                    self.last_heard = anyio.current_time()
+                    self._handle(msg)
+            if anyio.current_time() >= self.last_heard + timeout:
                 raise CoreLost(
                     TimeoutError(f"no heartbeat from the engine core for {timeout:g}s")
-                ) from None
-            if isinstance(msg, StepOutput):
-                self.counts = Heartbeat(
-                    msg.num_running, msg.num_waiting, msg.blocks_used
                 )
-                self.total_preemptions = msg.total_preemptions
-                self._count_prefix_cache(msg)
-                self.relay.on_step(self.index, msg)
-                self.relay.on_change()
-            elif isinstance(msg, Heartbeat):
-                self.counts = msg
-                self.peak_rss_bytes = max(self.peak_rss_bytes, msg.peak_rss_bytes)
-                self.relay.on_change()
-            elif isinstance(msg, AddFailed):
-                self.relay.on_add_failed(self.index, msg)
-            elif isinstance(msg, ANSWERS) and self._questions:
-                asked = self._questions.pop(0)
-                asked.answer = msg
-                asked.done.set()
-            elif isinstance(msg, Fatal):
-                raise CoreLost(EngineCoreError(msg.kind, msg.message, msg.traceback))
+
+    def _handle(self, msg: Message) -> None:
+        if isinstance(msg, StepOutput):
+            self.counts = Heartbeat(msg.num_running, msg.num_waiting, msg.blocks_used)
+            self.total_preemptions = msg.total_preemptions
+            self._count_prefix_cache(msg)
+            self.relay.on_step(self.index, msg)
+            self.relay.on_change()
+        elif isinstance(msg, Heartbeat):
+            self.counts = msg
+            self.peak_rss_bytes = max(self.peak_rss_bytes, msg.peak_rss_bytes)
+            self.relay.on_change()
+        elif isinstance(msg, AddFailed):
+            self.relay.on_add_failed(self.index, msg)
+        elif isinstance(msg, ANSWERS) and self._questions:
+            asked = self._questions.pop(0)
+            asked.answer = msg
+            asked.done.set()
+        elif isinstance(msg, Fatal):
+            raise CoreLost(EngineCoreError(msg.kind, msg.message, msg.traceback))

@@ -90,21 +90,29 @@ class CoreConnection:
         here: anyio 4.16's asyncio UNIX stream waits with a reader callback
         that sets a future, which raises ``InvalidStateError`` in the event
         loop when the socket turns readable in the same loop iteration that
-        cancels the read. ``anyio.wait_readable`` has no such race.
+        cancels the read. ``anyio.wait_readable`` has no such race. The wait
+        for the socket is the checkpoint when there is one (a step's output
+        usually finds the reader waiting): a second pass through the event
+        loop a step would cost a ``select`` of its own.
         """
         if self._backlog:
             return self._backlog.popleft()
         sock = self._socket
-        await anyio.lowlevel.checkpoint()
+        waited = False
         while not self._backlog:
             try:
                 data = sock.recv(1 << 16)
             except BlockingIOError:
                 await anyio.wait_readable(sock)
+                waited = True
                 continue
             if not data:
+                if not waited:
+                    await anyio.lowlevel.checkpoint()
                 raise anyio.EndOfStream
             self._backlog.extend(self._reader.feed(data))
+        if not waited:
+            await anyio.lowlevel.checkpoint()
         return self._backlog.popleft()
 
     async def send(self, msg: Message) -> None:

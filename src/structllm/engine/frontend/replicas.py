@@ -97,7 +97,11 @@ class ReplicaSet:
     pins: dict[str, int] = attrs.Factory(dict)
     router: PrefixRouter = attrs.field(init=False)
     closing: bool = False
-    _changed: anyio.Event = attrs.Factory(anyio.Event)
+    #: what waiters of a change wait on; made by the first of them (a step
+    #: that nobody waits on costs no event)
+    _changed: anyio.Event | None = None
+    #: set once every replica is dead for good (a wait that no step wakes)
+    _dead: anyio.Event = attrs.Factory(anyio.Event)
 
     def __attrs_post_init__(self) -> None:
         n = self.config.data_parallel_size
@@ -161,18 +165,32 @@ class ReplicaSet:
             self.check_admitting()
             if client is not None and client.dead is not None:
                 raise dead_error("the engine core of this replica is dead", client.dead)
-            await self._changed.wait()
+            await self.wait_changed()
 
     async def wait_changed(self) -> None:
         """Wait until a replica's readiness, liveness or counts change."""
+        if self._changed is None:
+            self._changed = anyio.Event()
         await self._changed.wait()
+
+    async def wait_dead(self) -> None:
+        """Wait until every replica is dead for good.
+
+        Not a loop on :meth:`wait_changed`, which every step wakes: a
+        server's watch on the engine would cost a wake-up and a snapshot a
+        token.
+        """
+        await self._dead.wait()
 
     # ------------------------------------------------------ Relay (clients)
 
     def on_change(self) -> None:
         """A replica's readiness, liveness or counts changed."""
-        self._changed.set()
-        self._changed = anyio.Event()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+        if self.dead is not None:
+            self._dead.set()
 
     def on_step(self, replica: int, step: StepOutput) -> None:
         for no in step.rejected:  # a grammar only the core could refuse

@@ -197,6 +197,12 @@ class _Chunks(Chunks[ChatRequest]):
     chat: RenderedChat
     #: each choice's parsers, by choice index (when tools or reasoning are parsed)
     calls: dict[int, StreamedCalls] = attrs.field(factory=dict)
+    #: neither calls nor reasoning are parsed: the text is the content
+    plain: bool = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        plain = tool_calls.parser_for(self.req) is None and self.chat.reasoning is None
+        object.__setattr__(self, "plain", plain)
 
     def _chunk(
         self,
@@ -267,6 +273,44 @@ class _Chunks(Chunks[ChatRequest]):
         if (pl := lp.prompt_logprobs(out)) is not None:  # the choice's first
             extra["prompt_logprobs"] = pl
         return self._chunk([choice], usage, **extra)
+
+    def delta_event(
+        self, job: Job, out: RequestOutput, usage: bodies.Usage | None
+    ) -> dict[str, Any]:
+        """:meth:`delta`'s JSON object, built directly for a plain chunk (the
+        text as content: no parser, logprobs, usage or prompt logprobs).
+
+        The same object as ``bodies.dump(self.delta(...))``, keys in the
+        same order, without building and dumping the pydantic models.
+        """
+        c = out.outputs[0]
+        if (
+            not self.plain
+            or usage is not None
+            or c.logprobs is not None
+            or out.prompt_logprobs is not None
+        ):
+            return bodies.dump(self.delta(job, out, usage))
+        finish = c.finish_reason
+        choice: dict[str, Any] = {
+            "index": job.index,
+            "delta": {"content": c.text} if c.text or not finish else {},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+        if finish is not None:
+            choice["stop_reason"] = c.stop_reason
+        if self.req.return_token_ids:
+            choice["token_ids"] = list(c.token_ids)
+        head = self.head(None)
+        return {
+            "id": head["id"],
+            "object": "chat.completion.chunk",
+            "created": head["created"],
+            "model": head["model"],
+            "system_fingerprint": head["system_fingerprint"],
+            "choices": [choice],
+        }
 
     def closing(
         self, usage: bodies.Usage, metrics: bodies.PerRequestMetrics | None

@@ -183,6 +183,48 @@ class _Chunks(Chunks[CompletionRequest]):
         )
         return self._chunk([choice], usage)
 
+    def delta_event(
+        self, job: Job, out: RequestOutput, usage: bodies.Usage | None
+    ) -> dict[str, Any]:
+        """:meth:`delta`'s JSON object, built directly for a plain chunk (no
+        logprobs, no usage, no prompt logprobs: most chunks of most streams).
+
+        The same object as ``bodies.dump(self.delta(...))``, keys in the
+        same order; building and dumping the pydantic models took ~20 us a
+        token, on the core's CPUs when the server shares them.
+        """
+        c = out.outputs[0]
+        if (
+            usage is not None
+            or c.logprobs is not None
+            or out.prompt_logprobs is not None
+        ):
+            return bodies.dump(self.delta(job, out, usage))
+        finished = c.finish_reason is not None
+        choice: dict[str, Any] = {
+            "index": job.index,
+            "text": c.text,
+            "logprobs": None,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason if finished else None,
+            "prompt_token_ids": None,
+            "token_ids": None,
+        }
+        if self.req.return_token_ids:
+            if job.index not in self.sent_prompt_ids:
+                choice["prompt_token_ids"] = list(job.prompt.token_ids)
+                self.sent_prompt_ids.add(job.index)
+            choice["token_ids"] = list(c.token_ids)
+        head = self.head(None)
+        return {
+            "id": head["id"],
+            "object": "text_completion",
+            "created": head["created"],
+            "model": head["model"],
+            "system_fingerprint": head["system_fingerprint"],
+            "choices": [choice],
+        }
+
     def closing(
         self, usage: bodies.Usage, metrics: bodies.PerRequestMetrics | None
     ) -> CompletionStreamResponse:

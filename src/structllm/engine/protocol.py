@@ -74,7 +74,7 @@ class Start(msgspec.Struct, tag=True):
     config: EngineConfig
     heartbeat_interval: float
     #: test hook: "raise_at_step:N", "hang_at_step:N", "exit_at_step:N",
-    #: "slow_at_step:N" (see :mod:`structllm.testing.faults`)
+    #: "slow_at_step:N", "stall_at_step:N" (see :mod:`structllm.testing.faults`)
     fault: str | None = None
     #: the tokenizer structured-output grammars use (None: the model's)
     tokenizer: str | None = None

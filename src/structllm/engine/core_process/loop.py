@@ -150,6 +150,7 @@ def _start_group(start: Start, on_lost: Callable[[str], None]) -> RankGroup:
         on_lost=on_lost,
         fault=fault if rank1 == "rank1" else None,
         heartbeat=(start.heartbeat_interval, start.heartbeat_timeout),
+        step_timeout=start.step_timeout,
     )
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from structllm.engine.frontend.core_client import CoreFault, core_fault
+from structllm.engine.frontend.core_fault import CoreFault, core_fault
 
 __all__ = ["CoreFault", "inject_fault"]
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from contextvars import ContextVar
 from typing import Protocol
 
 import anyio
@@ -43,6 +42,7 @@ from structllm.engine.frontend.core_connection import (
     open_core,
     receive,
 )
+from structllm.engine.frontend.core_fault import CoreFault, core_fault
 from structllm.engine.protocol import (
     ANSWERS,
     AddFailed,
@@ -76,21 +76,6 @@ __all__ = [
     "core_fault",
     "health_timeout",
 ]
-
-
-@attrs.frozen
-class CoreFault:
-    """A test fault for the first ``starts`` cores of a client: ``fault`` is
-    ``Start.fault`` ("raise_at_step:N", "hang_at_step:N", "exit_at_step:N",
-    "rank1:" before one of them for tensor-parallel rank 1)."""
-
-    fault: str
-    starts: int = attrs.field(default=1, validator=attrs.validators.ge(0))
-
-
-#: the test fault of the clients built in this context (None: none); set
-#: through :func:`structllm.testing.faults.inject_fault`, never a setting
-core_fault: ContextVar[CoreFault | None] = ContextVar("core_fault", default=None)
 
 
 # --------------------------------------------------------------- supervisor

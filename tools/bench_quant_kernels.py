@@ -366,12 +366,16 @@ def _file_step_times(qk, mods, args) -> None:  # type: ignore[no-untyped-def]
     by_type: dict[int, list] = {}  # type: ignore[type-arg]
     for w in weights:
         by_type.setdefault(w[1], []).append(w)
-    print(f"\n{args.gguf}: one thread's CPU ms a step, by weight type")
+    print(
+        f"\n{args.gguf}: one thread's CPU ms a step, by weight type (numpy f32:"
+        " the dequantized weights' x @ W.T, OPENBLAS_NUM_THREADS=1 wanted)"
+    )
     print(
         "| type | matrices | MB | T | ms | GB/s |"
         + " baseline ms | speed-up |" * (len(mods) > 1)
+        + " numpy f32 ms |"
     )
-    print("|---|---:|---:|---:|---:|---:|" + "---:|---:|" * (len(mods) > 1))
+    print("|---|---:|---:|---:|---:|---:|" + "---:|---:|" * (len(mods) > 1) + "---:|")
     for kind, group in sorted(by_type.items()):
         mb = sum(w.nbytes for w, *_ in group) / 1e6
         for t_len in args.tokens:
@@ -384,7 +388,13 @@ def _file_step_times(qk, mods, args) -> None:  # type: ignore[no-untyped-def]
                 for (w, k, o, n), y in zip(group, ys, strict=True):
                     m(xs[n], w, k, o, n, out=y, threaded=False)
 
-            steps = [partial(step, m) for m in mods]
+            floats = [qk.dequantize_rows(w, k, n) for w, k, _, n in group]
+
+            def dense(group=group, xs=xs, ys=ys, floats=floats) -> None:  # type: ignore[no-untyped-def]
+                for (_, _, _, n), f, y in zip(group, floats, ys, strict=True):
+                    np.matmul(xs[n], f.T, out=y)
+
+            steps = [partial(step, m) for m in mods] + [dense]
             for f in steps:
                 f()
             times: list[list[float]] = [[] for _ in steps]
@@ -396,7 +406,7 @@ def _file_step_times(qk, mods, args) -> None:  # type: ignore[no-untyped-def]
             row += f" {med[0] * 1e3:.2f} | {mb / 1e3 / med[0]:.1f} |"
             if len(mods) > 1:
                 row += f" {med[1] * 1e3:.2f} | {med[1] / med[0]:.2f}x |"
-            print(row, flush=True)
+            print(row + f" {med[-1] * 1e3:.2f} |", flush=True)
 
 
 def main() -> None:

@@ -44,8 +44,26 @@ activations ``x (T, in)`` by it without a float copy of the whole weight:
   and on AVX2 as two 256-bit halves) and one float multiply-add by ``d_w
   d_x`` a block: 1.7-2x the float GEMV on one 3072 x 576 matrix at ``T``
   of 1, 1.3-1.5x at 2 and 4 (GEMVs of 4, 2 and 1 tokens, a pair of blocks
-  unpacked once for all; no buffered kernel: any ``T`` runs them). The
-  K-quants take float activations (no Q8_K yet). Its error is
+  unpacked once for all; no buffered kernel: any ``T`` runs them). Q4_K
+  and Q6_K (:data:`Q8K_TYPES`) take ``x`` as llama.cpp's Q8_K blocks of
+  256 (a float scale, and the sums of each 16 and 32 values): a 64-value
+  chunk's integer dot with its sub-block scales multiplied in by the same
+  ``vpmaddubsw`` + ``vpmaddwd`` (the scales in place of ones), the mins
+  (Q4_K) and the offset of 32 (Q6_K) one vector product with those sums:
+  1.7-1.9x their float GEMVs at ``T`` of 1 (SmolLM2 Q4_K_M's ffn_down,
+  one thread's CPU time), GEMVs of 4, 2 and 1 tokens at any ``T`` as the
+  32-value types. Q5_K takes float activations. The one-token GEMVs of
+  Q5_0/Q5_1 take two rows a pass with prefetch, as the float ones (1.1-1.9x
+  a row at a time), and the 4-token GEMVs of every q8 type two rows a pass
+  (1.06-1.14x at ``T`` of 16; Q8_0's one-token GEMV stays a row at a time:
+  two measured 0.85-0.96x). A token's q8 result is the same bits whatever
+  ``T`` is (each row's sums the same sequence in every kernel). At ``T``
+  of 16 and beyond q8 is no faster than float (its per-token work, a dot,
+  a conversion and a multiply-add for each 32 values, is the float
+  micro-kernel's two FMAs), and in prefill 1.2-2x slower: the GEMVs of 4
+  tokens unpack each block again for every 4 tokens (tiling 16 rows so
+  their bytes stay in L1 measured 0.7-0.9x: the unpacking, not the reads,
+  is the cost). Its error is
   quantization's, not rounding's: 0.3-1% of a projection's output on
   SmolLM2's activations (whose outliers share a block's scale), 1.1 at
   most in a logit, and greedy decoding leaves transformers' tokens within
@@ -107,6 +125,7 @@ from structllm.model import kernels
 
 __all__ = [
     "MATMUL_TYPES",
+    "Q8K_TYPES",
     "Q8_TYPES",
     "GGMLType",
     "available",
@@ -1785,7 +1804,8 @@ def _gemv_tokens(
 # sum((q_w - 8) q) = dot(q_w, q) - 8 sum(q)). Blocks come in pairs; an odd
 # last block pairs with zeros.
 
-#: weight types the q8 kernels take (the rest multiply float activations)
+#: 32-value weight types the Q8_0/Q8_1 kernels take (:data:`Q8K_TYPES` take
+#: Q8_K blocks, the rest multiply float activations)
 Q8_TYPES = frozenset(
     {GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1}
 )
@@ -1836,6 +1856,7 @@ def _quantize_q8(
 # bytes, their integer dot with the activations' into 16 int32 lanes (8 a
 # block), one float multiply-add by d_w d_x. ``ob`` is the second block's
 # offset, the first's again past an odd row's end (against zeros in x).
+# Q5_0/Q5_1 take _gemv8r2 (two rows a pass, below) instead.
 
 
 @_jit()
@@ -1918,59 +1939,6 @@ def _gemv8_q4_1(
             d = _vsplat2(_f16_at(row, oa), _f16_at(row, ob)) * _vfloats(dx, 16 * p)
             m = _vsplat2(_f16_at(row, oa + 2), _f16_at(row, ob + 2))
             dot = _vdot(_bnib2(row, oa + 4, ob + 4), _bint8s(xq, 64 * p))
-            a0 += d * _vfloat(dot)
-            a1 += m * _vfloats(sx, 16 * p)
-        y[r] = _vsum(a0 + a1)
-
-
-@_jit()
-def _gemv8_q5_0(
-    xq: np.ndarray,
-    dx: np.ndarray,
-    sx: np.ndarray,
-    xs4: np.ndarray,
-    nb: int,
-    w: np.ndarray,
-    y: np.ndarray,
-    start: int,
-    stop: int,
-) -> None:  # pragma: no cover - compiled
-    four = _vsplat(4)
-    for r in range(start, stop):
-        row = w[r]
-        a0 = _vzero()
-        for p in range((nb + 1) // 2):
-            oa = 44 * p
-            ob = oa + 22 if 2 * p + 1 < nb else oa
-            d = _vsplat2(_f16_at(row, oa), _f16_at(row, ob)) * _vfloats(dx, 16 * p)
-            q = _bnib2(row, oa + 6, ob + 6) | _bhigh2(row, oa + 2, ob + 2)
-            dot = _vdot(q, _bint8s(xq, 64 * p))
-            a0 += d * _vfloat(dot - (_vints(xs4, 16 * p) << four))
-        y[r] = _vsum(a0)
-
-
-@_jit()
-def _gemv8_q5_1(
-    xq: np.ndarray,
-    dx: np.ndarray,
-    sx: np.ndarray,
-    xs4: np.ndarray,
-    nb: int,
-    w: np.ndarray,
-    y: np.ndarray,
-    start: int,
-    stop: int,
-) -> None:  # pragma: no cover - compiled
-    for r in range(start, stop):
-        row = w[r]
-        a0 = a1 = _vzero()
-        for p in range((nb + 1) // 2):
-            oa = 48 * p
-            ob = oa + 24 if 2 * p + 1 < nb else oa
-            d = _vsplat2(_f16_at(row, oa), _f16_at(row, ob)) * _vfloats(dx, 16 * p)
-            m = _vsplat2(_f16_at(row, oa + 2), _f16_at(row, ob + 2))
-            q = _bnib2(row, oa + 8, ob + 8) | _bhigh2(row, oa + 4, ob + 4)
-            dot = _vdot(q, _bint8s(xq, 64 * p))
             a0 += d * _vfloat(dot)
             a1 += m * _vfloats(sx, 16 * p)
         y[r] = _vsum(a0 + a1)
@@ -3033,10 +3001,14 @@ def matmul(
     argument, for a wrong dtype, shape or layout.
 
     ``activations="q8"`` quantizes ``x`` to llama.cpp's Q8_0/Q8_1 blocks
-    first and multiplies in integers, as llama.cpp does, for weights of
-    :data:`Q8_TYPES` (other types multiply float activations): faster, and
-    the result is llama.cpp's, not the float product (``"float"``, the
-    default).
+    (weights of :data:`Q8_TYPES`) or Q8_K blocks (:data:`Q8K_TYPES`) first
+    and multiplies in integers, as llama.cpp does (other types multiply
+    float activations): faster at a few tokens, and the result is
+    llama.cpp's, not the float product (``"float"``, the default); a
+    token's result does not depend on the other tokens of the call.
+
+    A weight's checks are remembered by its array object (the same array,
+    shape and dtype skip them; ~1 us of Python a call, not ~3).
     """
     if activations not in ("float", "q8"):
         raise ValueError(f"activations must be 'float' or 'q8', not {activations!r}")

@@ -320,12 +320,12 @@ def test_q8_activations_equal_llama_cpp_arithmetic(
 
 
 def test_q8_activations_leave_other_types_float() -> None:
-    raw = random_raw(GGMLType.Q4_K, 9, 512)
+    raw = random_raw(GGMLType.Q5_K, 9, 512)  # no Q8_K kernel (Q4_K, Q6_K have)
     x = np.random.default_rng(2).standard_normal((3, 512), dtype=np.float32)
-    y = qk.matmul(x, raw, GGMLType.Q4_K, 9, 512, activations="q8")
-    np.testing.assert_array_equal(y, qk.matmul(x, raw, GGMLType.Q4_K, 9, 512))
+    y = qk.matmul(x, raw, GGMLType.Q5_K, 9, 512, activations="q8")
+    np.testing.assert_array_equal(y, qk.matmul(x, raw, GGMLType.Q5_K, 9, 512))
     with pytest.raises(ValueError, match="activations"):
-        qk.matmul(x, raw, GGMLType.Q4_K, 9, 512, activations="int8")
+        qk.matmul(x, raw, GGMLType.Q5_K, 9, 512, activations="int8")
 
 
 _ISA_SCRIPT = """
@@ -384,3 +384,31 @@ def _has_avx2() -> bool:
     import llvmlite.binding as llvm
 
     return bool(llvm.get_host_cpu_features().get("avx2"))
+
+
+def test_checks_remembered_for_a_weight_still_catch_changes() -> None:
+    """A weight's checks are remembered by its array object (a decode step
+    calls matmul ~121 times): a different shape, type or view of it is
+    checked afresh, and the entry leaves with the array."""
+    import gc
+
+    raw = random_raw(GGMLType.Q8_0, 6, 64)
+    x = np.zeros((1, 64), np.float32)
+    qk.matmul(x, raw, GGMLType.Q8_0, 6, 64)
+    qk.matmul(x, raw, GGMLType.Q8_0, 6, 64)  # remembered
+    with pytest.raises(ValueError, match="w_raw"):
+        qk.matmul(x, raw, GGMLType.Q8_0, 5, 64)
+    with pytest.raises(ValueError, match="w_raw"):
+        qk.matmul(x, raw, GGMLType.Q4_0, 6, 64)
+    with pytest.raises(ValueError, match="w_raw"):
+        qk.matmul(x, raw.view(np.int8), GGMLType.Q8_0, 6, 64)
+    raw.shape = (3, 136)  # the same object, reshaped in place
+    with pytest.raises(ValueError, match="w_raw"):
+        qk.matmul(x, raw, GGMLType.Q8_0, 6, 64)
+    other = random_raw(GGMLType.Q8_0, 2, 32)
+    qk.matmul(np.zeros((1, 32), np.float32), other, GGMLType.Q8_0, 2, 32)
+    key = (id(other), GGMLType.Q8_0, 2, 32)
+    assert key in qk._CHECKED
+    del other
+    gc.collect()
+    assert key not in qk._CHECKED

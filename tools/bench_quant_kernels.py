@@ -15,7 +15,9 @@ the same turns, so a kernel change is measured against the old one side by
 side; the load average is printed with each row.
 
 ``--activations q8`` times this copy with ``matmul(..., activations="q8")``
-(the baseline with its default, float activations).
+(the baseline with its default, float activations); with ``--kernels``
+the baseline takes the same activations, and without a baseline this
+copy's float activations are the baseline column.
 
 ``--kernels`` times each kernel alone on one thread (``threaded=False``):
 for each type, each of SmolLM2's matrix shapes its blocks divide, ``T`` of
@@ -278,10 +280,22 @@ def _cpu_seconds(fn: Callable[[], None], calls: int) -> float:
     return (time.thread_time() - start) / calls
 
 
-def _kernel_step(module, ws, x, y, kind, o, n) -> None:  # type: ignore[no-untyped-def]
-    """One call of ``module.matmul`` on each copy of the weight, one thread."""
+def _kernel_step(matmul, ws, x, y, kind, o, n) -> None:  # type: ignore[no-untyped-def]
+    """One call of ``matmul`` on each copy of the weight, one thread."""
     for w in ws:
-        module.matmul(x, w, kind, o, n, out=y, threaded=False)
+        matmul(x, w, kind, o, n, out=y, threaded=False)
+
+
+def _matmuls(qk, base, activations: str):  # type: ignore[no-untyped-def]
+    """The matmuls --kernels times side by side: this copy's (with
+    ``activations``), then the baseline's (the same activations: a kernel
+    against its old self), or without one this copy's with float
+    activations when ``activations`` is another (q8 against float in one
+    process)."""
+    mine = partial(qk.matmul, activations=activations)
+    if base is not None:
+        return [mine, partial(base.matmul, activations=activations)]
+    return [mine, qk.matmul] if activations != "float" else [mine]
 
 
 def kernel_times(args: argparse.Namespace) -> None:
@@ -289,16 +303,16 @@ def kernel_times(args: argparse.Namespace) -> None:
     from structllm.model import quant_kernels as qk
 
     kernels.set_num_threads(1)
-    qk.warm_up()
+    qk.warm_up(q8=True)
     base = _baseline(args.baseline)
-    mods = [qk] if base is None else [qk, base]
+    mods = _matmuls(qk, base, args.activations)
     heads = {qk.GGMLType[name] for name in args.head_types}
     rng = np.random.default_rng(0)
     print(
         "| type | out x in | T | us/call | GB/s |"
-        + (" baseline us/call | baseline GB/s | speed-up |" if base else "")
+        + (" baseline us/call | baseline GB/s | speed-up |" if len(mods) > 1 else "")
     )
-    print("|---|---|---:|---:|---:|" + "---:|---:|---:|" * bool(base))
+    print("|---|---|---:|---:|---:|" + "---:|---:|---:|" * (len(mods) > 1))
     for kind in (qk.GGMLType[name] for name in args.types):
         values = qk.block_layout(kind)[0]
         for o, n in KERNEL_SHAPES:
@@ -321,7 +335,7 @@ def kernel_times(args: argparse.Namespace) -> None:
                 gbs = [w0.nbytes / s / 1e9 for s in med]
                 row = f"| {kind.name} | {o} x {n} | {t_len} |"
                 row += f" {med[0] * 1e6:.1f} | {gbs[0]:.1f} |"
-                if base is not None:
+                if len(mods) > 1:
                     row += f" {med[1] * 1e6:.1f} | {gbs[1]:.1f} |"
                     row += f" {med[1] / med[0]:.2f}x |"
                 print(row, flush=True)
@@ -352,12 +366,16 @@ def _file_step_times(qk, mods, args) -> None:  # type: ignore[no-untyped-def]
     by_type: dict[int, list] = {}  # type: ignore[type-arg]
     for w in weights:
         by_type.setdefault(w[1], []).append(w)
-    print(f"\n{args.gguf}: one thread's CPU ms a step, by weight type")
+    print(
+        f"\n{args.gguf}: one thread's CPU ms a step, by weight type (numpy f32:"
+        " the dequantized weights' x @ W.T, OPENBLAS_NUM_THREADS=1 wanted)"
+    )
     print(
         "| type | matrices | MB | T | ms | GB/s |"
         + " baseline ms | speed-up |" * (len(mods) > 1)
+        + " numpy f32 ms |"
     )
-    print("|---|---:|---:|---:|---:|---:|" + "---:|---:|" * (len(mods) > 1))
+    print("|---|---:|---:|---:|---:|---:|" + "---:|---:|" * (len(mods) > 1) + "---:|")
     for kind, group in sorted(by_type.items()):
         mb = sum(w.nbytes for w, *_ in group) / 1e6
         for t_len in args.tokens:
@@ -368,9 +386,15 @@ def _file_step_times(qk, mods, args) -> None:  # type: ignore[no-untyped-def]
 
             def step(m, group=group, xs=xs, ys=ys) -> None:  # type: ignore[no-untyped-def]
                 for (w, k, o, n), y in zip(group, ys, strict=True):
-                    m.matmul(xs[n], w, k, o, n, out=y, threaded=False)
+                    m(xs[n], w, k, o, n, out=y, threaded=False)
 
-            steps = [partial(step, m) for m in mods]
+            floats = [qk.dequantize_rows(w, k, n) for w, k, _, n in group]
+
+            def dense(group=group, xs=xs, ys=ys, floats=floats) -> None:  # type: ignore[no-untyped-def]
+                for (_, _, _, n), f, y in zip(group, floats, ys, strict=True):
+                    np.matmul(xs[n], f.T, out=y)
+
+            steps = [partial(step, m) for m in mods] + [dense]
             for f in steps:
                 f()
             times: list[list[float]] = [[] for _ in steps]
@@ -382,7 +406,7 @@ def _file_step_times(qk, mods, args) -> None:  # type: ignore[no-untyped-def]
             row += f" {med[0] * 1e3:.2f} | {mb / 1e3 / med[0]:.1f} |"
             if len(mods) > 1:
                 row += f" {med[1] * 1e3:.2f} | {med[1] / med[0]:.2f}x |"
-            print(row, flush=True)
+            print(row + f" {med[-1] * 1e3:.2f} |", flush=True)
 
 
 def main() -> None:

@@ -12,11 +12,13 @@ kernel call each into their columns of the output.
 
 Activations are float32 by default (the product with the dequantized
 weight, to rounding: greedy tokens are a float32 run's); ``activations =
-"q8"`` quantizes them to Q8_0/Q8_1 blocks first and multiplies in
-integers, as llama.cpp does, for the 32-value types
-(``quant_kernels.Q8_TYPES``): 1.2-3x faster a GEMV, llama.cpp's results
-rather than the float product (``quant_kernels``'s module doc measures
-both).
+"q8"`` quantizes them first and multiplies in integers, as llama.cpp
+does: to Q8_0/Q8_1 blocks for the 32-value types
+(``quant_kernels.Q8_TYPES``), to 256-value Q8_K blocks for Q4_K and Q6_K
+(``quant_kernels.Q8K_TYPES``); Q5_K stays on float activations. 1.2-3x
+faster a GEMV at one token (slower than float at 16 tokens and in
+prefill), llama.cpp's results rather than the float product
+(``quant_kernels``'s module doc measures both).
 
 Runs in the eager backend only (the oneDNN predictors take dense weights as
 program inputs; training needs a float weight): ``check_backend`` refuses

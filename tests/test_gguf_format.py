@@ -315,6 +315,47 @@ def test_metadata_of_every_type(tmp_path: Path) -> None:
         assert f.value_types["a.nested"] is GGUFValueType.ARRAY
 
 
+def test_arrays_are_checked_at_open_and_read_when_looked_up(tmp_path: Path) -> None:
+    """A tokenizer's arrays are most of a file's metadata: opening the file
+    checks them and keeps none of them; each lookup reads a new copy."""
+    tokens = [f"tok{i}" for i in range(50_000)]
+    kvs = [
+        gb.kv("general.architecture", gb.STRING, "llama"),
+        gb.kv("tokenizer.ggml.tokens", gb.ARRAY, (gb.STRING, tokens)),
+        gb.kv("tokenizer.ggml.token_type", gb.ARRAY, (gb.INT32, [1] * 50_000)),
+        gb.kv("n", gb.UINT32, 7),
+    ]
+    path = write(tmp_path, gb.build(kvs).data)
+    tracemalloc.start()
+    try:
+        f = GGUFFile.open(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak  # the strings alone take 3 MiB
+    with f:
+        md = f.metadata
+        assert list(md) == [
+            "general.architecture",
+            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.token_type",
+            "n",
+        ]
+        assert "n" in md and "absent" not in md and len(md) == 4
+        assert md.array_length("tokenizer.ggml.tokens") == 50_000
+        assert md.array_length("n") is None and md.array_length("absent") is None
+        first = md["tokenizer.ggml.tokens"]
+        assert first == tokens
+        first[0] = "changed"  # the caller's own copy
+        assert md["tokenizer.ggml.tokens"][0] == "tok0"
+        types = md["tokenizer.ggml.token_type"]
+        assert types.dtype == np.int32 and types.flags.writeable
+        assert not np.shares_memory(types, md["tokenizer.ggml.token_type"])
+    # as load_tokenizer reads it: the map stays while the metadata does
+    assert f.closed and md["tokenizer.ggml.tokens"][-1] == "tok49999"
+    assert md["n"] == 7
+
+
 def test_tensor_infos(tmp_path: Path) -> None:
     built = gb.sample_file()
     with GGUFFile.open(write(tmp_path, built.data)) as f:

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Iterator, Mapping
 from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 
 from structllm.errors import ModelLoadError
 
-__all__ = ["MAX_ARRAY_NESTING", "GGUFValueType", "Parser"]
+__all__ = ["MAX_ARRAY_NESTING", "Deferred", "GGUFMetadata", "GGUFValueType", "Parser"]
 
 MAX_ARRAY_NESTING = 8  # llama.cpp reads no nested arrays at all; gguf-py writes them
 
@@ -68,14 +70,20 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
 
+def _drop(_: str) -> None:
+    """Where :meth:`Parser.strings` puts a string it only checks."""
+
+
 class Parser:
     """A cursor over the mapped file that checks every read against its size."""
 
-    def __init__(self, buf: mmap.mmap, size: int, path: Path) -> None:
+    def __init__(
+        self, buf: mmap.mmap | memoryview, size: int, path: Path, pos: int = 0
+    ) -> None:
         self.buf = buf
         self.size = size
         self.path = path
-        self.pos = 0
+        self.pos = pos
 
     def fail(self, problem: str, at: int | None = None) -> ModelLoadError:
         where = f" at byte offset {at}" if at is not None else ""
@@ -107,7 +115,7 @@ class Parser:
         raw = self.buf[self.pos : self.pos + n]
         self.pos += n
         try:
-            return raw.decode("utf-8")
+            return str(raw, "utf-8")
         except UnicodeDecodeError as exc:
             raise self.fail(
                 f"{what} is not valid UTF-8 ({exc.reason})", start
@@ -133,7 +141,8 @@ class Parser:
         self.pos += size
         return value
 
-    def array(self, what: str, depth: int) -> Any:
+    def array_head(self, what: str, depth: int) -> tuple[GGUFValueType, int]:
+        """An array's element type and count, checked against the bytes left."""
         start = self.pos
         if depth >= MAX_ARRAY_NESTING:
             raise self.fail(
@@ -147,6 +156,27 @@ class Parser:
                 f"{self.size - self.pos} bytes left in the file can hold",
                 start,
             )
+        return kind, count
+
+    def skip_array(self, what: str, depth: int = 0) -> int:
+        """Check an array as :meth:`array` does (every count, length and
+        string's UTF-8) and step past it, keeping none of it: its count.
+
+        A tokenizer's arrays are most of a file's metadata, and a reader
+        that only needs the model's shape should not hold 50-150k strings.
+        """
+        kind, count = self.array_head(what, depth)
+        if kind in _SCALAR:
+            self.pos += count * _MIN_SIZE[kind]
+        elif kind is _V.STRING:
+            self.strings(count, what, keep=False)
+        else:
+            for i in range(count):
+                self.skip_array(f"{what}[{i}]", depth + 1)
+        return count
+
+    def array(self, what: str, depth: int) -> Any:
+        kind, count = self.array_head(what, depth)
         if kind in _SCALAR and kind is not _V.BOOL:
             _, dtype = _SCALAR[kind]
             n = count * _MIN_SIZE[kind]
@@ -161,12 +191,14 @@ class Parser:
             return self.strings(count, what)
         return [self.array(f"{what}[{i}]", depth + 1) for i in range(count)]
 
-    def strings(self, count: int, what: str) -> list[str]:
+    def strings(self, count: int, what: str, *, keep: bool = True) -> list[str]:
+        """``count`` strings; with ``keep=False`` each is checked and dropped
+        (the list comes back empty)."""
         # the hot loop of a tokenizer's 50-150k tokens: locals only
         buf, size, pos = self.buf, self.size, self.pos
         unpack = _U64.unpack_from
         out: list[str] = []
-        append = out.append
+        append = out.append if keep else _drop
         for i in range(count):
             if size - pos < 8:
                 self.pos = pos
@@ -177,7 +209,7 @@ class Parser:
                 self.pos = pos
                 self.need(n, f"{what}[{i}] ({n} bytes)")
             try:
-                append(buf[pos : pos + n].decode("utf-8"))
+                append(str(buf[pos : pos + n], "utf-8"))
             except UnicodeDecodeError as exc:
                 raise self.fail(
                     f"{what}[{i}] is not valid UTF-8 ({exc.reason})", pos - 8
@@ -185,3 +217,63 @@ class Parser:
             pos += n
         self.pos = pos
         return out
+
+
+@attrs.frozen
+class Deferred:
+    """An array left in the file: where it starts and how many elements."""
+
+    offset: int
+    count: int
+
+
+class GGUFMetadata(Mapping[str, Any]):
+    """A GGUF file's metadata, in file order, with arrays read on demand.
+
+    Scalars and strings were read when the file was opened; an array (the
+    tokenizer's tokens, merges, scores and types are most of a file's
+    metadata: 10 MiB of Python objects for a 49k-token vocabulary) was
+    checked then and is parsed from the map each time it is looked up, a new
+    copy its caller owns, so a reader that only needs the model's shape
+    never builds it. :meth:`array_length` counts one without reading it.
+
+    The mapping holds a view of the file's map, which keeps it mapped (after
+    :meth:`GGUFFile.close`, too) until the mapping is gone.
+    """
+
+    def __init__(
+        self, values: dict[str, Any], buf: memoryview, size: int, path: Path
+    ) -> None:
+        self._values = values
+        self._buf = buf if any(type(v) is Deferred for v in values.values()) else None
+        self._size = size
+        self._path = path
+
+    def __getitem__(self, key: str) -> Any:
+        value = self._values[key]
+        if type(value) is not Deferred:
+            return value
+        assert self._buf is not None
+        return Parser(self._buf, self._size, self._path, value.offset).array(
+            f"metadata value {key!r}", 0
+        )
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._values
+
+    def array_length(self, key: str) -> int | None:
+        """How many elements the array ``key`` has, without reading them;
+        None if ``key`` is absent or not an array."""
+        value = self._values.get(key)
+        if type(value) is Deferred:
+            return value.count
+        return None
+
+    def __repr__(self) -> str:
+        return f"<GGUFMetadata {str(self._path)!r}, {len(self)} keys>"

@@ -85,9 +85,10 @@ class GGUFFile:
     elements are numbers (any integer or float type:
     ``tokenizer.ggml.token_type``, ``scores``, per-layer head counts), else a
     ``list`` (of ``str``: ``tokenizer.ggml.tokens`` and ``merges``; of
-    ``bool``; or of the inner arrays, each by the same rule). Arrays are
-    checked at open but read only when looked up, each lookup a new copy:
-    the model's config never builds the tokenizer's 50-150k strings.
+    ``bool``; or of the inner arrays, each by the same rule). An array's
+    layout is checked at open, its elements read (its strings' UTF-8
+    checked) only when it is looked up, each lookup a new copy: the model's
+    config never builds the tokenizer's 50-150k strings.
     ``value_types`` gives each key's GGUF type (``ARRAY`` for arrays).
 
     ``tensors`` maps names to :class:`GGUFTensor` in file order. The file is

@@ -70,10 +70,6 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
 
-def _drop(_: str) -> None:
-    """Where :meth:`Parser.strings` puts a string it only checks."""
-
-
 class Parser:
     """A cursor over the mapped file that checks every read against its size."""
 
@@ -159,8 +155,9 @@ class Parser:
         return kind, count
 
     def skip_array(self, what: str, depth: int = 0) -> int:
-        """Check an array as :meth:`array` does (every count, length and
-        string's UTF-8) and step past it, keeping none of it: its count.
+        """Check an array's layout as :meth:`array` does (every count,
+        length and nesting) and step past it, keeping none of it: its count.
+        Its strings' UTF-8 is checked when :meth:`array` reads them.
 
         A tokenizer's arrays are most of a file's metadata, and a reader
         that only needs the model's shape should not hold 50-150k strings.
@@ -169,7 +166,7 @@ class Parser:
         if kind in _SCALAR:
             self.pos += count * _MIN_SIZE[kind]
         elif kind is _V.STRING:
-            self.strings(count, what, keep=False)
+            self.skip_strings(count, what)
         else:
             for i in range(count):
                 self.skip_array(f"{what}[{i}]", depth + 1)
@@ -191,14 +188,12 @@ class Parser:
             return self.strings(count, what)
         return [self.array(f"{what}[{i}]", depth + 1) for i in range(count)]
 
-    def strings(self, count: int, what: str, *, keep: bool = True) -> list[str]:
-        """``count`` strings; with ``keep=False`` each is checked and dropped
-        (the list comes back empty)."""
+    def strings(self, count: int, what: str) -> list[str]:
         # the hot loop of a tokenizer's 50-150k tokens: locals only
         buf, size, pos = self.buf, self.size, self.pos
         unpack = _U64.unpack_from
         out: list[str] = []
-        append = out.append if keep else _drop
+        append = out.append
         for i in range(count):
             if size - pos < 8:
                 self.pos = pos
@@ -217,6 +212,23 @@ class Parser:
             pos += n
         self.pos = pos
         return out
+
+    def skip_strings(self, count: int, what: str) -> None:
+        """Step past ``count`` strings, checking each length (not the UTF-8:
+        decoding is most of :meth:`strings`' time)."""
+        buf, size, pos = self.buf, self.size, self.pos
+        unpack = _U64.unpack_from
+        for i in range(count):
+            if size - pos < 8:
+                self.pos = pos
+                self.need(8, f"the length of {what}[{i}]")
+            (n,) = unpack(buf, pos)
+            pos += 8
+            if n > size - pos:
+                self.pos = pos
+                self.need(n, f"{what}[{i}] ({n} bytes)")
+            pos += n
+        self.pos = pos
 
 
 @attrs.frozen
@@ -254,9 +266,14 @@ class GGUFMetadata(Mapping[str, Any]):
         if type(value) is not Deferred:
             return value
         assert self._buf is not None
-        return Parser(self._buf, self._size, self._path, value.offset).array(
-            f"metadata value {key!r}", 0
-        )
+        p = Parser(self._buf, self._size, self._path, value.offset)
+        try:
+            return p.array(f"metadata value {key!r}", 0)
+        except ModelLoadError:
+            raise
+        except (struct.error, ValueError, OverflowError, IndexError) as exc:
+            # a check the open's walk lacks: still the file's fault
+            raise p.fail(f"metadata value {key!r} is corrupt: {exc!r}") from exc
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)

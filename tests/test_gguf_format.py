@@ -356,6 +356,31 @@ def test_arrays_are_checked_at_open_and_read_when_looked_up(tmp_path: Path) -> N
     assert md["n"] == 7
 
 
+def _resident_kib(path: Path) -> int:
+    """This process's resident KiB of its mappings of ``path`` (smaps)."""
+    total, ours = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and ":" not in head[0]:
+            ours = head[-1] == str(path)
+        elif ours and line.startswith("Rss:"):
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's smaps")
+def test_the_header_pages_leave_resident_memory_once_read(tmp_path: Path) -> None:
+    """A quantized model keeps its file mapped for good: the header's pages
+    (the tokenizer's arrays, 1.7 MiB for SmolLM2) do not stay resident."""
+    tokens = [f"token{i:07d}" for i in range(200_000)]  # 4 MiB
+    kvs = [gb.kv("tokenizer.ggml.tokens", gb.ARRAY, (gb.STRING, tokens))]
+    path = write(tmp_path, gb.build(kvs).data)
+    with GGUFFile.open(path) as f:
+        assert _resident_kib(path) <= 8
+        assert f.metadata["tokenizer.ggml.tokens"] == tokens
+        assert _resident_kib(path) <= 8
+
+
 def test_tensor_infos(tmp_path: Path) -> None:
     built = gb.sample_file()
     with GGUFFile.open(write(tmp_path, built.data)) as f:

@@ -254,8 +254,6 @@ class GGUFFile:
                     f"the file ({p.size} bytes)"
                 )
             self.tensors[name] = GGUFTensor(name, kind, shape, start, nbytes)
-        # last: its view of the map would keep the map of a corrupt file open
-        self.metadata = GGUFMetadata(values, memoryview(p.buf), p.size, self.path)
 
         spans = sorted(
             (t.offset, t.offset + t.nbytes, t.name)
@@ -268,6 +266,9 @@ class GGUFFile:
                     f"the data of tensors {first!r} and {second!r} overlap at "
                     f"byte offset {start} (a size that does not match its shape?)"
                 )
+        # last: its view of the map would keep the map of a corrupt file open
+        assert isinstance(p.buf, mmap.mmap)
+        self.metadata = GGUFMetadata(values, p.buf, p.size, self.path, data_offset)
 
     # -- tensor data ----------------------------------------------------------------
 

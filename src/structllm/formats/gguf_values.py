@@ -10,6 +10,7 @@ the byte offset) for a truncated or hostile file instead of allocating.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import struct
 from collections.abc import Iterator, Mapping
@@ -250,16 +251,31 @@ class GGUFMetadata(Mapping[str, Any]):
     never builds it. :meth:`array_length` counts one without reading it.
 
     The mapping holds a view of the file's map, which keeps it mapped (after
-    :meth:`GGUFFile.close`, too) until the mapping is gone.
+    :meth:`GGUFFile.close`, too) until the mapping is gone. The header's
+    pages are dropped from the process's resident memory once read (at open
+    and after each array): they are the file's, read back on the next
+    touch, and a quantized model keeps its file mapped for good.
     """
 
     def __init__(
-        self, values: dict[str, Any], buf: memoryview, size: int, path: Path
+        self, values: dict[str, Any], buf: mmap.mmap, size: int, path: Path, end: int
     ) -> None:
+        """``values`` as the open read them (a :class:`Deferred` per array),
+        ``end`` where the header ends (the tensor data's offset)."""
         self._values = values
-        self._buf = buf if any(type(v) is Deferred for v in values.values()) else None
+        self._map = buf
+        deferred = any(type(v) is Deferred for v in values.values())
+        self._buf = memoryview(buf) if deferred else None
         self._size = size
         self._path = path
+        self._end = end - end % mmap.PAGESIZE
+        self.release_pages()
+
+    def release_pages(self) -> None:
+        """Drop the header's pages from resident memory (they stay mapped)."""
+        if self._end and hasattr(mmap, "MADV_DONTNEED"):
+            with contextlib.suppress(ValueError, OSError):  # closed, or refused
+                self._map.madvise(mmap.MADV_DONTNEED, 0, self._end)
 
     def __getitem__(self, key: str) -> Any:
         value = self._values[key]
@@ -274,6 +290,8 @@ class GGUFMetadata(Mapping[str, Any]):
         except (struct.error, ValueError, OverflowError, IndexError) as exc:
             # a check the open's walk lacks: still the file's fault
             raise p.fail(f"metadata value {key!r} is corrupt: {exc!r}") from exc
+        finally:
+            self.release_pages()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)

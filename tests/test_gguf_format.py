@@ -351,9 +351,24 @@ def test_arrays_are_checked_at_open_and_read_when_looked_up(tmp_path: Path) -> N
         types = md["tokenizer.ggml.token_type"]
         assert types.dtype == np.int32 and types.flags.writeable
         assert not np.shares_memory(types, md["tokenizer.ggml.token_type"])
-    # as load_tokenizer reads it: the map stays while the metadata does
-    assert f.closed and md["tokenizer.ggml.tokens"][-1] == "tok49999"
-    assert md["n"] == 7
+    # closed, the file is unmapped; as load_tokenizer reads it, a lookup
+    # maps it again for the read
+    assert f.closed and not _mapped(path)
+    assert md["tokenizer.ggml.tokens"][-1] == "tok49999" and md["n"] == 7
+    assert not _mapped(path)
+    with path.open("ab") as out:
+        out.write(b"more")
+    with pytest.raises(ModelLoadError, match=r"changed size .* 'tokenizer\.ggml"):
+        md["tokenizer.ggml.tokens"]
+    path.unlink()
+    with pytest.raises(ModelLoadError, match=r"cannot reopen GGUF file"):
+        md["tokenizer.ggml.tokens"]
+
+
+def _mapped(path: Path) -> bool:
+    """Whether this process maps ``path`` (False where /proc cannot tell)."""
+    maps = Path("/proc/self/maps")
+    return maps.exists() and str(path) in maps.read_text()
 
 
 def _resident_kib(path: Path) -> int:

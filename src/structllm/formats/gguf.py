@@ -266,8 +266,6 @@ class GGUFFile:
                     f"the data of tensors {first!r} and {second!r} overlap at "
                     f"byte offset {start} (a size that does not match its shape?)"
                 )
-        # last: its view of the map would keep the map of a corrupt file open
-        assert isinstance(p.buf, mmap.mmap)
         self.metadata = GGUFMetadata(values, p.buf, p.size, self.path, data_offset)
 
     # -- tensor data ----------------------------------------------------------------

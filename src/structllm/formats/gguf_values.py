@@ -6,12 +6,15 @@ memory map, checking every length and count against the file's size before
 it trusts it, so that :class:`~structllm.formats.gguf.GGUFFile` raises
 :class:`~structllm.errors.ModelLoadError` (naming the file, the field and
 the byte offset) for a truncated or hostile file instead of allocating.
+:class:`GGUFMetadata` is the file's metadata with its arrays left in the map
+until they are looked up.
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 import struct
 from collections.abc import Iterator, Mapping
 from enum import IntEnum
@@ -74,9 +77,7 @@ _U64 = struct.Struct("<Q")
 class Parser:
     """A cursor over the mapped file that checks every read against its size."""
 
-    def __init__(
-        self, buf: mmap.mmap | memoryview, size: int, path: Path, pos: int = 0
-    ) -> None:
+    def __init__(self, buf: mmap.mmap, size: int, path: Path, pos: int = 0) -> None:
         self.buf = buf
         self.size = size
         self.path = path
@@ -112,7 +113,7 @@ class Parser:
         raw = self.buf[self.pos : self.pos + n]
         self.pos += n
         try:
-            return str(raw, "utf-8")
+            return raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise self.fail(
                 f"{what} is not valid UTF-8 ({exc.reason})", start
@@ -205,7 +206,7 @@ class Parser:
                 self.pos = pos
                 self.need(n, f"{what}[{i}] ({n} bytes)")
             try:
-                append(str(buf[pos : pos + n], "utf-8"))
+                append(buf[pos : pos + n].decode("utf-8"))
             except UnicodeDecodeError as exc:
                 raise self.fail(
                     f"{what}[{i}] is not valid UTF-8 ({exc.reason})", pos - 8
@@ -232,6 +233,14 @@ class Parser:
         self.pos = pos
 
 
+def _release_pages(buf: mmap.mmap, end: int) -> None:
+    """Drop ``buf``'s first ``end`` bytes (whole pages) from resident memory;
+    they stay mapped."""
+    if end and hasattr(mmap, "MADV_DONTNEED"):
+        with contextlib.suppress(ValueError, OSError):  # closed, or refused
+            buf.madvise(mmap.MADV_DONTNEED, 0, end)
+
+
 @attrs.frozen
 class Deferred:
     """An array left in the file: where it starts and how many elements."""
@@ -250,11 +259,13 @@ class GGUFMetadata(Mapping[str, Any]):
     copy its caller owns, so a reader that only needs the model's shape
     never builds it. :meth:`array_length` counts one without reading it.
 
-    The mapping holds a view of the file's map, which keeps it mapped (after
-    :meth:`GGUFFile.close`, too) until the mapping is gone. The header's
-    pages are dropped from the process's resident memory once read (at open
-    and after each array): they are the file's, read back on the next
-    touch, and a quantized model keeps its file mapped for good.
+    While the file is open an array is read from its map; after
+    :meth:`GGUFFile.close` the file is mapped again for the read (and must
+    still be its size), so that closing it unmaps it whatever the metadata's
+    lifetime. The header's pages are dropped from the process's resident
+    memory once read (at open and after each array): they are the file's,
+    read back on the next touch, and a quantized model keeps its file mapped
+    for good.
     """
 
     def __init__(
@@ -264,25 +275,36 @@ class GGUFMetadata(Mapping[str, Any]):
         ``end`` where the header ends (the tensor data's offset)."""
         self._values = values
         self._map = buf
-        deferred = any(type(v) is Deferred for v in values.values())
-        self._buf = memoryview(buf) if deferred else None
         self._size = size
         self._path = path
         self._end = end - end % mmap.PAGESIZE
-        self.release_pages()
-
-    def release_pages(self) -> None:
-        """Drop the header's pages from resident memory (they stay mapped)."""
-        if self._end and hasattr(mmap, "MADV_DONTNEED"):
-            with contextlib.suppress(ValueError, OSError):  # closed, or refused
-                self._map.madvise(mmap.MADV_DONTNEED, 0, self._end)
+        _release_pages(buf, self._end)
 
     def __getitem__(self, key: str) -> Any:
         value = self._values[key]
         if type(value) is not Deferred:
             return value
-        assert self._buf is not None
-        p = Parser(self._buf, self._size, self._path, value.offset)
+        if not self._map.closed:
+            return self._read(self._map, key, value)
+        where = str(self._path)
+        try:
+            with open(self._path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size != self._size:
+                    raise ModelLoadError(
+                        f"GGUF file {where!r} changed size ({self._size} bytes when "
+                        f"opened, {size} now) before {key!r} was read"
+                    )
+                buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as exc:
+            raise ModelLoadError(
+                f"cannot reopen GGUF file {where!r} to read {key!r}: {exc}"
+            ) from exc
+        with buf:
+            return self._read(buf, key, value)
+
+    def _read(self, buf: mmap.mmap, key: str, value: Deferred) -> Any:
+        p = Parser(buf, self._size, self._path, value.offset)
         try:
             return p.array(f"metadata value {key!r}", 0)
         except ModelLoadError:
@@ -291,7 +313,7 @@ class GGUFMetadata(Mapping[str, Any]):
             # a check the open's walk lacks: still the file's fault
             raise p.fail(f"metadata value {key!r} is corrupt: {exc!r}") from exc
         finally:
-            self.release_pages()
+            _release_pages(buf, self._end)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._values)

@@ -315,6 +315,87 @@ def test_metadata_of_every_type(tmp_path: Path) -> None:
         assert f.value_types["a.nested"] is GGUFValueType.ARRAY
 
 
+def test_arrays_are_checked_at_open_and_read_when_looked_up(tmp_path: Path) -> None:
+    """A tokenizer's arrays are most of a file's metadata: opening the file
+    checks them and keeps none of them; each lookup reads a new copy."""
+    tokens = [f"tok{i}" for i in range(50_000)]
+    kvs = [
+        gb.kv("general.architecture", gb.STRING, "llama"),
+        gb.kv("tokenizer.ggml.tokens", gb.ARRAY, (gb.STRING, tokens)),
+        gb.kv("tokenizer.ggml.token_type", gb.ARRAY, (gb.INT32, [1] * 50_000)),
+        gb.kv("n", gb.UINT32, 7),
+    ]
+    path = write(tmp_path, gb.build(kvs).data)
+    tracemalloc.start()
+    try:
+        f = GGUFFile.open(path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak  # the strings alone take 3 MiB
+    with f:
+        md = f.metadata
+        assert list(md) == [
+            "general.architecture",
+            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.token_type",
+            "n",
+        ]
+        assert "n" in md and "absent" not in md and len(md) == 4
+        assert md.array_length("tokenizer.ggml.tokens") == 50_000
+        assert md.array_length("n") is None and md.array_length("absent") is None
+        first = md["tokenizer.ggml.tokens"]
+        assert first == tokens
+        first[0] = "changed"  # the caller's own copy
+        assert md["tokenizer.ggml.tokens"][0] == "tok0"
+        types = md["tokenizer.ggml.token_type"]
+        assert types.dtype == np.int32 and types.flags.writeable
+        assert not np.shares_memory(types, md["tokenizer.ggml.token_type"])
+    # closed, the file is unmapped; as load_tokenizer reads it, a lookup
+    # maps it again for the read
+    assert f.closed and not _mapped(path)
+    assert md["tokenizer.ggml.tokens"][-1] == "tok49999" and md["n"] == 7
+    assert not _mapped(path)
+    with path.open("ab") as out:
+        out.write(b"more")
+    with pytest.raises(ModelLoadError, match=r"changed size .* 'tokenizer\.ggml"):
+        md["tokenizer.ggml.tokens"]
+    path.unlink()
+    with pytest.raises(ModelLoadError, match=r"cannot reopen GGUF file"):
+        md["tokenizer.ggml.tokens"]
+
+
+def _mapped(path: Path) -> bool:
+    """Whether this process maps ``path`` (False where /proc cannot tell)."""
+    maps = Path("/proc/self/maps")
+    return maps.exists() and str(path) in maps.read_text()
+
+
+def _resident_kib(path: Path) -> int:
+    """This process's resident KiB of its mappings of ``path`` (smaps)."""
+    total, ours = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and ":" not in head[0]:
+            ours = head[-1] == str(path)
+        elif ours and line.startswith("Rss:"):
+            total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux's smaps")
+def test_the_header_pages_leave_resident_memory_once_read(tmp_path: Path) -> None:
+    """A quantized model keeps its file mapped for good: the header's pages
+    (the tokenizer's arrays, 1.7 MiB for SmolLM2) do not stay resident."""
+    tokens = [f"token{i:07d}" for i in range(200_000)]  # 4 MiB
+    kvs = [gb.kv("tokenizer.ggml.tokens", gb.ARRAY, (gb.STRING, tokens))]
+    path = write(tmp_path, gb.build(kvs).data)
+    with GGUFFile.open(path) as f:
+        assert _resident_kib(path) <= 8
+        assert f.metadata["tokenizer.ggml.tokens"] == tokens
+        assert _resident_kib(path) <= 8
+
+
 def test_tensor_infos(tmp_path: Path) -> None:
     built = gb.sample_file()
     with GGUFFile.open(write(tmp_path, built.data)) as f:
@@ -665,10 +746,6 @@ def test_bad_values(tmp_path: Path) -> None:
         ),
         ([gb.gstr(b"\xff\xfe") + gb.u32(gb.UINT8) + b"\x01"], "not valid UTF-8"),
         ([gb.kv("k", gb.STRING, b"\xc3")], "metadata value 'k' is not valid UTF-8"),
-        (
-            [gb.kv("t", gb.ARRAY, (gb.STRING, [b"ok", b"\xe2\x82"]))],
-            "'t'[1] is not valid UTF-8",
-        ),
         ([gb.kv("k", gb.UINT8, 1), gb.kv("k", gb.UINT8, 2)], "metadata key 'k' twice"),
         ([gb.kv("general.alignment", gb.UINT32, 0)], "general.alignment is 0"),
         ([gb.kv("general.alignment", gb.UINT32, 48)], "general.alignment is 48"),
@@ -681,6 +758,28 @@ def test_bad_values(tmp_path: Path) -> None:
     cases.append(([gb.kv("deep", gb.ARRAY, deep)], "nests arrays more than 8 deep"))
     for kvs, fragment in cases:
         open_fails(write(tmp_path, gb.build(kvs).data), fragment)
+
+
+def test_bad_utf8_in_an_array_is_refused_when_the_array_is_read(
+    tmp_path: Path,
+) -> None:
+    """Decoding is most of a string array's time: open checks the layout,
+    the lookup decodes (and names the element and its byte offset)."""
+    nested = (gb.ARRAY, [(gb.STRING, [b"x"]), (gb.STRING, [b"\xff"])])
+    kvs = [
+        gb.kv("t", gb.ARRAY, (gb.STRING, [b"ok", b"\xe2\x82"])),
+        gb.kv("n", gb.ARRAY, nested),
+        gb.kv("k", gb.UINT8, 1),
+    ]
+    path = write(tmp_path, gb.build(kvs).data)
+    with GGUFFile.open(path) as f:
+        assert f.metadata["k"] == 1
+        for key, fragment in [("t", "'t'[1]"), ("n", "'n'[1][0]")]:
+            with pytest.raises(ModelLoadError) as info:
+                f.metadata[key]
+            message = str(info.value)
+            assert str(path) in message and "byte offset" in message
+            assert f"metadata value {fragment} is not valid UTF-8" in message
 
 
 def test_bad_tensor_infos(tmp_path: Path) -> None:
@@ -745,6 +844,11 @@ def check_never_crashes(path: Path, data: bytes) -> None:
         assert str(path) in str(exc)
         return
     with f:
+        for key in f.metadata:  # arrays are read here
+            try:
+                f.metadata[key]
+            except ModelLoadError as exc:
+                assert str(path) in str(exc) and "not valid UTF-8" in str(exc)
         for t in f.tensors.values():
             assert t.offset + t.nbytes <= len(data)
             assert f.raw(t.name).size == t.nbytes

@@ -8,6 +8,7 @@ loaded from the safetensors directory are the expectation.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 from structllm import LLM, AsyncLLM, SamplingParams
 from structllm.cli import main as cli_main
 from structllm.errors import ModelLoadError, UnsupportedModelError
+from structllm.formats.gguf import GGUFFile
 from structllm.model._paddle import paddle
 from structllm.model.attention import SequenceSlice
 from structllm.model.config import ModelConfig
@@ -25,6 +27,7 @@ from structllm.model.gguf_config import hf_config_from_gguf
 from structllm.model.loader import build_model, load_model
 from structllm.model.parallel import load_shard, plan_shards
 from structllm.models import make_tiny_model
+from tests import gguf_bytes as gb
 from tests.gguf_convert import convert
 
 PROMPT = [3, 141, 59, 26, 53, 58, 97, 11, 200]
@@ -205,7 +208,7 @@ BASE: dict[str, Any] = {
 SHAPES = {"token_embd.weight": (1000, 256)}
 
 
-def _config(metadata: dict[str, Any], **kw: Any) -> ModelConfig:
+def _config(metadata: Mapping[str, Any], **kw: Any) -> ModelConfig:
     return ModelConfig.from_hf(
         hf_config_from_gguf(metadata, SHAPES, source="x.gguf", **kw)
     )
@@ -218,6 +221,36 @@ def test_the_basic_keys_map_as_llama_cpp_reads_them() -> None:
     assert c.rope_theta == 500000.0 and c.rms_norm_eps == pytest.approx(1e-5)
     assert c.tie_word_embeddings and c.max_position_embeddings == 4096
     assert c.rope_scaling is None and c.sliding_window is None
+
+
+def test_vocab_size_is_the_token_count_without_reading_the_tokens(
+    tmp_path: Path,
+) -> None:
+    """As llama.cpp's n_vocab; from a file, the count is the array's header
+    (the tokens themselves are the tokenizer's, never built for a config)."""
+    base = {k: v for k, v in BASE.items() if k != "llama.vocab_size"}
+    tokens = [f"t{i}" for i in range(900)]
+    assert _config({**base, "tokenizer.ggml.tokens": tokens}).vocab_size == 900
+    assert _config(base).vocab_size == 1000  # else the embedding's rows
+    kvs = [gb.kv("tokenizer.ggml.tokens", gb.ARRAY, (gb.STRING, tokens))]
+    for key, value in base.items():
+        kind = {str: gb.STRING, int: gb.UINT32, float: gb.FLOAT32}[type(value)]
+        kvs.append(gb.kv(key, kind, value))
+    path = tmp_path / "x.gguf"
+    path.write_bytes(gb.build(kvs).data)
+    with GGUFFile.open(path) as f:
+        md = f.metadata
+        looked_up: list[str] = []
+        getitem = type(md).__getitem__
+
+        def spy(self: Any, key: str) -> Any:
+            looked_up.append(key)
+            return getitem(self, key)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(type(md), "__getitem__", spy)
+            assert _config(md).vocab_size == 900
+        assert looked_up and "tokenizer.ggml.tokens" not in looked_up
 
 
 def test_head_dim_comes_from_key_length() -> None:

@@ -261,25 +261,29 @@ def test_smollm2_facts() -> None:
 
 def test_smollm2_builds_within_a_few_mib_of_python_temporaries() -> None:
     """The server process builds the tokenizer once; its peak memory is the
-    temporaries. One token -> id map serves the duplicate check, the merges'
-    check and the model, and the merges' pairs hold the vocabulary's own
-    strings: 7 MiB of Python allocations at peak for SmolLM2's 49,152
-    tokens and 48,900 merges (18 MiB when each step kept its own copies)."""
+    metadata's arrays and the temporaries. The arrays are read from the map
+    when the tokenizer asks for them (never at open), one token -> id map
+    serves the duplicate check, the merges' check and the model, and the
+    merges' pairs hold the vocabulary's own strings: 15 MiB of Python
+    allocations at peak, open to built, for SmolLM2's 49,152 tokens and
+    48,900 merges (16.6 MiB when open read every array; the temporaries
+    alone were 18 MiB more when each step kept its own copies)."""
     import tracemalloc
 
     from structllm.formats.gguf import GGUFFile
 
-    with GGUFFile.open(smollm2_path()) as f:  # as the server reads it
-        md = f.metadata
-    tokenizer_from_gguf(md, source="smollm2.gguf")  # the caches (byte alphabet)
+    with GGUFFile.open(smollm2_path()) as f:
+        tokenizer_from_gguf(f.metadata, source="smollm2.gguf")  # the caches
     tracemalloc.start()
     try:
+        with GGUFFile.open(smollm2_path()) as f:  # as the server reads it
+            md = f.metadata
         tok = tokenizer_from_gguf(md, source="smollm2.gguf")
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert tok.vocab_size == 49152
-    assert peak < 10 * 2**20, f"{peak / 2**20:.1f} MiB"
+    assert peak < 18 * 2**20, f"{peak / 2**20:.1f} MiB"
 
 
 # --- malformed metadata -----------------------------------------------------

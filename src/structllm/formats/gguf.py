@@ -15,8 +15,9 @@ also be big-endian, which this reader refuses)::
 order, ``ne`` reversed (a weight with ``ne = [in, out]`` has shape
 ``(out, in)``).
 
-:meth:`GGUFFile.open` parses the header, every metadata value and every
-tensor info straight from the map (no read of the whole file) and checks every
+:meth:`GGUFFile.open` parses the header, every metadata value (an array's
+elements: only checked, read when looked up) and every tensor info straight
+from the map (no read of the whole file) and checks every
 count, length, type and range against the file's size before it trusts it,
 so a truncated, corrupt or hostile file raises
 :class:`~structllm.errors.ModelLoadError` (naming the file, and the key or
@@ -47,10 +48,10 @@ import numpy.typing as npt
 
 from structllm.errors import ModelLoadError
 from structllm.formats import quants
-from structllm.formats.gguf_values import GGUFValueType, Parser
+from structllm.formats.gguf_values import Deferred, GGUFMetadata, GGUFValueType, Parser
 from structllm.formats.quants import GGMLType
 
-__all__ = ["GGUFFile", "GGUFTensor", "GGUFValueType"]
+__all__ = ["GGUFFile", "GGUFMetadata", "GGUFTensor", "GGUFValueType"]
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -78,12 +79,16 @@ class GGUFTensor:
 class GGUFFile:
     """An open GGUF file: its metadata, its tensor infos, and their bytes.
 
-    ``metadata`` maps each key, in file order, to its value: a ``str``, a
-    Python ``int``, ``float`` or ``bool``, or for an array: a 1-D numpy array
-    (native byte order, its own copy) when the elements are numbers (any
-    integer or float type: ``tokenizer.ggml.token_type``, ``scores``, per-layer
-    head counts), else a ``list`` (of ``str``: ``tokenizer.ggml.tokens`` and
-    ``merges``; of ``bool``; or of the inner arrays, each by the same rule).
+    ``metadata`` (a :class:`GGUFMetadata`) maps each key, in file order, to
+    its value: a ``str``, a Python ``int``, ``float`` or ``bool``, or for an
+    array: a 1-D numpy array (native byte order, its own copy) when the
+    elements are numbers (any integer or float type:
+    ``tokenizer.ggml.token_type``, ``scores``, per-layer head counts), else a
+    ``list`` (of ``str``: ``tokenizer.ggml.tokens`` and ``merges``; of
+    ``bool``; or of the inner arrays, each by the same rule). An array's
+    layout is checked at open, its elements read (its strings' UTF-8
+    checked) only when it is looked up, each lookup a new copy: the model's
+    config never builds the tokenizer's 50-150k strings.
     ``value_types`` gives each key's GGUF type (``ARRAY`` for arrays).
 
     ``tensors`` maps names to :class:`GGUFTensor` in file order. The file is
@@ -96,7 +101,7 @@ class GGUFFile:
     version: int
     alignment: int
     data_offset: int
-    metadata: dict[str, Any]
+    metadata: GGUFMetadata
     value_types: dict[str, GGUFValueType]
     tensors: dict[str, GGUFTensor]
 
@@ -174,20 +179,26 @@ class GGUFFile:
                 8,
             )
 
-        self.metadata = {}
+        values: dict[str, Any] = {}
         self.value_types = {}
         for i in range(n_kv):
             at = p.pos
             key = p.string(f"metadata key #{i}")
             what = f"metadata value {key!r}"
             vtype = p.value_type(what)
-            value = p.value(vtype, what)
-            if key in self.metadata:
+            if vtype is GGUFValueType.ARRAY:
+                start = p.pos  # checked now, read when asked for
+                value: Any = Deferred(start, p.skip_array(what))
+            else:
+                value = p.value(vtype, what)
+            if key in values:
                 raise p.fail(f"has metadata key {key!r} twice", at)
-            self.metadata[key] = value
+            values[key] = value
             self.value_types[key] = vtype
 
-        alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        alignment = values.get("general.alignment", DEFAULT_ALIGNMENT)
+        if isinstance(alignment, Deferred):
+            raise p.fail("general.alignment is an array, not a power of two")
         if (
             not isinstance(alignment, int)
             or isinstance(alignment, bool)
@@ -255,6 +266,7 @@ class GGUFFile:
                     f"the data of tensors {first!r} and {second!r} overlap at "
                     f"byte offset {start} (a size that does not match its shape?)"
                 )
+        self.metadata = GGUFMetadata(values, p.buf, p.size, self.path, data_offset)
 
     # -- tensor data ----------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from structllm.errors import ModelLoadError, UnsupportedModelError
+from structllm.formats.gguf_values import GGUFMetadata
 
 __all__ = ["GGUF_ARCHITECTURES", "hf_config_from_gguf"]
 
@@ -96,10 +97,11 @@ def hf_config_from_gguf(
             f"structllm runs {', '.join(GGUF_ARCHITECTURES)}"
         )
     prefix = f"{arch}."
-    for key, value in metadata.items():
+    for key in metadata:  # not items(): the tokenizer's arrays stay unread
         if not key.startswith(prefix):
             continue
         name = key[len(prefix) :]
+        value = metadata[key]
         if name not in _KNOWN:
             raise UnsupportedModelError(
                 f"{source}: {key}={_short(value)} is not read by structllm and "
@@ -138,9 +140,9 @@ def hf_config_from_gguf(
         )
     vocab = get("vocab_size")
     if vocab is None:
-        tokens = metadata.get("tokenizer.ggml.tokens")
+        tokens = _array_length(metadata, "tokenizer.ggml.tokens")
         if tokens is not None:
-            vocab = len(tokens)
+            vocab = tokens
         elif "token_embd.weight" in tensor_shapes:
             vocab = tensor_shapes["token_embd.weight"][0]
         else:
@@ -294,3 +296,12 @@ def _scalar(value: Any, key: str, source: str) -> Any:
 def _short(value: Any) -> str:
     text = repr(value.tolist() if isinstance(value, np.ndarray) else value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _array_length(metadata: Mapping[str, Any], key: str) -> int | None:
+    """The length of the array ``key``, without building it from a GGUF
+    file's map (49k strings for ``tokenizer.ggml.tokens``)."""
+    if isinstance(metadata, GGUFMetadata):
+        return metadata.array_length(key)
+    value = metadata.get(key)
+    return None if value is None else len(value)

@@ -13,10 +13,11 @@ tensor read, so callers can draw a bar; nothing is printed here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 import numpy as np
@@ -41,6 +42,9 @@ from structllm.model.llama import (
 from structllm.model.protocol import CausalLM
 from structllm.model.quantized import QuantizedEmbedding
 from structllm.models import resolve_model
+
+if TYPE_CHECKING:
+    from structllm.formats.gguf import GGUFFile
 
 __all__ = [
     "LoadProgress",
@@ -245,30 +249,34 @@ def load_model(
     path = resolve_model(model)
     if path is None:
         load_format = "dummy"
-    config = ModelConfig.from_path(path)
     gguf = path is not None and path.is_file()
-    compute_dtype = resolve_dtype(dtype, config)
-    quantize = check_quantization(quantization, gguf=gguf, dtype=compute_dtype)
-    shapes = hf_tensor_shapes(config)
-    total = len(shapes)
+    # a GGUF file is opened once for its config and its weights
+    with _open_gguf(path) as f:
+        config = (
+            ModelConfig.from_path(path) if f is None else ModelConfig.from_gguf_file(f)
+        )
+        compute_dtype = resolve_dtype(dtype, config)
+        quantize = check_quantization(quantization, gguf=gguf, dtype=compute_dtype)
+        shapes = hf_tensor_shapes(config)
+        total = len(shapes)
 
-    def report(done: int) -> None:
-        if on_progress is not None:
-            on_progress(LoadProgress("weights", done, total))
+        def report(done: int) -> None:
+            if on_progress is not None:
+                on_progress(LoadProgress("weights", done, total))
 
-    tensors: dict[str, paddle.Tensor | np.ndarray] = {}
-    linears: dict[str, Linear] = {}
-    report(0)
-    if load_format == "dummy":
-        for n, (name, array) in enumerate(random_hf_tensors(config, seed), 1):
-            tensors[name] = array
-            report(n)
-    elif gguf and load_format in ("auto", "gguf"):
-        assert path is not None
-        from structllm.formats.gguf import GGUFFile
-        from structllm.model.gguf_loader import read_gguf_quantized, read_gguf_tensors
+        tensors: dict[str, paddle.Tensor | np.ndarray] = {}
+        linears: dict[str, Linear] = {}
+        report(0)
+        if load_format == "dummy":
+            for n, (name, array) in enumerate(random_hf_tensors(config, seed), 1):
+                tensors[name] = array
+                report(n)
+        elif f is not None and load_format in ("auto", "gguf"):
+            from structllm.model.gguf_loader import (
+                read_gguf_quantized,
+                read_gguf_tensors,
+            )
 
-        with GGUFFile.open(path) as f:
             if quantization == "auto":
                 tensors, linears = read_gguf_quantized(f, config, shapes)
                 report(total)
@@ -278,16 +286,16 @@ def load_model(
                 ):
                     tensors[name] = array
                     report(n)
-    elif not gguf and load_format in ("auto", "safetensors"):
-        assert path is not None
-        for n, (name, tensor) in enumerate(read_safetensors(path, shapes), 1):
-            tensors[name] = tensor
-            report(n)
-    else:
-        raise ModelLoadError(
-            f"load_format {load_format!r} does not read {path}: auto, "
-            "safetensors (a directory), gguf (a .gguf file) or dummy"
-        )
+        elif not gguf and load_format in ("auto", "safetensors"):
+            assert path is not None
+            for n, (name, tensor) in enumerate(read_safetensors(path, shapes), 1):
+                tensors[name] = tensor
+                report(n)
+        else:
+            raise ModelLoadError(
+                f"load_format {load_format!r} does not read {path}: auto, "
+                "safetensors (a directory), gguf (a .gguf file) or dummy"
+            )
     if quantize is not None:
         from structllm.model.quantize import quantize_projections
 
@@ -315,6 +323,15 @@ def load_model(
             field="quantized_activations",
         )
     return LoadedModel(config=config, model=llm, path=path)
+
+
+def _open_gguf(path: Path | None) -> contextlib.AbstractContextManager[GGUFFile | None]:
+    """The GGUF file at ``path``, open; None for a directory or no files."""
+    if path is None or not path.is_file():
+        return contextlib.nullcontext()
+    from structllm.formats.gguf import GGUFFile
+
+    return GGUFFile.open(path)
 
 
 #: ``quantization`` values that quantize a float checkpoint at load

@@ -137,7 +137,25 @@ def set_num_threads(n: int) -> None:
             _threads = 1
 
 
-def _jit(parallel: bool = False, fastmath: Any = True) -> Callable[[Any], Any]:
+def _jit(
+    parallel: bool = False, fastmath: Any = True, inline: bool = False
+) -> Callable[[Any], Any]:
+    """numba's ``njit`` with the kernels' options, cached on disk.
+
+    ``inline``: a helper the entry points call, compiled into each of them
+    (numba's ``inline="always"``) rather than called. A called helper is
+    not one code: numba links its optimized code into every caller as a
+    weak copy that LLVM optimizes again there, and with fast-math the copy
+    rounds differently. The process that compiled the helper calls its own
+    code; a later one loads the callers from the disk cache and calls the
+    copy of whichever it loaded first: other last bits than the first
+    process, and other greedy tokens after 30 layers (2026-12). Inlined,
+    the code an entry point runs is the code its cache holds. A helper
+    with other fast-math flags than its callers (:func:`_exp`) cannot be
+    inlined so (it would take theirs); it must be small enough that LLVM
+    inlines it everywhere, or exact (the same bits however optimized).
+    """
+
     def compile(f: Any) -> Any:
         if numba is None:  # pragma: no cover
             return f
@@ -146,6 +164,7 @@ def _jit(parallel: bool = False, fastmath: Any = True) -> Callable[[Any], Any]:
             "fastmath": fastmath,
             "boundscheck": False,
             "parallel": parallel,
+            "inline": "always" if inline else "never",
         }
         try:
             return numba.njit(cache=True, **options)(f)
@@ -237,7 +256,7 @@ if numba is not None:
 _AHEAD = 2
 
 
-@_jit()
+@_jit(inline=True)
 def _prefetch_block(
     k_cache: np.ndarray,  # (kvh, S, d)
     v_cache: np.ndarray,
@@ -270,7 +289,7 @@ def _write_kv(
                 v_cache[h, s, e] = _store(v[t, h, e], v_cache)
 
 
-@_jit()
+@_jit(inline=True)
 def _rope_and_write(
     qkv: np.ndarray,  # (T, (nh + 2 kvh) d): [q heads | k heads | v heads]
     bias: np.ndarray,  # ((nh + 2 kvh) d,) or (0,): the projection's bias
@@ -330,7 +349,7 @@ def _rope_and_write(
                 v_cache[h, s, e] = _store(value, v_cache)
 
 
-@_jit()
+@_jit(inline=True)
 def _attend_one(
     bh: int,  # row b = bh // kvh, kv head h = bh % kvh
     q: np.ndarray,  # (B, nh, d)
@@ -525,7 +544,7 @@ def _exp(x: float) -> Any:  # pragma: no cover - compiled
     return p * np.uint32((np.int32(n) + 127) << 23).view(np.float32)
 
 
-@_jit()
+@_jit(inline=True)
 def _softmax_row(
     scores: np.ndarray,  # (kvh, rows, L): query row r of a chunk, key j
     item: int,  # kv head item // rows, row item % rows

@@ -358,7 +358,7 @@ def load_tokenizer(path_or_name: str | Path) -> Tokenizer:
 
         with GGUFFile.open(path) as f:
             metadata = f.metadata
-        # the map closed: the pages of the metadata it read leave this
-        # process's resident memory before the tokenizer is built
+        # the map closed; the tokenizer's arrays are read when it asks for
+        # them, each from a brief new map of the file
         return tokenizer_from_gguf(metadata, source=path.name)
     return HFTokenizer.from_directory(path)

@@ -24,8 +24,8 @@ bias, structllm's only keeps going past them):
 - structllm: ``LLM(path, quantized_activations=...)`` offline, all prompts
   in one ``generate`` call, ``SamplingParams(temperature=0, logprobs=2)``,
   once with ``float`` activations and once with ``q8`` (llama.cpp's
-  quantization, for the types in ``quant_kernels.Q8_TYPES``; the K-quants
-  take float activations in both runs).
+  quantization: ``quant_kernels.Q8_TYPES`` on Q8_0/Q8_1 blocks, Q4_K and
+  Q6_K on Q8_K blocks; Q5_K takes float activations in both runs).
 
 Per prompt it prints where each structllm run first differs from
 llama.cpp's tokens (``-`` when never), and at that step the margin between
@@ -310,14 +310,14 @@ def structllm_greedy(
 
 def q8_share(gguf: Path) -> tuple[int, int]:
     """(projections whose weights q8 activations reach, all quantized
-    projections) in ``gguf``: the K-quants take float activations."""
+    projections) in ``gguf``: Q5_K takes float activations."""
     from structllm.formats.gguf import GGUFFile
-    from structllm.model.quant_kernels import MATMUL_TYPES, Q8_TYPES
+    from structllm.model.quant_kernels import MATMUL_TYPES, Q8_TYPES, Q8K_TYPES
 
     with GGUFFile.open(gguf) as f:
         kinds = [t.type for n, t in f.tensors.items() if n.startswith("blk.")]
     quantized = [k for k in kinds if k in MATMUL_TYPES and k.name != "F32"]
-    return sum(k in Q8_TYPES for k in quantized), len(quantized)
+    return sum(k in Q8_TYPES or k in Q8K_TYPES for k in quantized), len(quantized)
 
 
 # -- the run ---------------------------------------------------------------------

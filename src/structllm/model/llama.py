@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import numpy as np
@@ -363,14 +363,16 @@ class LlamaForCausalLM:
         positions: np.ndarray,  # (T,) checked
     ) -> paddle.Tensor:  # (T, nh * d)
         """Layer ``i``'s attention from its q/k/v projection, by the kernels."""
-        layer = self.weights.layers[i]
         k_cache, v_cache = kv_caches[i]
         return self.attention.forward_qkv(
-            qkv,
-            k_cache,
-            v_cache,
-            meta,
-            positions,
+            qkv, k_cache, v_cache, meta, positions, *self._attention_args(i)
+        )
+
+    def _attention_args(self, i: int) -> tuple[Any, ...]:
+        """Layer ``i``'s arguments to the kernels' attention after the
+        positions: RoPE tables, window, Qwen3's q/k norms, eps, Qwen2's bias."""
+        layer = self.weights.layers[i]
+        return (
             self._rope,
             self._windows[i],
             layer.q_norm,
@@ -416,17 +418,7 @@ class LlamaForCausalLM:
             _project(layer.qkv, normed, qkv)
             k_cache, v_cache = kv_caches[i]
             attn = self.attention.decode_qkv(
-                qkv[1],
-                k_cache,
-                v_cache,
-                meta,
-                positions,
-                self._rope,
-                self._windows[i],
-                layer.q_norm,
-                layer.k_norm,
-                eps,
-                layer.qkv.bias,
+                qkv[1], k_cache, v_cache, meta, positions, *self._attention_args(i)
             )  # (B, nh * d)
             _project(layer.o, attn, out)
             norm = views(layer.post_attention_norm)

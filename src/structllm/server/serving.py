@@ -270,6 +270,19 @@ class Chunks(Generic[_R]):
             head["usage"] = usage
         return head
 
+    def plain_chunk(self, kind: str, choice: dict[str, Any]) -> dict[str, Any]:
+        """A streamed chunk of one choice and no usage as the JSON object sent,
+        keys in the models' order (the ``delta_event`` fast paths)."""
+        head = self.head(None)
+        return {
+            "id": head["id"],
+            "object": kind,
+            "created": head["created"],
+            "model": head["model"],
+            "system_fingerprint": head["system_fingerprint"],
+            "choices": [choice],
+        }
+
     def finish_fields(self, c: CompletionOutput) -> dict[str, Any]:
         """A streamed choice's ``token_ids`` if asked, ``stop_reason`` at the end."""
         extra: dict[str, Any] = {}

@@ -302,15 +302,7 @@ class _Chunks(Chunks[ChatRequest]):
             choice["stop_reason"] = c.stop_reason
         if self.req.return_token_ids:
             choice["token_ids"] = list(c.token_ids)
-        head = self.head(None)
-        return {
-            "id": head["id"],
-            "object": "chat.completion.chunk",
-            "created": head["created"],
-            "model": head["model"],
-            "system_fingerprint": head["system_fingerprint"],
-            "choices": [choice],
-        }
+        return self.plain_chunk("chat.completion.chunk", choice)
 
     def closing(
         self, usage: bodies.Usage, metrics: bodies.PerRequestMetrics | None

@@ -215,15 +215,7 @@ class _Chunks(Chunks[CompletionRequest]):
                 choice["prompt_token_ids"] = list(job.prompt.token_ids)
                 self.sent_prompt_ids.add(job.index)
             choice["token_ids"] = list(c.token_ids)
-        head = self.head(None)
-        return {
-            "id": head["id"],
-            "object": "text_completion",
-            "created": head["created"],
-            "model": head["model"],
-            "system_fingerprint": head["system_fingerprint"],
-            "choices": [choice],
-        }
+        return self.plain_chunk("text_completion", choice)
 
     def closing(
         self, usage: bodies.Usage, metrics: bodies.PerRequestMetrics | None

@@ -226,6 +226,27 @@ def test_buffered_kernel_inputs_of_any_length_and_chunks() -> None:
         _assert_close(qk.matmul(x, raw, kind, 6, n), x, reference(raw, kind))
 
 
+@pytest.mark.parametrize("threaded", [False, True])
+def test_buffered_kernel_panels_give_a_quads_bits(
+    threaded: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``_TILE_FLOATS`` floats of ``x`` a chunk the buffered kernel
+    dequantizes 128-row panels and multiplies 64-token tiles; every output
+    sums in the order a quad at a time does: a token's row is the same bits
+    as in a call of a few tokens (a last panel and tile that are partial)."""
+    if threaded:
+        monkeypatch.setattr(kernels, "_threads", 2)
+    rng = np.random.default_rng(9)
+    for kind, n in [(GGMLType.Q8_0, 576), (GGMLType.Q4_1, 1056), (GGMLType.Q6_K, 1280)]:
+        raw = random_raw(kind, 301, n, seed=n)
+        x = rng.standard_normal((150, n), dtype=np.float32)
+        assert x.shape[0] * min(n, qk._CHUNK) > qk._TILE_FLOATS
+        y = qk.matmul(x, raw, kind, 301, n, threaded=threaded)
+        for s in range(0, 150, 8):
+            part = qk.matmul(x[s : s + 8], raw, kind, 301, n, threaded=threaded)
+            np.testing.assert_array_equal(y[s : s + 8], part)
+
+
 # -- q8 activations: llama.cpp's integer dot products ---------------------------
 
 

@@ -2570,6 +2570,18 @@ def _matmul8k_parallel(
 _CHUNK = 1024
 #: weight rows the micro-kernel reads at once
 _ROWS = 4
+#: past ``_TILE_FLOATS`` floats of ``x`` a chunk (256 KB), the buffered
+#: kernel dequantizes ``_PANEL`` rows at a time and multiplies them
+#: ``_TILE`` tokens at a time, each quad of the panel sweeping the same tile
+#: of ``x`` while it is in L2; below it, a quad at a time sweeps all of
+#: ``x``. Both sum every output in the same order (the same bits). 2
+#: threads, 3072 x 576 and 576 x 1536, Q8_0 and Q4_1: at 1024 tokens 47-68
+#: G multiply-adds a second became 78-103 (the sweep re-read ``x`` from L3
+#: for every quad); at 16-136 tokens the quad at a time was 1.0-1.15x the
+#: panel's.
+_TILE_FLOATS = 1 << 16
+_PANEL = 128
+_TILE = 64
 #: up to this many tokens a call of a 32-value type takes the GEMV kernels
 #: (4, 2 and 1 tokens at a time); more take the buffered kernel. Since its
 #: buffer is filled by vector dequantizers, one thread's CPU time on 3072 x
@@ -2587,6 +2599,8 @@ _BLOCK_TYPES = (2, 3, 6, 7, 8)
 @_jit()
 def _micro(
     x: np.ndarray,  # (T, in)
+    t0: int,  # the tokens: t0..t1-1
+    t1: int,
     k0: int,  # the chunk: inputs k0..k0+kn-1
     kn: int,
     buf: np.ndarray,  # (4, >= kn): 4 dequantized weight rows
@@ -2596,14 +2610,14 @@ def _micro(
     accumulate: bool,  # add to out (a later chunk) or write it (the first)
     sums: np.ndarray,  # (4, 4) float32 scratch
 ) -> None:  # pragma: no cover - compiled
-    """``out[:, r0:r0 + nrows] (+)= x[:, k0:k0 + kn] @ buf[:nrows, :kn].T``:
-    4 rows x 4 tokens a pass, 16 sums vectorised along the inputs (each
-    row of ``x`` is sliced on its own: a 2-D column slice would not be
+    """``out[t0:t1, r0:r0 + nrows] (+)= x[t0:t1, k0:k0 + kn] @ buf[:nrows,
+    :kn].T``: 4 rows x 4 tokens a pass, 16 sums vectorised along the inputs
+    (each row of ``x`` is sliced on its own: a 2-D column slice would not be
     contiguous, and numba reads it element by element)."""
-    t_len = x.shape[0]
+    t_len = t1 - t0
     w0, w1, w2, w3 = buf[0, :kn], buf[1, :kn], buf[2, :kn], buf[3, :kn]
     for tq in range(t_len // 4):
-        t = 4 * tq
+        t = t0 + 4 * tq
         x0, x1 = x[t, k0 : k0 + kn], x[t + 1, k0 : k0 + kn]
         x2, x3 = x[t + 2, k0 : k0 + kn], x[t + 3, k0 : k0 + kn]
         s00 = s01 = s02 = s03 = np.float32(0.0)
@@ -2637,7 +2651,7 @@ def _micro(
             dst = out[t + i, r0 : r0 + nrows]
             for r in range(nrows):
                 dst[r] = dst[r] + sums[i, r] if accumulate else sums[i, r]
-    for t in range(t_len - t_len % 4, t_len):
+    for t in range(t1 - t_len % 4, t1):
         xt = x[t, k0 : k0 + kn]
         s0 = s1 = s2 = s3 = np.float32(0.0)
         for k in range(kn):
@@ -2655,6 +2669,8 @@ def _micro(
 @_jit()
 def _micro16(
     x: np.ndarray,  # (T, in)
+    t0: int,  # the tokens: t0..t1-1
+    t1: int,
     k0: int,  # the chunk: inputs k0..k0+kn-1, kn a multiple of 16
     kn: int,
     buf: np.ndarray,  # (4, >= kn): 4 dequantized weight rows
@@ -2667,10 +2683,10 @@ def _micro16(
     """:func:`_micro` with its 16 sums spelled out as vectors (16 lanes of
     inputs each, reduced once a chunk): 1.1-1.2x its time at ``T`` of 16,
     where LLVM's own vectorisation of the scalar sums left it short."""
-    t_len = x.shape[0]
+    t_len = t1 - t0
     w0, w1, w2, w3 = buf[0], buf[1], buf[2], buf[3]
     for tq in range(t_len // 4):
-        t = 4 * tq
+        t = t0 + 4 * tq
         x0, x1 = x[t, k0 : k0 + kn], x[t + 1, k0 : k0 + kn]
         x2, x3 = x[t + 2, k0 : k0 + kn], x[t + 3, k0 : k0 + kn]
         s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = _vzero()
@@ -2711,7 +2727,7 @@ def _micro16(
             dst = out[t + i, r0 : r0 + nrows]
             for r in range(nrows):
                 dst[r] = dst[r] + sums[i, r] if accumulate else sums[i, r]
-    for t in range(t_len - t_len % 4, t_len):
+    for t in range(t1 - t_len % 4, t1):
         xt = x[t, k0 : k0 + kn]
         s0 = s1 = s2 = s3 = _vzero()
         for j in range(kn // 16):
@@ -2829,23 +2845,31 @@ def _matmul_rows(
     # rows 16 floats longer than a chunk: at 1024 (4 KB) apart the micro-
     # kernel's four weight loads measured 0.89x the scalar kernel's speed
     # (576 x 1536), padded 1.01-1.05x
-    buf = np.zeros((_ROWS, chunk + 16), np.float32)
+    # a few tokens: a quad's rows at a time in L1; more: a panel in L2
+    panel = _ROWS if t_len * chunk <= _TILE_FLOATS else _PANEL
+    buf = np.zeros((panel, chunk + 16), np.float32)
     sums = np.empty((4, _ROWS), np.float32)  # (token, row)
-    for quad in range((stop - start + _ROWS - 1) // _ROWS):
-        r0 = start + _ROWS * quad
-        nrows = min(_ROWS, stop - r0)
+    for p0 in range(start, stop, panel):
+        prows = min(panel, stop - p0)
+        quads = (prows + _ROWS - 1) // _ROWS
+        if prows % _ROWS:  # the last rows: no stale weights beside them
+            buf[prows : _ROWS * quads] = 0.0
         for c in range((n + chunk - 1) // chunk):
             k0 = c * chunk
             kn = min(chunk, n - k0)
             _fill_quad(
-                qtype, w, r0, nrows, k0 // values, (k0 + kn) // values, buf, lanes
+                qtype, w, p0, prows, k0 // values, (k0 + kn) // values, buf, lanes
             )
-            if kn % 16 == 0:
-                _micro16(x, k0, kn, buf, out, r0, nrows, c > 0, sums)
-            else:  # float rows of any length
-                _micro(x, k0, kn, buf, out, r0, nrows, c > 0, sums)
-        if nrows < _ROWS:  # the last rows: no stale weights in later calls
-            buf[:] = 0.0
+            for t0 in range(0, t_len, _TILE):
+                t1 = min(t_len, t0 + _TILE)
+                for q in range(quads):
+                    r0 = p0 + _ROWS * q
+                    nrows = min(_ROWS, stop - r0)
+                    quad = buf[_ROWS * q : _ROWS * q + _ROWS]
+                    if kn % 16 == 0:
+                        _micro16(x, t0, t1, k0, kn, quad, out, r0, nrows, c > 0, sums)
+                    else:  # float rows of any length
+                        _micro(x, t0, t1, k0, kn, quad, out, r0, nrows, c > 0, sums)
 
 
 @_jit()

@@ -251,14 +251,35 @@ def test_buffered_kernel_panels_give_a_quads_bits(
 
 
 def q8_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """llama.cpp's ``quantize_row_q8_1_ref`` (q8_0's values and d, and s):
-    ``q`` int64 ``(T, blocks, 32)``, ``d`` and ``s`` float32 ``(T, blocks)``."""
+    """llama.cpp's ``quantize_row_q8_1`` on x86 (q8_0's values and d, and
+    s; its AVX code, not the C reference: ``x * (127 / max |x|)`` rounded
+    half to even, where the reference takes ``roundf(x / d)``): ``q`` int64
+    ``(T, blocks, 32)``, ``d`` and ``s`` float32 ``(T, blocks)``."""
     blocks = x.reshape(x.shape[0], -1, 32)
-    d = np.abs(blocks).max(axis=2) / np.float32(127)
-    inverse = np.where(d == 0, np.float32(0), np.float32(1) / np.where(d == 0, 1, d))
-    q = qz._round_away(blocks * inverse.astype(np.float32)[..., None]).astype(np.int64)
+    amax = np.abs(blocks).max(axis=2)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(amax == 0, np.float32(0), np.float32(127) / amax)
+    q = np.rint(blocks * inverse.astype(np.float32)[..., None]).astype(np.int64)
     s = (q.sum(axis=2).astype(np.float32) * d).astype(np.float16).astype(np.float32)
     return q, d.astype(np.float16).astype(np.float32), s
+
+
+def test_q8_blocks_round_as_llama_cpp_on_x86() -> None:
+    """The activations' Q8_0/Q8_1 values and scales are llama-server's own:
+    halves round to even (2.5 -> 2, where the C reference's ``roundf`` gives
+    3) and the multiplier is ``127 / max``, not ``1 / (max / 127)``."""
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((6, 96)) * rng.uniform(0.01, 30, (6, 1))).astype(
+        np.float32
+    )
+    x[0, :8] = [127.0, 2.5, -2.5, 3.5, 0.5, -0.5, 1.5, -126.5]  # multiplier 1
+    x[1, 32:64] = 0.0  # a zero block
+    xq, dx, _, _ = qk._q8_arrays(x, GGMLType.Q8_0)
+    q, d, _ = q8_reference(x)
+    np.testing.assert_array_equal(xq[:, :96].astype(np.int64), q.reshape(6, 96))
+    np.testing.assert_array_equal(dx[:, : 8 * 3 : 8], d)
+    assert list(xq[0, :8]) == [127, 2, -2, 4, 0, 0, 2, -126]
 
 
 def weight_integers(

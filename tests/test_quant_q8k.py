@@ -39,13 +39,39 @@ def random_raw(kind: GGMLType, rows: int, n: int, seed: int = 0) -> np.ndarray:
 
 
 def q8k_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q8_K blocks as the kernels make them: ``q`` int64 ``(T, blocks,
-    256)`` and the float32 ``d`` ``(T, blocks)`` (max |x| / 127)."""
+    """Q8_K blocks as llama.cpp's ``quantize_row_q8_K_ref`` makes them:
+    ``q`` int64 ``(T, blocks, 256)`` and the float32 ``d`` ``(T, blocks)``:
+    m the first value of the largest magnitude, ``iscale = -127 / m``, q
+    ``x * iscale`` rounded half to even (its ``nearest_int``), at most 127,
+    ``d = 1 / iscale``."""
     blocks = x.reshape(x.shape[0], -1, 256)
-    d = np.abs(blocks).max(axis=2) / np.float32(127)
-    inverse = np.where(d == 0, np.float32(0), np.float32(1) / np.where(d == 0, 1, d))
-    q = qz._round_away(blocks * inverse.astype(np.float32)[..., None])
+    top = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=2)[..., None], 2)
+    top = top[..., 0]
+    with np.errstate(divide="ignore"):
+        iscale = np.where(top == 0, np.float32(0), np.float32(-127) / top)
+        d = np.where(top == 0, np.float32(0), np.float32(1) / iscale)
+    q = np.minimum(np.rint(blocks * iscale.astype(np.float32)[..., None]), 127)
     return q.astype(np.int64), d.astype(np.float32)
+
+
+def test_q8k_blocks_as_llama_cpp_makes_them() -> None:
+    """Q8_K's values and scale are llama.cpp's: the signed value of largest
+    magnitude sets ``iscale = -127 / m`` (values flip sign where m > 0),
+    halves round to even, ``d = 1 / iscale``."""
+    rng = np.random.default_rng(12)
+    x = (rng.standard_normal((4, 512)) * rng.uniform(0.01, 30, (4, 1))).astype(
+        np.float32
+    )
+    x[0, :6] = [-127.0, 2.5, -2.5, 3.5, 0.5, 126.5]  # iscale 1: q = x
+    x[1, :5] = [127.0, 2.5, -2.5, 3.5, 0.5]  # iscale -1: q = -x
+    x[2, 256:] = 0.0  # a zero block
+    xq, dk, bs16, _ = qk._q8k_arrays(x)
+    q, d = q8k_reference(x)
+    np.testing.assert_array_equal(xq.astype(np.int64), q.reshape(4, 512))
+    np.testing.assert_array_equal(dk, d)
+    np.testing.assert_array_equal(bs16, q.reshape(4, 32, 16).sum(axis=2))
+    assert list(xq[0, :6]) == [-127, 2, -2, 4, 0, 126]
+    assert list(xq[1, :5]) == [-127, -2, 2, -4, 0] and dk[1, 0] == -1.0
 
 
 def k_integers(

@@ -1795,8 +1795,9 @@ def _gemv_tokens(
 
 # -- q8 activations -----------------------------------------------------------
 #
-# ``x`` quantized once a call as llama.cpp's quantize_row_q8_0/q8_1 do (a
-# block of 32: d = max |x| / 127, q = roundf(x / d), d kept as an f16, s =
+# ``x`` quantized once a call as llama.cpp's quantize_row_q8_0/q8_1 do on
+# x86 (their AVX code, not the C reference: a block of 32: d = max |x| /
+# 127, q = x * (127 / max |x|) rounded half to even, d kept as an f16, s =
 # f16(d * sum q)), into arrays the kernels read 16 lanes at a time: ``xq``
 # the int8 values, ``dx`` each block's d eight times over (a pair of blocks
 # is one 16-lane vector), ``sx`` s / 8 likewise (eight lanes sum to s) and
@@ -1829,14 +1830,10 @@ def _quantize_q8(
             for j in range(32):
                 amax = max(amax, abs(xt[32 * b + j]))
             d = amax / np.float32(127.0)
-            inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+            inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
             total = np.int32(0)
             for j in range(32):
-                v = xt[32 * b + j] * inv
-                a = abs(v)
-                whole = np.floor(a)
-                q = np.int32(whole) + np.int32(a - whole >= np.float32(0.5))
-                q = -q if v < 0 else q
+                q = np.int32(np.rint(xt[32 * b + j] * inv))  # half to even
                 qt[32 * b + j] = q
                 total += q
             dh = _f16_round(d)
@@ -2262,8 +2259,11 @@ def _matmul8_parallel(
 # -- q8 activations for the K-quants: Q8_K ---------------------------------------
 #
 # As llama.cpp's ggml_vec_dot_q4_K_q8_K/q6_K_q8_K: ``x`` quantized to blocks
-# of 256 (a float32 d = max |x| / 127, q = round(x / d), as Q8_0's but with
-# one scale a super-block: ``xq`` int8 and ``dk`` float32 (T, blocks)) and
+# of 256 as its quantize_row_q8_K_ref (which x86 runs; its repacked Q4_K
+# path's AVX quantizer agrees but where +max and -max both occur): m the
+# first value of the largest magnitude, q = x * (-127 / m) rounded half to
+# even (so q has the opposite sign of x where m > 0), at most 127, and the
+# float32 d = 1 / (-127 / m), one scale a super-block: ``xq`` int8 and ``dk`` float32 (T, blocks)) and
 # the sums of each 16 q (``bs16``, int32 16 a block) and each 32 (``bs32``,
 # 8 a block, then 8 zeros). A weight block's products are integers: each
 # 64-value chunk's bytes against x's by :func:`_vdotsc`, its 6-bit (Q4_K) or
@@ -2288,19 +2288,18 @@ def _quantize_q8k(
     for t in range(x.shape[0]):
         xt, qt, dt, s16, s32 = x[t], xq[t], dk[t], bs16[t], bs32[t]
         for b in range(nb):
-            amax = np.float32(0.0)
-            for j in range(256):
-                amax = max(amax, abs(xt[256 * b + j]))
-            d = amax / np.float32(127.0)
-            inv = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+            amax = top = np.float32(0.0)
+            for j in range(256):  # the first value of the largest magnitude
+                a = abs(xt[256 * b + j])
+                if a > amax:
+                    amax, top = a, xt[256 * b + j]
+            inv = np.float32(-127.0) / top if amax != 0 else np.float32(0.0)
+            d = np.float32(1.0) / inv if amax != 0 else np.float32(0.0)
             for g in range(16):
                 total = np.int32(0)
                 for j in range(16):
-                    v = xt[256 * b + 16 * g + j] * inv
-                    a = abs(v)
-                    whole = np.floor(a)
-                    q = np.int32(whole) + np.int32(a - whole >= np.float32(0.5))
-                    q = -q if v < 0 else q
+                    v = np.rint(xt[256 * b + 16 * g + j] * inv)  # half to even
+                    q = min(np.int32(127), np.int32(v))
                     qt[256 * b + 16 * g + j] = q
                     total += q
                 s16[16 * b + g] = total

@@ -1,7 +1,8 @@
 """structllm side by side with llama.cpp, on one checkpoint, in one command.
 
     python tools/bench_peers.py [--work DIR] [--rounds 3] [--threads 2]
-        [--num-prompts 80] [--out docs/results/peers] [--skip llama.cpp]
+        [--num-prompts 80] [--input-len 16 256] [--out docs/results/peers]
+        [--skip llama.cpp]
 
 ``nox -s bench-peers`` runs it. llama.cpp is a comparison here, never a
 dependency; the steps:
@@ -136,6 +137,14 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--num-prompts", type=int, default=80)
+    p.add_argument(
+        "--input-len",
+        type=int,
+        nargs=2,
+        default=[16, 256],
+        metavar=("LO", "HI"),
+        help="prompt lengths, uniform in LO..HI tokens (default 16 256)",
+    )
     p.add_argument("--out", default="docs/results/peers", metavar="PREFIX")
     p.add_argument(
         "--skip",
@@ -236,7 +245,8 @@ def compare(
     for variant in ns.variant:
         name, _, flags = variant.partition("=")
         launch[f"structllm-{name}"] = f"{serve} --loop asyncio {flags}"
-    workload = ["--input-len", "16", "256", "--output-len", "16", "128", *prompts]
+    lo, hi = map(str, ns.input_len)
+    workload = ["--input-len", lo, hi, "--output-len", "16", "128", *prompts]
     workload += ["--seed", "0", "--rounds", str(ns.rounds)]
     targets = [a for item in launch.items() for a in ("--launch", "=".join(item))]
     for name, flags in (

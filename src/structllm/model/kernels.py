@@ -49,6 +49,8 @@ __all__ = [
     "causal_softmax",
     "decode_attention",
     "gather",
+    "prefill_attention",
+    "prefill_items",
     "rope_and_write",
     "rope_write_attend",
     "set_num_threads",
@@ -592,6 +594,261 @@ def _causal_softmax_parallel(
         _softmax_row(scores, item, context, group, window, scale)
 
 
+@_jit(inline=True)
+def _slot(table: np.ndarray, pos: int, block_size: int) -> int:  # pragma: no cover
+    """Position ``pos``'s slot under a block table."""
+    return table[pos // block_size] * block_size + pos % block_size
+
+
+#: query tokens a prefill work item attends: its rows (these tokens times
+#: the GQA group) against every key the last of them sees
+_QUERY_TILE = 16
+
+
+@_jit(inline=True)
+def _prefill_tile(
+    q: np.ndarray,  # (T, nh, d) rotated
+    k_cache: np.ndarray,  # (kvh, S, d)
+    v_cache: np.ndarray,
+    table: np.ndarray,  # (max_blocks,) int64: the chunk's block table
+    start: int,  # the chunk's first row of q, at position `context`
+    stop: int,
+    context: int,
+    h: int,  # the kv head
+    t0: int,  # the tile's first row of q
+    window: int,  # 0: all earlier keys; else the last `window` of them
+    scale: float,
+    block_size: int,
+    qs: np.ndarray,  # (R, d) scratch, R: _QUERY_TILE g rounded up to 4
+    scores: np.ndarray,  # (R, >= keys) scratch
+    acc: np.ndarray,  # (R, d) scratch
+    totals: np.ndarray,  # (R,) scratch
+    out: np.ndarray,  # (T, nh, d)
+) -> None:  # pragma: no cover - compiled
+    """Rows ``t0..`` (up to ``_QUERY_TILE`` tokens) of a prefill chunk, the
+    queries of kv head ``h``'s group, over the keys they see: scores, the
+    causal softmax, the values. Row ``r`` is token ``t0 + r // g``'s query
+    head ``h g + r % g``. Rows go 4 at a time against 4 keys at a time,
+    each key read from the cache in place and used by the 4 rows (16 sums
+    along the head: the matmuls' register blocking); each quad of rows
+    stops at the last key its last token sees and starts at the first its
+    first token sees in the window, so masked keys cost nothing past
+    quads' edges."""
+    nh, d = q.shape[1], q.shape[2]
+    g = nh // k_cache.shape[0]
+    t1 = min(t0 + _QUERY_TILE, stop)
+    rows = (t1 - t0) * g
+    first = context + t0 - start  # the tile's first token's position
+    lo = max(0, first - window + 1) if window > 0 else 0  # key j is at lo + j
+    for r in range(rows):
+        head = h * g + r % g
+        src = q[t0 + r // g, head]
+        dst = qs[r]
+        for e in range(d):
+            dst[e] = src[e]
+    # a last quad's missing rows are scratch: zero queries, never written out
+    qs[rows : (rows + 3) // 4 * 4] = 0.0
+    for r0 in range(0, rows, 4):
+        nr = min(4, rows - r0)
+        # the quad's keys: from its first token's window to its last's own
+        q_lo = max(0, first + r0 // g - window + 1) if window > 0 else 0
+        j0 = q_lo - lo
+        j1 = first + (r0 + nr - 1) // g + 1 - lo
+        qa, qb, qc, qd = qs[r0], qs[r0 + 1], qs[r0 + 2], qs[r0 + 3]
+        sa, sb = scores[r0], scores[r0 + 1]
+        sc, sd = scores[r0 + 2], scores[r0 + 3]
+        j = j0
+        while j + 4 <= j1:
+            pos = lo + j
+            s = _slot(table, pos, block_size)
+            k0 = k_cache[h, s]
+            k1 = k_cache[h, _slot(table, pos + 1, block_size)]
+            k2 = k_cache[h, _slot(table, pos + 2, block_size)]
+            k3 = k_cache[h, _slot(table, pos + 3, block_size)]
+            a0 = a1 = a2 = a3 = np.float32(0.0)
+            b0 = b1 = b2 = b3 = np.float32(0.0)
+            c0 = c1 = c2 = c3 = np.float32(0.0)
+            d0 = d1 = d2 = d3 = np.float32(0.0)
+            for e in range(d):
+                x0, x1 = _load(k0[e]), _load(k1[e])
+                x2, x3 = _load(k2[e]), _load(k3[e])
+                y = qa[e]
+                a0 += y * x0
+                a1 += y * x1
+                a2 += y * x2
+                a3 += y * x3
+                y = qb[e]
+                b0 += y * x0
+                b1 += y * x1
+                b2 += y * x2
+                b3 += y * x3
+                y = qc[e]
+                c0 += y * x0
+                c1 += y * x1
+                c2 += y * x2
+                c3 += y * x3
+                y = qd[e]
+                d0 += y * x0
+                d1 += y * x1
+                d2 += y * x2
+                d3 += y * x3
+            sd[j], sd[j + 1], sd[j + 2], sd[j + 3] = d0, d1, d2, d3
+            sc[j], sc[j + 1], sc[j + 2], sc[j + 3] = c0, c1, c2, c3
+            sb[j], sb[j + 1], sb[j + 2], sb[j + 3] = b0, b1, b2, b3
+            sa[j], sa[j + 1], sa[j + 2], sa[j + 3] = a0, a1, a2, a3
+            j += 4
+        while j < j1:
+            k0 = k_cache[h, _slot(table, lo + j, block_size)]
+            a0 = b0 = c0 = d0 = np.float32(0.0)
+            for e in range(d):
+                x0 = _load(k0[e])
+                a0 += qa[e] * x0
+                b0 += qb[e] * x0
+                c0 += qc[e] * x0
+                d0 += qd[e] * x0
+            sd[j], sc[j], sb[j], sa[j] = d0, c0, b0, a0
+            j += 1
+        # each row's softmax over the keys it sees, zero on the quad's others
+        for r in range(r0, r0 + nr):
+            pos = first + r // g
+            r_lo = max(0, pos - window + 1) - lo if window > 0 else 0
+            row = scores[r]
+            seen = row[r_lo : pos + 1 - lo]
+            best = seen[0]
+            for i in range(1, seen.shape[0]):
+                best = max(best, seen[i])
+            total = np.float32(0.0)
+            for i in range(seen.shape[0]):
+                p = _exp((seen[i] - best) * np.float32(scale))
+                seen[i] = p
+                total += p
+            totals[r] = total
+            row[j0:r_lo] = 0.0
+            row[pos + 1 - lo : j1] = 0.0
+        oa, ob, oc, od = acc[r0], acc[r0 + 1], acc[r0 + 2], acc[r0 + 3]
+        oa[:] = 0.0
+        ob[:] = 0.0
+        oc[:] = 0.0
+        od[:] = 0.0
+        j = j0
+        while j + 4 <= j1:
+            pos = lo + j
+            v0 = v_cache[h, _slot(table, pos, block_size)]
+            v1 = v_cache[h, _slot(table, pos + 1, block_size)]
+            v2 = v_cache[h, _slot(table, pos + 2, block_size)]
+            v3 = v_cache[h, _slot(table, pos + 3, block_size)]
+            pa0, pa1, pa2, pa3 = sa[j], sa[j + 1], sa[j + 2], sa[j + 3]
+            pb0, pb1, pb2, pb3 = sb[j], sb[j + 1], sb[j + 2], sb[j + 3]
+            pc0, pc1, pc2, pc3 = sc[j], sc[j + 1], sc[j + 2], sc[j + 3]
+            pd0, pd1, pd2, pd3 = sd[j], sd[j + 1], sd[j + 2], sd[j + 3]
+            for e in range(d):
+                x0, x1 = _load(v0[e]), _load(v1[e])
+                x2, x3 = _load(v2[e]), _load(v3[e])
+                oa[e] += pa0 * x0 + pa1 * x1 + pa2 * x2 + pa3 * x3
+                ob[e] += pb0 * x0 + pb1 * x1 + pb2 * x2 + pb3 * x3
+                oc[e] += pc0 * x0 + pc1 * x1 + pc2 * x2 + pc3 * x3
+                od[e] += pd0 * x0 + pd1 * x1 + pd2 * x2 + pd3 * x3
+            j += 4
+        while j < j1:
+            v0 = v_cache[h, _slot(table, lo + j, block_size)]
+            pa0, pb0, pc0, pd0 = sa[j], sb[j], sc[j], sd[j]
+            for e in range(d):
+                x0 = _load(v0[e])
+                oa[e] += pa0 * x0
+                ob[e] += pb0 * x0
+                oc[e] += pc0 * x0
+                od[e] += pd0 * x0
+            j += 1
+        for r in range(r0, r0 + nr):
+            inv = np.float32(1.0) / totals[r]
+            src = acc[r]
+            dst = out[t0 + r // g, h * g + r % g]
+            for e in range(d):
+                dst[e] = src[e] * inv
+
+
+@_jit(inline=True)
+def _prefill_part(
+    part: int,  # this thread's share: items part, 2 parts - 1 - part, ...
+    parts: int,
+    q: np.ndarray,  # (T, nh, d)
+    k_cache: np.ndarray,  # (kvh, S, d)
+    v_cache: np.ndarray,
+    chunks: np.ndarray,  # (P, 3) int64: first row, end row, context
+    tables: np.ndarray,  # (P, max_blocks) int64
+    items: np.ndarray,  # (W, 3) int64: chunk, kv head, first row; costliest first
+    window: int,
+    scale: float,
+    block_size: int,
+    out: np.ndarray,  # (T, nh, d)
+) -> None:  # pragma: no cover - compiled
+    """A share of a step's prefill tiles, dealt in turn to the parts in a
+    snake (0, 1, 1, 0, 0, 1, ...) so that each gets costly and cheap ones
+    alike."""
+    d = q.shape[2]
+    g = q.shape[1] // k_cache.shape[0]
+    width = 0  # the most keys a tile sees
+    for c in range(chunks.shape[0]):
+        width = max(width, chunks[c, 2] + chunks[c, 1] - chunks[c, 0])
+    rows = (_QUERY_TILE * g + 3) // 4 * 4
+    qs = np.empty((rows, d), np.float32)
+    scores = np.empty((rows, width), np.float32)
+    acc = np.empty((rows, d), np.float32)
+    totals = np.empty(rows, np.float32)
+    for w in range(items.shape[0]):
+        turn, at = w // parts, w % parts
+        if (at if turn % 2 == 0 else parts - 1 - at) != part:
+            continue
+        c, h, t0 = items[w, 0], items[w, 1], items[w, 2]
+        _prefill_tile(
+            q, k_cache, v_cache, tables[c], chunks[c, 0], chunks[c, 1],
+            chunks[c, 2], h, t0, window, scale, block_size, qs, scores, acc,
+            totals, out,
+        )  # fmt: skip
+
+
+@_jit()
+def _prefill_attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    chunks: np.ndarray,
+    tables: np.ndarray,
+    items: np.ndarray,
+    window: int,
+    scale: float,
+    block_size: int,
+    out: np.ndarray,
+    parts: int,
+) -> None:  # pragma: no cover - compiled
+    _prefill_part(
+        0, 1, q, k_cache, v_cache, chunks, tables, items, window, scale,
+        block_size, out,
+    )  # fmt: skip
+
+
+@_jit(parallel=True)
+def _prefill_attention_parallel(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    chunks: np.ndarray,
+    tables: np.ndarray,
+    items: np.ndarray,
+    window: int,
+    scale: float,
+    block_size: int,
+    out: np.ndarray,
+    parts: int,
+) -> None:  # pragma: no cover - compiled
+    for part in _prange(parts):
+        _prefill_part(
+            part, parts, q, k_cache, v_cache, chunks, tables, items, window,
+            scale, block_size, out,
+        )  # fmt: skip
+
+
+
 @_jit()
 def _add_rms_norm(
     delta: np.ndarray,  # (T, H) or (0, H): added to x first
@@ -840,6 +1097,66 @@ def _threaded(kernel: Any, serial: Any, args: tuple[Any, ...]) -> None:
             raise
         set_num_threads(1)
         serial(*args)
+
+
+def prefill_items(chunks: np.ndarray, num_kv_heads: int) -> np.ndarray:
+    """The work items of a step's prefill chunks ``chunks (P, 3)`` (first
+    row, end row, context) for :func:`prefill_attention`: ``(W, 3)`` int64,
+    (chunk, kv head, first row of a tile of ``_QUERY_TILE`` tokens),
+    costliest first (the most keys its tokens see, a window aside) so that
+    the threads' shares even out. Once a step: every layer's the same."""
+    work = [
+        (context + min(t0 + _QUERY_TILE, stop) - start, c, h, t0)
+        for c, (start, stop, context) in enumerate(chunks.tolist())
+        for t0 in range(start, stop, _QUERY_TILE)
+        for h in range(num_kv_heads)
+    ]
+    if not work:
+        return np.zeros((0, 3), np.int64)
+    table = np.array(work, np.int64)
+    return np.ascontiguousarray(table[np.argsort(-table[:, 0], kind="stable"), 1:])
+
+
+def prefill_attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    chunks: np.ndarray,
+    tables: np.ndarray,
+    items: np.ndarray,
+    window: int | None,
+    scale: float,
+    block_size: int,
+    out: np.ndarray,
+    *,
+    threaded: bool = False,
+) -> np.ndarray:
+    """A step's prefill chunks' attention, ``q (T, nh, d)`` over the cache
+    in place into ``out (T, nh, d)`` (only the chunks' rows are written).
+
+    Chunk ``c`` is rows ``chunks[c, 0]..chunks[c, 1]-1`` of ``q``, at
+    positions from ``chunks[c, 2]`` (its cached prefix) on, its keys read
+    through ``tables[c]``; its keys and values are in the cache already.
+    Each row sees the keys up to its own position (only the last ``window``
+    with one). ``items`` is :func:`prefill_items` of ``chunks``. The caller
+    checks that each table covers its chunk and stays inside the cache: the
+    kernel reads unchecked. ``threaded``: deal the items to the threads.
+    Returns ``out``.
+    """
+    if out.shape != q.shape:
+        raise ValueError(f"out is {out.shape}, not {q.shape}")
+    if len(chunks) and (chunks[:, 0].min() < 0 or chunks[:, 1].max() > len(q)):
+        raise IndexError(f"a prefill chunk's rows are outside the {len(q)} rows")
+    parts = _threads if threaded and _threads > 1 else 1
+    args = (
+        q, k_cache, v_cache, chunks, tables, items, window or 0, scale,
+        block_size, out, parts,
+    )  # fmt: skip
+    if parts > 1:
+        _threaded(_prefill_attention_parallel, _prefill_attention, args)
+    else:
+        _prefill_attention(*args)
+    return out
 
 
 def causal_softmax(

@@ -35,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import importlib.util
+import operator
 import os
 import sys
 import threading
@@ -251,6 +252,124 @@ def _prefetch_intrinsic(typingctx: Any, cache: Any, index: Any) -> Any:
 
 if numba is not None:
     _prefetch = numba.extending.intrinsic(_prefetch_intrinsic)
+
+# -- 16-lane vectors for the prefill kernel ------------------------------------
+#
+# The prefill kernel holds a tile's running sums in registers across the
+# keys (or the head): LLVM's loop vectoriser cannot be led there from numba
+# (an accumulator array stays in memory, each update a load and a store), so
+# the kernel spells its vectors out, as ``quant_kernels`` does for its GEMVs
+# (which this module cannot import: it imports this one): a numba type whose
+# value is an LLVM ``<16 x float>``, loads, stores and splats as intrinsics,
+# ``+`` and ``*`` through the Python operators (fast-math: a multiply-add
+# contracts to an FMA). LLVM lowers them to what the host has (two ymm on
+# AVX2, one zmm on AVX-512).
+
+#: lanes of a vector
+_LANES = 16
+
+
+def _vzero() -> Any:  # pragma: no cover - compiled
+    """A vector of zeros."""
+
+
+def _vsplat(value: Any) -> Any:  # pragma: no cover - compiled
+    """A vector of ``value`` (a float)."""
+
+
+def _vload(a: np.ndarray, index: int) -> Any:  # pragma: no cover - compiled
+    """The 16 float32 ``a.flat[index:index + 16]`` (C-contiguous ``a``)."""
+
+
+def _vstore(a: np.ndarray, index: int, v: Any) -> None:  # pragma: no cover
+    """Write ``v`` to the float32 ``a.flat[index:index + 16]``."""
+
+
+class _AttentionVector16(numba.types.Type if numba is not None else object):  # type: ignore[misc]
+    """numba's type of a 16-float vector (an LLVM ``<16 x float>``)."""
+
+
+def _define_vectors() -> None:
+    """Register the vector type, its intrinsics and operators with numba."""
+    ir = importlib.import_module("llvmlite.ir")
+    extending = numba.extending
+    f32, i32 = ir.FloatType(), ir.IntType(32)
+    vty = ir.VectorType(f32, _LANES)
+    vector = _AttentionVector16(name="AttentionVector16")
+
+    @extending.register_model(_AttentionVector16)
+    class _Model(extending.models.PrimitiveModel):  # type: ignore[misc]
+        def __init__(self, dmm: Any, fe_type: Any) -> None:
+            super().__init__(dmm, fe_type, vty)
+
+    def pointer(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        array = context.make_array(sig.args[0])(context, builder, args[0])
+        address = builder.gep(array.data, [args[1]])
+        return builder.bitcast(address, vty.as_pointer())
+
+    def zero_typer(typingctx: Any) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return ir.Constant(vty, [0.0] * _LANES)
+
+        return vector(), codegen
+
+    def splat_typer(typingctx: Any, value: Any) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            x = context.cast(builder, args[0], sig.args[0], numba.types.float32)
+            undef = ir.Constant(vty, ir.Undefined)
+            one = builder.insert_element(undef, x, ir.Constant(i32, 0))
+            zeros = ir.Constant(ir.VectorType(i32, _LANES), [0] * _LANES)
+            return builder.shuffle_vector(one, undef, zeros)
+
+        return vector(value), codegen
+
+    def load_typer(typingctx: Any, a: Any, index: Any) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return builder.load(pointer(context, builder, sig, args), align=4)
+
+        return vector(a, index), codegen
+
+    def store_typer(typingctx: Any, a: Any, index: Any, v: Any) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            builder.store(args[2], pointer(context, builder, sig, args), align=4)
+            return context.get_dummy_value()
+
+        return numba.types.none(a, index, v), codegen
+
+    g = globals()
+    g["_vzero"] = extending.intrinsic(zero_typer)
+    g["_vsplat"] = extending.intrinsic(splat_typer)
+    g["_vload"] = extending.intrinsic(load_typer)
+    g["_vstore"] = extending.intrinsic(store_typer)
+
+    def binary(op: Any, instruction: str) -> None:
+        def typer(typingctx: Any, a: Any, b: Any) -> Any:
+            def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+                return getattr(builder, instruction)(*args, flags=("fast",))
+
+            return vector(a, b), codegen
+
+        implement = extending.intrinsic(typer)
+
+        def overload(a: Any, b: Any) -> Any:
+            if a is not vector or b is not vector:
+                return None
+
+            def apply(a: Any, b: Any) -> Any:  # the typing's argument names
+                return implement(a, b)
+
+            return apply
+
+        extending.overload(op)(overload)
+
+    binary(operator.add, "fadd")
+    binary(operator.iadd, "fadd")
+    binary(operator.mul, "fmul")
+
+
+if numba is not None:
+    _define_vectors()
+
 
 #: blocks of keys and values requested ahead of the one being read: a
 #: block of one head is 4 KB (16 slots x 64 float32), a page, and the CPU's
@@ -600,9 +719,9 @@ def _slot(table: np.ndarray, pos: int, block_size: int) -> int:  # pragma: no co
     return table[pos // block_size] * block_size + pos % block_size
 
 
-#: query tokens a prefill work item attends: its rows (these tokens times
-#: the GQA group) against every key the last of them sees
-_QUERY_TILE = 16
+#: rows of a prefill tile (its query tokens times the GQA group, padded
+#: with zero queries): three vectors, lanes of which are rows
+_ROWS = 3 * _LANES
 
 
 @_jit(inline=True)
@@ -619,157 +738,192 @@ def _prefill_tile(
     window: int,  # 0: all earlier keys; else the last `window` of them
     scale: float,
     block_size: int,
-    qs: np.ndarray,  # (R, d) scratch, R: _QUERY_TILE g rounded up to 4
-    scores: np.ndarray,  # (R, >= keys) scratch
-    acc: np.ndarray,  # (R, d) scratch
-    totals: np.ndarray,  # (R,) scratch
+    qt: np.ndarray,  # (d _ROWS,) scratch: the queries, head-major (qt[e, r])
+    st: np.ndarray,  # (keys _ROWS,) scratch: the scores, key-major (st[j, r])
+    ot: np.ndarray,  # (d _ROWS,) scratch: the outputs, head-major
+    best: np.ndarray,  # (_ROWS,) float32 scratch
+    total: np.ndarray,  # (_ROWS,) float32 scratch
+    seen: np.ndarray,  # (2, _ROWS) int64 scratch: each row's keys, lo..hi-1
+    slots: np.ndarray,  # (keys,) int64 scratch
     out: np.ndarray,  # (T, nh, d)
 ) -> None:  # pragma: no cover - compiled
-    """Rows ``t0..`` (up to ``_QUERY_TILE`` tokens) of a prefill chunk, the
-    queries of kv head ``h``'s group, over the keys they see: scores, the
-    causal softmax, the values. Row ``r`` is token ``t0 + r // g``'s query
-    head ``h g + r % g``. Rows go 4 at a time against 4 keys at a time,
-    each key read from the cache in place and used by the 4 rows (16 sums
-    along the head: the matmuls' register blocking); each quad of rows
-    stops at the last key its last token sees and starts at the first its
-    first token sees in the window, so masked keys cost nothing past
-    quads' edges."""
+    """The tile of a prefill chunk from row ``t0`` on (``_ROWS // g``
+    tokens): the queries of kv head ``h``'s group over the keys the tile
+    sees, from the first token's window to the last token's own. Row ``r``
+    is token ``t0 + r // g``'s query head ``h g + r % g``.
+
+    The rows are the vectors' lanes, so nothing is summed across lanes:
+    scores are 3 vectors of rows x 4 keys of running sums along the head
+    (12 registers; a key's element is one broadcast), the softmax runs
+    down the keys a vector of rows at a time, and the outputs are 3
+    vectors of rows x 4 head elements of sums along the keys. Keys and
+    values are read in place, each element broadcast once a tile."""
     nh, d = q.shape[1], q.shape[2]
     g = nh // k_cache.shape[0]
-    t1 = min(t0 + _QUERY_TILE, stop)
+    t1 = min(t0 + max(1, _ROWS // g), stop)
     rows = (t1 - t0) * g
     first = context + t0 - start  # the tile's first token's position
     lo = max(0, first - window + 1) if window > 0 else 0  # key j is at lo + j
-    for r in range(rows):
-        head = h * g + r % g
-        src = q[t0 + r // g, head]
-        dst = qs[r]
-        for e in range(d):
-            dst[e] = src[e]
-    # a last quad's missing rows are scratch: zero queries, never written out
-    qs[rows : (rows + 3) // 4 * 4] = 0.0
-    for r0 in range(0, rows, 4):
-        nr = min(4, rows - r0)
-        # the quad's keys: from its first token's window to its last's own
-        q_lo = max(0, first + r0 // g - window + 1) if window > 0 else 0
-        j0 = q_lo - lo
-        j1 = first + (r0 + nr - 1) // g + 1 - lo
-        qa, qb, qc, qd = qs[r0], qs[r0 + 1], qs[r0 + 2], qs[r0 + 3]
-        sa, sb = scores[r0], scores[r0 + 1]
-        sc, sd = scores[r0 + 2], scores[r0 + 3]
-        j = j0
-        while j + 4 <= j1:
-            pos = lo + j
-            s = _slot(table, pos, block_size)
-            k0 = k_cache[h, s]
-            k1 = k_cache[h, _slot(table, pos + 1, block_size)]
-            k2 = k_cache[h, _slot(table, pos + 2, block_size)]
-            k3 = k_cache[h, _slot(table, pos + 3, block_size)]
-            a0 = a1 = a2 = a3 = np.float32(0.0)
-            b0 = b1 = b2 = b3 = np.float32(0.0)
-            c0 = c1 = c2 = c3 = np.float32(0.0)
-            d0 = d1 = d2 = d3 = np.float32(0.0)
-            for e in range(d):
-                x0, x1 = _load(k0[e]), _load(k1[e])
-                x2, x3 = _load(k2[e]), _load(k3[e])
-                y = qa[e]
-                a0 += y * x0
-                a1 += y * x1
-                a2 += y * x2
-                a3 += y * x3
-                y = qb[e]
-                b0 += y * x0
-                b1 += y * x1
-                b2 += y * x2
-                b3 += y * x3
-                y = qc[e]
-                c0 += y * x0
-                c1 += y * x1
-                c2 += y * x2
-                c3 += y * x3
-                y = qd[e]
-                d0 += y * x0
-                d1 += y * x1
-                d2 += y * x2
-                d3 += y * x3
-            sd[j], sd[j + 1], sd[j + 2], sd[j + 3] = d0, d1, d2, d3
-            sc[j], sc[j + 1], sc[j + 2], sc[j + 3] = c0, c1, c2, c3
-            sb[j], sb[j + 1], sb[j + 2], sb[j + 3] = b0, b1, b2, b3
-            sa[j], sa[j + 1], sa[j + 2], sa[j + 3] = a0, a1, a2, a3
-            j += 4
-        while j < j1:
-            k0 = k_cache[h, _slot(table, lo + j, block_size)]
-            a0 = b0 = c0 = d0 = np.float32(0.0)
-            for e in range(d):
-                x0 = _load(k0[e])
-                a0 += qa[e] * x0
-                b0 += qb[e] * x0
-                c0 += qc[e] * x0
-                d0 += qd[e] * x0
-            sd[j], sc[j], sb[j], sa[j] = d0, c0, b0, a0
-            j += 1
-        # each row's softmax over the keys it sees, zero on the quad's others
-        for r in range(r0, r0 + nr):
+    keys = context + t1 - start - lo
+    for j in range(keys):
+        slots[j] = _slot(table, lo + j, block_size)
+    for r in range(_ROWS):
+        if r < rows:
             pos = first + r // g
-            r_lo = max(0, pos - window + 1) - lo if window > 0 else 0
-            row = scores[r]
-            seen = row[r_lo : pos + 1 - lo]
-            best = seen[0]
-            for i in range(1, seen.shape[0]):
-                best = max(best, seen[i])
-            total = np.float32(0.0)
-            for i in range(seen.shape[0]):
-                p = _exp((seen[i] - best) * np.float32(scale))
-                seen[i] = p
-                total += p
-            totals[r] = total
-            row[j0:r_lo] = 0.0
-            row[pos + 1 - lo : j1] = 0.0
-        oa, ob, oc, od = acc[r0], acc[r0 + 1], acc[r0 + 2], acc[r0 + 3]
-        oa[:] = 0.0
-        ob[:] = 0.0
-        oc[:] = 0.0
-        od[:] = 0.0
-        j = j0
-        while j + 4 <= j1:
-            pos = lo + j
-            v0 = v_cache[h, _slot(table, pos, block_size)]
-            v1 = v_cache[h, _slot(table, pos + 1, block_size)]
-            v2 = v_cache[h, _slot(table, pos + 2, block_size)]
-            v3 = v_cache[h, _slot(table, pos + 3, block_size)]
-            pa0, pa1, pa2, pa3 = sa[j], sa[j + 1], sa[j + 2], sa[j + 3]
-            pb0, pb1, pb2, pb3 = sb[j], sb[j + 1], sb[j + 2], sb[j + 3]
-            pc0, pc1, pc2, pc3 = sc[j], sc[j + 1], sc[j + 2], sc[j + 3]
-            pd0, pd1, pd2, pd3 = sd[j], sd[j + 1], sd[j + 2], sd[j + 3]
+            seen[0, r] = max(0, pos - window + 1) - lo if window > 0 else 0
+            seen[1, r] = pos + 1 - lo
+            src = q[t0 + r // g, h * g + r % g]
             for e in range(d):
-                x0, x1 = _load(v0[e]), _load(v1[e])
-                x2, x3 = _load(v2[e]), _load(v3[e])
-                oa[e] += pa0 * x0 + pa1 * x1 + pa2 * x2 + pa3 * x3
-                ob[e] += pb0 * x0 + pb1 * x1 + pb2 * x2 + pb3 * x3
-                oc[e] += pc0 * x0 + pc1 * x1 + pc2 * x2 + pc3 * x3
-                od[e] += pd0 * x0 + pd1 * x1 + pd2 * x2 + pd3 * x3
-            j += 4
-        while j < j1:
-            v0 = v_cache[h, _slot(table, lo + j, block_size)]
-            pa0, pb0, pc0, pd0 = sa[j], sb[j], sc[j], sd[j]
+                qt[e * _ROWS + r] = src[e]
+        else:  # padding: no keys, zero queries
+            seen[0, r] = seen[1, r] = 0
             for e in range(d):
-                x0 = _load(v0[e])
-                oa[e] += pa0 * x0
-                ob[e] += pb0 * x0
-                oc[e] += pc0 * x0
-                od[e] += pd0 * x0
-            j += 1
-        for r in range(r0, r0 + nr):
-            inv = np.float32(1.0) / totals[r]
-            src = acc[r]
-            dst = out[t0 + r // g, h * g + r % g]
-            for e in range(d):
-                dst[e] = src[e] * inv
+                qt[e * _ROWS + r] = 0.0
+    # scores, 4 keys at a time
+    j = 0
+    while j + 4 <= keys:
+        k0, k1 = k_cache[h, slots[j]], k_cache[h, slots[j + 1]]
+        k2, k3 = k_cache[h, slots[j + 2]], k_cache[h, slots[j + 3]]
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = _vzero()
+        for e in range(d):
+            base = e * _ROWS
+            u = _vload(qt, base)
+            v = _vload(qt, base + _LANES)
+            w = _vload(qt, base + 2 * _LANES)
+            x = _vsplat(_load(k0[e]))
+            a0 += u * x
+            b0 += v * x
+            c0 += w * x
+            x = _vsplat(_load(k1[e]))
+            a1 += u * x
+            b1 += v * x
+            c1 += w * x
+            x = _vsplat(_load(k2[e]))
+            a2 += u * x
+            b2 += v * x
+            c2 += w * x
+            x = _vsplat(_load(k3[e]))
+            a3 += u * x
+            b3 += v * x
+            c3 += w * x
+        base = j * _ROWS
+        _vstore(st, base, a0)
+        _vstore(st, base + _LANES, b0)
+        _vstore(st, base + 2 * _LANES, c0)
+        base += _ROWS
+        _vstore(st, base, a1)
+        _vstore(st, base + _LANES, b1)
+        _vstore(st, base + 2 * _LANES, c1)
+        base += _ROWS
+        _vstore(st, base, a2)
+        _vstore(st, base + _LANES, b2)
+        _vstore(st, base + 2 * _LANES, c2)
+        base += _ROWS
+        _vstore(st, base, a3)
+        _vstore(st, base + _LANES, b3)
+        _vstore(st, base + 2 * _LANES, c3)
+        j += 4
+    while j < keys:
+        k0 = k_cache[h, slots[j]]
+        a0 = b0 = c0 = _vzero()
+        for e in range(d):
+            base = e * _ROWS
+            x = _vsplat(_load(k0[e]))
+            a0 += _vload(qt, base) * x
+            b0 += _vload(qt, base + _LANES) * x
+            c0 += _vload(qt, base + 2 * _LANES) * x
+        base = j * _ROWS
+        _vstore(st, base, a0)
+        _vstore(st, base + _LANES, b0)
+        _vstore(st, base + 2 * _LANES, c0)
+        j += 1
+    # each row's softmax over its keys, zero at the others (unnormalised:
+    # the outputs are divided by the sums)
+    row_lo, row_hi = seen[0], seen[1]
+    best[:] = -np.inf
+    for j in range(keys):
+        s = st[j * _ROWS : (j + 1) * _ROWS]
+        for r in range(_ROWS):
+            if row_lo[r] <= j < row_hi[r]:
+                best[r] = max(best[r], s[r])
+    for r in range(_ROWS):
+        if row_lo[r] == row_hi[r]:
+            best[r] = 0.0
+    total[:] = 0.0
+    sc = np.float32(scale)
+    for j in range(keys):
+        s = st[j * _ROWS : (j + 1) * _ROWS]
+        for r in range(_ROWS):
+            p = _exp((s[r] - best[r]) * sc)
+            p = p if row_lo[r] <= j < row_hi[r] else np.float32(0.0)
+            s[r] = p
+            total[r] += p
+    # outputs, 4 head elements at a time
+    e = 0
+    while e + 4 <= d:
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = _vzero()
+        for j in range(keys):
+            vj = v_cache[h, slots[j]]
+            base = j * _ROWS
+            u = _vload(st, base)
+            v = _vload(st, base + _LANES)
+            w = _vload(st, base + 2 * _LANES)
+            x = _vsplat(_load(vj[e]))
+            a0 += u * x
+            b0 += v * x
+            c0 += w * x
+            x = _vsplat(_load(vj[e + 1]))
+            a1 += u * x
+            b1 += v * x
+            c1 += w * x
+            x = _vsplat(_load(vj[e + 2]))
+            a2 += u * x
+            b2 += v * x
+            c2 += w * x
+            x = _vsplat(_load(vj[e + 3]))
+            a3 += u * x
+            b3 += v * x
+            c3 += w * x
+        base = e * _ROWS
+        _vstore(ot, base, a0)
+        _vstore(ot, base + _LANES, b0)
+        _vstore(ot, base + 2 * _LANES, c0)
+        base += _ROWS
+        _vstore(ot, base, a1)
+        _vstore(ot, base + _LANES, b1)
+        _vstore(ot, base + 2 * _LANES, c1)
+        base += _ROWS
+        _vstore(ot, base, a2)
+        _vstore(ot, base + _LANES, b2)
+        _vstore(ot, base + 2 * _LANES, c2)
+        base += _ROWS
+        _vstore(ot, base, a3)
+        _vstore(ot, base + _LANES, b3)
+        _vstore(ot, base + 2 * _LANES, c3)
+        e += 4
+    while e < d:
+        a0 = b0 = c0 = _vzero()
+        for j in range(keys):
+            x = _vsplat(_load(v_cache[h, slots[j], e]))
+            base = j * _ROWS
+            a0 += _vload(st, base) * x
+            b0 += _vload(st, base + _LANES) * x
+            c0 += _vload(st, base + 2 * _LANES) * x
+        base = e * _ROWS
+        _vstore(ot, base, a0)
+        _vstore(ot, base + _LANES, b0)
+        _vstore(ot, base + 2 * _LANES, c0)
+        e += 1
+    for r in range(rows):
+        inv = np.float32(1.0) / total[r]
+        dst = out[t0 + r // g, h * g + r % g]
+        for e in range(d):
+            dst[e] = ot[e * _ROWS + r] * inv
 
 
 @_jit(inline=True)
 def _prefill_part(
-    part: int,  # this thread's share: items part, 2 parts - 1 - part, ...
+    part: int,  # this thread's share of the items (see below)
     parts: int,
     q: np.ndarray,  # (T, nh, d)
     k_cache: np.ndarray,  # (kvh, S, d)
@@ -782,19 +936,20 @@ def _prefill_part(
     block_size: int,
     out: np.ndarray,  # (T, nh, d)
 ) -> None:  # pragma: no cover - compiled
-    """A share of a step's prefill tiles, dealt in turn to the parts in a
-    snake (0, 1, 1, 0, 0, 1, ...) so that each gets costly and cheap ones
+    """A share of a step's prefill tiles, dealt to the parts in a snake
+    (0, 1, 1, 0, 0, 1, ... for two) so that each gets costly and cheap ones
     alike."""
     d = q.shape[2]
-    g = q.shape[1] // k_cache.shape[0]
     width = 0  # the most keys a tile sees
     for c in range(chunks.shape[0]):
         width = max(width, chunks[c, 2] + chunks[c, 1] - chunks[c, 0])
-    rows = (_QUERY_TILE * g + 3) // 4 * 4
-    qs = np.empty((rows, d), np.float32)
-    scores = np.empty((rows, width), np.float32)
-    acc = np.empty((rows, d), np.float32)
-    totals = np.empty(rows, np.float32)
+    qt = np.empty(d * _ROWS, np.float32)
+    st = np.empty(width * _ROWS, np.float32)
+    ot = np.empty(d * _ROWS, np.float32)
+    best = np.empty(_ROWS, np.float32)
+    total = np.empty(_ROWS, np.float32)
+    seen = np.empty((2, _ROWS), np.int64)
+    slots = np.empty(width, np.int64)
     for w in range(items.shape[0]):
         turn, at = w // parts, w % parts
         if (at if turn % 2 == 0 else parts - 1 - at) != part:
@@ -802,8 +957,8 @@ def _prefill_part(
         c, h, t0 = items[w, 0], items[w, 1], items[w, 2]
         _prefill_tile(
             q, k_cache, v_cache, tables[c], chunks[c, 0], chunks[c, 1],
-            chunks[c, 2], h, t0, window, scale, block_size, qs, scores, acc,
-            totals, out,
+            chunks[c, 2], h, t0, window, scale, block_size, qt, st, ot, best,
+            total, seen, slots, out,
         )  # fmt: skip
 
 
@@ -1099,16 +1254,19 @@ def _threaded(kernel: Any, serial: Any, args: tuple[Any, ...]) -> None:
         serial(*args)
 
 
-def prefill_items(chunks: np.ndarray, num_kv_heads: int) -> np.ndarray:
+def prefill_items(
+    chunks: np.ndarray, num_heads: int, num_kv_heads: int
+) -> np.ndarray:
     """The work items of a step's prefill chunks ``chunks (P, 3)`` (first
     row, end row, context) for :func:`prefill_attention`: ``(W, 3)`` int64,
-    (chunk, kv head, first row of a tile of ``_QUERY_TILE`` tokens),
+    (chunk, kv head, first row of a tile of ``_ROWS // group`` tokens),
     costliest first (the most keys its tokens see, a window aside) so that
     the threads' shares even out. Once a step: every layer's the same."""
+    tile = max(1, _ROWS // (num_heads // num_kv_heads))
     work = [
-        (context + min(t0 + _QUERY_TILE, stop) - start, c, h, t0)
+        (context + min(t0 + tile, stop) - start, c, h, t0)
         for c, (start, stop, context) in enumerate(chunks.tolist())
-        for t0 in range(start, stop, _QUERY_TILE)
+        for t0 in range(start, stop, tile)
         for h in range(num_kv_heads)
     ]
     if not work:

@@ -285,22 +285,25 @@ def _vstore(a: np.ndarray, index: int, v: Any) -> None:  # pragma: no cover
     """Write ``v`` to the float32 ``a.flat[index:index + 16]``."""
 
 
-class _AttentionVector16(numba.types.Type if numba is not None else object):  # type: ignore[misc]
-    """numba's type of a 16-float vector (an LLVM ``<16 x float>``)."""
-
-
 def _define_vectors() -> None:
     """Register the vector type, its intrinsics and operators with numba."""
     ir = importlib.import_module("llvmlite.ir")
     extending = numba.extending
     f32, i32 = ir.FloatType(), ir.IntType(32)
     vty = ir.VectorType(f32, _LANES)
-    vector = _AttentionVector16(name="AttentionVector16")
+    # a class of this module by its name (numba's cache pickles types by
+    # reference); built with type(): numba's classes are untyped to mypy
+    name = "AttentionVector16"
+    kind = type(name, (numba.types.Type,), {"__module__": __name__})
+    kind.__qualname__ = name
+    globals()[name] = kind
+    vector = kind(name=name)
 
-    @extending.register_model(_AttentionVector16)
-    class _Model(extending.models.PrimitiveModel):  # type: ignore[misc]
-        def __init__(self, dmm: Any, fe_type: Any) -> None:
-            super().__init__(dmm, fe_type, vty)
+    def init(self: Any, dmm: Any, fe_type: Any) -> None:
+        extending.models.PrimitiveModel.__init__(self, dmm, fe_type, vty)
+
+    model = type(name + "Model", (extending.models.PrimitiveModel,), {"__init__": init})
+    extending.register_model(kind)(model)
 
     def pointer(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         array = context.make_array(sig.args[0])(context, builder, args[0])
@@ -714,7 +717,7 @@ def _causal_softmax_parallel(
 
 
 @_jit(inline=True)
-def _slot(table: np.ndarray, pos: int, block_size: int) -> int:  # pragma: no cover
+def _slot(table: np.ndarray, pos: int, block_size: int) -> Any:  # pragma: no cover
     """Position ``pos``'s slot under a block table."""
     return table[pos // block_size] * block_size + pos % block_size
 
@@ -1003,7 +1006,6 @@ def _prefill_attention_parallel(
         )  # fmt: skip
 
 
-
 @_jit()
 def _add_rms_norm(
     delta: np.ndarray,  # (T, H) or (0, H): added to x first
@@ -1254,9 +1256,7 @@ def _threaded(kernel: Any, serial: Any, args: tuple[Any, ...]) -> None:
         serial(*args)
 
 
-def prefill_items(
-    chunks: np.ndarray, num_heads: int, num_kv_heads: int
-) -> np.ndarray:
+def prefill_items(chunks: np.ndarray, num_heads: int, num_kv_heads: int) -> np.ndarray:
     """The work items of a step's prefill chunks ``chunks (P, 3)`` (first
     row, end row, context) for :func:`prefill_attention`: ``(W, 3)`` int64,
     (chunk, kv head, first row of a tile of ``_ROWS // group`` tokens),
@@ -1417,13 +1417,14 @@ def warm_up(kv_cache_dtype: str = "auto") -> None:
         slots,
         out,
     )
-    scores = np.zeros((1, 1, 1), np.float32)
-    _causal_softmax(scores, 0, 1, 0, 1.0)
+    chunks = np.array([[0, 1, 0]], np.int64)  # one row at position 0
+    items = prefill_items(chunks, 1, 1)
+    prefill = (q, cache, cache, chunks, tables, items, 0, 1.0, 4, out, 1)
+    _prefill_attention(*prefill)
     if _threads > 1:
-        _threaded(_causal_softmax_parallel, _causal_softmax, (scores, 0, 1, 0, 1.0))
+        parallel = (*prefill[:-1], _threads)
+        _threaded(_prefill_attention_parallel, _prefill_attention, parallel)
     rows = np.zeros((1, 2), np.float32)
     _add_rms_norm(_NO_ROWS, rows, rows[0], 1e-6, rows)
     _add_rms_norm(rows, rows, rows[0], 1e-6, rows)
     _swiglu(np.zeros((1, 4), np.float32), rows)
-    if bfloat16:  # prefill reads a float32 cache with np.take
-        _gather(cache, slots, out)

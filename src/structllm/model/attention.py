@@ -152,7 +152,8 @@ class PortableAttention:
         #: a decode step's projection and attention outputs (and the
         #: model's own, see llama.py), reused by every layer and step
         self.buffers = StepBuffers()
-        self._views = _HostViews()
+        self._views = _HostViews()  # the caches'
+        self._weight_views = _HostViews()  # host_view's
 
     def build_metadata(self, seqs: Sequence[SequenceSlice]) -> AttentionMetadata:
         """Slots, gathers and masks for ``seqs`` (one-token sequences first)."""
@@ -323,9 +324,10 @@ class PortableAttention:
         return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
 
     def host_view(self, tensor: paddle.Tensor) -> np.ndarray:
-        """A long-lived host tensor's numpy view (a weight, a cache), made
-        once and dropped with the tensor."""
-        return self._views.get(tensor)
+        """A long-lived host tensor's numpy view (a weight: norms, biases),
+        made once and dropped with the tensor (kept apart from the caches'
+        views, which a test counts)."""
+        return self._weight_views.get(tensor)
 
     def qkv_buffer(
         self, meta: AttentionMetadata, width: int

@@ -101,7 +101,7 @@ class AttentionMetadata:
     #: block tables (padded with block 0) and (B,) keys each decode row sees
     decode_tables: np.ndarray | None = None
     decode_lens: np.ndarray | None = None
-    use_kernels: bool = False  # write (and attend decode rows) with them
+    use_kernels: bool = False  # write and attend with them
     #: the highest slot any kernel of this step touches: checked against the
     #: cache once a layer (an int compare) rather than by a scan of the
     #: slots a kernel call
@@ -131,8 +131,8 @@ class PortableAttention:
         windows: Collection[int | None] = (None,),
         use_kernels: bool = False,
     ) -> None:
-        #: attend decode rows and write the cache with the compiled CPU
-        #: kernels (``kernels.py``); needs a float32 model on the host and
+        #: attend (decode rows and prefill chunks) and write the cache with
+        #: the compiled CPU kernels (``kernels.py``); needs a float32 model on the host and
         #: numba (the cache may be float32 or bfloat16). May be switched
         #: between steps, not within one.
         self.use_kernels = use_kernels and kernels.available()

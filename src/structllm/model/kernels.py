@@ -10,6 +10,9 @@ decode step reads each cached key and value once, in one call a layer.
 A second kernel takes the fused q/k/v projection as it leaves the matmul
 and does the rest of the attention's input work in one pass: Qwen3's
 per-head q/k norm, RoPE, the cache writes.
+A third attends a step's prefill chunks over the cache in place too,
+their cached prefixes included, with the rows of a tile as the lanes of
+16-float vectors (:func:`prefill_attention`).
 
 The kernels work on numpy views of the Paddle tensors (DLPack, zero copy):
 float32, C-contiguous, on the host. :func:`available` says whether numba

@@ -67,7 +67,9 @@ def _attend(
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("window", [None, 1, 5, 24])
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_dim"), [(8, 2, 16), (9, 3, 64), (4, 4, 24)]
+    ("heads", "kv_heads", "head_dim"),
+    # a group of 50: a tile of 48 rows ends inside a token's group
+    [(8, 2, 16), (9, 3, 64), (4, 4, 24), (7, 1, 16), (50, 1, 8)],
 )
 def test_prefill_kernel_matches_the_paddle_ops(
     heads: int,
@@ -130,17 +132,17 @@ def test_prefill_kernel_reads_a_bfloat16_cache_as_its_values() -> None:
 
 def test_prefill_items_cover_every_tile_once_costliest_first() -> None:
     # chunks of rows 0-36 (no context) and 37-56 (after 13 cached tokens),
-    # a group of 4: tiles of 12 tokens
+    # a group of 4: 148 and 80 rows, tiles of 48 (12 tokens)
     chunks = np.array([[0, 37, 0], [37, 57, 13]], np.int64)
     items = kernels.prefill_items(chunks, 8, 2)
-    tiles = {(0, h, t) for h in range(2) for t in (0, 12, 24, 36)}
-    tiles |= {(1, h, t) for h in range(2) for t in (37, 49)}
+    tiles = {(0, h, r) for h in range(2) for r in (0, 48, 96, 144)}
+    tiles |= {(1, h, r) for h in range(2) for r in (0, 48)}
     assert sorted(map(tuple, items.tolist())) == sorted(tiles)
-    stop = {0: 37, 1: 57}
-    context = {0: 0, 1: 13}
-    start = {0: 0, 1: 37}
-    keys = [context[c] + min(t + 12, stop[c]) - start[c] for c, _, t in items.tolist()]
-    assert keys == sorted(keys, reverse=True)
+    # the keys of each tile's last token
+    keys = {(0, 0): 12, (0, 48): 24, (0, 96): 36, (0, 144): 37}
+    keys |= {(1, 0): 13 + 12, (1, 48): 13 + 20}
+    seen = [keys[c, r] for c, _, r in items.tolist()]
+    assert seen == sorted(seen, reverse=True)
 
 
 def test_prefill_attention_refuses_rows_outside_its_queries() -> None:

@@ -725,8 +725,9 @@ def _slot(table: np.ndarray, pos: int, block_size: int) -> Any:  # pragma: no co
     return table[pos // block_size] * block_size + pos % block_size
 
 
-#: rows of a prefill tile (its query tokens times the GQA group, padded
-#: with zero queries): three vectors, lanes of which are rows
+#: rows of a prefill tile (a chunk's rows are its tokens times the GQA
+#: group, token-major; a last tile is padded with zero queries): three
+#: vectors, lanes of which are rows
 _ROWS = 3 * _LANES
 
 
@@ -740,7 +741,7 @@ def _prefill_tile(
     stop: int,
     context: int,
     h: int,  # the kv head
-    t0: int,  # the tile's first row of q
+    r0: int,  # the tile's first row of the chunk's (stop - start) g
     window: int,  # 0: all earlier keys; else the last `window` of them
     scale: float,
     block_size: int,
@@ -753,10 +754,10 @@ def _prefill_tile(
     slots: np.ndarray,  # (keys,) int64 scratch
     out: np.ndarray,  # (T, nh, d)
 ) -> None:  # pragma: no cover - compiled
-    """The tile of a prefill chunk from row ``t0`` on (``_ROWS // g``
-    tokens): the queries of kv head ``h``'s group over the keys the tile
-    sees, from the first token's window to the last token's own. Row ``r``
-    is token ``t0 + r // g``'s query head ``h g + r % g``.
+    """The tile of a prefill chunk's rows ``r0..r0 + _ROWS - 1`` of kv head
+    ``h``: row ``i`` is the chunk's token ``i // g``, its query head ``h g
+    + i % g``. The tile attends over the keys it sees, from its first
+    token's window to its last token's own.
 
     The rows are the vectors' lanes, so nothing is summed across lanes:
     scores are 3 vectors of rows x 4 keys of running sums along the head
@@ -766,19 +767,19 @@ def _prefill_tile(
     values are read in place, each element broadcast once a tile."""
     nh, d = q.shape[1], q.shape[2]
     g = nh // k_cache.shape[0]
-    t1 = min(t0 + max(1, _ROWS // g), stop)
-    rows = (t1 - t0) * g
-    first = context + t0 - start  # the tile's first token's position
+    rows = min(_ROWS, (stop - start) * g - r0)
+    first = context + r0 // g  # the tile's first token's position
     lo = max(0, first - window + 1) if window > 0 else 0  # key j is at lo + j
-    keys = context + t1 - start - lo
+    keys = context + (r0 + rows - 1) // g + 1 - lo
     for j in range(keys):
         slots[j] = _slot(table, lo + j, block_size)
     for r in range(_ROWS):
         if r < rows:
-            pos = first + r // g
+            token = (r0 + r) // g
+            pos = context + token
             seen[0, r] = max(0, pos - window + 1) - lo if window > 0 else 0
             seen[1, r] = pos + 1 - lo
-            src = q[t0 + r // g, h * g + r % g]
+            src = q[start + token, h * g + (r0 + r) % g]
             for e in range(d):
                 qt[e * _ROWS + r] = src[e]
         else:  # padding: no keys, zero queries
@@ -922,7 +923,7 @@ def _prefill_tile(
         e += 1
     for r in range(rows):
         inv = np.float32(1.0) / total[r]
-        dst = out[t0 + r // g, h * g + r % g]
+        dst = out[start + (r0 + r) // g, h * g + (r0 + r) % g]
         for e in range(d):
             dst[e] = ot[e * _ROWS + r] * inv
 
@@ -960,10 +961,10 @@ def _prefill_part(
         turn, at = w // parts, w % parts
         if (at if turn % 2 == 0 else parts - 1 - at) != part:
             continue
-        c, h, t0 = items[w, 0], items[w, 1], items[w, 2]
+        c, h, r0 = items[w, 0], items[w, 1], items[w, 2]
         _prefill_tile(
             q, k_cache, v_cache, tables[c], chunks[c, 0], chunks[c, 1],
-            chunks[c, 2], h, t0, window, scale, block_size, qt, st, ot, best,
+            chunks[c, 2], h, r0, window, scale, block_size, qt, st, ot, best,
             total, seen, slots, out,
         )  # fmt: skip
 
@@ -1264,14 +1265,15 @@ def _threaded(kernel: Any, serial: Any, args: tuple[Any, ...]) -> None:
 def prefill_items(chunks: np.ndarray, num_heads: int, num_kv_heads: int) -> np.ndarray:
     """The work items of a step's prefill chunks ``chunks (P, 3)`` (first
     row, end row, context) for :func:`prefill_attention`: ``(W, 3)`` int64,
-    (chunk, kv head, first row of a tile of ``_ROWS // group`` tokens),
-    costliest first (the most keys its tokens see, a window aside) so that
-    the threads' shares even out. Once a step: every layer's the same."""
-    tile = max(1, _ROWS // (num_heads // num_kv_heads))
+    (chunk, kv head, first row of a tile), costliest first (the most keys a
+    tile's tokens see, a window aside) so that the threads' shares even out.
+    A chunk's rows are its tokens times the GQA group, ``_ROWS`` a tile.
+    Once a step: every layer's are the same."""
+    g = num_heads // num_kv_heads
     work = [
-        (context + min(t0 + tile, stop) - start, c, h, t0)
+        (context + (min(r0 + _ROWS, (stop - start) * g) - 1) // g + 1, c, h, r0)
         for c, (start, stop, context) in enumerate(chunks.tolist())
-        for t0 in range(start, stop, tile)
+        for r0 in range(0, (stop - start) * g, _ROWS)
         for h in range(num_kv_heads)
     ]
     if not work:

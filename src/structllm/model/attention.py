@@ -77,9 +77,11 @@ class _Prefill:
     start: int  # first row of this sequence in the flattened batch
     stop: int
     context: int  # tokens cached before the chunk: row start is at this position
-    kv_slots: np.ndarray  # (L,) int64, L = context + query_len
-    #: window -> (q * group, L) additive; empty with the kernels (their
-    #: softmax masks as it goes)
+    #: (L,) int64, L = context + query_len; empty with the kernels (they
+    #: read through the block table)
+    kv_slots: np.ndarray
+    #: window -> (q * group, L) additive; empty with the kernels (they mask
+    #: as they go)
     masks: Mapping[int | None, paddle.Tensor]
 
 
@@ -99,13 +101,21 @@ class AttentionMetadata:
     #: block tables (padded with block 0) and (B,) keys each decode row sees
     decode_tables: np.ndarray | None = None
     decode_lens: np.ndarray | None = None
-    use_kernels: bool = False  # write (and attend decode rows) with them
+    use_kernels: bool = False  # write and attend with them
     #: the highest slot any kernel of this step touches: checked against the
     #: cache once a layer (an int compare) rather than by a scan of the
     #: slots a kernel call
     max_slot: int = -1
     #: the decode kernel spreads this step's rows over threads
     decode_threaded: bool = False
+    #: for the prefill kernel (``kernels.prefill_attention``): each chunk's
+    #: first row, end row and context ``(P, 3)``, its block table ``(P,
+    #: max_blocks)`` (padded with block 0), the tiles ``(W, 3)``
+    #: (``kernels.prefill_items``), and whether they spread over threads
+    prefill_chunks: np.ndarray | None = None
+    prefill_tables: np.ndarray | None = None
+    prefill_items: np.ndarray | None = None
+    prefill_threaded: bool = False
 
 
 class PortableAttention:
@@ -121,8 +131,8 @@ class PortableAttention:
         windows: Collection[int | None] = (None,),
         use_kernels: bool = False,
     ) -> None:
-        #: attend decode rows and write the cache with the compiled CPU
-        #: kernels (``kernels.py``); needs a float32 model on the host and
+        #: attend (decode rows and prefill chunks) and write the cache with
+        #: the compiled CPU kernels (``kernels.py``); needs a float32 model on the host and
         #: numba (the cache may be float32 or bfloat16). May be switched
         #: between steps, not within one.
         self.use_kernels = use_kernels and kernels.available()
@@ -142,7 +152,8 @@ class PortableAttention:
         #: a decode step's projection and attention outputs (and the
         #: model's own, see llama.py), reused by every layer and step
         self.buffers = StepBuffers()
-        self._views = _HostViews()
+        self._views = _HostViews()  # the caches'
+        self._weight_views = _HostViews()  # host_view's
 
     def build_metadata(self, seqs: Sequence[SequenceSlice]) -> AttentionMetadata:
         """Slots, gathers and masks for ``seqs`` (one-token sequences first)."""
@@ -192,9 +203,10 @@ class PortableAttention:
         row = num_decodes
         for s in seqs[num_decodes:]:
             total = s.context_len + s.query_len
-            kv = slots_for(s.block_table, 0, total, bs)
+            kv = np.zeros(0, np.int64)
             masks = {}
             if not self.use_kernels:
+                kv = slots_for(s.block_table, 0, total, bs)
                 # query i (at position context_len + i) sees keys 0..context_len+i
                 q_pos = s.context_len + np.arange(s.query_len)[:, None]
                 keys = np.arange(total)[None, :]
@@ -213,16 +225,30 @@ class PortableAttention:
                 )
             )
             row += s.query_len
+        chunks = tables = items = None
+        prefill_work = 0
+        if prefills and self.use_kernels:
+            chunks = np.array(
+                [(p.start, p.stop, p.context) for p in prefills], np.int64
+            )
+            # the new tokens' slots above cover each chunk's last position
+            lens, tables = _padded_tables(seqs[num_decodes:], bs)
+            items = kernels.prefill_items(chunks, self.num_heads, self.num_kv_heads)
+            # as a decode's: kv heads x queries x keys (the most a query sees)
+            n = chunks[:, 1] - chunks[:, 0]
+            prefill_work = self.num_kv_heads * int((n * lens).sum())
         max_slot = None
         if self.use_kernels and seqs:
             if slot_mapping.min() < 0:
                 raise IndexError("slot out of range: negative")
             max_slot = int(slot_mapping.max())
-            if decode_tables is not None:
-                if decode_tables.min() < 0:
+            for read in (decode_tables, tables):
+                if read is None:
+                    continue
+                if read.min() < 0:
                     raise IndexError("block out of range: negative")
-                # the kernel reads whole blocks' worth of slots at most
-                max_slot = max(max_slot, (int(decode_tables.max()) + 1) * bs - 1)
+                # the kernels read whole blocks' worth of slots at most
+                max_slot = max(max_slot, (int(read.max()) + 1) * bs - 1)
         return AttentionMetadata(
             num_tokens=row,
             slot_mapping=slot_mapping,
@@ -238,6 +264,10 @@ class PortableAttention:
             decode_threaded=kernels.worth_threading(
                 num_decodes * self.num_kv_heads * width
             ),
+            prefill_chunks=chunks,
+            prefill_tables=tables,
+            prefill_items=items,
+            prefill_threaded=kernels.worth_threading(prefill_work),
         )
 
     def _mask(self, seen: np.ndarray) -> paddle.Tensor:
@@ -284,10 +314,8 @@ class PortableAttention:
             kernels.write_kv(
                 _host(k), _host(v), k_host, v_host, meta.slot_mapping, checked=True
             )
-            return self._attend_kernels(
-                _host(q), (k_cache, v_cache), (k_host, v_host), meta, window
-            )
-        cache = _SlotIO(k_cache, v_cache, self._gathered, self._views, meta)
+            return self._attend_kernels(_host(q), (k_host, v_host), meta, window)
+        cache = _SlotIO(k_cache, v_cache, self._gathered, self._views)
         outs = []
         cache.write(meta.slot_mapping, k, v)
         if meta.num_decodes:
@@ -296,9 +324,10 @@ class PortableAttention:
         return outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
 
     def host_view(self, tensor: paddle.Tensor) -> np.ndarray:
-        """A long-lived host tensor's numpy view (a weight, a cache), made
-        once and dropped with the tensor."""
-        return self._views.get(tensor)
+        """A long-lived host tensor's numpy view (a weight: norms, biases),
+        made once and dropped with the tensor (kept apart from the caches'
+        views, which a test counts)."""
+        return self._weight_views.get(tensor)
 
     def qkv_buffer(
         self, meta: AttentionMetadata, width: int
@@ -343,9 +372,7 @@ class PortableAttention:
         q_host = self._rope_and_write(
             qkv, k_host, v_host, meta, positions, rope, q_norm, k_norm, eps, bias
         )
-        return self._attend_kernels(
-            q_host, (k_cache, v_cache), (k_host, v_host), meta, window
-        )
+        return self._attend_kernels(q_host, (k_host, v_host), meta, window)
 
     def decode_qkv(
         self,
@@ -445,14 +472,12 @@ class PortableAttention:
     def _attend_kernels(
         self,
         q: np.ndarray,  # (T, nh, d) rotated
-        caches: tuple[paddle.Tensor, paddle.Tensor],  # this step's keys written
-        host_caches: tuple[np.ndarray, np.ndarray],  # their host views
+        host_caches: tuple[np.ndarray, np.ndarray],  # this step's keys written
         meta: AttentionMetadata,
         window: int | None,
     ) -> paddle.Tensor:  # (T, nh * d)
-        """Every row, the kernels' way: decode rows in one call reading the
-        cache in place; each prefill chunk by Paddle's matmuls around the
-        kernels' masked softmax."""
+        """Every row, the kernels' way, reading the cache in place: decode
+        rows in one call, prefill chunks in another."""
         nh, d = self.num_heads, self.head_dim
         b = meta.num_decodes
         if not meta.prefills:  # the output's memory is reused (see forward_qkv)
@@ -463,12 +488,20 @@ class PortableAttention:
         if b:
             self._attend_decodes(q, host_caches, meta, window, flat)
         if meta.prefills:
-            out = flat.reshape(meta.num_tokens, nh, d)
-            cache = _SlotIO(*caches, self._gathered, self._views, meta)
-            queries = host_tensor(q)
-            for p in meta.prefills:
-                rows = np.from_dlpack(self._prefill(queries, p, cache, window))
-                out[p.start : p.stop] = rows.reshape(-1, nh, d)
+            assert meta.prefill_chunks is not None
+            assert meta.prefill_tables is not None and meta.prefill_items is not None
+            kernels.prefill_attention(
+                q,
+                *host_caches,
+                meta.prefill_chunks,
+                meta.prefill_tables,
+                meta.prefill_items,
+                window,
+                self.scale,
+                self.block_size,
+                flat.reshape(meta.num_tokens, nh, d),
+                threaded=meta.prefill_threaded,
+            )
         return tensor
 
     def _attend_decodes(
@@ -530,14 +563,7 @@ class PortableAttention:
         # (kvh, q g, d) @ (kvh, L, d)^T -> (kvh, q g, L): one matmul a kv
         # head (a (kvh, q, g, d) @ (kvh, 1, L, d) broadcast is 6x slower)
         qp = qp.reshape([kvh, n * g, d])
-        if cache.meta.use_kernels:
-            scores = paddle.matmul(qp, kp, transpose_y=True)  # (kvh, n g, L)
-            kernels.causal_softmax(
-                np.from_dlpack(scores), p.context, g, window, self.scale
-            )
-            out = paddle.matmul(scores, vp)
-        else:
-            out = self._attend(qp, kp, vp, p.masks[window])
+        out = self._attend(qp, kp, vp, p.masks[window])
         out = out.reshape([kvh, n, g * d]).transpose([1, 0, 2])
         return out.reshape([n, kvh * g * d])
 
@@ -636,13 +662,14 @@ def lazy_zeros(shape: Sequence[int], dtype: str | paddle.dtype) -> paddle.Tensor
 def _padded_tables(
     seqs: Sequence[SequenceSlice], block_size: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Keys each one-token sequence sees, and its block table padded with 0.
+    """Keys each sequence's last new token sees, and its block table padded
+    with 0.
 
-    The kernel reads ``table[p // block_size]`` for every position ``p``
+    The kernels read ``table[p // block_size]`` for every position ``p``
     below the length, unchecked; a table too short for its length has
-    already failed :func:`slots_for` for the new token's slot.
+    already failed :func:`slots_for` for the last new token's slot.
     """
-    lens = np.array([s.context_len + 1 for s in seqs], dtype=np.int64)
+    lens = np.array([s.context_len + s.query_len for s in seqs], dtype=np.int64)
     tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), np.int64)
     for i, s in enumerate(seqs):
         tables[i, : len(s.block_table)] = s.block_table
@@ -749,11 +776,7 @@ class _Scratch:
         return self._buf[:size].reshape(shape)
 
     def take(self, src: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """``np.take(src, slots, axis=1)`` into this buffer (valid until the next);
-        from a bfloat16 cache (uint16 bits), converted to float32."""
-        if src.dtype == np.uint16:
-            out = self.array((src.shape[0], slots.size, *src.shape[2:]))
-            return kernels.gather(src, slots, out)
+        """``np.take(src, slots, axis=1)`` into this buffer (valid until the next)."""
         if slots.size and not (slots.min() >= 0 and slots.max() < src.shape[1]):
             raise IndexError(f"slot out of range for a cache of {src.shape[1]}")
         out = self.array((src.shape[0], slots.size, *src.shape[2:]))
@@ -777,18 +800,13 @@ class _SlotIO:
         v_cache: paddle.Tensor,
         scratch: tuple[_Scratch, _Scratch],
         views: _HostViews,
-        meta: AttentionMetadata,
     ) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
         self.scratch = scratch
         self.views = views
-        self.meta = meta
-        # numpy reads a float32 cache; a bfloat16 one only through the
-        # kernels (kv_cache_dtype), else Paddle ops as on an accelerator
-        self.host = k_cache.place.is_cpu_place() and (
-            k_cache.dtype == paddle.float32
-            or (k_cache.dtype == paddle.bfloat16 and meta.use_kernels)
-        )
+        # numpy reads a float32 cache; Paddle ops any other (a bfloat16 one
+        # left by the kernels, kv_cache_dtype), as on an accelerator
+        self.host = k_cache.place.is_cpu_place() and k_cache.dtype == paddle.float32
 
     def write(self, slots: np.ndarray, k: paddle.Tensor, v: paddle.Tensor) -> None:
         if self.host:

@@ -10,6 +10,9 @@ decode step reads each cached key and value once, in one call a layer.
 A second kernel takes the fused q/k/v projection as it leaves the matmul
 and does the rest of the attention's input work in one pass: Qwen3's
 per-head q/k norm, RoPE, the cache writes.
+A third attends a step's prefill chunks over the cache in place too,
+their cached prefixes included, with the rows of a tile as the lanes of
+16-float vectors (:func:`prefill_attention`).
 
 The kernels work on numpy views of the Paddle tensors (DLPack, zero copy):
 float32, C-contiguous, on the host. :func:`available` says whether numba
@@ -35,6 +38,7 @@ from __future__ import annotations
 import ctypes
 import importlib
 import importlib.util
+import operator
 import os
 import sys
 import threading
@@ -49,6 +53,8 @@ __all__ = [
     "causal_softmax",
     "decode_attention",
     "gather",
+    "prefill_attention",
+    "prefill_items",
     "rope_and_write",
     "rope_write_attend",
     "set_num_threads",
@@ -249,6 +255,127 @@ def _prefetch_intrinsic(typingctx: Any, cache: Any, index: Any) -> Any:
 
 if numba is not None:
     _prefetch = numba.extending.intrinsic(_prefetch_intrinsic)
+
+# -- 16-lane vectors for the prefill kernel ------------------------------------
+#
+# The prefill kernel holds a tile's running sums in registers across the
+# keys (or the head): LLVM's loop vectoriser cannot be led there from numba
+# (an accumulator array stays in memory, each update a load and a store), so
+# the kernel spells its vectors out, as ``quant_kernels`` does for its GEMVs
+# (which this module cannot import: it imports this one): a numba type whose
+# value is an LLVM ``<16 x float>``, loads, stores and splats as intrinsics,
+# ``+`` and ``*`` through the Python operators (fast-math: a multiply-add
+# contracts to an FMA). LLVM lowers them to what the host has (two ymm on
+# AVX2, one zmm on AVX-512).
+
+#: lanes of a vector
+_LANES = 16
+
+
+def _vzero() -> Any:  # pragma: no cover - compiled
+    """A vector of zeros."""
+
+
+def _vsplat(value: Any) -> Any:  # pragma: no cover - compiled
+    """A vector of ``value`` (a float)."""
+
+
+def _vload(a: np.ndarray, index: int) -> Any:  # pragma: no cover - compiled
+    """The 16 float32 ``a.flat[index:index + 16]`` (C-contiguous ``a``)."""
+
+
+def _vstore(a: np.ndarray, index: int, v: Any) -> None:  # pragma: no cover
+    """Write ``v`` to the float32 ``a.flat[index:index + 16]``."""
+
+
+def _define_vectors() -> None:
+    """Register the vector type, its intrinsics and operators with numba."""
+    ir = importlib.import_module("llvmlite.ir")
+    extending = numba.extending
+    f32, i32 = ir.FloatType(), ir.IntType(32)
+    vty = ir.VectorType(f32, _LANES)
+    # a class of this module by its name (numba's cache pickles types by
+    # reference); built with type(): numba's classes are untyped to mypy
+    name = "AttentionVector16"
+    kind = type(name, (numba.types.Type,), {"__module__": __name__})
+    kind.__qualname__ = name
+    globals()[name] = kind
+    vector = kind(name=name)
+
+    def init(self: Any, dmm: Any, fe_type: Any) -> None:
+        extending.models.PrimitiveModel.__init__(self, dmm, fe_type, vty)
+
+    model = type(name + "Model", (extending.models.PrimitiveModel,), {"__init__": init})
+    extending.register_model(kind)(model)
+
+    def pointer(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        array = context.make_array(sig.args[0])(context, builder, args[0])
+        address = builder.gep(array.data, [args[1]])
+        return builder.bitcast(address, vty.as_pointer())
+
+    def zero_typer(typingctx: Any) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return ir.Constant(vty, [0.0] * _LANES)
+
+        return vector(), codegen
+
+    def splat_typer(typingctx: Any, value: Any) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            x = context.cast(builder, args[0], sig.args[0], numba.types.float32)
+            undef = ir.Constant(vty, ir.Undefined)
+            one = builder.insert_element(undef, x, ir.Constant(i32, 0))
+            zeros = ir.Constant(ir.VectorType(i32, _LANES), [0] * _LANES)
+            return builder.shuffle_vector(one, undef, zeros)
+
+        return vector(value), codegen
+
+    def load_typer(typingctx: Any, a: Any, index: Any) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            return builder.load(pointer(context, builder, sig, args), align=4)
+
+        return vector(a, index), codegen
+
+    def store_typer(typingctx: Any, a: Any, index: Any, v: Any) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            builder.store(args[2], pointer(context, builder, sig, args), align=4)
+            return context.get_dummy_value()
+
+        return numba.types.none(a, index, v), codegen
+
+    g = globals()
+    g["_vzero"] = extending.intrinsic(zero_typer)
+    g["_vsplat"] = extending.intrinsic(splat_typer)
+    g["_vload"] = extending.intrinsic(load_typer)
+    g["_vstore"] = extending.intrinsic(store_typer)
+
+    def binary(op: Any, instruction: str) -> None:
+        def typer(typingctx: Any, a: Any, b: Any) -> Any:
+            def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+                return getattr(builder, instruction)(*args, flags=("fast",))
+
+            return vector(a, b), codegen
+
+        implement = extending.intrinsic(typer)
+
+        def overload(a: Any, b: Any) -> Any:
+            if a is not vector or b is not vector:
+                return None
+
+            def apply(a: Any, b: Any) -> Any:  # the typing's argument names
+                return implement(a, b)
+
+            return apply
+
+        extending.overload(op)(overload)
+
+    binary(operator.add, "fadd")
+    binary(operator.iadd, "fadd")
+    binary(operator.mul, "fmul")
+
+
+if numba is not None:
+    _define_vectors()
+
 
 #: blocks of keys and values requested ahead of the one being read: a
 #: block of one head is 4 KB (16 slots x 64 float32), a page, and the CPU's
@@ -592,6 +719,297 @@ def _causal_softmax_parallel(
         _softmax_row(scores, item, context, group, window, scale)
 
 
+@_jit(inline=True)
+def _slot(table: np.ndarray, pos: int, block_size: int) -> Any:  # pragma: no cover
+    """Position ``pos``'s slot under a block table."""
+    return table[pos // block_size] * block_size + pos % block_size
+
+
+#: rows of a prefill tile (a chunk's rows are its tokens times the GQA
+#: group, token-major; a last tile is padded with zero queries): three
+#: vectors, lanes of which are rows
+_ROWS = 3 * _LANES
+
+
+@_jit(inline=True)
+def _prefill_tile(
+    q: np.ndarray,  # (T, nh, d) rotated
+    k_cache: np.ndarray,  # (kvh, S, d)
+    v_cache: np.ndarray,
+    table: np.ndarray,  # (max_blocks,) int64: the chunk's block table
+    start: int,  # the chunk's first row of q, at position `context`
+    stop: int,
+    context: int,
+    h: int,  # the kv head
+    r0: int,  # the tile's first row of the chunk's (stop - start) g
+    window: int,  # 0: all earlier keys; else the last `window` of them
+    scale: float,
+    block_size: int,
+    qt: np.ndarray,  # (d _ROWS,) scratch: the queries, head-major (qt[e, r])
+    st: np.ndarray,  # (keys _ROWS,) scratch: the scores, key-major (st[j, r])
+    ot: np.ndarray,  # (d _ROWS,) scratch: the outputs, head-major
+    best: np.ndarray,  # (_ROWS,) float32 scratch
+    total: np.ndarray,  # (_ROWS,) float32 scratch
+    seen: np.ndarray,  # (2, _ROWS) int64 scratch: each row's keys, lo..hi-1
+    slots: np.ndarray,  # (keys,) int64 scratch
+    out: np.ndarray,  # (T, nh, d)
+) -> None:  # pragma: no cover - compiled
+    """The tile of a prefill chunk's rows ``r0..r0 + _ROWS - 1`` of kv head
+    ``h``: row ``i`` is the chunk's token ``i // g``, its query head ``h g
+    + i % g``. The tile attends over the keys it sees, from its first
+    token's window to its last token's own.
+
+    The rows are the vectors' lanes, so nothing is summed across lanes:
+    scores are 3 vectors of rows x 4 keys of running sums along the head
+    (12 registers; a key's element is one broadcast), the softmax runs
+    down the keys a vector of rows at a time, and the outputs are 3
+    vectors of rows x 4 head elements of sums along the keys. Keys and
+    values are read in place, each element broadcast once a tile."""
+    nh, d = q.shape[1], q.shape[2]
+    g = nh // k_cache.shape[0]
+    rows = min(_ROWS, (stop - start) * g - r0)
+    first = context + r0 // g  # the tile's first token's position
+    lo = max(0, first - window + 1) if window > 0 else 0  # key j is at lo + j
+    keys = context + (r0 + rows - 1) // g + 1 - lo
+    for j in range(keys):
+        slots[j] = _slot(table, lo + j, block_size)
+    for r in range(_ROWS):
+        if r < rows:
+            token = (r0 + r) // g
+            pos = context + token
+            seen[0, r] = max(0, pos - window + 1) - lo if window > 0 else 0
+            seen[1, r] = pos + 1 - lo
+            src = q[start + token, h * g + (r0 + r) % g]
+            for e in range(d):
+                qt[e * _ROWS + r] = src[e]
+        else:  # padding: no keys, zero queries
+            seen[0, r] = seen[1, r] = 0
+            for e in range(d):
+                qt[e * _ROWS + r] = 0.0
+    # scores, 4 keys at a time
+    j = 0
+    while j + 4 <= keys:
+        k0, k1 = k_cache[h, slots[j]], k_cache[h, slots[j + 1]]
+        k2, k3 = k_cache[h, slots[j + 2]], k_cache[h, slots[j + 3]]
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = _vzero()
+        for e in range(d):
+            base = e * _ROWS
+            u = _vload(qt, base)
+            v = _vload(qt, base + _LANES)
+            w = _vload(qt, base + 2 * _LANES)
+            x = _vsplat(_load(k0[e]))
+            a0 += u * x
+            b0 += v * x
+            c0 += w * x
+            x = _vsplat(_load(k1[e]))
+            a1 += u * x
+            b1 += v * x
+            c1 += w * x
+            x = _vsplat(_load(k2[e]))
+            a2 += u * x
+            b2 += v * x
+            c2 += w * x
+            x = _vsplat(_load(k3[e]))
+            a3 += u * x
+            b3 += v * x
+            c3 += w * x
+        base = j * _ROWS
+        _vstore(st, base, a0)
+        _vstore(st, base + _LANES, b0)
+        _vstore(st, base + 2 * _LANES, c0)
+        base += _ROWS
+        _vstore(st, base, a1)
+        _vstore(st, base + _LANES, b1)
+        _vstore(st, base + 2 * _LANES, c1)
+        base += _ROWS
+        _vstore(st, base, a2)
+        _vstore(st, base + _LANES, b2)
+        _vstore(st, base + 2 * _LANES, c2)
+        base += _ROWS
+        _vstore(st, base, a3)
+        _vstore(st, base + _LANES, b3)
+        _vstore(st, base + 2 * _LANES, c3)
+        j += 4
+    while j < keys:
+        k0 = k_cache[h, slots[j]]
+        a0 = b0 = c0 = _vzero()
+        for e in range(d):
+            base = e * _ROWS
+            x = _vsplat(_load(k0[e]))
+            a0 += _vload(qt, base) * x
+            b0 += _vload(qt, base + _LANES) * x
+            c0 += _vload(qt, base + 2 * _LANES) * x
+        base = j * _ROWS
+        _vstore(st, base, a0)
+        _vstore(st, base + _LANES, b0)
+        _vstore(st, base + 2 * _LANES, c0)
+        j += 1
+    # each row's softmax over its keys, zero at the others (unnormalised:
+    # the outputs are divided by the sums)
+    row_lo, row_hi = seen[0], seen[1]
+    best[:] = -np.inf
+    for j in range(keys):
+        s = st[j * _ROWS : (j + 1) * _ROWS]
+        for r in range(_ROWS):
+            if row_lo[r] <= j < row_hi[r]:
+                best[r] = max(best[r], s[r])
+    for r in range(_ROWS):
+        if row_lo[r] == row_hi[r]:
+            best[r] = 0.0
+    total[:] = 0.0
+    sc = np.float32(scale)
+    for j in range(keys):
+        s = st[j * _ROWS : (j + 1) * _ROWS]
+        for r in range(_ROWS):
+            p = _exp((s[r] - best[r]) * sc)
+            p = p if row_lo[r] <= j < row_hi[r] else np.float32(0.0)
+            s[r] = p
+            total[r] += p
+    # outputs, 4 head elements at a time
+    e = 0
+    while e + 4 <= d:
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = c0 = c1 = c2 = c3 = _vzero()
+        for j in range(keys):
+            vj = v_cache[h, slots[j]]
+            base = j * _ROWS
+            u = _vload(st, base)
+            v = _vload(st, base + _LANES)
+            w = _vload(st, base + 2 * _LANES)
+            x = _vsplat(_load(vj[e]))
+            a0 += u * x
+            b0 += v * x
+            c0 += w * x
+            x = _vsplat(_load(vj[e + 1]))
+            a1 += u * x
+            b1 += v * x
+            c1 += w * x
+            x = _vsplat(_load(vj[e + 2]))
+            a2 += u * x
+            b2 += v * x
+            c2 += w * x
+            x = _vsplat(_load(vj[e + 3]))
+            a3 += u * x
+            b3 += v * x
+            c3 += w * x
+        base = e * _ROWS
+        _vstore(ot, base, a0)
+        _vstore(ot, base + _LANES, b0)
+        _vstore(ot, base + 2 * _LANES, c0)
+        base += _ROWS
+        _vstore(ot, base, a1)
+        _vstore(ot, base + _LANES, b1)
+        _vstore(ot, base + 2 * _LANES, c1)
+        base += _ROWS
+        _vstore(ot, base, a2)
+        _vstore(ot, base + _LANES, b2)
+        _vstore(ot, base + 2 * _LANES, c2)
+        base += _ROWS
+        _vstore(ot, base, a3)
+        _vstore(ot, base + _LANES, b3)
+        _vstore(ot, base + 2 * _LANES, c3)
+        e += 4
+    while e < d:
+        a0 = b0 = c0 = _vzero()
+        for j in range(keys):
+            x = _vsplat(_load(v_cache[h, slots[j], e]))
+            base = j * _ROWS
+            a0 += _vload(st, base) * x
+            b0 += _vload(st, base + _LANES) * x
+            c0 += _vload(st, base + 2 * _LANES) * x
+        base = e * _ROWS
+        _vstore(ot, base, a0)
+        _vstore(ot, base + _LANES, b0)
+        _vstore(ot, base + 2 * _LANES, c0)
+        e += 1
+    for r in range(rows):
+        inv = np.float32(1.0) / total[r]
+        dst = out[start + (r0 + r) // g, h * g + (r0 + r) % g]
+        for e in range(d):
+            dst[e] = ot[e * _ROWS + r] * inv
+
+
+@_jit(inline=True)
+def _prefill_part(
+    part: int,  # this thread's share of the items (see below)
+    parts: int,
+    q: np.ndarray,  # (T, nh, d)
+    k_cache: np.ndarray,  # (kvh, S, d)
+    v_cache: np.ndarray,
+    chunks: np.ndarray,  # (P, 3) int64: first row, end row, context
+    tables: np.ndarray,  # (P, max_blocks) int64
+    items: np.ndarray,  # (W, 3) int64: chunk, kv head, first row; costliest first
+    window: int,
+    scale: float,
+    block_size: int,
+    out: np.ndarray,  # (T, nh, d)
+) -> None:  # pragma: no cover - compiled
+    """A share of a step's prefill tiles, dealt to the parts in a snake
+    (0, 1, 1, 0, 0, 1, ... for two) so that each gets costly and cheap ones
+    alike."""
+    d = q.shape[2]
+    width = 0  # the most keys a tile sees
+    for c in range(chunks.shape[0]):
+        width = max(width, chunks[c, 2] + chunks[c, 1] - chunks[c, 0])
+    qt = np.empty(d * _ROWS, np.float32)
+    st = np.empty(width * _ROWS, np.float32)
+    ot = np.empty(d * _ROWS, np.float32)
+    best = np.empty(_ROWS, np.float32)
+    total = np.empty(_ROWS, np.float32)
+    seen = np.empty((2, _ROWS), np.int64)
+    slots = np.empty(width, np.int64)
+    for w in range(items.shape[0]):
+        turn, at = w // parts, w % parts
+        if (at if turn % 2 == 0 else parts - 1 - at) != part:
+            continue
+        c, h, r0 = items[w, 0], items[w, 1], items[w, 2]
+        _prefill_tile(
+            q, k_cache, v_cache, tables[c], chunks[c, 0], chunks[c, 1],
+            chunks[c, 2], h, r0, window, scale, block_size, qt, st, ot, best,
+            total, seen, slots, out,
+        )  # fmt: skip
+
+
+@_jit()
+def _prefill_attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    chunks: np.ndarray,
+    tables: np.ndarray,
+    items: np.ndarray,
+    window: int,
+    scale: float,
+    block_size: int,
+    out: np.ndarray,
+    parts: int,
+) -> None:  # pragma: no cover - compiled
+    _prefill_part(
+        0, 1, q, k_cache, v_cache, chunks, tables, items, window, scale,
+        block_size, out,
+    )  # fmt: skip
+
+
+@_jit(parallel=True)
+def _prefill_attention_parallel(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    chunks: np.ndarray,
+    tables: np.ndarray,
+    items: np.ndarray,
+    window: int,
+    scale: float,
+    block_size: int,
+    out: np.ndarray,
+    parts: int,
+) -> None:  # pragma: no cover - compiled
+    for part in _prange(parts):
+        _prefill_part(
+            part, parts, q, k_cache, v_cache, chunks, tables, items, window,
+            scale, block_size, out,
+        )  # fmt: skip
+
+
 @_jit()
 def _add_rms_norm(
     delta: np.ndarray,  # (T, H) or (0, H): added to x first
@@ -627,7 +1045,9 @@ def _swiglu(
         for e in range(inner):
             g = gate[e]
             z = _exp(-abs(g))  # e^-|g| <= 1: sigmoid without overflow
-            s = np.float32(1.0) / (np.float32(1.0) + z)
+            # np.divide, not /: numba's / checks for a zero divisor, a
+            # branch that kept this loop scalar (4-5x its time)
+            s = np.divide(np.float32(1.0), np.float32(1.0) + z)
             row[e] = g * (s if g >= 0 else z * s) * up[e]
 
 
@@ -842,6 +1262,68 @@ def _threaded(kernel: Any, serial: Any, args: tuple[Any, ...]) -> None:
         serial(*args)
 
 
+def prefill_items(chunks: np.ndarray, num_heads: int, num_kv_heads: int) -> np.ndarray:
+    """The work items of a step's prefill chunks ``chunks (P, 3)`` (first
+    row, end row, context) for :func:`prefill_attention`: ``(W, 3)`` int64,
+    (chunk, kv head, first row of a tile), costliest first (the most keys a
+    tile's tokens see, a window aside) so that the threads' shares even out.
+    A chunk's rows are its tokens times the GQA group, ``_ROWS`` a tile.
+    Once a step: every layer's are the same."""
+    g = num_heads // num_kv_heads
+    work = [
+        (context + (min(r0 + _ROWS, (stop - start) * g) - 1) // g + 1, c, h, r0)
+        for c, (start, stop, context) in enumerate(chunks.tolist())
+        for r0 in range(0, (stop - start) * g, _ROWS)
+        for h in range(num_kv_heads)
+    ]
+    if not work:
+        return np.zeros((0, 3), np.int64)
+    table = np.array(work, np.int64)
+    return np.ascontiguousarray(table[np.argsort(-table[:, 0], kind="stable"), 1:])
+
+
+def prefill_attention(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    chunks: np.ndarray,
+    tables: np.ndarray,
+    items: np.ndarray,
+    window: int | None,
+    scale: float,
+    block_size: int,
+    out: np.ndarray,
+    *,
+    threaded: bool = False,
+) -> np.ndarray:
+    """A step's prefill chunks' attention, ``q (T, nh, d)`` over the cache
+    in place into ``out (T, nh, d)`` (only the chunks' rows are written).
+
+    Chunk ``c`` is rows ``chunks[c, 0]..chunks[c, 1]-1`` of ``q``, at
+    positions from ``chunks[c, 2]`` (its cached prefix) on, its keys read
+    through ``tables[c]``; its keys and values are in the cache already.
+    Each row sees the keys up to its own position (only the last ``window``
+    with one). ``items`` is :func:`prefill_items` of ``chunks``. The caller
+    checks that each table covers its chunk and stays inside the cache: the
+    kernel reads unchecked. ``threaded``: deal the items to the threads.
+    Returns ``out``.
+    """
+    if out.shape != q.shape:
+        raise ValueError(f"out is {out.shape}, not {q.shape}")
+    if len(chunks) and (chunks[:, 0].min() < 0 or chunks[:, 1].max() > len(q)):
+        raise IndexError(f"a prefill chunk's rows are outside the {len(q)} rows")
+    parts = _threads if threaded and _threads > 1 else 1
+    args = (
+        q, k_cache, v_cache, chunks, tables, items, window or 0, scale,
+        block_size, out, parts,
+    )  # fmt: skip
+    if parts > 1:
+        _threaded(_prefill_attention_parallel, _prefill_attention, args)
+    else:
+        _prefill_attention(*args)
+    return out
+
+
 def causal_softmax(
     scores: np.ndarray,
     context: int,
@@ -942,13 +1424,14 @@ def warm_up(kv_cache_dtype: str = "auto") -> None:
         slots,
         out,
     )
-    scores = np.zeros((1, 1, 1), np.float32)
-    _causal_softmax(scores, 0, 1, 0, 1.0)
+    chunks = np.array([[0, 1, 0]], np.int64)  # one row at position 0
+    items = prefill_items(chunks, 1, 1)
+    prefill = (q, cache, cache, chunks, tables, items, 0, 1.0, 4, out, 1)
+    _prefill_attention(*prefill)
     if _threads > 1:
-        _threaded(_causal_softmax_parallel, _causal_softmax, (scores, 0, 1, 0, 1.0))
+        parallel = (*prefill[:-1], _threads)
+        _threaded(_prefill_attention_parallel, _prefill_attention, parallel)
     rows = np.zeros((1, 2), np.float32)
     _add_rms_norm(_NO_ROWS, rows, rows[0], 1e-6, rows)
     _add_rms_norm(rows, rows, rows[0], 1e-6, rows)
     _swiglu(np.zeros((1, 4), np.float32), rows)
-    if bfloat16:  # prefill reads a float32 cache with np.take
-        _gather(cache, slots, out)

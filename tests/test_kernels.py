@@ -76,43 +76,6 @@ def _from_bfloat16_bits(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("window", [None, 1, 5, 37])
-@pytest.mark.parametrize(("context", "n"), [(0, 1), (0, 37), (13, 20), (40, 3)])
-@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
-def test_causal_softmax_is_the_masked_scaled_softmax(
-    heads: int,
-    kv_heads: int,
-    context: int,
-    n: int,
-    window: int | None,
-    threads: int,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(kernels, "_threads", threads)
-    monkeypatch.setattr(kernels, "_PARALLEL_MIN_WORK", 0)
-    rng = np.random.default_rng(context * 100 + n)
-    g, keys = heads // kv_heads, context + n
-    scores = (rng.standard_normal((kv_heads, n * g, keys)) * 30).astype(np.float32)
-    # row r is query r // g, at position context + r // g
-    pos = context + np.arange(n * g)[:, None] // g
-    seen = np.arange(keys)[None, :] <= pos
-    if window is not None:
-        seen &= pos - np.arange(keys)[None, :] < window
-    logits = np.where(seen, scores.astype(np.float64) * 0.125, -np.inf)
-    want = np.exp(logits - logits.max(-1, keepdims=True))
-    want /= want.sum(-1, keepdims=True)
-    got = kernels.causal_softmax(scores, context, g, window, 0.125)
-    assert got is scores
-    np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-5)
-    assert not got[:, ~seen].any()
-
-
-def test_causal_softmax_refuses_scores_too_short_for_their_queries() -> None:
-    with pytest.raises(ValueError, match="do not hold the keys"):
-        kernels.causal_softmax(np.zeros((2, 6, 5), np.float32), 3, 2, None, 1.0)
-
-
 def test_the_exp_of_the_kernels_is_accurate_to_an_ulp() -> None:
     x = -np.geomspace(1e-8, 87, 100_000).astype(np.float32)
     x = np.concatenate([x, [np.float32(0.0)]])
@@ -294,11 +257,6 @@ def test_bfloat16_caches_round_as_paddle_casts_and_attend_on_those_values() -> N
         bs,
     )
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
-    out = np.empty((kvh, 5, d), np.float32)
-    slots = np.array([0, 31, 7, 7, 12])
-    np.testing.assert_array_equal(
-        kernels.gather(k_bits, slots, out), _from_bfloat16_bits(k_bits)[:, slots]
-    )
 
 
 def test_host_views_of_a_freed_cache_are_dropped() -> None:

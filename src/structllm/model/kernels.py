@@ -50,9 +50,7 @@ import numpy as np
 __all__ = [
     "add_rms_norm",
     "available",
-    "causal_softmax",
     "decode_attention",
-    "gather",
     "prefill_attention",
     "prefill_items",
     "rope_and_write",
@@ -672,54 +670,6 @@ def _exp(x: float) -> Any:  # pragma: no cover - compiled
 
 
 @_jit(inline=True)
-def _softmax_row(
-    scores: np.ndarray,  # (kvh, rows, L): query row r of a chunk, key j
-    item: int,  # kv head item // rows, row item % rows
-    context: int,  # row r's query is at position context + r // group
-    group: int,
-    window: int,  # 0: all earlier keys; else the last `window` of them
-    scale: float,
-) -> None:  # pragma: no cover - compiled
-    rows, keys = scores.shape[1], scores.shape[2]
-    h, r = item // rows, item % rows
-    row = scores[h, r]
-    pos = context + r // group
-    lo = max(0, pos - window + 1) if window > 0 else 0
-    # loops over a slice from 0: numba's indexing with an index it cannot
-    # prove non-negative (lo + j) checks for wraparound, and blocks SIMD
-    seen = row[lo : min(pos + 1, keys)]
-    best = seen[0]
-    for j in range(1, seen.shape[0]):
-        best = max(best, seen[j])
-    total = np.float32(0.0)
-    for j in range(seen.shape[0]):
-        p = _exp((seen[j] - best) * np.float32(scale))
-        seen[j] = p
-        total += p
-    inv = np.float32(1.0) / total
-    for j in range(seen.shape[0]):
-        seen[j] *= inv
-    row[:lo] = 0.0
-    row[min(pos + 1, keys) :] = 0.0
-
-
-@_jit()
-def _causal_softmax(
-    scores: np.ndarray, context: int, group: int, window: int, scale: float
-) -> None:  # pragma: no cover - compiled
-    for item in range(scores.shape[0] * scores.shape[1]):
-        _softmax_row(scores, item, context, group, window, scale)
-
-
-@_jit(parallel=True)
-def _causal_softmax_parallel(
-    scores: np.ndarray, context: int, group: int, window: int, scale: float
-) -> None:  # pragma: no cover - compiled
-    for item in _prange(scores.shape[0] * scores.shape[1]):
-        _softmax_row(scores, item, context, group, window, scale)
-
-
-@_jit(inline=True)
 def _slot(table: np.ndarray, pos: int, block_size: int) -> Any:  # pragma: no cover
     """Position ``pos``'s slot under a block table."""
     return table[pos // block_size] * block_size + pos % block_size
@@ -1051,20 +1001,6 @@ def _swiglu(
             row[e] = g * (s if g >= 0 else z * s) * up[e]
 
 
-@_jit()
-def _gather(
-    cache: np.ndarray,  # (kvh, S, d)
-    slots: np.ndarray,  # (n,) int64
-    out: np.ndarray,  # (kvh, n, d) float32
-) -> None:  # pragma: no cover - compiled
-    kvh, _, d = cache.shape
-    for h in range(kvh):
-        for i in range(slots.shape[0]):
-            s = slots[i]
-            for e in range(d):
-                out[h, i, e] = _load(cache[h, s, e])
-
-
 _NO_NORM = np.zeros(0, np.float32)
 _NO_ROWS = np.zeros((0, 0), np.float32)
 
@@ -1089,13 +1025,6 @@ def write_kv(
     if not checked:
         _check_slots(slots, k_cache)
     _write_kv(k, v, k_cache, v_cache, slots)
-
-
-def gather(cache: np.ndarray, slots: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """``cache[:, slots]`` as float32 into ``out (kvh, len(slots), d)``."""
-    _check_slots(slots, cache)
-    _gather(cache, slots, out)
-    return out
 
 
 def rope_and_write(
@@ -1322,34 +1251,6 @@ def prefill_attention(
     else:
         _prefill_attention(*args)
     return out
-
-
-def causal_softmax(
-    scores: np.ndarray,
-    context: int,
-    group: int,
-    window: int | None,
-    scale: float,
-) -> np.ndarray:
-    """A prefill chunk's attention probabilities, in place: ``scores (kvh,
-    n * group, L)`` are its queries' dot products with its sequence's keys
-    (row ``r`` is the query at position ``context + r // group``). Each row
-    is scaled, softmaxed over the keys it sees (none past its position,
-    only the last ``window`` with one) and zero elsewhere: the mask, the
-    scale and Paddle's softmax in one pass. Threaded over the rows when
-    Paddle has threads. Returns ``scores``."""
-    kvh, rows, keys = scores.shape
-    if rows % group or context + rows // group > keys:
-        raise ValueError(
-            f"scores {scores.shape} do not hold the keys of {rows // group} queries"
-            f" after {context} cached tokens (group {group})"
-        )
-    args = (scores, context, group, window or 0, scale)
-    if _threads > 1 and kvh * rows * keys >= _PARALLEL_MIN_WORK:
-        _threaded(_causal_softmax_parallel, _causal_softmax, args)
-    else:
-        _causal_softmax(*args)
-    return scores
 
 
 def add_rms_norm(

@@ -100,7 +100,7 @@ def _lora_tile(
             u[0, j], u[1, j], u[2, j], u[3, j] = acc0, acc1, acc2, acc3
         # each B row's piece read from memory once, then from L1 per row;
         # slices from 0: numba vectorises a loop whose index it knows is
-        # non-negative (see kernels._softmax_row)
+        # non-negative
         if count == TILE:
             y0, y1 = y[tiles[k, 2], c0:c1], y[tiles[k, 3], c0:c1]
             y2, y3 = y[tiles[k, 4], c0:c1], y[tiles[k, 5], c0:c1]

@@ -588,21 +588,6 @@ def _mlp_kernels(
     return out
 
 
-def _add_rms_norm(
-    out: paddle.Tensor,  # (T, H)
-    x: paddle.Tensor,  # (T, H) the residual stream
-    weight: paddle.Tensor,
-    eps: float,
-) -> tuple[paddle.Tensor, paddle.Tensor]:
-    """``x + out`` normed, and ``x + out``: one fused op where it exists."""
-    fused = _FUSED_RMS_NORM and x.stop_gradient and out.stop_gradient
-    if fused and x.dtype == paddle.float32 and weight.stop_gradient:
-        normed, x = _fused_rms_norm(out, weight, None, eps, 1, residual=x)
-        return normed, x
-    x = x + out
-    return rms_norm(x, weight, eps), x
-
-
 def rms_norm(x: paddle.Tensor, weight: paddle.Tensor, eps: float) -> paddle.Tensor:
     # the fused CPU kernel has no gradient: training takes the composite ops
     fused = _FUSED_RMS_NORM and x.stop_gradient and weight.stop_gradient

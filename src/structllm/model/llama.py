@@ -543,12 +543,7 @@ def _o_projection(
     attn: paddle.Tensor,  # (T, nh * d)
     all_reduce: Callable[[paddle.Tensor], paddle.Tensor] | None,
 ) -> paddle.Tensor:  # (T, H)
-    out = layer.o(attn)
-    if all_reduce is not None:
-        out = all_reduce(out)
-    if layer.o.bias is not None:
-        out = out + layer.o.bias
-    return out
+    return _row_parallel(layer.o, attn, all_reduce)
 
 
 def _mlp(
@@ -556,15 +551,7 @@ def _mlp(
     h: paddle.Tensor,  # (T, H) normed
     all_reduce: Callable[[paddle.Tensor], paddle.Tensor] | None,
 ) -> paddle.Tensor:  # (T, H)
-    gate_up = layer.gate_up(h)  # (T, 2 I)
-    if layer.gate_up.bias is not None:
-        gate_up = gate_up + layer.gate_up.bias
-    out = layer.down(_swiglu(gate_up))
-    if all_reduce is not None:
-        out = all_reduce(out)
-    if layer.down.bias is not None:
-        out = out + layer.down.bias
-    return out
+    return _row_parallel(layer.down, _swiglu(_gate_up(layer, h)), all_reduce)
 
 
 def _mlp_kernels(
@@ -574,17 +561,35 @@ def _mlp_kernels(
 ) -> paddle.Tensor:  # (T, H)
     """:func:`_mlp` with SwiGLU by ``kernels.swiglu`` (eager only: the
     graph paths trace ``_mlp``)."""
-    gate_up = layer.gate_up(h)  # (T, 2 I)
-    if layer.gate_up.bias is not None:
-        gate_up = gate_up + layer.gate_up.bias
+    gate_up = _gate_up(layer, h)
     rows, width = gate_up.shape
     act = paddle.empty([rows, width // 2], "float32")  # (T, I)
     kernels.swiglu(np.from_dlpack(gate_up.contiguous()), np.from_dlpack(act))
-    out = layer.down(act)
+    return _row_parallel(layer.down, act, all_reduce)
+
+
+def _gate_up(
+    layer: DecoderLayerWeights,
+    h: paddle.Tensor,  # (T, H) normed
+) -> paddle.Tensor:  # (T, 2 I)
+    gate_up = layer.gate_up(h)
+    if layer.gate_up.bias is not None:
+        gate_up = gate_up + layer.gate_up.bias
+    return gate_up
+
+
+def _row_parallel(
+    linear: Linear,
+    x: paddle.Tensor,
+    all_reduce: Callable[[paddle.Tensor], paddle.Tensor] | None,
+) -> paddle.Tensor:
+    """``linear(x)``: on a tensor-parallel rank its partial sums all-reduced
+    first, and its bias added after, once."""
+    out = linear(x)
     if all_reduce is not None:
         out = all_reduce(out)
-    if layer.down.bias is not None:
-        out = out + layer.down.bias
+    if linear.bias is not None:
+        out = out + linear.bias
     return out
 
 

@@ -81,9 +81,9 @@ _STEP = """
 """
 
 
-def _step(cache: Path) -> list[str]:
+def _step(cache: Path, script: str = _STEP) -> list[str]:
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_STEP)],
+        [sys.executable, "-c", textwrap.dedent(script)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -100,4 +100,37 @@ def test_a_cold_compile_and_the_cache_it_left_give_the_same_bits(
     cold_digest, cold_hits, entries = _step(tmp_path)
     warm_digest, warm_hits, _ = _step(tmp_path)
     assert (cold_hits, warm_hits) == ("0", entries)  # compiled, then loaded
+    assert warm_digest == cold_digest
+
+
+#: the serial prefill kernel on a step of chunks; prints a digest of its
+#: output and whether it came from the disk cache
+_PREFILL = """
+    import hashlib
+    import numpy as np
+    from structllm.model import kernels
+
+    rng = np.random.default_rng(0)
+    nh, kvh, d, bs = 6, 2, 64, 8
+    k_cache, v_cache = rng.standard_normal((2, kvh, 40 * bs, d)).astype(np.float32)
+    chunks = np.array([[0, 37, 0], [37, 57, 13], [57, 60, 40]], np.int64)
+    tables = rng.permutation(39).reshape(3, 13).astype(np.int64)
+    q = rng.standard_normal((60, nh, d)).astype(np.float32)
+    out = np.zeros_like(q)
+    items = kernels.prefill_items(chunks, nh, kvh)
+    kernels.prefill_attention(
+        q, k_cache, v_cache, chunks, tables, items, 16, d**-0.5, bs, out
+    )
+    f = kernels._prefill_attention
+    print(hashlib.sha256(out.tobytes()).hexdigest(), sum(f.stats.cache_hits.values()))
+"""
+
+
+@pytest.mark.slow
+def test_the_prefill_kernel_computes_the_same_bits_from_the_disk_cache(
+    tmp_path: Path,
+) -> None:
+    cold_digest, cold_hits = _step(tmp_path, _PREFILL)
+    warm_digest, warm_hits = _step(tmp_path, _PREFILL)
+    assert (cold_hits, warm_hits) == ("0", "1")  # compiled, then loaded
     assert warm_digest == cold_digest

@@ -7,12 +7,6 @@ matmuls and additive masks when they do not; both must give one answer.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -175,48 +169,3 @@ def test_slots_for_and_the_kernels_tables_agree_on_a_chunk_after_a_prefix() -> N
     )
     np.testing.assert_array_equal(meta.prefill_chunks, [[0, 6, 9]])
     assert meta.max_slot == 12 * BS - 1
-
-
-#: the serial prefill kernel on a step of chunks; prints a digest of its
-#: output and whether it came from the disk cache
-_PREFILL = """
-    import hashlib
-    import numpy as np
-    from structllm.model import kernels
-
-    rng = np.random.default_rng(0)
-    nh, kvh, d, bs = 6, 2, 64, 8
-    k_cache, v_cache = rng.standard_normal((2, kvh, 40 * bs, d)).astype(np.float32)
-    chunks = np.array([[0, 37, 0], [37, 57, 13], [57, 60, 40]], np.int64)
-    tables = rng.permutation(39).reshape(3, 13).astype(np.int64)
-    q = rng.standard_normal((60, nh, d)).astype(np.float32)
-    out = np.zeros_like(q)
-    items = kernels.prefill_items(chunks, nh, kvh)
-    kernels.prefill_attention(
-        q, k_cache, v_cache, chunks, tables, items, 16, d**-0.5, bs, out
-    )
-    f = kernels._prefill_attention
-    print(hashlib.sha256(out.tobytes()).hexdigest(), sum(f.stats.cache_hits.values()))
-"""
-
-
-@pytest.mark.slow
-def test_the_prefill_kernel_computes_the_same_bits_from_the_disk_cache(
-    tmp_path: Path,
-) -> None:
-    # as tests/test_kernel_determinism.py: its helpers are inlined
-    def run() -> list[str]:
-        done = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(_PREFILL)],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)},
-        )
-        assert done.returncode == 0, done.stderr
-        return done.stdout.split()
-
-    cold_digest, cold_hits = run()
-    warm_digest, warm_hits = run()
-    assert (cold_hits, warm_hits) == ("0", "1")  # compiled, then loaded
-    assert warm_digest == cold_digest

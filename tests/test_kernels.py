@@ -40,18 +40,22 @@ def _reference_decode(q, k_cache, v_cache, tables, lens, window, scale, bs):
 @pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("window", [None, 3, 40])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (8, 2)])
+@pytest.mark.parametrize("d", [16, 24, 48, 64, 128])
 def test_decode_attention_matches_numpy(
+    d: int,
     heads: int,
     kv_heads: int,
     window: int | None,
     parallel: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Head sizes of whole vectors (16: one, 48: an odd count, 64 and 128:
+    the chunks of 4) and one of none (24, element by element)."""
     if parallel:  # the threaded path, whatever the batch's size
         monkeypatch.setattr(kernels, "_PARALLEL_MIN_WORK", 0)
         monkeypatch.setattr(kernels, "_threads", 2)
-    rng = np.random.default_rng(heads * 10 + kv_heads)
-    bs, d, num_blocks = 4, 16, 64
+    rng = np.random.default_rng(heads * 10 + kv_heads + d)
+    bs, num_blocks = 4, 64
     lens = np.array([1, 5, 17, 33, 60], dtype=np.int64)
     blocks = rng.permutation(num_blocks)
     tables = np.zeros((len(lens), 16), dtype=np.int64)
@@ -66,6 +70,29 @@ def test_decode_attention_matches_numpy(
     got = kernels.decode_attention(q, k_cache, v_cache, tables, lens, window, 0.25, bs)
     want = _reference_decode(q, k_cache, v_cache, tables, lens, window, 0.25, bs)
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bfloat16", [False, True])
+def test_decode_attention_reads_caches_of_any_layout(bfloat16: bool) -> None:
+    """A cache that is a strided view (every other slot) takes the element
+    path and gives what a contiguous copy of it gives the vector path."""
+    rng = np.random.default_rng(7)
+    kvh, nh, d, bs = 2, 6, 64, 16
+    wide = [rng.standard_normal((kvh, 256, d)).astype(np.float32) for _ in range(2)]
+    if bfloat16:
+        wide = [_to_bfloat16_bits(c) for c in wide]
+    k_view, v_view = (c[:, ::2] for c in wide)
+    k_copy, v_copy = (np.ascontiguousarray(c) for c in (k_view, v_view))
+    tables = np.array([[5, 1, 7, 3], [0, 2, 4, 6]], dtype=np.int64)
+    lens = np.array([50, 64], dtype=np.int64)
+    q = rng.standard_normal((2, nh, d)).astype(np.float32)
+    got = kernels.decode_attention(q, k_view, v_view, tables, lens, None, 0.125, bs)
+    dense = kernels.decode_attention(q, k_copy, v_copy, tables, lens, None, 0.125, bs)
+    if bfloat16:
+        k_copy, v_copy = _from_bfloat16_bits(k_copy), _from_bfloat16_bits(v_copy)
+    want = _reference_decode(q, k_copy, v_copy, tables, lens, None, 0.125, bs)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(dense, want, atol=2e-6, rtol=1e-5)
 
 
 def _to_bfloat16_bits(x: np.ndarray) -> np.ndarray:

@@ -34,6 +34,7 @@ import numpy as np
 from decode_step import decode_step
 
 from structllm.model import quant_kernels
+from structllm.model._paddle import set_num_threads
 from structllm.model.loader import load_model
 from structllm.model.quantized import QuantizedLinear
 
@@ -41,6 +42,7 @@ BS = 16
 
 
 def _load(args: argparse.Namespace) -> Any:
+    set_num_threads(args.threads)  # as the engine core does: kernels and Paddle
     return load_model(
         args.gguf,
         num_threads=args.threads,

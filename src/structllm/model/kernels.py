@@ -286,6 +286,15 @@ def _vstore(a: np.ndarray, index: int, v: Any) -> None:  # pragma: no cover
     """Write ``v`` to the float32 ``a.flat[index:index + 16]``."""
 
 
+def _vcache(a: np.ndarray, index: int) -> Any:  # pragma: no cover - compiled
+    """The 16 cache elements ``a.flat[index:index + 16]`` as float32 (a
+    bfloat16 cache's bits widened, as :func:`_load` widens one)."""
+
+
+def _vsum(v: Any) -> Any:  # pragma: no cover - compiled
+    """The sum of a vector's lanes (halves folded onto each other)."""
+
+
 def _define_vectors() -> None:
     """Register the vector type, its intrinsics and operators with numba."""
     ir = importlib.import_module("llvmlite.ir")
@@ -340,7 +349,40 @@ def _define_vectors() -> None:
 
         return numba.types.none(a, index, v), codegen
 
+    def cache_typer(typingctx: Any, a: Any, index: Any) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            if a.dtype != numba.types.uint16:
+                return builder.load(pointer(context, builder, sig, args), align=4)
+            array = context.make_array(sig.args[0])(context, builder, args[0])
+            address = builder.gep(array.data, [args[1]])
+            i16s = ir.VectorType(ir.IntType(16), _LANES)
+            bits = builder.load(builder.bitcast(address, i16s.as_pointer()), align=2)
+            i32s = ir.VectorType(i32, _LANES)
+            wide = builder.shl(
+                builder.zext(bits, i32s), ir.Constant(i32s, [16] * _LANES)
+            )
+            return builder.bitcast(wide, vty)
+
+        return vector(a, index), codegen
+
+    def sum_typer(typingctx: Any, v: Any) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            v = args[0]
+            width = _LANES // 2
+            while width:  # log2(16) shuffles and adds
+                mask = [i + width if i < width else i for i in range(_LANES)]
+                high = builder.shuffle_vector(
+                    v, v, ir.Constant(ir.VectorType(i32, _LANES), mask)
+                )
+                v = builder.fadd(v, high, flags=("fast",))
+                width //= 2
+            return builder.extract_element(v, ir.Constant(i32, 0))
+
+        return numba.types.float32(v), codegen
+
     g = globals()
+    g["_vcache"] = extending.intrinsic(cache_typer)
+    g["_vsum"] = extending.intrinsic(sum_typer)
     g["_vzero"] = extending.intrinsic(zero_typer)
     g["_vsplat"] = extending.intrinsic(splat_typer)
     g["_vload"] = extending.intrinsic(load_typer)
@@ -475,7 +517,7 @@ def _rope_and_write(
 
 
 @_jit(inline=True)
-def _attend_one(
+def _attend_one_scalar(
     bh: int,  # row b = bh // kvh, kv head h = bh % kvh
     q: np.ndarray,  # (B, nh, d)
     k_cache: np.ndarray,  # (kvh, S, d)
@@ -487,8 +529,8 @@ def _attend_one(
     block_size: int,
     out: np.ndarray,  # (B, nh, d)
 ) -> None:  # pragma: no cover - compiled
-    """One row's queries of one kv head (its GQA group) over that head's
-    cached keys and values."""
+    """:func:`_attend_one` an element at a time, for any head size and
+    layout."""
     nh, d = q.shape[1], q.shape[2]
     kvh = k_cache.shape[0]
     g_len = nh // kvh
@@ -540,6 +582,130 @@ def _attend_one(
     for g in range(g_len):
         for e in range(d):
             out[b, h * g_len + g, e] = acc_out[g, e]
+
+
+@_jit(inline=True)
+def _attend_one(
+    bh: int,  # row b = bh // kvh, kv head h = bh % kvh
+    q: np.ndarray,  # (B, nh, d)
+    k_cache: np.ndarray,  # (kvh, S, d)
+    v_cache: np.ndarray,
+    tables: np.ndarray,  # (B, max_blocks) int64
+    lens: np.ndarray,  # (B,) int64: keys each row sees, the new one included
+    window: int,  # 0: all earlier keys; else the last `window` of them
+    scale: float,
+    block_size: int,
+    out: np.ndarray,  # (B, nh, d)
+) -> None:  # pragma: no cover - compiled
+    """One row's queries of one kv head (its GQA group) over that head's
+    cached keys and values.
+
+    Head sizes of whole vectors over C-contiguous caches take vectors: a
+    key's score is one vector of products folded once (the loop over the
+    head was left to LLVM, which kept the sum's dependence from element to
+    element), and the values are added into a chunk of 4 vectors per
+    block of keys, the running sums in registers across the block. Each
+    key and value is read once, block by block: the scores first, then the
+    weighted values. Other shapes go element by element
+    (:func:`_attend_one_scalar`)."""
+    nh, d = q.shape[1], q.shape[2]
+    kvh, slots = k_cache.shape[0], k_cache.shape[1]
+    size = k_cache.itemsize
+    dense = (
+        d % _LANES == 0
+        and k_cache.strides[2] == size
+        and k_cache.strides[1] == d * size
+        and k_cache.strides[0] == slots * d * size
+        and v_cache.strides[2] == size
+        and v_cache.strides[1] == d * size
+        and v_cache.strides[0] == slots * d * size
+    )
+    if not dense:
+        _attend_one_scalar(
+            bh, q, k_cache, v_cache, tables, lens, window, scale, block_size, out
+        )
+        return
+    g_len = nh // kvh
+    b = bh // kvh
+    h = bh - b * kvh
+    n = lens[b]
+    start = n - window if 0 < window < n else 0
+    keys = n - start
+    first, last = start // block_size, (n - 1) // block_size
+    for blk in range(first, min(first + _AHEAD, last + 1)):
+        _prefetch_block(k_cache, v_cache, h, tables[b, blk], block_size)
+    qs = np.empty(g_len * d, np.float32)
+    for g in range(g_len):
+        for e in range(d):
+            qs[g * d + e] = q[b, h * g_len + g, e] * scale
+    scores = np.empty((g_len, keys), np.float32)
+    head = h * slots * d  # the head's first element
+    for blk in range(first, last + 1):
+        if blk + _AHEAD <= last:
+            _prefetch_block(k_cache, v_cache, h, tables[b, blk + _AHEAD], block_size)
+        lo = max(start, blk * block_size)
+        hi = min(n, (blk + 1) * block_size)
+        # position pos's key starts at base + pos * d
+        base = head + (tables[b, blk] - blk) * block_size * d
+        for g in range(g_len):
+            qg = g * d
+            for pos in range(lo, hi):
+                at = base + pos * d
+                a0 = a1 = _vzero()
+                for c in range(0, d - 2 * _LANES + 1, 2 * _LANES):
+                    a0 += _vload(qs, qg + c) * _vcache(k_cache, at + c)
+                    a1 += _vload(qs, qg + c + _LANES) * _vcache(
+                        k_cache, at + c + _LANES
+                    )
+                if d % (2 * _LANES):
+                    c = d - _LANES
+                    a0 += _vload(qs, qg + c) * _vcache(k_cache, at + c)
+                scores[g, pos - start] = _vsum(a0 + a1)
+    inv = np.empty(g_len, np.float32)
+    for g in range(g_len):
+        row = scores[g]
+        top = row[0]
+        for j in range(1, keys):
+            top = max(top, row[j])
+        total = np.float32(0.0)
+        for j in range(keys):
+            p = _exp(row[j] - top)
+            row[j] = p
+            total += p
+        inv[g] = np.float32(1.0) / total
+    acc = np.zeros(g_len * d, np.float32)
+    for blk in range(first, last + 1):
+        lo = max(start, blk * block_size)
+        hi = min(n, (blk + 1) * block_size)
+        base = head + (tables[b, blk] - blk) * block_size * d
+        for g in range(g_len):
+            for c in range(0, d - 4 * _LANES + 1, 4 * _LANES):
+                o = g * d + c
+                a0 = _vload(acc, o)
+                a1 = _vload(acc, o + _LANES)
+                a2 = _vload(acc, o + 2 * _LANES)
+                a3 = _vload(acc, o + 3 * _LANES)
+                for pos in range(lo, hi):
+                    p = _vsplat(scores[g, pos - start])
+                    at = base + pos * d + c
+                    a0 += p * _vcache(v_cache, at)
+                    a1 += p * _vcache(v_cache, at + _LANES)
+                    a2 += p * _vcache(v_cache, at + 2 * _LANES)
+                    a3 += p * _vcache(v_cache, at + 3 * _LANES)
+                _vstore(acc, o, a0)
+                _vstore(acc, o + _LANES, a1)
+                _vstore(acc, o + 2 * _LANES, a2)
+                _vstore(acc, o + 3 * _LANES, a3)
+            for c in range(d - d % (4 * _LANES), d, _LANES):
+                o = g * d + c
+                a0 = _vload(acc, o)
+                for pos in range(lo, hi):
+                    p = _vsplat(scores[g, pos - start])
+                    a0 += p * _vcache(v_cache, base + pos * d + c)
+                _vstore(acc, o, a0)
+    for g in range(g_len):
+        for e in range(d):
+            out[b, h * g_len + g, e] = acc[g * d + e] * inv[g]
 
 
 # Two entry points, each its own function: numba's disk cache keys compiled

@@ -227,24 +227,37 @@ def test_buffered_kernel_inputs_of_any_length_and_chunks() -> None:
 
 
 @pytest.mark.parametrize("threaded", [False, True])
-def test_buffered_kernel_panels_give_a_quads_bits(
+def test_a_tokens_bits_do_not_depend_on_the_other_tokens_of_its_kernel(
     threaded: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Past ``_TILE_FLOATS`` floats of ``x`` a chunk the buffered kernel
-    dequantizes 128-row panels and multiplies 64-token tiles; every output
-    sums in the order a quad at a time does: a token's row is the same bits
-    as in a call of a few tokens (a last panel and tile that are partial)."""
+    """From ``_OUTER_TOKENS`` tokens a call, whole 32-row panels take the
+    outer-product kernel, each output one lane's sum in input order: a
+    token's row is the same bits in any call of that many tokens (150
+    against 32 at a time, and 40 with partial tiles). The last rows, fewer
+    than 32, take the 4x4 micro-kernel, whose 128-row panels past
+    ``_TILE_FLOATS`` sum in the order a quad at a time does: the same bits
+    as in a call of a few tokens. Both are the few tokens' product to
+    float32 rounding."""
     if threaded:
         monkeypatch.setattr(kernels, "_threads", 2)
     rng = np.random.default_rng(9)
+    whole = 32 * (301 // 32)
     for kind, n in [(GGMLType.Q8_0, 576), (GGMLType.Q4_1, 1056), (GGMLType.Q6_K, 1280)]:
         raw = random_raw(kind, 301, n, seed=n)
         x = rng.standard_normal((150, n), dtype=np.float32)
         assert x.shape[0] * min(n, qk._CHUNK) > qk._TILE_FLOATS
         y = qk.matmul(x, raw, kind, 301, n, threaded=threaded)
+        for s, e in [(0, 32), (32, 64), (64, 96), (96, 128), (110, 150)]:
+            assert e - s >= qk._OUTER_TOKENS
+            part = qk.matmul(x[s:e], raw, kind, 301, n, threaded=threaded)
+            np.testing.assert_array_equal(y[s:e], part)
         for s in range(0, 150, 8):
             part = qk.matmul(x[s : s + 8], raw, kind, 301, n, threaded=threaded)
-            np.testing.assert_array_equal(y[s : s + 8], part)
+            np.testing.assert_array_equal(y[s : s + 8, whole:], part[:, whole:])
+            scale = np.abs(part).max()
+            np.testing.assert_allclose(
+                y[s : s + 8, :whole], part[:, :whole], rtol=0, atol=1e-5 * scale
+            )
 
 
 # -- q8 activations: llama.cpp's integer dot products ---------------------------

@@ -286,6 +286,16 @@ def _vstore(a: np.ndarray, index: int, v: Any) -> None:  # pragma: no cover
     """Write a float vector to the float32 ``a[index:index + 16]``."""
 
 
+def _vtranspose16(
+    src: np.ndarray, at: int, stride: int, dst: np.ndarray, to: int, step: int
+) -> None:  # pragma: no cover - compiled
+    """Write the 16 x 16 float32 block of ``src`` whose rows start at
+    ``src.flat[at + i * stride]`` into ``dst`` transposed: its column ``j``
+    is ``dst.flat[to + j * step:][:16]``. 16 loads, 4 rounds of 16
+    shuffles (each swapping the off-diagonal sub-blocks of a size), 16
+    stores."""
+
+
 def _prefetch(w: np.ndarray, index: int) -> None:  # pragma: no cover - compiled
     """Ask for the cache line of byte ``index`` of ``w``'s data (flat, past
     its end allowed: a prefetch never faults) ahead of its use."""
@@ -428,6 +438,39 @@ def _define_vectors() -> tuple[Any, Any]:
         return types.none(a, index, v), store
 
     g["_vstore"] = extending.intrinsic(store_typer)
+
+    def transpose(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        src = context.make_array(sig.args[0])(context, builder, args[0])
+        dst = context.make_array(sig.args[3])(context, builder, args[3])
+
+        def row(array: Any, start: Any, stride: Any, i: int) -> Any:
+            index = builder.add(start, builder.mul(stride, ir.Constant(stride.type, i)))
+            address = builder.gep(array.data, [index])
+            return builder.bitcast(address, vf32.as_pointer())
+
+        rows = [builder.load(row(src, args[1], args[2], i), align=4) for i in range(16)]
+        size = 8
+        while size:  # swap the off-diagonal size x size blocks
+            low = [j + 16 - size if j & size else j for j in range(16)]
+            high = [j + 16 if j & size else j + size for j in range(16)]
+            for i in range(16):
+                if not i & size:
+                    a, b = rows[i], rows[i + size]
+                    rows[i] = builder.shuffle_vector(a, b, ir.Constant(vi32, low))
+                    rows[i + size] = builder.shuffle_vector(
+                        a, b, ir.Constant(vi32, high)
+                    )
+            size //= 2
+        for i in range(16):
+            builder.store(rows[i], row(dst, args[4], args[5], i), align=4)
+        return context.get_dummy_value()
+
+    def transpose_typer(
+        typingctx: Any, src: Any, at: Any, stride: Any, dst: Any, to: Any, step: Any
+    ) -> Any:
+        return types.none(src, at, stride, dst, to, step), transpose
+
+    g["_vtranspose16"] = extending.intrinsic(transpose_typer)
 
     def prefetch(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         array = context.make_array(sig.args[0])(context, builder, args[0])
@@ -2816,6 +2859,164 @@ def _fill_quad(
         _dequantize_quad(qtype, w, r0, nrows, b0, b1, buf, lanes)
 
 
+# -- many tokens: 32 rows as the lanes of two vectors --------------------------
+#
+# From ``_OUTER_TOKENS`` tokens a call, rows of 32 are dequantized into the
+# buffer as above and transposed (16 x 16 blocks in registers) into a
+# panel whose input ``k`` is the 32 rows' weights side by side; a token's
+# input ``x[t, k]`` is broadcast and multiplied into both vectors of
+# running sums. Each output is one lane's sum over the inputs in order: no
+# horizontal sum a row, where the 4x4 micro-kernel folds 16 vector sums
+# at the end of each chunk (a third of its time at 576 inputs). 2 threads,
+# SmolLM2's four projections, Q8_0: 136 tokens 75 -> 109 G multiply-adds a
+# second, 512 tokens 77 -> 117; at 16 tokens the transposes cost more than
+# they save (51 against 70).
+
+#: from this many tokens a call multiplies transposed 32-row panels
+_OUTER_TOKENS = 32
+#: rows of a transposed panel: two vectors
+_OUTER_ROWS = 32
+
+
+@_jit(inline=True)
+def _outer8(
+    x: np.ndarray,  # (T, in)
+    t: int,  # tokens t..t+7
+    k0: int,
+    kn: int,
+    panel: np.ndarray,  # (>= kn * 32,) the rows' weights, input-major
+    out: np.ndarray,  # (T, out_features)
+    r0: int,
+    accumulate: bool,
+) -> None:  # pragma: no cover - compiled
+    """``out[t:t + 8, r0:r0 + 32] (+)= x[t:t + 8, k0:k0 + kn] @ rows.T``."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = _vzero()
+    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = _vzero()
+    x0, x1 = x[t, k0 : k0 + kn], x[t + 1, k0 : k0 + kn]
+    x2, x3 = x[t + 2, k0 : k0 + kn], x[t + 3, k0 : k0 + kn]
+    x4, x5 = x[t + 4, k0 : k0 + kn], x[t + 5, k0 : k0 + kn]
+    x6, x7 = x[t + 6, k0 : k0 + kn], x[t + 7, k0 : k0 + kn]
+    for k in range(kn):
+        u = _vfloats(panel, _OUTER_ROWS * k)
+        v = _vfloats(panel, _OUTER_ROWS * k + 16)
+        s = _vsplat(x0[k])
+        a0 += s * u
+        b0 += s * v
+        s = _vsplat(x1[k])
+        a1 += s * u
+        b1 += s * v
+        s = _vsplat(x2[k])
+        a2 += s * u
+        b2 += s * v
+        s = _vsplat(x3[k])
+        a3 += s * u
+        b3 += s * v
+        s = _vsplat(x4[k])
+        a4 += s * u
+        b4 += s * v
+        s = _vsplat(x5[k])
+        a5 += s * u
+        b5 += s * v
+        s = _vsplat(x6[k])
+        a6 += s * u
+        b6 += s * v
+        s = _vsplat(x7[k])
+        a7 += s * u
+        b7 += s * v
+    _outer_store(out, t, r0, a0, b0, accumulate)
+    _outer_store(out, t + 1, r0, a1, b1, accumulate)
+    _outer_store(out, t + 2, r0, a2, b2, accumulate)
+    _outer_store(out, t + 3, r0, a3, b3, accumulate)
+    _outer_store(out, t + 4, r0, a4, b4, accumulate)
+    _outer_store(out, t + 5, r0, a5, b5, accumulate)
+    _outer_store(out, t + 6, r0, a6, b6, accumulate)
+    _outer_store(out, t + 7, r0, a7, b7, accumulate)
+
+
+@_jit(inline=True)
+def _outer1(
+    x: np.ndarray,
+    t: int,  # one token
+    k0: int,
+    kn: int,
+    panel: np.ndarray,
+    out: np.ndarray,
+    r0: int,
+    accumulate: bool,
+) -> None:  # pragma: no cover - compiled
+    """:func:`_outer8` for one token: each lane's sum in the same order."""
+    a = b = _vzero()
+    xt = x[t, k0 : k0 + kn]
+    for k in range(kn):
+        s = _vsplat(xt[k])
+        a += s * _vfloats(panel, _OUTER_ROWS * k)
+        b += s * _vfloats(panel, _OUTER_ROWS * k + 16)
+    _outer_store(out, t, r0, a, b, accumulate)
+
+
+@_jit(inline=True)
+def _outer_store(
+    out: np.ndarray, t: int, r0: int, a: Any, b: Any, accumulate: bool
+) -> None:  # pragma: no cover - compiled
+    at = t * out.shape[1] + r0
+    if accumulate:  # a later chunk: the sums so far, then this chunk's
+        a = _vfloats(out, at) + a
+        b = _vfloats(out, at + 16) + b
+    _vstore(out, at, a)
+    _vstore(out, at + 16, b)
+
+
+@_jit(inline=True)
+def _outer_rows(
+    x: np.ndarray,  # (T, in) float32, in a multiple of 16
+    w: np.ndarray,  # (out_features, row_bytes) uint8
+    qtype: int,
+    values: int,
+    out: np.ndarray,  # (T, out_features)
+    start: int,
+    stop: int,  # start + a multiple of 32
+    lanes: int,
+) -> None:  # pragma: no cover - compiled
+    """Rows ``start..stop-1`` for every token, 32 rows a panel: up to
+    ``_PANEL`` rows' panels made at a time, then each ``_TILE`` tokens'
+    rows of ``x`` multiplied into all of them while they are in L2."""
+    t_len, n = x.shape
+    chunk = min(n, _CHUNK)
+    buf = np.zeros((_OUTER_ROWS, chunk + 16), np.float32)
+    flat = buf.reshape(-1)
+    width = buf.shape[1]
+    panels = np.empty(_PANEL * chunk, np.float32)
+    size = _OUTER_ROWS * chunk  # a panel's floats
+    for p0 in range(start, stop, _PANEL):
+        count = min(_PANEL, stop - p0) // _OUTER_ROWS
+        for c in range((n + chunk - 1) // chunk):
+            k0 = c * chunk
+            kn = min(chunk, n - k0)
+            for j in range(count):
+                r0 = p0 + _OUTER_ROWS * j
+                b0, b1 = k0 // values, (k0 + kn) // values
+                _fill_quad(qtype, w, r0, _OUTER_ROWS, b0, b1, buf, lanes)
+                for half in range(2):
+                    for kb in range(kn // 16):
+                        _vtranspose16(
+                            flat, 16 * (half * width + kb), width,
+                            panels, j * size + 16 * (kb * _OUTER_ROWS + half),
+                            _OUTER_ROWS,
+                        )  # fmt: skip
+            for t0 in range(0, t_len, _TILE):
+                t1 = min(t_len, t0 + _TILE)
+                for j in range(count):
+                    panel = panels[j * size : (j + 1) * size]
+                    r0 = p0 + _OUTER_ROWS * j
+                    t = t0
+                    while t + 8 <= t1:
+                        _outer8(x, t, k0, kn, panel, out, r0, c > 0)
+                        t += 8
+                    while t < t1:
+                        _outer1(x, t, k0, kn, panel, out, r0, c > 0)
+                        t += 1
+
+
 @_jit()
 def _matmul_rows(
     x: np.ndarray,  # (T, in) float32
@@ -2840,6 +3041,10 @@ def _matmul_rows(
             _gemv(qtype, x[t], w, out[t], start, stop)
         return
     n = x.shape[1]
+    if t_len >= _OUTER_TOKENS and n % 16 == 0 and stop - start >= _OUTER_ROWS:
+        whole = start + _OUTER_ROWS * ((stop - start) // _OUTER_ROWS)
+        _outer_rows(x, w, qtype, values, out, start, whole, lanes)
+        start = whole  # the last rows, fewer than 32: a quad at a time
     chunk = min(n, _CHUNK)
     # rows 16 floats longer than a chunk: at 1024 (4 KB) apart the micro-
     # kernel's four weight loads measured 0.89x the scalar kernel's speed

@@ -227,6 +227,13 @@ def compare(
     on ``gguf`` (unless ``llama_server`` is None) and ``structllm serve`` on
     ``model`` under each loop not skipped; writes ``{ns.out}_{tag}_{name}``."""
     t = str(ns.threads)
+    # numba's disk cache filled before any measured server starts: a server
+    # that compiles the kernels (the first after they change) holds LLVM's
+    # ~800 MiB in its peak RSS and its first requests wait for it
+    run(
+        sys.executable, "-m", "structllm.cli", "generate", model,
+        " ".join(["warm"] * 40), "--max-tokens", "2", "--num-threads", t,
+    )  # fmt: skip
     launch: dict[str, str] = {}
     if llama_server is not None and gguf is not None:
         launch["llama.cpp"] = (

@@ -27,14 +27,18 @@ activations ``x (T, in)`` by it without a float copy of the whole weight:
 - Rows are spread over the engine's threads (:func:`set_num_threads` of
   :mod:`structllm.model.kernels`, the same OpenMP pool as the attention
   kernels), in contiguous runs of whole row quads.
-- The same kernel serves decode (``T`` of 1 to 16: at batch 1 the limit
-  is bytes of weight a token over bandwidth) and prefill (``T`` in the
-  hundreds: compute-bound). For prefill, dequantizing 256-row tiles into
-  numpy's BLAS measured 10-20% faster on one thread (its AVX-512 GEMM
-  against LLVM's 256-bit vectors here) and even on two, and float32 BLAS
-  on float weights 30% faster than either (``tools/bench_quant_kernels.py
-  --prefill 256``); the kernel stays the one path for now: no Python loop
-  over tiles, and its threads are the engine's OpenMP pool.
+- From ``_OUTER_TOKENS`` (32) tokens a call, prefill's sizes, whole
+  32-row panels are transposed after dequantizing (16 x 16 blocks in
+  registers) and each token's inputs broadcast into two vectors of 32
+  rows' sums (:func:`_outer_rows`): no horizontal sum a row, 1.5-1.8x the
+  micro-kernel at 136-512 tokens. For prefill, dequantizing 256-row tiles
+  into numpy's BLAS had measured 10-20% faster than the micro-kernel on
+  one thread and even on two, and float32 BLAS on float weights 30% faster
+  than either (``tools/bench_quant_kernels.py --prefill 256``); with the
+  outer-product panels the kernel is 1.4x the tiles and level with numpy's
+  float32 BLAS on float weights (2 threads, 256 tokens: 1.0x at 1024 ->
+  3072, 0.9x at 1536 -> 576), on the engine's OpenMP pool, with no Python
+  loop over tiles.
 - Activations stay float32 by default: ``x`` is not quantized, so the
   result is the float32 product with the dequantized weight, to rounding.
   ``activations="q8"`` does what llama.cpp does instead, for the 32-value

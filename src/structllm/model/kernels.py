@@ -517,74 +517,6 @@ def _rope_and_write(
 
 
 @_jit(inline=True)
-def _attend_one_scalar(
-    bh: int,  # row b = bh // kvh, kv head h = bh % kvh
-    q: np.ndarray,  # (B, nh, d)
-    k_cache: np.ndarray,  # (kvh, S, d)
-    v_cache: np.ndarray,
-    tables: np.ndarray,  # (B, max_blocks) int64
-    lens: np.ndarray,  # (B,) int64: keys each row sees, the new one included
-    window: int,  # 0: all earlier keys; else the last `window` of them
-    scale: float,
-    block_size: int,
-    out: np.ndarray,  # (B, nh, d)
-) -> None:  # pragma: no cover - compiled
-    """:func:`_attend_one` an element at a time, for any head size and
-    layout."""
-    nh, d = q.shape[1], q.shape[2]
-    kvh = k_cache.shape[0]
-    g_len = nh // kvh
-    b = bh // kvh
-    h = bh - b * kvh
-    n = lens[b]
-    start = n - window if 0 < window < n else 0
-    keys = n - start
-    first, last = start // block_size, (n - 1) // block_size
-    for blk in range(first, min(first + _AHEAD, last + 1)):
-        _prefetch_block(k_cache, v_cache, h, tables[b, blk], block_size)
-    qs = np.empty((g_len, d), np.float32)
-    for g in range(g_len):
-        for e in range(d):
-            qs[g, e] = q[b, h * g_len + g, e] * scale
-    scores = np.empty((g_len, keys), np.float32)
-    for j in range(keys):
-        pos = start + j
-        blk = pos // block_size
-        if (pos % block_size == 0 or j == 0) and blk + _AHEAD <= last:
-            _prefetch_block(k_cache, v_cache, h, tables[b, blk + _AHEAD], block_size)
-        slot = tables[b, blk] * block_size + pos % block_size
-        for g in range(g_len):
-            acc = np.float32(0.0)
-            for e in range(d):
-                acc += qs[g, e] * _load(k_cache[h, slot, e])
-            scores[g, j] = acc
-    for g in range(g_len):
-        row = scores[g]
-        top = row[0]
-        for j in range(1, keys):
-            top = max(top, row[j])
-        total = np.float32(0.0)
-        for j in range(keys):
-            p = _exp(row[j] - top)
-            row[j] = p
-            total += p
-        inv = np.float32(1.0) / total
-        for j in range(keys):
-            row[j] *= inv
-    acc_out = np.zeros((g_len, d), np.float32)
-    for j in range(keys):
-        pos = start + j
-        slot = tables[b, pos // block_size] * block_size + pos % block_size
-        for g in range(g_len):
-            p = scores[g, j]
-            for e in range(d):
-                acc_out[g, e] += p * _load(v_cache[h, slot, e])
-    for g in range(g_len):
-        for e in range(d):
-            out[b, h * g_len + g, e] = acc_out[g, e]
-
-
-@_jit(inline=True)
 def _attend_one(
     bh: int,  # row b = bh // kvh, kv head h = bh % kvh
     q: np.ndarray,  # (B, nh, d)
@@ -598,16 +530,15 @@ def _attend_one(
     out: np.ndarray,  # (B, nh, d)
 ) -> None:  # pragma: no cover - compiled
     """One row's queries of one kv head (its GQA group) over that head's
-    cached keys and values.
+    cached keys and values, block by block: the scores first, then the
+    weighted values, each key and value read once.
 
     Head sizes of whole vectors over C-contiguous caches take vectors: a
     key's score is one vector of products folded once (the loop over the
     head was left to LLVM, which kept the sum's dependence from element to
     element), and the values are added into a chunk of 4 vectors per
-    block of keys, the running sums in registers across the block. Each
-    key and value is read once, block by block: the scores first, then the
-    weighted values. Other shapes go element by element
-    (:func:`_attend_one_scalar`)."""
+    block of keys, the running sums in registers across the block. Other
+    shapes and layouts go element by element."""
     nh, d = q.shape[1], q.shape[2]
     kvh, slots = k_cache.shape[0], k_cache.shape[1]
     size = k_cache.itemsize
@@ -620,11 +551,6 @@ def _attend_one(
         and v_cache.strides[1] == d * size
         and v_cache.strides[0] == slots * d * size
     )
-    if not dense:
-        _attend_one_scalar(
-            bh, q, k_cache, v_cache, tables, lens, window, scale, block_size, out
-        )
-        return
     g_len = nh // kvh
     b = bh // kvh
     h = bh - b * kvh
@@ -639,28 +565,32 @@ def _attend_one(
         for e in range(d):
             qs[g * d + e] = q[b, h * g_len + g, e] * scale
     scores = np.empty((g_len, keys), np.float32)
-    head = h * slots * d  # the head's first element
     for blk in range(first, last + 1):
         if blk + _AHEAD <= last:
             _prefetch_block(k_cache, v_cache, h, tables[b, blk + _AHEAD], block_size)
         lo = max(start, blk * block_size)
         hi = min(n, (blk + 1) * block_size)
-        # position pos's key starts at base + pos * d
-        base = head + (tables[b, blk] - blk) * block_size * d
+        shift = (tables[b, blk] - blk) * block_size  # position + shift: slot
         for g in range(g_len):
             qg = g * d
             for pos in range(lo, hi):
-                at = base + pos * d
-                a0 = a1 = _vzero()
-                for c in range(0, d - 2 * _LANES + 1, 2 * _LANES):
-                    a0 += _vload(qs, qg + c) * _vcache(k_cache, at + c)
-                    a1 += _vload(qs, qg + c + _LANES) * _vcache(
-                        k_cache, at + c + _LANES
-                    )
-                if d % (2 * _LANES):
-                    c = d - _LANES
-                    a0 += _vload(qs, qg + c) * _vcache(k_cache, at + c)
-                scores[g, pos - start] = _vsum(a0 + a1)
+                if dense:
+                    at = (h * slots + pos + shift) * d
+                    a0 = a1 = _vzero()
+                    for c in range(0, d - 2 * _LANES + 1, 2 * _LANES):
+                        a0 += _vload(qs, qg + c) * _vcache(k_cache, at + c)
+                        a1 += _vload(qs, qg + c + _LANES) * _vcache(
+                            k_cache, at + c + _LANES
+                        )
+                    if d % (2 * _LANES):
+                        c = d - _LANES
+                        a0 += _vload(qs, qg + c) * _vcache(k_cache, at + c)
+                    scores[g, pos - start] = _vsum(a0 + a1)
+                else:
+                    acc = np.float32(0.0)
+                    for e in range(d):
+                        acc += qs[qg + e] * _load(k_cache[h, pos + shift, e])
+                    scores[g, pos - start] = acc
     inv = np.empty(g_len, np.float32)
     for g in range(g_len):
         row = scores[g]
@@ -677,8 +607,14 @@ def _attend_one(
     for blk in range(first, last + 1):
         lo = max(start, blk * block_size)
         hi = min(n, (blk + 1) * block_size)
-        base = head + (tables[b, blk] - blk) * block_size * d
+        shift = (tables[b, blk] - blk) * block_size
         for g in range(g_len):
+            if not dense:
+                for pos in range(lo, hi):
+                    p = scores[g, pos - start]
+                    for e in range(d):
+                        acc[g * d + e] += p * _load(v_cache[h, pos + shift, e])
+                continue
             for c in range(0, d - 4 * _LANES + 1, 4 * _LANES):
                 o = g * d + c
                 a0 = _vload(acc, o)
@@ -687,7 +623,7 @@ def _attend_one(
                 a3 = _vload(acc, o + 3 * _LANES)
                 for pos in range(lo, hi):
                     p = _vsplat(scores[g, pos - start])
-                    at = base + pos * d + c
+                    at = (h * slots + pos + shift) * d + c
                     a0 += p * _vcache(v_cache, at)
                     a1 += p * _vcache(v_cache, at + _LANES)
                     a2 += p * _vcache(v_cache, at + 2 * _LANES)
@@ -701,7 +637,8 @@ def _attend_one(
                 a0 = _vload(acc, o)
                 for pos in range(lo, hi):
                     p = _vsplat(scores[g, pos - start])
-                    a0 += p * _vcache(v_cache, base + pos * d + c)
+                    at = (h * slots + pos + shift) * d + c
+                    a0 += p * _vcache(v_cache, at)
                 _vstore(acc, o, a0)
     for g in range(g_len):
         for e in range(d):

@@ -587,10 +587,10 @@ def _attend_one(
                         a0 += _vload(qs, qg + c) * _vcache(k_cache, at + c)
                     scores[g, pos - start] = _vsum(a0 + a1)
                 else:
-                    acc = np.float32(0.0)
+                    dot = np.float32(0.0)
                     for e in range(d):
-                        acc += qs[qg + e] * _load(k_cache[h, pos + shift, e])
-                    scores[g, pos - start] = acc
+                        dot += qs[qg + e] * _load(k_cache[h, pos + shift, e])
+                    scores[g, pos - start] = dot
     inv = np.empty(g_len, np.float32)
     for g in range(g_len):
         row = scores[g]

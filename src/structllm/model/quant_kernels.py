@@ -2872,9 +2872,9 @@ def _fill_quad(
 # running sums. Each output is one lane's sum over the inputs in order: no
 # horizontal sum a row, where the 4x4 micro-kernel folds 16 vector sums
 # at the end of each chunk (a third of its time at 576 inputs). 2 threads,
-# SmolLM2's four projections, Q8_0: 136 tokens 75 -> 109 G multiply-adds a
-# second, 512 tokens 77 -> 117; at 16 tokens the transposes cost more than
-# they save (51 against 70).
+# SmolLM2's four projections, Q8_0: 136 tokens 75 -> 118 G multiply-adds a
+# second, 512 tokens 75 -> 134; at 16 tokens the transposes cost more than
+# they save (38 against 66).
 
 #: from this many tokens a call multiplies transposed 32-row panels
 _OUTER_TOKENS = 32
@@ -3000,9 +3000,9 @@ def _outer_rows(
         for c in range((n + chunk - 1) // chunk):
             k0 = c * chunk
             kn = min(chunk, n - k0)
+            b0, b1 = k0 // values, (k0 + kn) // values
             for j in range(count):
                 r0 = p0 + _OUTER_ROWS * j
-                b0, b1 = k0 // values, (k0 + kn) // values
                 _fill_quad(qtype, w, r0, _OUTER_ROWS, b0, b1, buf, lanes)
                 for half in range(2):
                     for kb in range(kn // 16):

@@ -144,7 +144,7 @@ def test_q8k_equals_the_integer_arithmetic(
     for n in (256, 768):
         for rows in (1, 7, 130):  # odd rows: the two-row GEMV's last alone
             raw = random_raw(kind, rows, n, seed=rows + n)
-            for t_len in (1, 2, 3, 4, 7):  # GEMVs of 4, 2 and 1 tokens
+            for t_len in (1, 2, 3, 4, 7, 9):  # GEMVs of 4, 2, 1; panels
                 x = rng.standard_normal((t_len, n), dtype=np.float32)
                 x[0, :256] = 0.0  # a zero block: d 0, no division
                 y = qk.matmul(
@@ -157,22 +157,34 @@ def test_q8k_equals_the_integer_arithmetic(
 
 @pytest.mark.parametrize("kind", sorted(qk.Q8_TYPES | qk.Q8K_TYPES))
 def test_q8_token_results_do_not_depend_on_the_batch(kind: GGMLType) -> None:
-    """A token's q8 result is the same bits whether it comes alone or with
-    others (GEMVs of 4, 2 and 1 tokens, one and two rows a pass)."""
+    """A token's q8 result is the same bits whatever else is in its call:
+    below ``_Q8_PANEL_TOKENS`` tokens (GEMVs of 4, 2 and 1 tokens, one and
+    two rows a pass) the same as alone; from it (byte panels, 4 tokens and
+    1 at a time; the 5 rows past the panel by the GEMVs) the same in any
+    such call. The two ways differ in float32 summation order only."""
     rng = np.random.default_rng(3)
+    few = qk._Q8_PANEL_TOKENS
     ins = (512,) if kind in qk.Q8K_TYPES else (96, 512)  # 96: an odd block
     for n in ins:
-        raw = _random_any(kind, 37, n)
-        x = rng.standard_normal((11, n), dtype=np.float32)
+        raw = _random_any(kind, 37, n)  # a 32-row panel and 5 rows
+        x = rng.standard_normal((2 * few + 3, n), dtype=np.float32)
         alone = np.concatenate(
             [
                 qk.matmul(x[t : t + 1], raw, kind, 37, n, activations="q8")
-                for t in range(11)
+                for t in range(len(x))
             ]
         )
-        for t_len in (2, 3, 4, 5, 11):
+        for t_len in (2, 3, 4, 5, few - 1):
             y = qk.matmul(x[:t_len], raw, kind, 37, n, activations="q8")
             np.testing.assert_array_equal(y, alone[:t_len])
+        many = qk.matmul(x, raw, kind, 37, n, activations="q8")
+        for t_len in (few, few + 1, few + 3):  # other tokens in each four
+            y = qk.matmul(x[-t_len:], raw, kind, 37, n, activations="q8")
+            np.testing.assert_array_equal(y, many[-t_len:])
+        np.testing.assert_array_equal(many[:, 32:], alone[:, 32:])
+        scale = np.abs(alone).max()
+        np.testing.assert_allclose(many, alone, rtol=0, atol=1e-5 * scale)
+        assert not np.array_equal(many[:, :32], alone[:, :32])  # panels ran
 
 
 def _random_any(kind: GGMLType, rows: int, n: int) -> np.ndarray:
@@ -212,9 +224,10 @@ data = np.load(sys.argv[1])
 out = {}
 for kind in sorted(qk.Q8K_TYPES):
     raw = data[kind.name]
-    out[kind.name] = qk.matmul(
-        data["x"], raw, kind, raw.shape[0], 512, activations="q8"
-    )
+    for t_len in (7, 11):  # GEMVs; byte panels (and the last rows' GEMVs)
+        out[f"{kind.name}{t_len}"] = qk.matmul(
+            data["x"][:t_len], raw, kind, raw.shape[0], 512, activations="q8"
+        )
 np.savez(sys.argv[2], **out)
 """
 
@@ -235,9 +248,9 @@ def test_q8k_dot_products_on_other_instruction_sets(isa: str, tmp_path: Any) -> 
     if isa == "avx512bw" and not features.get("avx512bw"):
         pytest.skip("no AVX-512BW")
     rng = np.random.default_rng(5)
-    inputs = {"x": rng.standard_normal((7, 512), dtype=np.float32)}
+    inputs = {"x": rng.standard_normal((11, 512), dtype=np.float32)}
     for kind in KINDS:
-        inputs[kind.name] = random_raw(kind, 5, 512, seed=int(kind))
+        inputs[kind.name] = random_raw(kind, 37, 512, seed=int(kind))
     np.savez(tmp_path / "in.npz", **inputs)
     env = dict(
         os.environ,
@@ -252,5 +265,8 @@ def test_q8k_dot_products_on_other_instruction_sets(isa: str, tmp_path: Any) -> 
     )
     with np.load(tmp_path / "out.npz") as got:
         for kind in KINDS:
-            want, bound = q8k_matmul_reference(inputs["x"], inputs[kind.name], kind)
-            assert np.all(np.abs(got[kind.name] - want) <= bound), kind.name
+            for t_len in (7, 11):
+                x = inputs["x"][:t_len]
+                want, bound = q8k_matmul_reference(x, inputs[kind.name], kind)
+                y = got[f"{kind.name}{t_len}"]
+                assert np.all(np.abs(y - want) <= bound), (kind.name, t_len)

@@ -605,6 +605,27 @@ def _vdotsc(u: Any, s: Any, scales: Any) -> Any:  # pragma: no cover
     products fits int16 (``u`` at most 63 against ``s`` in -127..127)."""
 
 
+def _bsplat4(a: np.ndarray, index: int) -> Any:  # pragma: no cover
+    """The 4 bytes ``a[index:index + 4]`` repeated 16 times (64 bytes)."""
+
+
+def _bflip(v: Any) -> Any:  # pragma: no cover
+    """Signed bytes as unsigned, plus 128 (their top bits flipped)."""
+
+
+def _bstore(a: np.ndarray, index: int, v: Any) -> None:  # pragma: no cover
+    """Write 64 bytes to ``a[index:index + 64]`` (a byte array)."""
+
+
+def _vdotacc(acc: Any, u: Any, s: Any) -> Any:  # pragma: no cover
+    """``acc + _vdot(u, s)``: one ``vpdpbusd`` into ``acc`` with VNNI."""
+
+
+def _vfma(a: Any, b: Any, c: Any) -> Any:  # pragma: no cover
+    """``a * b + c`` rounded once (``llvm.fma``): a float vector sum whose
+    order the fast-math flags of ``+`` and ``*`` cannot change."""
+
+
 def _f16_round(v: Any) -> float:  # pragma: no cover
     """``v`` rounded to the nearest IEEE half (ties to even), as float32."""
     return float(np.float32(np.float16(v)))
@@ -859,6 +880,37 @@ def _define_byte_vectors(fvec: Any, ivec: Any) -> None:
         )
         return dot(builder, absolute, signed)
 
+    def splat4(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        word = load(builder, address(context, builder, sig, args, 1), i32)
+        undef = ir.Constant(vi32, ir.Undefined)
+        one = builder.insert_element(undef, word, ir.Constant(i32, 0))
+        zeros = ir.Constant(vi32, [0] * _VLANES)
+        return builder.bitcast(builder.shuffle_vector(one, undef, zeros), vb64)
+
+    def flip(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.xor(args[0], const(vb64, [-128] * 64))
+
+    def store(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        pointer = address(context, builder, sig, args, 1)
+        builder.store(args[2], builder.bitcast(pointer, vb64.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    def dot_acc(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        acc, u, s = args
+        if isa == "vnni":
+            return call(
+                builder,
+                "llvm.x86.avx512.vpdpbusd.512",
+                vi32,
+                acc,
+                builder.bitcast(u, vi32),
+                builder.bitcast(s, vi32),
+            )
+        return builder.add(acc, dot(builder, u, s))
+
+    def fma(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return call(builder, "llvm.fma.v16f32", vf32, *args)
+
     def f16_round(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         v = context.cast(builder, args[0], sig.args[0], types.float32)
         return builder.fpext(builder.fptrunc(v, ir.HalfType()), f32)
@@ -893,6 +945,11 @@ def _define_byte_vectors(fvec: Any, ivec: Any) -> None:
     g["_vbytes8"] = typed(ivec, bytes8, 2)
     g["_vspread"] = extending.intrinsic(prefer_literal=True)(spread_typer)
     g["_vdotsc"] = typed(ivec, dot_scaled, 3)
+    g["_bsplat4"] = typed(bvec, splat4, 2)
+    g["_bflip"] = typed(bvec, flip, 1)
+    g["_bstore"] = typed(types.none, store, 3)
+    g["_vdotacc"] = typed(ivec, dot_acc, 3)
+    g["_vfma"] = typed(fvec, fma, 3)
 
     implement = typed(bvec, lambda c, b, sig, args: b.or_(*args), 2)
 
@@ -2282,11 +2339,69 @@ def _q8_arrays(x: np.ndarray, qtype: int) -> Any:  # pragma: no cover - compiled
 
 
 @_jit()
+def _q8_groups(
+    qtype: int, xq: np.ndarray, dx: np.ndarray, sx: np.ndarray
+) -> Any:  # pragma: no cover - compiled
+    """The byte panels' per-block activation terms from the Q8_0/Q8_1
+    arrays: ``d_x``, the integer sums' start (minus the weights' offset
+    times the block's sum) and ``s_x`` (Q8_1's, for the mins)."""
+    t_len, nb = xq.shape[0], xq.shape[1] // 32
+    offset = 128 if qtype == 8 else 8 if qtype == 2 else 16 if qtype == 6 else 0
+    gd = np.empty((t_len, nb), np.float32)
+    gi = np.empty((t_len, nb), np.int32)
+    gm = np.empty((t_len, nb), np.float32)
+    for t in range(t_len):
+        for b in range(nb):
+            total = np.int32(0)
+            for j in range(32):
+                total += np.int32(xq[t, 32 * b + j])
+            gd[t, b] = dx[t, 8 * b]
+            gi[t, b] = -offset * total
+            gm[t, b] = sx[t, 8 * b] * np.float32(8.0)  # stored an eighth a lane
+    return gd, gi, gm
+
+
+@_jit()
+def _q8_panels(
+    qtype: int,
+    xq: np.ndarray,
+    gd: np.ndarray,
+    gi: np.ndarray,
+    gm: np.ndarray,
+    w: np.ndarray,
+    n: int,
+    out: np.ndarray,
+    start: int,
+    stop: int,
+) -> None:  # pragma: no cover - compiled
+    """:func:`_q8_panel_rows` for ``qtype`` (each type its own kernel)."""
+    if qtype == 8:
+        _q8_panel_rows(8, xq, gd, gi, gm, w, 32, n, out, start, stop)
+    elif qtype == 2:
+        _q8_panel_rows(2, xq, gd, gi, gm, w, 32, n, out, start, stop)
+    elif qtype == 3:
+        _q8_panel_rows(3, xq, gd, gi, gm, w, 32, n, out, start, stop)
+    elif qtype == 6:
+        _q8_panel_rows(6, xq, gd, gi, gm, w, 32, n, out, start, stop)
+    elif qtype == 7:
+        _q8_panel_rows(7, xq, gd, gi, gm, w, 32, n, out, start, stop)
+    elif qtype == 12:
+        _q8_panel_rows(12, xq, gd, gi, gm, w, 256, n, out, start, stop)
+    else:
+        _q8_panel_rows(14, xq, gd, gi, gm, w, 256, n, out, start, stop)
+
+
+@_jit()
 def _matmul8(
     x: np.ndarray, w: np.ndarray, qtype: int, out: np.ndarray
 ) -> None:  # pragma: no cover - compiled
     xq, dx, sx, xs4 = _q8_arrays(x, qtype)
-    _matmul8_rows(xq, dx, sx, xs4, x.shape[1] // 32, w, qtype, out, 0, w.shape[0])
+    start, rows = 0, w.shape[0]
+    if _q8_panel_route(qtype, x.shape[0], rows):
+        gd, gi, gm = _q8_groups(qtype, xq, dx, sx)
+        start = _OUTER_ROWS * (rows // _OUTER_ROWS)
+        _q8_panels(qtype, xq, gd, gi, gm, w, x.shape[1], out, 0, start)
+    _matmul8_rows(xq, dx, sx, xs4, x.shape[1] // 32, w, qtype, out, start, rows)
 
 
 @_jit(parallel=True)
@@ -2296,6 +2411,15 @@ def _matmul8_parallel(
     xq, dx, sx, xs4 = _q8_arrays(x, qtype)
     nb = x.shape[1] // 32
     rows = w.shape[0]
+    if _q8_panel_route(qtype, x.shape[0], rows):
+        gd, gi, gm = _q8_groups(qtype, xq, dx, sx)
+        whole = rows // _OUTER_ROWS  # panels; the last rows by the GEMVs
+        for p in _prange(parts):
+            start = _OUTER_ROWS * (p * whole // parts)
+            stop = _OUTER_ROWS * ((p + 1) * whole // parts)
+            _q8_panels(qtype, xq, gd, gi, gm, w, x.shape[1], out, start, stop)
+        _matmul8_rows(xq, dx, sx, xs4, nb, w, qtype, out, _OUTER_ROWS * whole, rows)
+        return
     quads = (rows + _ROWS - 1) // _ROWS
     for p in _prange(parts):
         start = _ROWS * (p * quads // parts)
@@ -2592,11 +2716,39 @@ def _q8k_arrays(x: np.ndarray) -> Any:  # pragma: no cover - compiled
 
 
 @_jit()
+def _q8k_groups(
+    qtype: int, dk: np.ndarray, bs16: np.ndarray, bs32: np.ndarray
+) -> Any:  # pragma: no cover - compiled
+    """:func:`_q8_groups` from the Q8_K arrays: Q4_K's groups are its
+    sub-blocks of 32 (the mins times ``d_x`` and their sums), Q6_K's of 16
+    (the offset of 32 times their sums)."""
+    t_len, nb = dk.shape
+    per = 16 if qtype == 14 else 8  # groups a block
+    gd = np.empty((t_len, per * nb), np.float32)
+    gi = np.zeros((t_len, per * nb), np.int32)
+    gm = np.zeros((t_len, per * nb), np.float32)
+    for t in range(t_len):
+        for g in range(per * nb):
+            b = g // per
+            gd[t, g] = dk[t, b]
+            if qtype == 14:
+                gi[t, g] = -32 * bs16[t, g]
+            else:
+                gm[t, g] = dk[t, b] * np.float32(bs32[t, 16 * b + g % 8])
+    return gd, gi, gm
+
+
+@_jit()
 def _matmul8k(
     x: np.ndarray, w: np.ndarray, qtype: int, out: np.ndarray
 ) -> None:  # pragma: no cover - compiled
     xq, dk, bs16, bs32 = _q8k_arrays(x)
-    _matmul8k_rows(xq, dk, bs16, bs32, w, qtype, out, 0, w.shape[0])
+    start, rows = 0, w.shape[0]
+    if _q8_panel_route(qtype, x.shape[0], rows):
+        gd, gi, gm = _q8k_groups(qtype, dk, bs16, bs32)
+        start = _OUTER_ROWS * (rows // _OUTER_ROWS)
+        _q8_panels(qtype, xq, gd, gi, gm, w, x.shape[1], out, 0, start)
+    _matmul8k_rows(xq, dk, bs16, bs32, w, qtype, out, start, rows)
 
 
 @_jit(parallel=True)
@@ -2605,6 +2757,15 @@ def _matmul8k_parallel(
 ) -> None:  # pragma: no cover - compiled
     xq, dk, bs16, bs32 = _q8k_arrays(x)
     rows = w.shape[0]
+    if _q8_panel_route(qtype, x.shape[0], rows):
+        gd, gi, gm = _q8k_groups(qtype, dk, bs16, bs32)
+        whole = rows // _OUTER_ROWS
+        for p in _prange(parts):
+            start = _OUTER_ROWS * (p * whole // parts)
+            stop = _OUTER_ROWS * ((p + 1) * whole // parts)
+            _q8_panels(qtype, xq, gd, gi, gm, w, x.shape[1], out, start, stop)
+        _matmul8k_rows(xq, dk, bs16, bs32, w, qtype, out, _OUTER_ROWS * whole, rows)
+        return
     quads = (rows + _ROWS - 1) // _ROWS
     for p in _prange(parts):
         start = _ROWS * (p * quads // parts)
@@ -3030,6 +3191,281 @@ def _outer_rows(
                         while t < t1:
                             _outer1(x, t, k0 + ks, kl, panel, out, r0, more)
                             t += 1
+
+
+# -- q8 activations at many tokens: 32 rows' bytes as the lanes -----------------
+#
+# From ``_Q8_PANEL_TOKENS`` tokens a q8 call, whole 32-row panels go the
+# float outer product's way in integers: a panel's values unpacked to one
+# byte each (the GEMVs' unpackers; Q8_0's signed bytes plus 128) and
+# transposed as 32-bit words, so four inputs of 32 rows are two 64-byte
+# vectors; each token's four activation bytes are broadcast and one
+# ``vpdpbusd`` a vector adds their products into 16 rows' int32 sums. A
+# group of inputs that shares a weight scale (32 values, Q6_K's 16) ends in
+# one conversion and one float multiply-add a vector by ``d_w d_x`` (and
+# one by the mins: Q4_1, Q5_1, Q4_K), and the next group's integer sums
+# start from the type's offset times the group's activation sum (Q4_0's 8,
+# Q5_0's 16, Q8_0's 128, Q6_K's 32). 4 tokens x 32 rows: 8 int32 and 8
+# float sums in registers; the panel 512 inputs at a time (16 KB, in L1).
+# The integer products are exact: a token's result is llama.cpp's to
+# float32 summation order, and the same bits in any call of at least
+# ``_Q8_PANEL_TOKENS`` tokens (not the GEMVs' bits: their lanes sum in
+# another order). Q8_0's unsigned bytes reach 255, where ``vpmaddubsw``'s
+# int16 pairs saturate: without VNNI it keeps its GEMVs.
+
+#: from this many tokens a q8 call multiplies 32-row byte panels
+_Q8_PANEL_TOKENS = 8
+#: inputs of a byte panel unpacked at a time (the rest of a row: another)
+_Q8_PANEL_CHUNK = 2048
+#: inputs of a byte panel multiplied at a time: 16 KB, which stays in L1
+_Q8_PANEL_K = 512
+#: whether the host's dot products are exact on Q8_0's bytes (0..255)
+_Q8_PANEL_Q8_0 = numba is not None and _dot_isa() in ("vnni", "generic")
+
+
+@_jit()
+def _q8_unpack(
+    qtype: int,
+    w: np.ndarray,  # (out_features, row_bytes) uint8
+    r0: int,  # rows r0..r0+31
+    b0: int,
+    b1: int,  # the weight's blocks b0..b1-1
+    rows: np.ndarray,  # (32, >= the values rounded up to 64) uint8
+    sc: np.ndarray,  # (groups x 32,) float32: d_w a group, 32 rows side by side
+    mn: np.ndarray,  # (groups x 32,) float32: the mins' factor, where any
+) -> None:  # pragma: no cover - compiled
+    """A panel's values as unsigned bytes and its groups' scales."""
+    numba.literally(qtype)
+    for i in range(_OUTER_ROWS):
+        row, dst = w[r0 + i], rows[i]
+        if qtype == 12 or qtype == 14:  # K-quants: 256 values a block
+            for b in range(b0, b1):
+                k = 256 * (b - b0)
+                if qtype == 12:
+                    o = 144 * b
+                    d, dmin = _f16_at(row, o), _f16_at(row, o + 2)
+                    for p in range(4):
+                        _bstore(dst, k + 64 * p, _bnib32(row, o + 16 + 32 * p))
+                    scales = row[o + 4 : o + 16]
+                    for j in range(8):
+                        s, m = _scale_min_k4(j, scales)
+                        g = 8 * (b - b0) + j
+                        sc[32 * g + i] = d * np.float32(s)
+                        mn[32 * g + i] = -(dmin * np.float32(m))
+                else:
+                    o = 210 * b
+                    d = _f16_at(row, o + 208)
+                    _bstore(dst, k, _bq6(row, o, o + 128, 0))
+                    _bstore(dst, k + 64, _bq6(row, o, o + 128, 1))
+                    _bstore(dst, k + 128, _bq6(row, o + 64, o + 160, 0))
+                    _bstore(dst, k + 192, _bq6(row, o + 64, o + 160, 1))
+                    for j in range(16):
+                        g = 16 * (b - b0) + j
+                        sc[32 * g + i] = d * np.float32(np.int8(row[o + 192 + j]))
+            continue
+        for b in range(b0, b1, 2):  # two blocks a store (an odd last: twice)
+            g, h = b - b0, b + 1 if b + 1 < b1 else b
+            k = 32 * g
+            if qtype == 8:
+                oa, ob = 34 * b, 34 * h
+                _bstore(dst, k, _bflip(_bq8x2(row, oa + 2, ob + 2)))
+            elif qtype == 2:
+                oa, ob = 18 * b, 18 * h
+                _bstore(dst, k, _bnib2(row, oa + 2, ob + 2))
+            elif qtype == 3:
+                oa, ob = 20 * b, 20 * h
+                _bstore(dst, k, _bnib2(row, oa + 4, ob + 4))
+                mn[32 * g + i] = _f16_at(row, oa + 2)
+                mn[32 * g + 32 + i] = _f16_at(row, ob + 2)
+            elif qtype == 6:
+                oa, ob = 22 * b, 22 * h
+                q = _bnib2(row, oa + 6, ob + 6) | _bhigh2(row, oa + 2, ob + 2)
+                _bstore(dst, k, q)
+            else:  # Q5_1
+                oa, ob = 24 * b, 24 * h
+                q = _bnib2(row, oa + 8, ob + 8) | _bhigh2(row, oa + 4, ob + 4)
+                _bstore(dst, k, q)
+                mn[32 * g + i] = _f16_at(row, oa + 2)
+                mn[32 * g + 32 + i] = _f16_at(row, ob + 2)
+            sc[32 * g + i] = _f16_at(row, oa)
+            sc[32 * g + 32 + i] = _f16_at(row, ob)
+
+
+@_jit(inline=True)
+def _q8_panel4(
+    qtype: int,
+    xq: np.ndarray,  # (T, >= in) int8
+    gd: np.ndarray,  # (T, groups) float32: d_x a group
+    gi: np.ndarray,  # (T, groups) int32: the integer sums' start
+    gm: np.ndarray,  # (T, groups) float32: what the mins multiply
+    t: int,  # tokens t..t+3
+    v0: int,  # the panel's first input
+    g0: int,
+    g1: int,  # its groups g0..g1-1
+    panel: np.ndarray,  # bytes: input k's 4-byte word of row r at 128 (k // 4) + 4 r
+    sc: np.ndarray,
+    mn: np.ndarray,
+    out: np.ndarray,
+    r0: int,
+    more: bool,
+) -> None:  # pragma: no cover - compiled
+    """``out[t:t + 4, r0:r0 + 32] (+)=`` the groups' products."""
+    kg = 4 if qtype == 14 else 8  # 4-byte words a group
+    base = v0 // (4 * kg)
+    x0, x1, x2, x3 = xq[t, v0:], xq[t + 1, v0:], xq[t + 2, v0:], xq[t + 3, v0:]
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _vzero()
+    for g in range(g0, g1):
+        i0 = j0 = _vsplat(gi[t, base + g])
+        i1 = j1 = _vsplat(gi[t + 1, base + g])
+        i2 = j2 = _vsplat(gi[t + 2, base + g])
+        i3 = j3 = _vsplat(gi[t + 3, base + g])
+        for k in range(kg * g, kg * g + kg):
+            u = _bint8s(panel, 128 * k)
+            v = _bint8s(panel, 128 * k + 64)
+            s = _bsplat4(x0, 4 * k)
+            i0 = _vdotacc(i0, u, s)
+            j0 = _vdotacc(j0, v, s)
+            s = _bsplat4(x1, 4 * k)
+            i1 = _vdotacc(i1, u, s)
+            j1 = _vdotacc(j1, v, s)
+            s = _bsplat4(x2, 4 * k)
+            i2 = _vdotacc(i2, u, s)
+            j2 = _vdotacc(j2, v, s)
+            s = _bsplat4(x3, 4 * k)
+            i3 = _vdotacc(i3, u, s)
+            j3 = _vdotacc(j3, v, s)
+        d, e = _vfloats(sc, 32 * g), _vfloats(sc, 32 * g + 16)
+        s0, s1 = _vsplat(gd[t, base + g]), _vsplat(gd[t + 1, base + g])
+        s2, s3 = _vsplat(gd[t + 2, base + g]), _vsplat(gd[t + 3, base + g])
+        a0 = _vfma(d * s0, _vfloat(i0), a0)
+        b0 = _vfma(e * s0, _vfloat(j0), b0)
+        a1 = _vfma(d * s1, _vfloat(i1), a1)
+        b1 = _vfma(e * s1, _vfloat(j1), b1)
+        a2 = _vfma(d * s2, _vfloat(i2), a2)
+        b2 = _vfma(e * s2, _vfloat(j2), b2)
+        a3 = _vfma(d * s3, _vfloat(i3), a3)
+        b3 = _vfma(e * s3, _vfloat(j3), b3)
+        if qtype == 3 or qtype == 7 or qtype == 12:
+            d, e = _vfloats(mn, 32 * g), _vfloats(mn, 32 * g + 16)
+            s0, s1 = _vsplat(gm[t, base + g]), _vsplat(gm[t + 1, base + g])
+            s2, s3 = _vsplat(gm[t + 2, base + g]), _vsplat(gm[t + 3, base + g])
+            a0 = _vfma(d, s0, a0)
+            b0 = _vfma(e, s0, b0)
+            a1 = _vfma(d, s1, a1)
+            b1 = _vfma(e, s1, b1)
+            a2 = _vfma(d, s2, a2)
+            b2 = _vfma(e, s2, b2)
+            a3 = _vfma(d, s3, a3)
+            b3 = _vfma(e, s3, b3)
+    _outer_store(out, t, r0, a0, b0, more)
+    _outer_store(out, t + 1, r0, a1, b1, more)
+    _outer_store(out, t + 2, r0, a2, b2, more)
+    _outer_store(out, t + 3, r0, a3, b3, more)
+
+
+@_jit(inline=True)
+def _q8_panel1(
+    qtype: int,
+    xq: np.ndarray,
+    gd: np.ndarray,
+    gi: np.ndarray,
+    gm: np.ndarray,
+    t: int,  # one token
+    v0: int,
+    g0: int,
+    g1: int,
+    panel: np.ndarray,
+    sc: np.ndarray,
+    mn: np.ndarray,
+    out: np.ndarray,
+    r0: int,
+    more: bool,
+) -> None:  # pragma: no cover - compiled
+    """:func:`_q8_panel4` for one token: its sums in the same order."""
+    kg = 4 if qtype == 14 else 8
+    base = v0 // (4 * kg)
+    xt = xq[t, v0:]
+    a = b = _vzero()
+    for g in range(g0, g1):
+        i = j = _vsplat(gi[t, base + g])
+        for k in range(kg * g, kg * g + kg):
+            s = _bsplat4(xt, 4 * k)
+            i = _vdotacc(i, _bint8s(panel, 128 * k), s)
+            j = _vdotacc(j, _bint8s(panel, 128 * k + 64), s)
+        s0 = _vsplat(gd[t, base + g])
+        a = _vfma(_vfloats(sc, 32 * g) * s0, _vfloat(i), a)
+        b = _vfma(_vfloats(sc, 32 * g + 16) * s0, _vfloat(j), b)
+        if qtype == 3 or qtype == 7 or qtype == 12:
+            s0 = _vsplat(gm[t, base + g])
+            a = _vfma(_vfloats(mn, 32 * g), s0, a)
+            b = _vfma(_vfloats(mn, 32 * g + 16), s0, b)
+    _outer_store(out, t, r0, a, b, more)
+
+
+@_jit()
+def _q8_panel_rows(
+    qtype: int,
+    xq: np.ndarray,
+    gd: np.ndarray,
+    gi: np.ndarray,
+    gm: np.ndarray,
+    w: np.ndarray,
+    values: int,  # a weight block's
+    n: int,  # in_features
+    out: np.ndarray,
+    start: int,
+    stop: int,  # start + a multiple of 32
+) -> None:  # pragma: no cover - compiled
+    """Rows ``start..stop-1`` for every token, 32 rows a panel."""
+    numba.literally(qtype)
+    t_len = xq.shape[0]
+    group = 16 if qtype == 14 else 32
+    chunk = min(n, values * max(1, _Q8_PANEL_CHUNK // values))
+    width = 64 * ((chunk + 63) // 64)
+    buf = np.zeros((_OUTER_ROWS, width // 4), np.float32)
+    flat = buf.reshape(-1)
+    rows = buf.view(np.uint8)
+    panel = np.empty(8 * width, np.float32)  # 32 rows' bytes
+    panel8 = panel.view(np.uint8)
+    sc = np.zeros(_OUTER_ROWS * (width // group), np.float32)
+    mn = np.zeros(_OUTER_ROWS * (width // group), np.float32)
+    step = _Q8_PANEL_K // group
+    for r0 in range(start, stop, _OUTER_ROWS):
+        for v0 in range(0, n, chunk):
+            kn = min(chunk, n - v0)
+            _q8_unpack(qtype, w, r0, v0 // values, (v0 + kn) // values, rows, sc, mn)
+            words = width // 4
+            for half in range(2):
+                for kb in range((kn + 63) // 64):
+                    _vtranspose16(
+                        flat, 16 * (half * words + kb), words,
+                        panel, 16 * (kb * _OUTER_ROWS + half), _OUTER_ROWS,
+                    )  # fmt: skip
+            groups = kn // group
+            for g0 in range(0, groups, step):
+                g1 = min(groups, g0 + step)
+                more = v0 > 0 or g0 > 0
+                t = 0
+                while t + 4 <= t_len:
+                    _q8_panel4(
+                        qtype, xq, gd, gi, gm, t, v0, g0, g1,
+                        panel8, sc, mn, out, r0, more,
+                    )  # fmt: skip
+                    t += 4
+                while t < t_len:
+                    _q8_panel1(
+                        qtype, xq, gd, gi, gm, t, v0, g0, g1,
+                        panel8, sc, mn, out, r0, more,
+                    )  # fmt: skip
+                    t += 1
+
+
+@_jit()
+def _q8_panel_route(qtype: int, t_len: int, rows: int) -> bool:  # pragma: no cover
+    """Whether a q8 call of ``t_len`` tokens multiplies byte panels."""
+    if t_len < _Q8_PANEL_TOKENS or rows < _OUTER_ROWS:
+        return False
+    return qtype != 8 or _Q8_PANEL_Q8_0
 
 
 @_jit()

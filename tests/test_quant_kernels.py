@@ -288,7 +288,7 @@ def test_q8_blocks_round_as_llama_cpp_on_x86() -> None:
     )
     x[0, :8] = [127.0, 2.5, -2.5, 3.5, 0.5, -0.5, 1.5, -126.5]  # multiplier 1
     x[1, 32:64] = 0.0  # a zero block
-    xq, dx, _, _ = qk._q8_arrays(x, GGMLType.Q8_0)
+    xq, dx = qk._q8_arrays(x, GGMLType.Q8_0)[:2]
     q, d, _ = q8_reference(x)
     np.testing.assert_array_equal(xq[:, :96].astype(np.int64), q.reshape(6, 96))
     np.testing.assert_array_equal(dx[:, : 8 * 3 : 8], d)

@@ -621,6 +621,25 @@ def _vdotacc(acc: Any, u: Any, s: Any) -> Any:  # pragma: no cover
     """``acc + _vdot(u, s)``: one ``vpdpbusd`` into ``acc`` with VNNI."""
 
 
+def _vabsmax2(a: Any, b: Any) -> float:  # pragma: no cover
+    """The largest magnitude among two float vectors' lanes."""
+    return 0.0
+
+
+def _vround(v: Any, scale: float) -> Any:  # pragma: no cover
+    """``np.rint(v * scale)`` lane by lane (float32, half to even) as int32:
+    the multiply IEEE's, not fast-math's."""
+
+
+def _vstore8(a: np.ndarray, index: int, v: Any) -> None:  # pragma: no cover
+    """Write an int32 vector's lanes, truncated to bytes, to ``a[index:][:16]``."""
+
+
+def _visum(v: Any) -> int:  # pragma: no cover
+    """The sum of an int32 vector's lanes."""
+    return 0
+
+
 def _vfma(a: Any, b: Any, c: Any) -> Any:  # pragma: no cover
     """``a * b + c`` rounded once (``llvm.fma``): a float vector sum whose
     order the fast-math flags of ``+`` and ``*`` cannot change."""
@@ -908,6 +927,30 @@ def _define_byte_vectors(fvec: Any, ivec: Any) -> None:
             )
         return builder.add(acc, dot(builder, u, s))
 
+    def absmax2(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        a, b = (call(builder, "llvm.fabs.v16f32", vf32, v) for v in args)
+        top = call(builder, "llvm.maxnum.v16f32", vf32, a, b)
+        return call(builder, "llvm.vector.reduce.fmax.v16f32", f32, top)
+
+    def round_(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        scale = context.cast(builder, args[1], sig.args[1], types.float32)
+        undef = ir.Constant(vf32, ir.Undefined)
+        one = builder.insert_element(undef, scale, ir.Constant(i32, 0))
+        splat = builder.shuffle_vector(one, undef, const(vi32, [0] * _VLANES))
+        product = builder.fmul(args[0], splat)
+        return builder.fptosi(call(builder, "llvm.rint.v16f32", vf32, product), vi32)
+
+    def store8(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        pointer = address(context, builder, sig, args, 1)
+        narrow = builder.trunc(args[2], ir.VectorType(i8, _VLANES))
+        builder.store(
+            narrow, builder.bitcast(pointer, narrow.type.as_pointer()), align=1
+        )
+        return context.get_dummy_value()
+
+    def isum(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return call(builder, "llvm.vector.reduce.add.v16i32", i32, args[0])
+
     def fma(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         return call(builder, "llvm.fma.v16f32", vf32, *args)
 
@@ -950,6 +993,10 @@ def _define_byte_vectors(fvec: Any, ivec: Any) -> None:
     g["_bstore"] = typed(types.none, store, 3)
     g["_vdotacc"] = typed(ivec, dot_acc, 3)
     g["_vfma"] = typed(fvec, fma, 3)
+    g["_vabsmax2"] = typed(types.float32, absmax2, 2)
+    g["_vround"] = typed(ivec, round_, 2)
+    g["_vstore8"] = typed(types.none, store8, 3)
+    g["_visum"] = typed(types.int32, isum, 1)
 
     implement = typed(bvec, lambda c, b, sig, args: b.or_(*args), 2)
 
@@ -1924,28 +1971,36 @@ def _quantize_q8(
     dx: np.ndarray,  # (T, 16 pairs) float32
     sx: np.ndarray,  # (T, 16 pairs) float32
     xs4: np.ndarray,  # (T, 16 pairs) int32
-    offset: int,  # the weight type's: 8 (Q4_0), 16 (Q5_0), else 0
+    gd: np.ndarray,  # (T, blocks) float32: d, once a block (byte panels)
+    gi: np.ndarray,  # (T, blocks) int32: the panels' offset times sum(q)
+    gm: np.ndarray,  # (T, blocks) float32: s
+    qtype: int,  # the weight's
+    t0: int,
+    t1: int,  # tokens t0..t1-1
 ) -> None:  # pragma: no cover - compiled
     nb = x.shape[1] // 32
-    for t in range(x.shape[0]):
+    # the weight type's offset: 8 (Q4_0), 16 (Q5_0), else 0; the byte
+    # panels hold Q8_0's values plus 128
+    offset = 8 if qtype == 2 else 16 if qtype == 6 else 0
+    panel_offset = 128 if qtype == 8 else offset
+    for t in range(t0, t1):
         xt, qt, dt, st, ft = x[t], xq[t], dx[t], sx[t], xs4[t]
         for b in range(nb):
-            amax = np.float32(0.0)
-            for j in range(32):
-                amax = max(amax, abs(xt[32 * b + j]))
+            v0, v1 = _vfloats(xt, 32 * b), _vfloats(xt, 32 * b + 16)
+            amax = _vabsmax2(v0, v1)
             d = amax / np.float32(127.0)
             inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
-            total = np.int32(0)
-            for j in range(32):
-                q = np.int32(np.rint(xt[32 * b + j] * inv))  # half to even
-                qt[32 * b + j] = q
-                total += q
+            q0, q1 = _vround(v0, inv), _vround(v1, inv)  # half to even
+            _vstore8(qt, 32 * b, q0)
+            _vstore8(qt, 32 * b + 16, q1)
+            total = _visum(q0 + q1)
             dh = _f16_round(d)
             sh = _f16_round(np.float32(total) * d)
             for j in range(8):
                 dt[8 * b + j] = dh
                 st[8 * b + j] = sh * np.float32(0.125)
-            for j in range(8):
+            gd[t, b], gi[t, b], gm[t, b] = dh, -panel_offset * total, sh
+            for j in range(8 if offset else 0):
                 ft[8 * b + j] = np.int32(offset) * (
                     np.int32(qt[32 * b + 4 * j])
                     + np.int32(qt[32 * b + 4 * j + 1])
@@ -2327,38 +2382,26 @@ def _matmul8_rows(
 
 
 @_jit()
-def _q8_arrays(x: np.ndarray, qtype: int) -> Any:  # pragma: no cover - compiled
+def _q8_empty(x: np.ndarray) -> Any:  # pragma: no cover - compiled
+    """The q8 arrays of :func:`_quantize_q8` for ``x``, zero."""
     t_len, nb = x.shape[0], x.shape[1] // 32
     pairs = (nb + 1) // 2
-    xq = np.zeros((t_len, 64 * pairs), np.int8)
-    dx = np.zeros((t_len, 16 * pairs), np.float32)
-    sx = np.zeros((t_len, 16 * pairs), np.float32)
-    xs4 = np.zeros((t_len, 16 * pairs), np.int32)
-    _quantize_q8(x, xq, dx, sx, xs4, 8 if qtype == 2 else 16 if qtype == 6 else 0)
-    return xq, dx, sx, xs4
+    return (
+        np.zeros((t_len, 64 * pairs), np.int8),
+        np.zeros((t_len, 16 * pairs), np.float32),
+        np.zeros((t_len, 16 * pairs), np.float32),
+        np.zeros((t_len, 16 * pairs), np.int32),
+        np.empty((t_len, nb), np.float32),
+        np.empty((t_len, nb), np.int32),
+        np.empty((t_len, nb), np.float32),
+    )
 
 
 @_jit()
-def _q8_groups(
-    qtype: int, xq: np.ndarray, dx: np.ndarray, sx: np.ndarray
-) -> Any:  # pragma: no cover - compiled
-    """The byte panels' per-block activation terms from the Q8_0/Q8_1
-    arrays: ``d_x``, the integer sums' start (minus the weights' offset
-    times the block's sum) and ``s_x`` (Q8_1's, for the mins)."""
-    t_len, nb = xq.shape[0], xq.shape[1] // 32
-    offset = 128 if qtype == 8 else 8 if qtype == 2 else 16 if qtype == 6 else 0
-    gd = np.empty((t_len, nb), np.float32)
-    gi = np.empty((t_len, nb), np.int32)
-    gm = np.empty((t_len, nb), np.float32)
-    for t in range(t_len):
-        for b in range(nb):
-            total = np.int32(0)
-            for j in range(32):
-                total += np.int32(xq[t, 32 * b + j])
-            gd[t, b] = dx[t, 8 * b]
-            gi[t, b] = -offset * total
-            gm[t, b] = sx[t, 8 * b] * np.float32(8.0)  # stored an eighth a lane
-    return gd, gi, gm
+def _q8_arrays(x: np.ndarray, qtype: int) -> Any:  # pragma: no cover - compiled
+    xq, dx, sx, xs4, gd, gi, gm = _q8_empty(x)
+    _quantize_q8(x, xq, dx, sx, xs4, gd, gi, gm, qtype, 0, x.shape[0])
+    return xq, dx, sx, xs4, gd, gi, gm
 
 
 @_jit()
@@ -2395,10 +2438,9 @@ def _q8_panels(
 def _matmul8(
     x: np.ndarray, w: np.ndarray, qtype: int, out: np.ndarray
 ) -> None:  # pragma: no cover - compiled
-    xq, dx, sx, xs4 = _q8_arrays(x, qtype)
+    xq, dx, sx, xs4, gd, gi, gm = _q8_arrays(x, qtype)
     start, rows = 0, w.shape[0]
     if _q8_panel_route(qtype, x.shape[0], rows):
-        gd, gi, gm = _q8_groups(qtype, xq, dx, sx)
         start = _OUTER_ROWS * (rows // _OUTER_ROWS)
         _q8_panels(qtype, xq, gd, gi, gm, w, x.shape[1], out, 0, start)
     _matmul8_rows(xq, dx, sx, xs4, x.shape[1] // 32, w, qtype, out, start, rows)
@@ -2408,11 +2450,15 @@ def _matmul8(
 def _matmul8_parallel(
     x: np.ndarray, w: np.ndarray, qtype: int, out: np.ndarray, parts: int
 ) -> None:  # pragma: no cover - compiled
-    xq, dx, sx, xs4 = _q8_arrays(x, qtype)
-    nb = x.shape[1] // 32
-    rows = w.shape[0]
-    if _q8_panel_route(qtype, x.shape[0], rows):
-        gd, gi, gm = _q8_groups(qtype, xq, dx, sx)
+    t_len, nb, rows = x.shape[0], x.shape[1] // 32, w.shape[0]
+    xq, dx, sx, xs4, gd, gi, gm = _q8_empty(x)
+    if t_len >= 2 * _Q8_PANEL_TOKENS:  # the tokens quantized in parts too
+        for p in _prange(parts):
+            t0, t1 = p * t_len // parts, (p + 1) * t_len // parts
+            _quantize_q8(x, xq, dx, sx, xs4, gd, gi, gm, qtype, t0, t1)
+    else:
+        _quantize_q8(x, xq, dx, sx, xs4, gd, gi, gm, qtype, 0, t_len)
+    if _q8_panel_route(qtype, t_len, rows):
         whole = rows // _OUTER_ROWS  # panels; the last rows by the GEMVs
         for p in _prange(parts):
             start = _OUTER_ROWS * (p * whole // parts)
@@ -2454,9 +2500,11 @@ def _quantize_q8k(
     dk: np.ndarray,  # (T, blocks) float32
     bs16: np.ndarray,  # (T, 16 blocks) int32
     bs32: np.ndarray,  # (T, 16 blocks) int32, zeros
+    t0: int,
+    t1: int,  # tokens t0..t1-1
 ) -> None:  # pragma: no cover - compiled
     nb = x.shape[1] // 256
-    for t in range(x.shape[0]):
+    for t in range(t0, t1):
         xt, qt, dt, s16, s32 = x[t], xq[t], dk[t], bs16[t], bs32[t]
         for b in range(nb):
             amax = top = np.float32(0.0)
@@ -2705,13 +2753,20 @@ def _matmul8k_rows(
 
 
 @_jit()
-def _q8k_arrays(x: np.ndarray) -> Any:  # pragma: no cover - compiled
+def _q8k_empty(x: np.ndarray) -> Any:  # pragma: no cover - compiled
+    """The Q8_K arrays of :func:`_quantize_q8k` for ``x`` (``bs32`` zero)."""
     t_len, nb = x.shape[0], x.shape[1] // 256
     xq = np.empty((t_len, 256 * nb), np.int8)
     dk = np.empty((t_len, nb), np.float32)
     bs16 = np.empty((t_len, 16 * nb), np.int32)
     bs32 = np.zeros((t_len, 16 * nb), np.int32)
-    _quantize_q8k(x, xq, dk, bs16, bs32)
+    return xq, dk, bs16, bs32
+
+
+@_jit()
+def _q8k_arrays(x: np.ndarray) -> Any:  # pragma: no cover - compiled
+    xq, dk, bs16, bs32 = _q8k_empty(x)
+    _quantize_q8k(x, xq, dk, bs16, bs32, 0, x.shape[0])
     return xq, dk, bs16, bs32
 
 
@@ -2719,7 +2774,8 @@ def _q8k_arrays(x: np.ndarray) -> Any:  # pragma: no cover - compiled
 def _q8k_groups(
     qtype: int, dk: np.ndarray, bs16: np.ndarray, bs32: np.ndarray
 ) -> Any:  # pragma: no cover - compiled
-    """:func:`_q8_groups` from the Q8_K arrays: Q4_K's groups are its
+    """The byte panels' per-group activation terms (``d_x``, the integer
+    sums' start, the mins' factor) from the Q8_K arrays: Q4_K's groups are its
     sub-blocks of 32 (the mins times ``d_x`` and their sums), Q6_K's of 16
     (the offset of 32 times their sums)."""
     t_len, nb = dk.shape
@@ -2755,9 +2811,15 @@ def _matmul8k(
 def _matmul8k_parallel(
     x: np.ndarray, w: np.ndarray, qtype: int, out: np.ndarray, parts: int
 ) -> None:  # pragma: no cover - compiled
-    xq, dk, bs16, bs32 = _q8k_arrays(x)
-    rows = w.shape[0]
-    if _q8_panel_route(qtype, x.shape[0], rows):
+    t_len, rows = x.shape[0], w.shape[0]
+    xq, dk, bs16, bs32 = _q8k_empty(x)
+    if t_len >= 2 * _Q8_PANEL_TOKENS:  # the tokens quantized in parts too
+        for p in _prange(parts):
+            t0, t1 = p * t_len // parts, (p + 1) * t_len // parts
+            _quantize_q8k(x, xq, dk, bs16, bs32, t0, t1)
+    else:
+        _quantize_q8k(x, xq, dk, bs16, bs32, 0, t_len)
+    if _q8_panel_route(qtype, t_len, rows):
         gd, gi, gm = _q8k_groups(qtype, dk, bs16, bs32)
         whole = rows // _OUTER_ROWS
         for p in _prange(parts):

@@ -60,14 +60,18 @@ activations ``x (T, in)`` by it without a float copy of the whole weight:
   Q5_0/Q5_1 take two rows a pass with prefetch, as the float ones (1.1-1.9x
   a row at a time), and the 4-token GEMVs of every q8 type two rows a pass
   (1.06-1.14x at ``T`` of 16; Q8_0's one-token GEMV stays a row at a time:
-  two measured 0.85-0.96x). A token's q8 result is the same bits whatever
-  ``T`` is (each row's sums the same sequence in every kernel). At ``T``
-  of 16 and beyond q8 is no faster than float (its per-token work, a dot,
-  a conversion and a multiply-add for each 32 values, is the float
-  micro-kernel's two FMAs), and in prefill 1.2-2x slower: the GEMVs of 4
-  tokens unpack each block again for every 4 tokens (tiling 16 rows so
-  their bytes stay in L1 measured 0.7-0.9x: the unpacking, not the reads,
-  is the cost). Its error is
+  two measured 0.85-0.96x). From ``_Q8_PANEL_TOKENS`` (8) tokens a call,
+  q8 multiplies 32-row byte panels instead (:func:`_q8_panel_rows`, the
+  float outer product's shape in integers: four inputs of 32 rows are two
+  64-byte vectors, each token's four activation bytes broadcast into one
+  ``vpdpbusd`` a vector, one float multiply-add a 32-value group):
+  SmolLM2's projections on 2 threads 1.4x the float kernels at 8 tokens,
+  1.8x at 16, 2.0-2.1x at 136 and 1.8-1.9x at 512, where the GEMVs of 4
+  tokens had been 0.9x at 16 and 0.5-0.8x in prefill (they unpack each
+  block again for every 4 tokens). A token's q8 result is the same bits
+  in any call of fewer than 8 tokens (each row's sums the same sequence in
+  every GEMV), and the same bits in any call of 8 or more; the two differ
+  in float32 summation order (tested). Its error is
   quantization's, not rounding's: 0.3-1% of a projection's output on
   SmolLM2's activations (whose outliers share a block's scale), 1.1 at
   most in a logit, and greedy decoding leaves transformers' tokens within
@@ -2417,7 +2421,8 @@ def _q8_panels(
     start: int,
     stop: int,
 ) -> None:  # pragma: no cover - compiled
-    """:func:`_q8_panel_rows` for ``qtype`` (each type its own kernel)."""
+    """:func:`_q8_panel_rows` for a 32-value ``qtype`` (each type its own
+    kernel; :func:`_q8k_panels` for the K-quants)."""
     if qtype == 8:
         _q8_panel_rows(8, xq, gd, gi, gm, w, 32, n, out, start, stop)
     elif qtype == 2:
@@ -2426,9 +2431,25 @@ def _q8_panels(
         _q8_panel_rows(3, xq, gd, gi, gm, w, 32, n, out, start, stop)
     elif qtype == 6:
         _q8_panel_rows(6, xq, gd, gi, gm, w, 32, n, out, start, stop)
-    elif qtype == 7:
+    else:
         _q8_panel_rows(7, xq, gd, gi, gm, w, 32, n, out, start, stop)
-    elif qtype == 12:
+
+
+@_jit()
+def _q8k_panels(
+    qtype: int,
+    xq: np.ndarray,
+    gd: np.ndarray,
+    gi: np.ndarray,
+    gm: np.ndarray,
+    w: np.ndarray,
+    n: int,
+    out: np.ndarray,
+    start: int,
+    stop: int,
+) -> None:  # pragma: no cover - compiled
+    """:func:`_q8_panels` for Q4_K and Q6_K."""
+    if qtype == 12:
         _q8_panel_rows(12, xq, gd, gi, gm, w, 256, n, out, start, stop)
     else:
         _q8_panel_rows(14, xq, gd, gi, gm, w, 256, n, out, start, stop)
@@ -2803,7 +2824,7 @@ def _matmul8k(
     if _q8_panel_route(qtype, x.shape[0], rows):
         gd, gi, gm = _q8k_groups(qtype, dk, bs16, bs32)
         start = _OUTER_ROWS * (rows // _OUTER_ROWS)
-        _q8_panels(qtype, xq, gd, gi, gm, w, x.shape[1], out, 0, start)
+        _q8k_panels(qtype, xq, gd, gi, gm, w, x.shape[1], out, 0, start)
     _matmul8k_rows(xq, dk, bs16, bs32, w, qtype, out, start, rows)
 
 
@@ -2825,7 +2846,7 @@ def _matmul8k_parallel(
         for p in _prange(parts):
             start = _OUTER_ROWS * (p * whole // parts)
             stop = _OUTER_ROWS * ((p + 1) * whole // parts)
-            _q8_panels(qtype, xq, gd, gi, gm, w, x.shape[1], out, start, stop)
+            _q8k_panels(qtype, xq, gd, gi, gm, w, x.shape[1], out, start, stop)
         _matmul8k_rows(xq, dk, bs16, bs32, w, qtype, out, _OUTER_ROWS * whole, rows)
         return
     quads = (rows + _ROWS - 1) // _ROWS

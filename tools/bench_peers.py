@@ -34,7 +34,9 @@ Q8_0 --real Q4_K_M``) compares on the real model instead: SmolLM2-135M-
 Instruct's shipped Q4_1 GGUF (the built-in ``smollm2``), and other types
 made from it by the same llama.cpp's ``llama-quantize
 --allow-requantize``; both engines serve the same file, the workload is
-random words (``--prompt-kind text``). llama.cpp is built with
+random words (``--prompt-kind text``), and a ``structllm-q8`` server
+(``--quantized-activations q8``, llama.cpp's own arithmetic) runs beside
+the default float activations unless a ``q8`` variant is given. llama.cpp is built with
 ``GGML_NATIVE=OFF`` and the ISA flags of /proc/cpuinfo, AMX off (these VMs
 report AMX and kill its code with SIGILL).
 """
@@ -197,6 +199,8 @@ def real_model(ns: argparse.Namespace, work: Path) -> int:
     """SmolLM2-135M-Instruct, the same GGUF file for both engines, per type."""
     from structllm.models import SMOLLM2, resolve_model
 
+    if not any(v.partition("=")[0] == "q8" for v in ns.variant):
+        ns.variant.append("q8=--quantized-activations q8")
     shipped = resolve_model(SMOLLM2)
     assert shipped is not None
     binary = build_llama_server(work, ns.llama_cpp_python)
@@ -230,10 +234,12 @@ def compare(
     # numba's disk cache filled before any measured server starts: a server
     # that compiles the kernels (the first after they change) holds LLVM's
     # ~800 MiB in its peak RSS and its first requests wait for it
-    run(
-        sys.executable, "-m", "structllm.cli", "generate", model,
-        " ".join(["warm"] * 40), "--max-tokens", "2", "--num-threads", t,
-    )  # fmt: skip
+    for variant in ["=", *ns.variant]:  # each variant's kernels too
+        run(
+            sys.executable, "-m", "structllm.cli", "generate", model,
+            " ".join(["warm"] * 40), "--max-tokens", "2", "--num-threads", t,
+            *shlex.split(variant.partition("=")[2]),
+        )  # fmt: skip
     launch: dict[str, str] = {}
     if llama_server is not None and gguf is not None:
         launch["llama.cpp"] = (

@@ -1,6 +1,7 @@
 """Prefill steps of a model, offline: tokens a second for each batch shape.
 
     python tools/bench_prefill_steps.py MODEL [SPEC ...] [--threads 2] [--rounds 2]
+        [--quantized-activations q8]
 
 A SPEC is ``NxL``: N prompts of L random token ids, prefilled in one
 ``LLM.generate`` (``max_tokens=1``, greedy, prefix caching off, so every
@@ -22,6 +23,7 @@ def main() -> None:
     p.add_argument("specs", nargs="*", default=["1x136", "8x128", "16x136", "1x1024"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--quantized-activations", default="float", choices=["float", "q8"])
     ns = p.parse_args()
     from structllm import LLM, SamplingParams
 
@@ -30,6 +32,7 @@ def main() -> None:
         show_progress=False,
         num_threads=ns.threads,
         enable_prefix_caching=False,
+        quantized_activations=ns.quantized_activations,
     )
     rng = random.Random(0)
     params = SamplingParams(max_tokens=1, temperature=0)

@@ -625,12 +625,11 @@ def _vdotacc(acc: Any, u: Any, s: Any) -> Any:  # pragma: no cover
     """``acc + _vdot(u, s)``: one ``vpdpbusd`` into ``acc`` with VNNI."""
 
 
-def _vabsmax2(a: Any, b: Any) -> float:  # pragma: no cover
-    """The largest magnitude among two float vectors' lanes."""
-    return 0.0
+def _vabsmax2(a: Any, b: Any) -> Any:  # pragma: no cover
+    """The largest magnitude among two float vectors' lanes (a float32)."""
 
 
-def _vround(v: Any, scale: float) -> Any:  # pragma: no cover
+def _vround(v: Any, scale: Any) -> Any:  # pragma: no cover
     """``np.rint(v * scale)`` lane by lane (float32, half to even) as int32:
     the multiply IEEE's, not fast-math's."""
 

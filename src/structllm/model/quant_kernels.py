@@ -48,7 +48,7 @@ activations ``x (T, in)`` by it without a float copy of the whole weight:
   and on AVX2 as two 256-bit halves) and one float multiply-add by ``d_w
   d_x`` a block: 1.7-2x the float GEMV on one 3072 x 576 matrix at ``T``
   of 1, 1.3-1.5x at 2 and 4 (GEMVs of 4, 2 and 1 tokens, a pair of blocks
-  unpacked once for all; no buffered kernel: any ``T`` runs them). Q4_K
+  unpacked once for all), and from 8 tokens the byte panels below. Q4_K
   and Q6_K (:data:`Q8K_TYPES`) take ``x`` as llama.cpp's Q8_K blocks of
   256 (a float scale, and the sums of each 16 and 32 values): a 64-value
   chunk's integer dot with its sub-block scales multiplied in by the same

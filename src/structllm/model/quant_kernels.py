@@ -48,7 +48,7 @@ activations ``x (T, in)`` by it without a float copy of the whole weight:
   and on AVX2 as two 256-bit halves) and one float multiply-add by ``d_w
   d_x`` a block: 1.7-2x the float GEMV on one 3072 x 576 matrix at ``T``
   of 1, 1.3-1.5x at 2 and 4 (GEMVs of 4, 2 and 1 tokens, a pair of blocks
-  unpacked once for all), and from 8 tokens the byte panels below. Q4_K
+  unpacked once for all), and from 5 tokens the byte panels below. Q4_K
   and Q6_K (:data:`Q8K_TYPES`) take ``x`` as llama.cpp's Q8_K blocks of
   256 (a float scale, and the sums of each 16 and 32 values): a 64-value
   chunk's integer dot with its sub-block scales multiplied in by the same
@@ -60,7 +60,7 @@ activations ``x (T, in)`` by it without a float copy of the whole weight:
   Q5_0/Q5_1 take two rows a pass with prefetch, as the float ones (1.1-1.9x
   a row at a time), and the 4-token GEMVs of every q8 type two rows a pass
   (1.06-1.14x at ``T`` of 16; Q8_0's one-token GEMV stays a row at a time:
-  two measured 0.85-0.96x). From ``_Q8_PANEL_TOKENS`` (8) tokens a call,
+  two measured 0.85-0.96x). From ``_Q8_PANEL_TOKENS`` (5) tokens a call,
   q8 multiplies 32-row byte panels instead (:func:`_q8_panel_rows`, the
   float outer product's shape in integers: four inputs of 32 rows are two
   64-byte vectors, each token's four activation bytes broadcast into one
@@ -69,8 +69,8 @@ activations ``x (T, in)`` by it without a float copy of the whole weight:
   1.8x at 16, 2.0-2.1x at 136 and 1.8-1.9x at 512, where the GEMVs of 4
   tokens had been 0.9x at 16 and 0.5-0.8x in prefill (they unpack each
   block again for every 4 tokens). A token's q8 result is the same bits
-  in any call of fewer than 8 tokens (each row's sums the same sequence in
-  every GEMV), and the same bits in any call of 8 or more; the two differ
+  in any call of fewer than 5 tokens (each row's sums the same sequence in
+  every GEMV), and the same bits in any call of 5 or more; the two differ
   in float32 summation order (tested). Its error is
   quantization's, not rounding's: 0.3-1% of a projection's output on
   SmolLM2's activations (whose outliers share a block's scale), 1.1 at
@@ -3303,8 +3303,10 @@ def _outer_rows(
 # another order). Q8_0's unsigned bytes reach 255, where ``vpmaddubsw``'s
 # int16 pairs saturate: without VNNI it keeps its GEMVs.
 
-#: from this many tokens a q8 call multiplies 32-row byte panels
-_Q8_PANEL_TOKENS = 8
+#: from this many tokens a q8 call multiplies 32-row byte panels: SmolLM2's
+#: projections at 5, 6 and 7 tokens 1.05-1.5x the GEMVs of 4, 2 and 1, at 4
+#: 0.8-1.0x (2 threads, Q8_0, Q4_1, Q5_0)
+_Q8_PANEL_TOKENS = 5
 #: inputs of a byte panel unpacked at a time (the rest of a row: another)
 _Q8_PANEL_CHUNK = 2048
 #: inputs of a byte panel multiplied at a time: 16 KB, which stays in L1

@@ -36,7 +36,12 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from structllm.engine.child import exit_with_parent, inject_fault, peak_rss_bytes
+from structllm.engine.child import (
+    exit_with_parent,
+    inject_fault,
+    peak_rss_bytes,
+    release_library_pages,
+)
 from structllm.engine.core_process.pulse import Pulse
 from structllm.engine.protocol import (
     AbortRequests,
@@ -197,6 +202,11 @@ def _load(start: Start, send: Send, group: RankGroup | None) -> EngineCore | Non
     from structllm.core.engine_core import EngineCore
 
     try:
+        # Paddle first: the pages its import alone touched go back before
+        # the model loads, so they never count in the core's peak with it
+        import structllm.model._paddle  # noqa: F401
+
+        release_library_pages()
         core = EngineCore(
             start.config,
             on_progress=lambda e: send(LoadProgressMsg(e.stage, e.done, e.total)),
@@ -224,12 +234,29 @@ def _load(start: Start, send: Send, group: RankGroup | None) -> EngineCore | Non
 
 def _warm_up(core: EngineCore, send: Send) -> None:
     """One short request through every code path (prefill, decode, sampling),
-    and every compiled attention kernel loaded (compiled once per install)."""
+    and every compiled attention kernel loaded (compiled once per install);
+    then the library pages only loading touched are given back and the
+    request runs again, so a first user step does not fault back the pages
+    it needs (:func:`~structllm.engine.child.release_library_pages`)."""
     from structllm.model import kernels
-    from structllm.params import SamplingParams
 
     send(LoadProgressMsg("warmup", 0, 1))
     kernels.warm_up(core.config.kv_cache_dtype)
+    _warm_request(core)
+    release_library_pages()
+    _warm_request(core)
+    # neither its blocks nor its counts are the user's
+    core.reset_prefix_cache()
+    sched = core.scheduler
+    sched.prefix_cache_queries = sched.prefix_cache_hits = 0
+    sched.num_drafts = sched.num_draft_tokens = sched.num_accepted_tokens = 0
+    send(LoadProgressMsg("warmup", 1, 1))
+
+
+def _warm_request(core: EngineCore) -> None:
+    """A short sampled request of 8 tokens, run to its end."""
+    from structllm.params import SamplingParams
+
     # with speculation, room for a verification chunk of k + 1 positions (a
     # draft model always proposes; prompt lookup when the tokens repeat)
     spec = core.config.speculative_config
@@ -245,12 +272,6 @@ def _warm_up(core: EngineCore, send: Send) -> None:
     )
     while core.has_unfinished_requests():
         core.step()
-    # neither its blocks nor its counts are the user's
-    core.reset_prefix_cache()
-    sched = core.scheduler
-    sched.prefix_cache_queries = sched.prefix_cache_hits = 0
-    sched.num_drafts = sched.num_draft_tokens = sched.num_accepted_tokens = 0
-    send(LoadProgressMsg("warmup", 1, 1))
 
 
 def _add_lora(core: EngineCore, msg: AddLoRA) -> LoRAAdded:

@@ -65,7 +65,7 @@ def test_q8k_blocks_as_llama_cpp_makes_them() -> None:
     x[0, :6] = [-127.0, 2.5, -2.5, 3.5, 0.5, 126.5]  # iscale 1: q = x
     x[1, :5] = [127.0, 2.5, -2.5, 3.5, 0.5]  # iscale -1: q = -x
     x[2, 256:] = 0.0  # a zero block
-    xq, dk, bs16, _ = qk._q8k_arrays(x)
+    xq, dk, _, bs16 = qk._q8_arrays(x, GGMLType.Q4_K)[:4]
     q, d = q8k_reference(x)
     np.testing.assert_array_equal(xq.astype(np.int64), q.reshape(4, 512))
     np.testing.assert_array_equal(dk, d)

@@ -1979,9 +1979,9 @@ def _quantize_q8(
     dx: np.ndarray,  # (T, 16 pairs) float32
     sx: np.ndarray,  # (T, 16 pairs) float32
     xs4: np.ndarray,  # (T, 16 pairs) int32
-    gd: np.ndarray,  # (T, blocks) float32: d, once a block (byte panels)
-    gi: np.ndarray,  # (T, blocks) int32: the panels' offset times sum(q)
-    gm: np.ndarray,  # (T, blocks) float32: s
+    gd: np.ndarray,  # (T, blocks or 0) float32: d, once a block (panels)
+    gi: np.ndarray,  # (T, blocks or 0) int32: the panels' offset times sum(q)
+    gm: np.ndarray,  # (T, blocks or 0) float32: s
     qtype: int,  # the weight's
     t0: int,
     t1: int,  # tokens t0..t1-1
@@ -1991,6 +1991,7 @@ def _quantize_q8(
     # panels hold Q8_0's values plus 128
     offset = 8 if qtype == 2 else 16 if qtype == 6 else 0
     panel_offset = 128 if qtype == 8 else offset
+    panels = gd.shape[1] > 0
     for t in range(t0, t1):
         xt, qt, dt, st, ft = x[t], xq[t], dx[t], sx[t], xs4[t]
         for b in range(nb):
@@ -2007,7 +2008,8 @@ def _quantize_q8(
             for j in range(8):
                 dt[8 * b + j] = dh
                 st[8 * b + j] = sh * np.float32(0.125)
-            gd[t, b], gi[t, b], gm[t, b] = dh, -panel_offset * total, sh
+            if panels:
+                gd[t, b], gi[t, b], gm[t, b] = dh, -panel_offset * total, sh
             for j in range(8 if offset else 0):
                 ft[8 * b + j] = np.int32(offset) * (
                     np.int32(qt[32 * b + 4 * j])
@@ -2390,26 +2392,98 @@ def _matmul8_rows(
 
 
 @_jit()
-def _q8_empty(x: np.ndarray) -> Any:  # pragma: no cover - compiled
-    """The q8 arrays of :func:`_quantize_q8` for ``x``, zero."""
-    t_len, nb = x.shape[0], x.shape[1] // 32
+def _q8_acts(x: np.ndarray, qtype: int, panels: bool) -> Any:  # pragma: no cover
+    """The q8 arrays of a call on ``x`` against a ``qtype`` weight, not yet
+    quantized: ``(xq, d, s, a, b, gd, gi, gm)``, one shape for both routes.
+
+    Q8_0/Q8_1 blocks (:data:`Q8_TYPES`, :func:`_quantize_q8`): ``xq`` the
+    bytes a pair of blocks at a time, ``d``/``s`` the scales and sums
+    (``dx``, ``sx``), ``a`` the offset terms (``xs4``), ``b`` empty. Q8_K
+    (:data:`Q8K_TYPES`, :func:`_quantize_q8k`): ``xq`` the bytes, ``d`` a
+    block's scale (``dk``), ``s`` empty, ``a``/``b`` the sums of 16 and 32
+    values (``bs16``, ``bs32``). The byte panels' group terms ``gd`` (``d_x``),
+    ``gi`` (the integer sums' start) and ``gm`` (the mins' factor) have a
+    column a weight group when ``panels``, none otherwise.
+    """
+    t_len, n = x.shape
+    if qtype == 12 or qtype == 14:
+        nb = n // 256
+        groups = (16 if qtype == 14 else 8) * nb if panels else 0
+        return (
+            np.empty((t_len, n), np.int8),
+            np.empty((t_len, nb), np.float32),
+            np.empty((t_len, 0), np.float32),
+            np.empty((t_len, 16 * nb), np.int32),
+            np.zeros((t_len, 16 * nb), np.int32),
+            np.empty((t_len, groups), np.float32),
+            np.empty((t_len, groups), np.int32),
+            np.empty((t_len, groups), np.float32),
+        )
+    nb = n // 32
     pairs = (nb + 1) // 2
+    groups = nb if panels else 0
     return (
         np.zeros((t_len, 64 * pairs), np.int8),
         np.zeros((t_len, 16 * pairs), np.float32),
         np.zeros((t_len, 16 * pairs), np.float32),
         np.zeros((t_len, 16 * pairs), np.int32),
-        np.empty((t_len, nb), np.float32),
-        np.empty((t_len, nb), np.int32),
-        np.empty((t_len, nb), np.float32),
+        np.empty((t_len, 0), np.int32),
+        np.empty((t_len, groups), np.float32),
+        np.empty((t_len, groups), np.int32),
+        np.empty((t_len, groups), np.float32),
     )
 
 
 @_jit()
+def _q8_quantize(
+    x: np.ndarray,
+    xq: np.ndarray,
+    d: np.ndarray,
+    s: np.ndarray,
+    a: np.ndarray,
+    b: np.ndarray,
+    gd: np.ndarray,
+    gi: np.ndarray,
+    gm: np.ndarray,
+    qtype: int,
+    t0: int,
+    t1: int,
+) -> None:  # pragma: no cover - compiled
+    """Tokens ``t0..t1-1`` of ``x`` into the arrays of :func:`_q8_acts`."""
+    if qtype == 12 or qtype == 14:
+        _quantize_q8k(x, xq, d, a, b, gd, gi, gm, qtype, t0, t1)
+    else:
+        _quantize_q8(x, xq, d, s, a, gd, gi, gm, qtype, t0, t1)
+
+
+@_jit()
 def _q8_arrays(x: np.ndarray, qtype: int) -> Any:  # pragma: no cover - compiled
-    xq, dx, sx, xs4, gd, gi, gm = _q8_empty(x)
-    _quantize_q8(x, xq, dx, sx, xs4, gd, gi, gm, qtype, 0, x.shape[0])
-    return xq, dx, sx, xs4, gd, gi, gm
+    """The arrays of :func:`_q8_acts` for ``x``, quantized (no panels)."""
+    acts = _q8_acts(x, qtype, False)
+    xq, d, s, a, b, gd, gi, gm = acts
+    _q8_quantize(x, xq, d, s, a, b, gd, gi, gm, qtype, 0, x.shape[0])
+    return acts
+
+
+@_jit()
+def _q8_rows(
+    xq: np.ndarray,
+    d: np.ndarray,
+    s: np.ndarray,
+    a: np.ndarray,
+    b: np.ndarray,
+    w: np.ndarray,
+    qtype: int,
+    n: int,  # in_features
+    out: np.ndarray,
+    start: int,
+    stop: int,
+) -> None:  # pragma: no cover - compiled
+    """Rows ``start..stop-1`` for every token by the route's GEMVs."""
+    if qtype == 12 or qtype == 14:
+        _matmul8k_rows(xq, d, a, b, w, qtype, out, start, stop)
+    else:
+        _matmul8_rows(xq, d, s, a, n // 32, w, qtype, out, start, stop)
 
 
 @_jit()
@@ -2425,8 +2499,7 @@ def _q8_panels(
     start: int,
     stop: int,
 ) -> None:  # pragma: no cover - compiled
-    """:func:`_q8_panel_rows` for a 32-value ``qtype`` (each type its own
-    kernel; :func:`_q8k_panels` for the K-quants)."""
+    """:func:`_q8_panel_rows`, each type its own kernel."""
     if qtype == 8:
         _q8_panel_rows(8, xq, gd, gi, gm, w, 32, n, out, start, stop)
     elif qtype == 2:
@@ -2435,25 +2508,9 @@ def _q8_panels(
         _q8_panel_rows(3, xq, gd, gi, gm, w, 32, n, out, start, stop)
     elif qtype == 6:
         _q8_panel_rows(6, xq, gd, gi, gm, w, 32, n, out, start, stop)
-    else:
+    elif qtype == 7:
         _q8_panel_rows(7, xq, gd, gi, gm, w, 32, n, out, start, stop)
-
-
-@_jit()
-def _q8k_panels(
-    qtype: int,
-    xq: np.ndarray,
-    gd: np.ndarray,
-    gi: np.ndarray,
-    gm: np.ndarray,
-    w: np.ndarray,
-    n: int,
-    out: np.ndarray,
-    start: int,
-    stop: int,
-) -> None:  # pragma: no cover - compiled
-    """:func:`_q8_panels` for Q4_K and Q6_K."""
-    if qtype == 12:
+    elif qtype == 12:
         _q8_panel_rows(12, xq, gd, gi, gm, w, 256, n, out, start, stop)
     else:
         _q8_panel_rows(14, xq, gd, gi, gm, w, 256, n, out, start, stop)
@@ -2463,39 +2520,48 @@ def _q8k_panels(
 def _matmul8(
     x: np.ndarray, w: np.ndarray, qtype: int, out: np.ndarray
 ) -> None:  # pragma: no cover - compiled
-    xq, dx, sx, xs4, gd, gi, gm = _q8_arrays(x, qtype)
-    start, rows = 0, w.shape[0]
-    if _q8_panel_route(qtype, x.shape[0], rows):
+    """``out = x @ W.T`` with q8 activations, on the calling thread: whole
+    32-row panels in bytes from ``_Q8_PANEL_TOKENS`` tokens, the other
+    rows (all of them below) by the GEMVs."""
+    t_len, rows = x.shape[0], w.shape[0]
+    panels = _q8_panel_route(qtype, t_len, rows)
+    xq, d, s, a, b, gd, gi, gm = _q8_acts(x, qtype, panels)
+    _q8_quantize(x, xq, d, s, a, b, gd, gi, gm, qtype, 0, t_len)
+    start = 0
+    if panels:
         start = _OUTER_ROWS * (rows // _OUTER_ROWS)
         _q8_panels(qtype, xq, gd, gi, gm, w, x.shape[1], out, 0, start)
-    _matmul8_rows(xq, dx, sx, xs4, x.shape[1] // 32, w, qtype, out, start, rows)
+    _q8_rows(xq, d, s, a, b, w, qtype, x.shape[1], out, start, rows)
 
 
 @_jit(parallel=True)
 def _matmul8_parallel(
     x: np.ndarray, w: np.ndarray, qtype: int, out: np.ndarray, parts: int
 ) -> None:  # pragma: no cover - compiled
-    t_len, nb, rows = x.shape[0], x.shape[1] // 32, w.shape[0]
-    xq, dx, sx, xs4, gd, gi, gm = _q8_empty(x)
-    if t_len >= 2 * _Q8_PANEL_TOKENS:  # the tokens quantized in parts too
+    """:func:`_matmul8` over ``parts`` threads: the tokens quantized in
+    parts from twice the panel threshold, then the rows in parts."""
+    t_len, rows = x.shape[0], w.shape[0]
+    panels = _q8_panel_route(qtype, t_len, rows)
+    xq, d, s, a, b, gd, gi, gm = _q8_acts(x, qtype, panels)
+    if t_len >= 2 * _Q8_PANEL_TOKENS:
         for p in _prange(parts):
             t0, t1 = p * t_len // parts, (p + 1) * t_len // parts
-            _quantize_q8(x, xq, dx, sx, xs4, gd, gi, gm, qtype, t0, t1)
+            _q8_quantize(x, xq, d, s, a, b, gd, gi, gm, qtype, t0, t1)
     else:
-        _quantize_q8(x, xq, dx, sx, xs4, gd, gi, gm, qtype, 0, t_len)
-    if _q8_panel_route(qtype, t_len, rows):
+        _q8_quantize(x, xq, d, s, a, b, gd, gi, gm, qtype, 0, t_len)
+    if panels:
         whole = rows // _OUTER_ROWS  # panels; the last rows by the GEMVs
         for p in _prange(parts):
             start = _OUTER_ROWS * (p * whole // parts)
             stop = _OUTER_ROWS * ((p + 1) * whole // parts)
             _q8_panels(qtype, xq, gd, gi, gm, w, x.shape[1], out, start, stop)
-        _matmul8_rows(xq, dx, sx, xs4, nb, w, qtype, out, _OUTER_ROWS * whole, rows)
+        _q8_rows(xq, d, s, a, b, w, qtype, x.shape[1], out, _OUTER_ROWS * whole, rows)
         return
     quads = (rows + _ROWS - 1) // _ROWS
     for p in _prange(parts):
         start = _ROWS * (p * quads // parts)
         stop = min(rows, _ROWS * ((p + 1) * quads // parts))
-        _matmul8_rows(xq, dx, sx, xs4, nb, w, qtype, out, start, stop)
+        _q8_rows(xq, d, s, a, b, w, qtype, x.shape[1], out, start, stop)
 
 
 # -- q8 activations for the K-quants: Q8_K ---------------------------------------
@@ -2525,10 +2591,16 @@ def _quantize_q8k(
     dk: np.ndarray,  # (T, blocks) float32
     bs16: np.ndarray,  # (T, 16 blocks) int32
     bs32: np.ndarray,  # (T, 16 blocks) int32, zeros
+    gd: np.ndarray,  # (T, groups or 0) float32: d, a weight group (panels)
+    gi: np.ndarray,  # (T, groups or 0) int32: Q6_K's offset of 32 x bs16
+    gm: np.ndarray,  # (T, groups or 0) float32: Q4_K's d x bs32
+    qtype: int,  # the weight's: 12 (Q4_K, groups of 32) or 14 (Q6_K, of 16)
     t0: int,
     t1: int,  # tokens t0..t1-1
 ) -> None:  # pragma: no cover - compiled
     nb = x.shape[1] // 256
+    per = 16 if qtype == 14 else 8  # a block's weight groups
+    panels = gd.shape[1] > 0
     for t in range(t0, t1):
         xt, qt, dt, s16, s32 = x[t], xq[t], dk[t], bs16[t], bs32[t]
         for b in range(nb):
@@ -2553,6 +2625,13 @@ def _quantize_q8k(
             for g in range(8):
                 s32[16 * b + g] = s16[16 * b + 2 * g] + s16[16 * b + 2 * g + 1]
             dt[b] = d
+            for g in range(per if panels else 0):
+                gd[t, per * b + g] = d
+                if qtype == 14:
+                    gi[t, per * b + g], gm[t, per * b + g] = -32 * s16[16 * b + g], 0
+                else:
+                    gi[t, per * b + g] = 0
+                    gm[t, per * b + g] = d * np.float32(s32[16 * b + g])
 
 
 @_jit()
@@ -2778,89 +2857,6 @@ def _matmul8k_rows(
             _gemvk(12, xq[t], dk[t], bs16[t], bs32[t], w, out[t], start, stop)
         else:
             _gemvk(14, xq[t], dk[t], bs16[t], bs32[t], w, out[t], start, stop)
-
-
-@_jit()
-def _q8k_empty(x: np.ndarray) -> Any:  # pragma: no cover - compiled
-    """The Q8_K arrays of :func:`_quantize_q8k` for ``x`` (``bs32`` zero)."""
-    t_len, nb = x.shape[0], x.shape[1] // 256
-    xq = np.empty((t_len, 256 * nb), np.int8)
-    dk = np.empty((t_len, nb), np.float32)
-    bs16 = np.empty((t_len, 16 * nb), np.int32)
-    bs32 = np.zeros((t_len, 16 * nb), np.int32)
-    return xq, dk, bs16, bs32
-
-
-@_jit()
-def _q8k_arrays(x: np.ndarray) -> Any:  # pragma: no cover - compiled
-    xq, dk, bs16, bs32 = _q8k_empty(x)
-    _quantize_q8k(x, xq, dk, bs16, bs32, 0, x.shape[0])
-    return xq, dk, bs16, bs32
-
-
-@_jit()
-def _q8k_groups(
-    qtype: int, dk: np.ndarray, bs16: np.ndarray, bs32: np.ndarray
-) -> Any:  # pragma: no cover - compiled
-    """The byte panels' per-group activation terms (``d_x``, the integer
-    sums' start, the mins' factor) from the Q8_K arrays: Q4_K's groups are its
-    sub-blocks of 32 (the mins times ``d_x`` and their sums), Q6_K's of 16
-    (the offset of 32 times their sums)."""
-    t_len, nb = dk.shape
-    per = 16 if qtype == 14 else 8  # groups a block
-    gd = np.empty((t_len, per * nb), np.float32)
-    gi = np.zeros((t_len, per * nb), np.int32)
-    gm = np.zeros((t_len, per * nb), np.float32)
-    for t in range(t_len):
-        for g in range(per * nb):
-            b = g // per
-            gd[t, g] = dk[t, b]
-            if qtype == 14:
-                gi[t, g] = -32 * bs16[t, g]
-            else:
-                gm[t, g] = dk[t, b] * np.float32(bs32[t, 16 * b + g % 8])
-    return gd, gi, gm
-
-
-@_jit()
-def _matmul8k(
-    x: np.ndarray, w: np.ndarray, qtype: int, out: np.ndarray
-) -> None:  # pragma: no cover - compiled
-    xq, dk, bs16, bs32 = _q8k_arrays(x)
-    start, rows = 0, w.shape[0]
-    if _q8_panel_route(qtype, x.shape[0], rows):
-        gd, gi, gm = _q8k_groups(qtype, dk, bs16, bs32)
-        start = _OUTER_ROWS * (rows // _OUTER_ROWS)
-        _q8k_panels(qtype, xq, gd, gi, gm, w, x.shape[1], out, 0, start)
-    _matmul8k_rows(xq, dk, bs16, bs32, w, qtype, out, start, rows)
-
-
-@_jit(parallel=True)
-def _matmul8k_parallel(
-    x: np.ndarray, w: np.ndarray, qtype: int, out: np.ndarray, parts: int
-) -> None:  # pragma: no cover - compiled
-    t_len, rows = x.shape[0], w.shape[0]
-    xq, dk, bs16, bs32 = _q8k_empty(x)
-    if t_len >= 2 * _Q8_PANEL_TOKENS:  # the tokens quantized in parts too
-        for p in _prange(parts):
-            t0, t1 = p * t_len // parts, (p + 1) * t_len // parts
-            _quantize_q8k(x, xq, dk, bs16, bs32, t0, t1)
-    else:
-        _quantize_q8k(x, xq, dk, bs16, bs32, 0, t_len)
-    if _q8_panel_route(qtype, t_len, rows):
-        gd, gi, gm = _q8k_groups(qtype, dk, bs16, bs32)
-        whole = rows // _OUTER_ROWS
-        for p in _prange(parts):
-            start = _OUTER_ROWS * (p * whole // parts)
-            stop = _OUTER_ROWS * ((p + 1) * whole // parts)
-            _q8k_panels(qtype, xq, gd, gi, gm, w, x.shape[1], out, start, stop)
-        _matmul8k_rows(xq, dk, bs16, bs32, w, qtype, out, _OUTER_ROWS * whole, rows)
-        return
-    quads = (rows + _ROWS - 1) // _ROWS
-    for p in _prange(parts):
-        start = _ROWS * (p * quads // parts)
-        stop = min(rows, _ROWS * ((p + 1) * quads // parts))
-        _matmul8k_rows(xq, dk, bs16, bs32, w, qtype, out, start, stop)
 
 
 #: inputs dequantized at a time: 4 rows of it are a thread's 16 KB buffer
@@ -3801,14 +3797,12 @@ def matmul(
     split = threaded and threads > 1 and out_features > _ROWS
     parts = min(threads, (out_features + _ROWS - 1) // _ROWS)
     if activations == "q8" and route:
-        if route == _Q8_BLOCKS:
-            kernel, serial, alone = _matmul8_parallel, _matmul8_serial, _matmul8
-        else:
-            kernel, serial, alone = _matmul8k_parallel, _matmul8k_serial, _matmul8k
         if split:
-            kernels._threaded(kernel, serial, (x, w_raw, code, out, parts))
+            kernels._threaded(
+                _matmul8_parallel, _matmul8_serial, (x, w_raw, code, out, parts)
+            )
         else:
-            alone(x, w_raw, code, out)
+            _matmul8(x, w_raw, code, out)
         return out
     args = (x, w_raw, code, values, out, _LANES)
     if split:
@@ -3821,11 +3815,6 @@ def matmul(
 def _matmul8_serial(*args: Any) -> None:
     """The q8 parallel kernel's arguments, run on the calling thread."""
     _matmul8(*args[:-1])
-
-
-def _matmul8k_serial(*args: Any) -> None:
-    """The Q8_K parallel kernel's arguments, run on the calling thread."""
-    _matmul8k(*args[:-1])
 
 
 def _matmul_serial(*args: Any) -> None:

@@ -46,60 +46,74 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else 1024 * peak
 
 
-#: ``madvise``'s advice to reclaim a range's pages now (Linux 5.4+)
-_MADV_PAGEOUT = 21
+#: ``madvise``'s advice to drop a range's pages from the process; a file
+#: mapping's come back from the page cache on their next touch
+_MADV_DONTNEED = 4
 #: a shared object's path: ``libpaddle.so``, ``libstdc++.so.6.0.30``
 _SHARED_OBJECT = re.compile(r"\.so(\.\d+)*$")
 
 
-def library_ranges(maps: str) -> list[tuple[int, int]]:
-    """The read-only mappings of shared objects in ``maps`` (the text of
-    ``/proc/PID/maps``), as ``(start, stop)`` addresses: code and constants.
+def library_ranges(smaps: str) -> list[tuple[int, int]]:
+    """The read-only mappings of shared objects in ``smaps`` (the text of
+    ``/proc/PID/smaps``) that hold no page of the process's own, as
+    ``(start, stop)`` addresses: code and constants, every page of them
+    the file's.
 
-    Writable ones are left out: their changed pages are the process's own
-    (a relocated table, a library's globals), and reclaiming them would
-    mean swap. So are other files (a model's mapped weights, read every
+    Left out: writable mappings (a library's globals); read-only ones that
+    hold anonymous pages (a relocated table that the loader wrote before
+    making it read-only: dropping those pages would bring back the file's
+    unrelocated bytes); other files (a model's mapped weights, read every
     step) and anonymous memory.
     """
     ranges = []
-    for line in maps.splitlines():
+    candidate = None
+    for line in smaps.splitlines():
         fields = line.split(maxsplit=5)
-        if len(fields) < 6 or "w" in fields[1]:
+        if not fields:
             continue
-        if not _SHARED_OBJECT.search(fields[5]):  # " (deleted)" ends no name
-            continue
-        start, _, stop = fields[0].partition("-")
-        ranges.append((int(start, 16), int(stop, 16)))
+        if not fields[0].endswith(":"):  # a mapping: "start-stop perms ..."
+            candidate = None
+            shared_object = len(fields) == 6 and _SHARED_OBJECT.search(fields[5])
+            if shared_object and "w" not in fields[1]:  # " (deleted)": none
+                start, _, stop = fields[0].partition("-")
+                candidate = (int(start, 16), int(stop, 16))
+        elif fields[0] == "Anonymous:" and candidate is not None:
+            if fields[1] == "0":
+                ranges.append(candidate)
+            candidate = None
     return ranges
 
 
 def release_library_pages() -> int:
-    """Ask the kernel to reclaim now the pages of this process's shared
-    libraries that no other process maps; the bytes of the ranges advised
-    (0 where ``MADV_PAGEOUT`` or ``/proc`` is missing).
+    """Drop from this process the pages of its shared libraries' code and
+    constants (:func:`library_ranges`); the bytes of the ranges dropped (0
+    where ``/proc`` is missing).
 
     ``import paddle`` registers its ~1,300 operators, touching ~200 MiB of
     ``libpaddle.so``'s and its companions' pages that no step reads again
     (LLVM's are in the same case once numba's cached kernels are linked):
-    they stay resident until memory runs short, and count in the process's
-    RSS. A page that is needed again is read back from the file on its
-    first touch (a warm-up step afterwards takes them: ~13 MiB and ~50 ms
-    on SmolLM2-135M, docs/benchmarks.md). Pages that another process maps
-    too (a second core on the same machine) are skipped by the kernel.
+    they stay mapped, and count in the process's RSS and peak. Dropped,
+    they stay in the kernel's page cache (clean, reclaimed when memory
+    runs short, shared with any other process that maps them), and a page
+    touched again maps back from there without a read (a warm-up step
+    afterwards takes back what a step needs: ~13 MiB on SmolLM2-135M,
+    docs/benchmarks.md). ``MADV_PAGEOUT`` was tried first and gave the
+    same RSS, but it evicts the pages from the page cache as well, so
+    every core started later read them back from disk (0.3 s more a start
+    on this machine).
     """
     try:
-        with open("/proc/self/maps") as f:
+        with open("/proc/self/smaps") as f:
             ranges = library_ranges(f.read())
         madvise = ctypes.CDLL(None).madvise
     except (OSError, AttributeError):  # not Linux
         return 0
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    advised = 0
+    dropped = 0
     for start, stop in ranges:
-        # fails with EINVAL on a kernel before 5.4: nothing is reclaimed
-        if madvise(start, stop - start, _MADV_PAGEOUT) == 0:
-            advised += stop - start
-    return advised
+        if madvise(start, stop - start, _MADV_DONTNEED) == 0:
+            dropped += stop - start
+    return dropped
 
 
 #: how long the ``slow_at_step`` and ``stall_at_step`` faults' steps take

@@ -246,7 +246,7 @@ def _run_steps(
     until no message is left."""
     from structllm.core.engine_setup import load_engine_model
     from structllm.core.runner import run_forward
-    from structllm.engine.child import inject_fault
+    from structllm.engine.child import inject_fault, release_library_pages
     from structllm.model._paddle import (
         paddle,
         set_num_threads,
@@ -255,6 +255,10 @@ def _run_steps(
     config = setup.config
     set_num_threads(config.cpu_threads())
     paddle.distributed.init_parallel_env()
+    # as the core does: the pages Paddle's import alone touched leave the
+    # process before the shard loads (rank 0's warm-up steps bring back
+    # what a step needs)
+    release_library_pages()
     rank = paddle.distributed.get_rank()
     model = load_engine_model(config, rank).model
     lora = _FollowerLoRA.enable(model, config, rank) if config.enable_lora else None

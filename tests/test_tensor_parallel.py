@@ -21,8 +21,11 @@ from structllm.model._paddle import paddle
 from structllm.model.attention import SequenceSlice
 from structllm.model.checkpoint import write_random_checkpoint
 from structllm.model.config import ModelConfig
+from structllm.model.linear import Linear
 from structllm.model.llama import LlamaForCausalLM
 from structllm.model.loader import load_model
+from structllm.model.packed import PackedLinear
+from structllm.model.panel_kernels import unpack
 from structllm.model.parallel import ShardPlan, load_shard, plan_shards
 
 _BASE = ModelConfig(
@@ -169,10 +172,10 @@ def test_shard_loads_its_slices_into_a_narrow_model(
     model = load_shard(tmp_path, plan, block_size=4, all_reduce=lambda x: x)
     layer = model.weights.layers[0]
     qkv, o, gate_up, down = (
-        layer.qkv.weight,
-        layer.o.weight,
-        layer.gate_up.weight,
-        layer.down.weight,
+        _in_out(layer.qkv),
+        _in_out(layer.o),
+        _in_out(layer.gate_up),
+        _in_out(layer.down),
     )
     assert tuple(qkv.shape) == (64, 32 + 16 + 16)  # 2 q heads, 1 kv, 1 kv
     assert tuple(o.shape) == (32, 64) and tuple(down.shape) == (64, 64)
@@ -181,16 +184,22 @@ def test_shard_loads_its_slices_into_a_narrow_model(
     assert tuple(k_cache.shape) == (1, 12, 16)  # the rank's one kv head
     whole = load_model(tmp_path, backend="eager").model.weights.layers[0]
     np.testing.assert_array_equal(  # q heads 2-3: columns 32-63 of the fused qkv
-        qkv[:, :32].numpy(), whole.qkv.weight[:, 32:64].numpy()
+        qkv[:, :32], _in_out(whole.qkv)[:, 32:64]
     )
-    np.testing.assert_array_equal(o.numpy(), whole.o.weight[32:].numpy())
-    whole_gate_up = whole.gate_up.weight
+    np.testing.assert_array_equal(o, _in_out(whole.o)[32:])
+    whole_gate_up = _in_out(whole.gate_up)
     np.testing.assert_array_equal(  # gate columns 64-127 of 128, then up's
-        gate_up.numpy(),
+        gate_up,
         np.concatenate([whole_gate_up[:, 64:128], whole_gate_up[:, 192:]], axis=1),
     )
-    np.testing.assert_array_equal(down.numpy(), whole.down.weight[64:].numpy())
-    assert qkv.dtype == paddle.float32  # half checkpoints: float32 on CPU
+    np.testing.assert_array_equal(down, _in_out(whole.down)[64:])
+    assert qkv.dtype == np.float32  # half checkpoints: float32 on CPU
+
+
+def _in_out(linear: Linear) -> np.ndarray:
+    """A served projection's weight ``(in, out)``: packed on the CPU."""
+    assert isinstance(linear, PackedLinear)
+    return unpack(linear.panels, linear.out_features).T
 
 
 def test_inference_backend_refuses_tensor_parallel(tmp_path: Path) -> None:

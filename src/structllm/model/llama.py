@@ -22,8 +22,7 @@ from structllm.model import kernels
 from structllm.model._paddle import host_tensor, paddle
 from structllm.model.attention import AttentionMetadata, PortableAttention, RopeTables
 from structllm.model.config import ModelConfig, RopeScaling
-from structllm.model.linear import Backend, Linear
-from structllm.model.quantized import QuantizedLinear
+from structllm.model.linear import Backend, HostLinear, Linear
 
 if TYPE_CHECKING:
     from structllm.model.lora import LoRASlots
@@ -406,7 +405,7 @@ class LlamaForCausalLM:
         those buffers' host views, so a layer makes no tensor. At batch 1 the
         ops between the matmuls were a third of the step; this path is 6-8%
         faster there (docs/benchmarks.md). Quantized projections multiply
-        the host views themselves (``QuantizedLinear.matmul_into``) and the
+        the host views themselves (``HostLinear.matmul_into``) and the
         attention is one kernel call (``PortableAttention.decode_qkv``):
         a further 9% of SmolLM2-135M Q4_1's CPU time a token at batch 1
         (``tools/decode_overhead.py``)."""
@@ -447,7 +446,7 @@ class LlamaForCausalLM:
         return x_t
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:  # (N, V) float32
-        """The head's logits. Of a quantized head and up to
+        """The head's logits. Of a host-kernel head (quantized, packed) and up to
         :data:`KEPT_LOGITS_ROWS` rows on the host, they are written into
         memory this model keeps (valid until the next call: the engine
         copies them to numpy at once). A fresh ``(16, 49152)`` tensor a
@@ -456,7 +455,7 @@ class LlamaForCausalLM:
         head = self.weights.lm_head
         rows = hidden.shape[0]
         if (
-            isinstance(head, QuantizedLinear)
+            isinstance(head, HostLinear)
             and rows <= KEPT_LOGITS_ROWS
             and hidden.place.is_cpu_place()
         ):
@@ -478,9 +477,9 @@ def _project(
     x: tuple[paddle.Tensor, np.ndarray],  # (T, in) a step buffer, its host view
     out: tuple[paddle.Tensor, np.ndarray],  # (T, out) likewise, written
 ) -> None:
-    """``linear(x, out=out)``; a quantized Linear multiplies the buffers'
-    host views instead (no DLPack a call)."""
-    if isinstance(linear, QuantizedLinear):
+    """``linear(x, out=out)``; a host-kernel Linear (quantized, packed)
+    multiplies the buffers' host views instead (no DLPack a call)."""
+    if isinstance(linear, HostLinear):
         linear.matmul_into(x[1], out[1])
     else:
         linear(x[0], out=out[0])

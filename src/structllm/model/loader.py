@@ -39,6 +39,7 @@ from structllm.model.llama import (
     LlamaForCausalLM,
     ModelWeights,
 )
+from structllm.model.packed import pack_linears
 from structllm.model.protocol import CausalLM
 from structllm.model.quantized import QuantizedEmbedding
 from structllm.models import resolve_model
@@ -310,6 +311,7 @@ def load_model(
         num_threads=num_threads,
         linears=linears,
     )
+    pack_linears(llm)
     if linears:
         from structllm.model import quantized
 

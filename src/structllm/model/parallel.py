@@ -65,6 +65,7 @@ from structllm.model.loader import (
     resolve_backend,
     resolve_dtype,
 )
+from structllm.model.packed import pack_linears
 from structllm.model.protocol import CausalLM
 from structllm.models import resolve_model
 
@@ -210,7 +211,9 @@ def load_shard(
     group runs eager (``"auto"`` means eager there; the oneDNN
     ``"inference"`` backend is refused), with ``model.config`` the rank's
     :attr:`ShardPlan.local` and ``all_reduce`` defaulting to
-    :func:`all_reduce_sum` (the process group must be initialised).
+    :func:`all_reduce_sum` (the process group must be initialised). An
+    eager float32 model's projections are packed for the CPU kernels
+    (:func:`~structllm.model.packed.pack_linears`).
     """
     _check_backend(plan, backend)
     compute_dtype = resolve_dtype(dtype, plan.config)
@@ -228,8 +231,9 @@ def load_shard(
             }
     else:
         tensors = dict(read_safetensors(path, shapes, slices))
+    model: CausalLM
     if plan.tp_size == 1:  # the whole model: every backend
-        return build_model(
+        model = build_model(
             plan.config,
             tensors,
             dtype=compute_dtype,
@@ -237,14 +241,17 @@ def load_shard(
             max_model_len=max_model_len,
             backend=backend,
         )
-    return build_shard(
-        plan,
-        tensors,
-        dtype=compute_dtype,
-        block_size=block_size,
-        max_model_len=max_model_len,
-        all_reduce=all_reduce,
-    )
+    else:
+        model = build_shard(
+            plan,
+            tensors,
+            dtype=compute_dtype,
+            block_size=block_size,
+            max_model_len=max_model_len,
+            all_reduce=all_reduce,
+        )
+    pack_linears(model)
+    return model
 
 
 def _check_backend(plan: ShardPlan, backend: str) -> None:
@@ -390,6 +397,7 @@ def load_model_shard(
             block_size=block_size,
             max_model_len=max_model_len,
         )
+        pack_linears(shard)
     if on_progress is not None:
         on_progress(LoadProgress("weights", 1, 1))
     return LoadedModel(config=config, model=shard, path=path)

@@ -36,7 +36,7 @@ import numpy as np
 from structllm.errors import EngineConfigError, ModelLoadError
 from structllm.model import quant_kernels
 from structllm.model._paddle import host_tensor, paddle
-from structllm.model.linear import Backend, Linear
+from structllm.model.linear import Backend, HostLinear, Linear
 
 __all__ = [
     "ACTIVATIONS",
@@ -65,7 +65,7 @@ class QuantizedPart:
 
 
 @attrs.define(eq=False)
-class QuantizedLinear(Linear):
+class QuantizedLinear(HostLinear):
     """A weight of HF shape ``(out, in)`` kept in GGML block rows."""
 
     kind: ClassVar[str] = "quantized"
@@ -132,28 +132,11 @@ class QuantizedLinear(Linear):
     def types(self) -> tuple[str, ...]:
         return tuple(quant_kernels.GGMLType(p.qtype).name for p in self.parts)
 
-    def __call__(
-        self, x: paddle.Tensor, out: paddle.Tensor | None = None
-    ) -> paddle.Tensor:
-        xh = np.from_dlpack(x)  # (T, in)
-        if not xh.flags.c_contiguous:
-            xh = np.ascontiguousarray(xh)
-        if out is None:
-            out = paddle.empty([xh.shape[0], self._out_features], dtype="float32")
-        self.matmul_into(xh, np.from_dlpack(out))
-        return out
-
     def matmul_into(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """``x @ W.T`` of host arrays: ``x (T, in)`` into ``out (T, out)``,
-        both float32 and C-contiguous (``quant_kernels.matmul`` checks).
-        Returns ``out``.
-
-        No tensor and no DLPack: a decode step's buffers pass their numpy
-        views (``llama._decode_layers``), where a call through tensors
-        cost 10-13 us of views and checks, a tenth of the step at batch 1.
-        A weight of several types writes each part's columns; at one row
-        those columns are contiguous and take the kernel's output directly.
-        """
+        """:meth:`HostLinear.matmul_into` (``quant_kernels.matmul``
+        checks the arrays). A weight of several types writes each part's
+        columns; at one row those columns are contiguous and take the
+        kernel's output directly."""
         if len(self.parts) == 1:
             part = self.parts[0]
             quant_kernels.matmul(

@@ -1,0 +1,128 @@
+"""Float32 projections for the CPU kernels: :class:`PackedLinear` keeps a
+weight as 32-column panels (``model/panel_kernels.py``) and multiplies
+from them.
+
+A served float32 model on the CPU (the eager backend) has its
+:class:`~structllm.model.linear.DenseLinear` projections packed at load
+(:func:`pack_linears`): the Paddle ``(in, out)`` tensor is replaced, never
+kept beside the panels. At the few rows of a decode step MKL's sgemm reads
+a weight at a third of the memory's speed and the panels stream at
+1.3-5x its speed (Intel and AMD, ``panel_kernels``' module doc); in
+prefill they are 0.9-1.0x MKL's on Intel and 3-4x on AMD.
+
+Kept dense: a tied head (``DenseLinear(embed, transposed=True)`` reads the
+embedding table itself: packing it would hold the table twice), weights of
+another dtype, models on a GPU, and the other backends' models (the oneDNN
+predictors take dense weights as program inputs; training needs Paddle
+tensors), so :func:`~structllm.model.loader.build_model` itself never
+packs: the serving loaders do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import ClassVar
+
+import attrs
+import numpy as np
+
+from structllm.model import kernels, panel_kernels
+from structllm.model._paddle import paddle
+from structllm.model.linear import Backend, DenseLinear, HostLinear, Linear
+from structllm.model.llama import LlamaForCausalLM
+from structllm.model.protocol import CausalLM
+from structllm.model.quant_kernels import _check_floats
+
+__all__ = ["PackedLinear", "pack_linears"]
+
+
+@attrs.define(eq=False)
+class PackedLinear(HostLinear):
+    """A float32 weight of HF shape ``(out, in)`` kept as 32-column panels."""
+
+    kind: ClassVar[str] = "packed"
+    backends: ClassVar[frozenset[Backend]] = frozenset(("eager",))
+
+    #: float32 ``(ceil(out / 32), in * 32)``, :func:`panel_kernels.pack`'s
+    panels: np.ndarray
+    _out_features: int
+    bias: paddle.Tensor | None = None  # (out,)
+
+    def __attrs_post_init__(self) -> None:
+        p = self.panels
+        if (
+            p.dtype != np.float32
+            or p.ndim != 2
+            or not p.flags.c_contiguous
+            or p.shape[1] % panel_kernels.PANEL
+            or p.shape[0] != -(-self._out_features // panel_kernels.PANEL)
+        ):
+            raise ValueError(
+                f"panels {p.dtype} {p.shape} do not hold {self._out_features} "
+                "outputs as panel_kernels.pack lays them out"
+            )
+
+    @classmethod
+    def from_dense(cls, dense: DenseLinear) -> PackedLinear:
+        """``dense``'s weight packed (a float32 one; its bias kept)."""
+        w = dense.weight.numpy()
+        hf = w if dense.transposed else w.T  # (out, in)
+        return cls(panel_kernels.pack(hf), int(hf.shape[0]), dense.bias)
+
+    @property
+    def in_features(self) -> int:
+        return int(self.panels.shape[1]) // panel_kernels.PANEL
+
+    @property
+    def out_features(self) -> int:
+        return self._out_features
+
+    def matmul_into(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """:meth:`HostLinear.matmul_into`; a wrong dtype, shape or layout
+        raises ValueError naming the array (the kernels trust theirs)."""
+        _check_floats("x", x, None)
+        if x.shape[1] != self.in_features:
+            raise ValueError(
+                f"x has {x.shape[1]} columns, not in_features {self.in_features}"
+            )
+        _check_floats("out", out, (x.shape[0], self._out_features))
+        return panel_kernels.matmul(x, self.panels, out)
+
+
+def _packable(linear: Linear) -> bool:
+    return (
+        type(linear) is DenseLinear
+        and not linear.transposed
+        and linear.weight.dtype == paddle.float32
+    )
+
+
+def _sites(model: LlamaForCausalLM) -> Iterator[tuple[object, str]]:
+    for layer in model.weights.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            yield layer, name
+    yield model.weights, "lm_head"
+
+
+def pack_linears(model: CausalLM) -> int:
+    """Replace ``model``'s float32 dense projections by
+    :class:`PackedLinear`, one at a time (each Paddle weight freed as its
+    panels are made), where ``model`` runs eagerly on the CPU with the
+    compiled kernels; returns how many were packed (0 elsewhere, and for a
+    tied head). Compiles the kernels (or loads them from numba's cache)."""
+    if (
+        not isinstance(model, LlamaForCausalLM)
+        or type(model).backend != "eager"
+        or not model.attention.use_kernels
+        or not kernels.available()
+    ):
+        return 0
+    packed = 0
+    for owner, name in _sites(model):
+        linear = getattr(owner, name)
+        if _packable(linear):
+            setattr(owner, name, PackedLinear.from_dense(linear))
+            packed += 1
+    if packed:
+        panel_kernels.warm_up()
+    return packed

@@ -92,10 +92,14 @@ def test_a_packed_linear_checks_its_arrays_and_computes_the_dense_product() -> N
     assert lin.matmul_into(x, out) is out
     _close(out, x @ w)
     np.testing.assert_array_equal(lin(paddle.to_tensor(x)).numpy(), out)
-    with pytest.raises(ValueError, match="x has 39 columns, not in_features 40"):
+    with pytest.raises(ValueError, match="x has 39 columns; the panels hold 40"):
         lin.matmul_into(x[:, :39].copy(), out)
-    with pytest.raises(ValueError, match=r"out is \(5, 23\), not \(5, 24\)"):
+    with pytest.raises(ValueError, match="out has 23 columns, not out_features 24"):
         lin.matmul_into(x, out[:, :23].copy())
+    with pytest.raises(ValueError, match=r"out is \(4, 24\), not \(5, 24\)"):
+        lin.matmul_into(x, out[:4].copy())
+    with pytest.raises(ValueError, match="33 to 64 outputs"):
+        panel_kernels.matmul(x, np.zeros((2, 40 * 32), np.float32), out)
     with pytest.raises(ValueError, match="x must be a 2-D float32 array, not float64"):
         lin.matmul_into(x.astype(np.float64), out)
     with pytest.raises(ValueError, match="out must be C-contiguous"):

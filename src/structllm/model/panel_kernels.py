@@ -31,12 +31,14 @@ from typing import Any
 import numpy as np
 
 from structllm.model import kernels, quant_kernels
-from structllm.model.quant_kernels import _outer1, _outer8
 
 __all__ = ["PANEL", "matmul", "pack", "unpack", "warm_up"]
 
 _jit = kernels._jit
 _prange = kernels._prange
+_outer8 = quant_kernels._outer8
+_outer1 = quant_kernels._outer1
+_check_floats = quant_kernels._check_floats
 
 #: output columns of a panel: two 16-lane vectors of sums
 PANEL = quant_kernels._OUTER_ROWS
@@ -164,15 +166,27 @@ def matmul(
 ) -> np.ndarray:
     """``x @ W.T`` into ``out`` for ``W`` the weight :func:`pack` made
     ``panels`` of: ``x (T, in)`` and ``out (T, out_features)``, float32 and
-    C-contiguous, ``out_features`` at most ``32 * len(panels)``; the caller
-    checks shapes (``PackedLinear`` does once, at build). The panels are
+    C-contiguous, ``out_features`` within the last panel. The panels are
     spread over the threads of :func:`kernels.set_num_threads` when the
     call is big enough to pay for the hand-off; ``threaded`` forces the
-    choice. Releases the GIL. Returns ``out``."""
-    t_len = x.shape[0]
-    if t_len == 0:
+    choice. Releases the GIL. Returns ``out``; a wrong dtype, shape or
+    layout raises ValueError naming the array (the compiled kernels trust
+    theirs: nothing checks bounds there)."""
+    _check_floats("x", x, None)
+    _check_floats("panels", panels, None)
+    count, size = panels.shape
+    if size != PANEL * x.shape[1]:
+        raise ValueError(
+            f"x has {x.shape[1]} columns; the panels hold {size // PANEL} inputs"
+        )
+    _check_floats("out", out, (x.shape[0], out.shape[1]))
+    if not PANEL * (count - 1) < out.shape[1] <= PANEL * count:
+        raise ValueError(
+            f"out has {out.shape[1]} columns; {count} panels hold "
+            f"{PANEL * (count - 1) + 1} to {PANEL * count} outputs"
+        )
+    if x.shape[0] == 0:
         return out
-    count = panels.shape[0]
     if threaded is None:
         threaded = x.size * out.shape[1] >= _PARALLEL_MIN_WORK
     threads = kernels._threads

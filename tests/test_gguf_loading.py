@@ -85,8 +85,9 @@ def test_quantized_weights_load_as_the_file_holds_them(
     held = convert(directory, tmp_path / "m.gguf", qtype=qtype)
     # dequantized on load (kept in their blocks: tests/test_quantized_linear.py)
     ours = load_model(tmp_path / "m.gguf", quantization="none")
-    expected = build_model(ours.config, dict(held))
-    np.testing.assert_allclose(_logits(ours.model), _logits(expected), atol=1e-5)
+    expected = build_model(ours.config, dict(held))  # dense: Paddle's matmul
+    # the served model's packed projections sum in another order
+    np.testing.assert_allclose(_logits(ours.model), _logits(expected), atol=1e-4)
     # and the quantization is real: not the float weights
     if qtype.startswith("Q"):
         plain = _logits(load_model(directory).model)
@@ -387,9 +388,9 @@ def test_a_tensor_parallel_rank_reads_its_slices_of_a_gguf_file(
         all_reduce=lambda x: x,
     )
     for mine, other in zip(ours.weights.layers, theirs.weights.layers, strict=True):
-        for name in ("qkv", "o", "gate_up", "down"):
+        for name in ("qkv", "o", "gate_up", "down"):  # packed: PackedLinear
             np.testing.assert_array_equal(
-                getattr(mine, name).weight.numpy(), getattr(other, name).weight.numpy()
+                getattr(mine, name).panels, getattr(other, name).panels
             )
 
 

@@ -52,7 +52,7 @@ def test_pack_lays_out_panels_and_unpack_inverts_it(
 @pytest.mark.parametrize("threaded", [False, True])
 @pytest.mark.parametrize(
     ("out_features", "in_features"),
-    [(32, 16), (96, 300), (45, 7), (160, 1100)],  # 1100: five 220-input parts
+    [(32, 16), (96, 300), (45, 7), (160, 1100), (33, 0)],  # 1100: 5 x 220 inputs
 )
 def test_the_panels_multiply_as_numpy_does(
     out_features: int, in_features: int, threaded: bool

@@ -187,6 +187,9 @@ def matmul(
         )
     if x.shape[0] == 0:
         return out
+    if x.shape[1] == 0:  # an empty sum
+        out[...] = 0.0
+        return out
     if threaded is None:
         threaded = x.size * out.shape[1] >= _PARALLEL_MIN_WORK
     threads = kernels._threads

@@ -42,11 +42,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
 
-    from structllm.model import kernels, panel_kernels
-    from structllm.model._paddle import paddle
+    from structllm.model import panel_kernels
+    from structllm.model._paddle import paddle, set_num_threads
 
-    kernels.set_num_threads(args.threads)
-    paddle.set_num_threads(args.threads)
+    set_num_threads(args.threads)  # Paddle's and the kernels'
     rng = np.random.default_rng(0)
     weights = [rng.standard_normal(s, dtype=np.float32) for s in SHAPES]
     panels = [panel_kernels.pack(w) for w in weights]

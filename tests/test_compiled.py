@@ -60,8 +60,10 @@ def test_inference_backend_gives_the_eager_tokens() -> None:
 def test_auto_picks_by_size_and_cpu_and_bad_names_are_refused(
     monkeypatch: pytest.MonkeyPatch, vendor: str, big_model: str
 ) -> None:
-    # Intel MKL, Paddle's eager matmul, is fast on Intel CPUs only
+    # without the compiled kernels (numba) eager projections are Paddle's
+    # matmul, Intel MKL, fast on Intel CPUs only
     monkeypatch.setattr("structllm.model.loader.cpu_vendor", lambda: vendor)
+    monkeypatch.setattr("structllm.model.kernels.available", lambda: False)
     small = tiny_random_config()
     big = attrs.evolve(
         small, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8
@@ -73,6 +75,9 @@ def test_auto_picks_by_size_and_cpu_and_bad_names_are_refused(
     assert resolve_backend("inference", "float32", small) == "inference"
     with pytest.raises(ModelLoadError, match="model_backend"):
         resolve_backend("onnx", "float32", small)
+    # with them, eager projections are the packed panels': eager everywhere
+    monkeypatch.setattr("structllm.model.kernels.available", lambda: True)
+    assert resolve_backend("auto", "float32", big) == "eager"
 
 
 def test_cpu_vendor_reads_this_machine() -> None:

@@ -166,6 +166,7 @@ def test_the_backends_that_cannot_run_a_kind_refuse_it_by_name(
         model("inference")
     # auto picks the predictors where they are faster, if they can run it
     monkeypatch.setattr("structllm.model.loader.cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr("structllm.model.kernels.available", lambda: False)
     monkeypatch.setattr("structllm.model.loader.AUTO_INFERENCE_MIN_PARAMETERS", 0)
     assert type(model("auto")) is LlamaForCausalLM
     assert type(build_model(config, dict(tensors), backend="auto")).__name__ == (

@@ -207,9 +207,10 @@ class EngineConfig:
     )
     model_backend: Literal["auto", "eager", "inference"] = setting(
         "auto",
-        help="inference: oneDNN predictors (Paddle Inference); auto picks them for "
-        "float32 CPU models of 10M+ parameters on CPUs other than Intel's (where "
-        "Paddle's eager MKL kernels are faster), else eager",
+        help="inference: oneDNN predictors (Paddle Inference); auto runs eager "
+        "(float32 projections on the packed-panel CPU kernels) and picks the "
+        "predictors only where those kernels cannot run (no numba), for float32 "
+        "CPU models of 10M+ parameters on CPUs other than Intel's",
         topic="model",
     )
     enable_lora: bool = setting(

@@ -23,6 +23,7 @@ import attrs
 import numpy as np
 
 from structllm.errors import EngineConfigError, ModelLoadError
+from structllm.model import kernels
 from structllm.model._paddle import cpu_vendor, paddle
 from structllm.model.config import ModelConfig
 from structllm.model.linear import (
@@ -61,7 +62,8 @@ __all__ = [
     "resolve_dtype",
 ]
 
-#: ``model_backend="auto"`` uses oneDNN predictors from this size up
+#: ``model_backend="auto"`` uses oneDNN predictors from this size up (where
+#: the compiled kernels cannot run)
 AUTO_INFERENCE_MIN_PARAMETERS = 10_000_000
 
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
@@ -417,15 +419,19 @@ def build_model(
 
 
 def resolve_backend(backend: str, dtype: str, config: ModelConfig) -> str:
-    """``auto``: oneDNN predictors for float32 CPU models of 10M+, if not on Intel.
+    """``auto``: eager, but oneDNN predictors for float32 CPU models of 10M+
+    on CPUs that are not Intel's where the compiled kernels cannot run.
 
-    Paddle's eager matmul is Intel MKL. On Intel (a Sapphire Rapids Xeon) it
-    reaches 100-160 GFLOP/s a core and the eager engine serves 16 concurrent
-    requests 1.4x faster than the predictors; on AMD EPYC it reaches ~20 and
-    the predictors make 16 concurrent requests ~1.5x and a single stream
-    ~1.2x faster (docs/benchmarks.md). Below 10M parameters a step is mostly fixed
-    per-call cost and the build (1-2 s) is not worth it. Elsewhere (GPU,
-    half precision) eager Paddle.
+    An eager float32 model on the CPU multiplies its projections with the
+    packed-panel kernels (``model/packed.py``); on AMD EPYC (2 threads, the
+    27.8M bench checkpoint) the eager engine serves 16 concurrent requests
+    1.74x and one stream 1.45x faster than the predictors
+    (docs/benchmarks.md "Packed float32 panels"). Without the kernels
+    (numba missing) eager Paddle's matmul is Intel MKL, which reaches
+    100-160 GFLOP/s a core on Intel and ~20 on AMD, where the predictors
+    make 16 concurrent requests ~1.5x faster. Below 10M parameters a step is
+    mostly fixed per-call cost and the build (1-2 s) is not worth it.
+    Elsewhere (GPU, half precision) eager Paddle.
     """
     if backend not in ("auto", "eager", "inference"):
         raise ModelLoadError(
@@ -440,6 +446,7 @@ def resolve_backend(backend: str, dtype: str, config: ModelConfig) -> str:
             and dtype == "float32"
             and config.num_parameters >= AUTO_INFERENCE_MIN_PARAMETERS
             and cpu_vendor() != "GenuineIntel"
+            and not kernels.available()
             and inference_available()
         )
         return "inference" if fast else "eager"

@@ -73,9 +73,9 @@ def test_a_tokens_result_does_not_depend_on_the_call() -> None:
     rng = np.random.default_rng(2)
     w = rng.standard_normal((200, 700)).astype(np.float32)
     panels = panel_kernels.pack(w)
-    x = rng.standard_normal((37, 700)).astype(np.float32)
-    whole = panel_kernels.matmul(x, panels, np.empty((37, 200), np.float32))
-    for t in (0, 8, 36):
+    x = rng.standard_normal((39, 700)).astype(np.float32)
+    whole = panel_kernels.matmul(x, panels, np.empty((39, 200), np.float32))
+    for t in (0, 8, 33, 37, 38):  # sweeps of 8, 8, 4, 2 and 1 tokens
         alone = np.empty((1, 200), np.float32)
         panel_kernels.matmul(x[t : t + 1], panels, alone, threaded=False)
         np.testing.assert_array_equal(alone[0], whole[t])

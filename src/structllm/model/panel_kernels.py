@@ -38,6 +38,10 @@ _jit = kernels._jit
 _prange = kernels._prange
 _outer8 = quant_kernels._outer8
 _outer1 = quant_kernels._outer1
+_outer_store = quant_kernels._outer_store
+_vzero = quant_kernels._vzero
+_vsplat = quant_kernels._vsplat
+_vfloats = quant_kernels._vfloats
 _check_floats = quant_kernels._check_floats
 
 #: output columns of a panel: two 16-lane vectors of sums
@@ -52,6 +56,72 @@ _GROUP = 4
 #: below this many multiply-adds a call runs on the calling thread (see
 #: ``quant_kernels._PARALLEL_MIN_WORK``)
 _PARALLEL_MIN_WORK = 1 << 16
+
+
+@_jit(inline=True)
+def _outer4(
+    x: np.ndarray,  # (T, in)
+    t: int,  # tokens t..t+3
+    k0: int,
+    kn: int,
+    panel: np.ndarray,  # (>= kn * 32,) the columns' weights, input-major
+    out: np.ndarray,  # (T, >= r0 + 32)
+    r0: int,
+    accumulate: bool,
+) -> None:  # pragma: no cover - compiled
+    """``quant_kernels._outer8`` for 4 tokens: each lane's sum in the same
+    order. 2 to 7 rows (a few concurrent streams) token by token (a pass
+    over the panel from L1 each) had taken 1.3-1.8x one row's time."""
+    a0 = a1 = a2 = a3 = _vzero()
+    b0 = b1 = b2 = b3 = _vzero()
+    x0, x1 = x[t, k0 : k0 + kn], x[t + 1, k0 : k0 + kn]
+    x2, x3 = x[t + 2, k0 : k0 + kn], x[t + 3, k0 : k0 + kn]
+    for k in range(kn):
+        u = _vfloats(panel, PANEL * k)
+        v = _vfloats(panel, PANEL * k + 16)
+        s = _vsplat(x0[k])
+        a0 += s * u
+        b0 += s * v
+        s = _vsplat(x1[k])
+        a1 += s * u
+        b1 += s * v
+        s = _vsplat(x2[k])
+        a2 += s * u
+        b2 += s * v
+        s = _vsplat(x3[k])
+        a3 += s * u
+        b3 += s * v
+    _outer_store(out, t, r0, a0, b0, accumulate)
+    _outer_store(out, t + 1, r0, a1, b1, accumulate)
+    _outer_store(out, t + 2, r0, a2, b2, accumulate)
+    _outer_store(out, t + 3, r0, a3, b3, accumulate)
+
+
+@_jit(inline=True)
+def _outer2(
+    x: np.ndarray,
+    t: int,  # tokens t, t+1
+    k0: int,
+    kn: int,
+    panel: np.ndarray,
+    out: np.ndarray,
+    r0: int,
+    accumulate: bool,
+) -> None:  # pragma: no cover - compiled
+    """:func:`_outer4` for 2 tokens."""
+    a0 = a1 = b0 = b1 = _vzero()
+    x0, x1 = x[t, k0 : k0 + kn], x[t + 1, k0 : k0 + kn]
+    for k in range(kn):
+        u = _vfloats(panel, PANEL * k)
+        v = _vfloats(panel, PANEL * k + 16)
+        s = _vsplat(x0[k])
+        a0 += s * u
+        b0 += s * v
+        s = _vsplat(x1[k])
+        a1 += s * u
+        b1 += s * v
+    _outer_store(out, t, r0, a0, b0, accumulate)
+    _outer_store(out, t + 1, r0, a1, b1, accumulate)
 
 
 @_jit()
@@ -76,9 +146,14 @@ def _panel_sweep(
         while t + 8 <= t1:
             _outer8(x, t, ks, kl, chunk, out, r0, more)
             t += 8
-        while t < t1:
+        if t + 4 <= t1:
+            _outer4(x, t, ks, kl, chunk, out, r0, more)
+            t += 4
+        if t + 2 <= t1:
+            _outer2(x, t, ks, kl, chunk, out, r0, more)
+            t += 2
+        if t < t1:
             _outer1(x, t, ks, kl, chunk, out, r0, more)
-            t += 1
 
 
 @_jit()

@@ -14,7 +14,7 @@ from structllm.model import kernels, panel_kernels
 from structllm.model._paddle import paddle
 from structllm.model.linear import DenseLinear, check_backend
 from structllm.model.loader import build_model, load_model, random_hf_tensors
-from structllm.model.packed import PackedLinear, pack_linears
+from structllm.model.packed import PackedEmbedding, PackedLinear, pack_linears
 from structllm.models import make_tiny_model
 from tests.test_gguf_loading import _logits
 from tests.test_quantized_linear import _decode_logits
@@ -136,9 +136,22 @@ def test_a_served_model_is_packed_and_computes_the_dense_one(
     layer = served.weights.layers[0]
     for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
         assert isinstance(lin, PackedLinear)
-    head = served.weights.lm_head
-    # a tied head reads the embedding table: packing it would hold it twice
-    assert isinstance(head, DenseLinear if tied else PackedLinear)
+    assert isinstance(served.weights.lm_head, PackedLinear)
+    embed = served.weights.embed
+    if tied:  # the table once: the embedding reads the head's panels
+        assert (
+            isinstance(embed, PackedEmbedding) and embed.head is served.weights.lm_head
+        )
+        ids = paddle.to_tensor(np.array([0, 5, served.config.vocab_size - 1]))
+        np.testing.assert_array_equal(
+            embed.lookup(ids).numpy(), dense.weights.embed.numpy()[ids.numpy()]
+        )
+        with pytest.raises(IndexError, match="token id -1 is outside"):
+            embed.lookup(paddle.to_tensor(np.array([3, -1])))
+        with pytest.raises(IndexError, match=f"{served.config.vocab_size} is outside"):
+            embed.lookup(paddle.to_tensor(np.array([served.config.vocab_size])))
+    else:
+        assert isinstance(embed, paddle.Tensor)
     assert all(type(lin) is DenseLinear for _, lin in dense.weights.linears())
     _close(_logits(served), _logits(dense))  # a prefill
     for rows in (1, 3):  # decode steps on the step buffers' host views

@@ -26,6 +26,7 @@ from structllm.model.linear import Backend, HostLinear, Linear
 
 if TYPE_CHECKING:
     from structllm.model.lora import LoRASlots
+    from structllm.model.packed import PackedEmbedding
     from structllm.model.quantized import QuantizedEmbedding
 
 __all__ = [
@@ -73,8 +74,9 @@ class DecoderLayerWeights:
 
 @attrs.define(eq=False)
 class ModelWeights:
-    #: (V, H); a quantized model's stays in its blocks (the lookups dequantize)
-    embed: paddle.Tensor | QuantizedEmbedding
+    #: (V, H); a quantized model's stays in its blocks (the lookups
+    #: dequantize); a served float32 model's tied table is its packed head's
+    embed: paddle.Tensor | QuantizedEmbedding | PackedEmbedding
     layers: list[DecoderLayerWeights]
     norm: paddle.Tensor  # (H,)
     #: H -> V; a tied head reads ``embed`` (``DenseLinear(embed, transposed=True)``)
@@ -486,7 +488,7 @@ def _project(
 
 
 def _embed_tokens(
-    embed: paddle.Tensor | QuantizedEmbedding, ids: paddle.Tensor
+    embed: paddle.Tensor | QuantizedEmbedding | PackedEmbedding, ids: paddle.Tensor
 ) -> paddle.Tensor:  # (T,) int64 -> (T, H)
     if isinstance(embed, paddle.Tensor):
         return paddle.nn.functional.embedding(ids, embed)

@@ -7,32 +7,36 @@ A served float32 model on the CPU (the eager backend) has its
 (:func:`pack_linears`): the Paddle ``(in, out)`` tensor is replaced, never
 kept beside the panels. At the few rows of a decode step MKL's sgemm reads
 a weight at a third of the memory's speed and the panels stream at
-1.3-5x its speed (Intel and AMD, ``panel_kernels``' module doc); in
-prefill they are 0.9-1.0x MKL's on Intel and 3-4x on AMD.
+1.3-7x its speed (Intel and AMD: docs/benchmarks.md "Packed float32
+panels"); in prefill they are 0.9x MKL's on Intel and 3-4x on AMD.
 
-Kept dense: a tied head (``DenseLinear(embed, transposed=True)`` reads the
-embedding table itself: packing it would hold the table twice), weights of
-another dtype, models on a GPU, and the other backends' models (the oneDNN
-predictors take dense weights as program inputs; training needs Paddle
-tensors), so :func:`~structllm.model.loader.build_model` itself never
-packs: the serving loaders do.
+A tied head (``DenseLinear(embed, transposed=True)``, which reads the
+embedding table) is packed too, and the embedding becomes a
+:class:`PackedEmbedding` that looks rows up in the head's panels: the table
+is held once, as the panels.
+
+Kept dense: weights of another dtype, models on a GPU, and the other
+backends' models (the oneDNN predictors take dense weights as program
+inputs; training needs Paddle tensors), so
+:func:`~structllm.model.loader.build_model` itself never packs: the serving
+loaders do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import attrs
 import numpy as np
 
 from structllm.model import kernels, panel_kernels
-from structllm.model._paddle import paddle
+from structllm.model._paddle import host_tensor, paddle
 from structllm.model.linear import Backend, DenseLinear, HostLinear, Linear
 from structllm.model.llama import LlamaForCausalLM
 from structllm.model.protocol import CausalLM
 
-__all__ = ["PackedLinear", "pack_linears"]
+__all__ = ["PackedEmbedding", "PackedLinear", "pack_linears"]
 
 
 @attrs.define(eq=False)
@@ -86,12 +90,38 @@ class PackedLinear(HostLinear):
         return panel_kernels.matmul(x, self.panels, out)
 
 
+@attrs.define(eq=False)
+class PackedEmbedding:
+    """A tied model's token embedding ``(V, H)`` read from its packed head's
+    panels (row ``v`` is column ``v`` of the head: ``H`` floats 32 apart),
+    so the table is held once. SmolLM2's is 113 MB of float32."""
+
+    head: PackedLinear
+
+    @property
+    def dtype(self) -> Any:
+        """What a lookup returns: float32."""
+        return paddle.float32
+
+    @property
+    def shape(self) -> list[int]:
+        return [self.head.out_features, self.head.in_features]
+
+    def lookup(self, ids: paddle.Tensor) -> paddle.Tensor:  # (T,) -> (T, H)
+        """The rows of ``ids``; an id outside the vocabulary raises IndexError."""
+        index = ids.numpy().reshape(-1)
+        vocab = self.head.out_features
+        if index.size and (index.min() < 0 or index.max() >= vocab):
+            bad = index[(index < 0) | (index >= vocab)][0]
+            raise IndexError(f"token id {bad} is outside the vocabulary of {vocab}")
+        panels = self.head.panels
+        columns = panels.reshape(panels.shape[0], -1, panel_kernels.PANEL)
+        rows = columns[index // panel_kernels.PANEL, :, index % panel_kernels.PANEL]
+        return host_tensor(np.ascontiguousarray(rows))  # (T, H)
+
+
 def _packable(linear: Linear) -> bool:
-    return (
-        type(linear) is DenseLinear
-        and not linear.transposed
-        and linear.weight.dtype == paddle.float32
-    )
+    return type(linear) is DenseLinear and linear.weight.dtype == paddle.float32
 
 
 def _sites(model: LlamaForCausalLM) -> Iterator[tuple[object, str]]:
@@ -105,8 +135,9 @@ def pack_linears(model: CausalLM) -> int:
     """Replace ``model``'s float32 dense projections by
     :class:`PackedLinear`, one at a time (each Paddle weight freed as its
     panels are made), where ``model`` runs eagerly on the CPU with the
-    compiled kernels; returns how many were packed (0 elsewhere, and for a
-    tied head). Compiles the kernels (or loads them from numba's cache)."""
+    compiled kernels; returns how many were packed (0 elsewhere). A tied
+    head's embedding then reads its panels (:class:`PackedEmbedding`).
+    Compiles the kernels (or loads them from numba's cache)."""
     if (
         not isinstance(model, LlamaForCausalLM)
         or type(model).backend != "eager"
@@ -114,12 +145,18 @@ def pack_linears(model: CausalLM) -> int:
         or not kernels.available()
     ):
         return 0
+    weights = model.weights
+    head = weights.lm_head
+    tied = isinstance(head, DenseLinear) and head.weight is weights.embed
     packed = 0
     for owner, name in _sites(model):
         linear = getattr(owner, name)
         if _packable(linear):
             setattr(owner, name, PackedLinear.from_dense(linear))
             packed += 1
+    if tied and isinstance(weights.lm_head, PackedLinear):
+        # the table once: lookups read the head's panels
+        weights.embed = PackedEmbedding(weights.lm_head)
     if packed:
         panel_kernels.warm_up()
     return packed

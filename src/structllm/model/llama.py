@@ -35,6 +35,7 @@ __all__ = [
     "DecoderLayerWeights",
     "LlamaForCausalLM",
     "ModelWeights",
+    "embed_tokens",
     "rms_norm",
     "rope_attention_factor",
     "rope_inv_freq",
@@ -301,7 +302,7 @@ class LlamaForCausalLM:
     ) -> paddle.Tensor:  # (T, H), before the final norm
         c = self.config
         w = self.weights
-        x = _embed_tokens(w.embed, input_ids)  # (T, H)
+        x = embed_tokens(w.embed, input_ids)  # (T, H)
         if meta.use_kernels:
             return self._residual_stream_kernels(x, positions, kv_caches, meta)
         self.checked_positions(positions)
@@ -487,9 +488,10 @@ def _project(
         linear(x[0], out=out[0])
 
 
-def _embed_tokens(
+def embed_tokens(
     embed: paddle.Tensor | QuantizedEmbedding | PackedEmbedding, ids: paddle.Tensor
 ) -> paddle.Tensor:  # (T,) int64 -> (T, H)
+    """The rows of ``ids`` from any kind of table (``ModelWeights.embed``)."""
     if isinstance(embed, paddle.Tensor):
         return paddle.nn.functional.embedding(ids, embed)
     return embed.lookup(ids)

@@ -26,6 +26,7 @@ from structllm.model.linear import DenseLinear, Linear, check_backend
 from structllm.model.llama import (
     LlamaForCausalLM,
     attention_inputs,
+    embed_tokens,
     layer_output,
     rms_norm,
 )
@@ -96,7 +97,7 @@ def causal_lm_logits(model: LlamaForCausalLM, tokens: paddle.Tensor) -> paddle.T
     nh, kvh, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     positions = paddle.tile(paddle.arange(t, dtype="int64"), [b])  # (B T,)
     cos, sin = model.rope_tables(positions)
-    x = paddle.nn.functional.embedding(tokens.reshape([-1]), model.weights.embed)
+    x = embed_tokens(model.weights.embed, tokens.reshape([-1]))
     causal = paddle.to_tensor(np.triu(np.full((t, t), -np.inf, np.float32), 1))
     for layer in model.weights.layers:
         q, k, v = attention_inputs(c, layer, x, cos, sin)  # (B T, heads, d)

@@ -5,18 +5,21 @@ load, into ``ceil(out / 32)`` panels of 32 output columns, each input-major:
 ``panels[p, 32 k + r] = W[32 p + r, k]`` (the last panel's missing columns
 zero). :func:`matmul` multiplies float32 activations ``x (T, in)`` by it
 with the quantized kernels' prefill outer product
-(``quant_kernels._outer8``/``_outer1``): each token's input broadcast into
-two vectors of a panel's 32 sums, 8 tokens at a time, 256 inputs of a panel
-(32 KB, in L1) at a time. A panel is one stream of memory, so the hardware
-prefetchers keep ahead of it at any ``T``.
+(``quant_kernels._outer8``, here also for 4 and 2 tokens, and
+``_outer1``): each token's input broadcast into two vectors of a panel's
+32 sums, up to 8 tokens at a time, 256 inputs of a panel (32 KB, in L1) at
+a time. A panel is one stream of memory, so the hardware prefetchers keep
+ahead of it at any ``T``.
 
 Why not Paddle's ``matmul`` on the ``(in, out)`` weight (MKL's sgemm): a
 decode step at a few rows is the weights streamed from memory once, and
 MKL reads them slowly there (2 threads, the 27.8M bench checkpoint's 32
-projections: 33.7 GB/s at 1 row, 13.2 at 8, 10.3 at 16), where these
-kernels stream the panels at 1.3-1.6x its speed below 32 rows (docs/
-benchmarks.md "The bench checkpoint's short prompts"). Each thread takes a
-contiguous run of panels.
+projections, ``tools/bench_panels.py``): on an Intel Xeon 33.7 GB/s at 1
+row, 10.3 at 16, where the panels measured 1.3-1.6x its speed below 32
+rows and 0.9x from 64; on an AMD EPYC (Zen 4) MKL is far slower (17 GB/s
+at 1 row, 4 at 16) and the panels 2.9-7x its speed at every row count, 3-4x
+in prefill (docs/benchmarks.md "Packed float32 panels"). Each thread takes
+a contiguous run of panels.
 
 Sums are float32 with reassociation allowed, as in ``quant_kernels``: the
 result equals numpy's product to rounding, and a token's result does not

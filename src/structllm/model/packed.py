@@ -33,7 +33,7 @@ import numpy as np
 from structllm.model import kernels, panel_kernels
 from structllm.model._paddle import host_tensor, paddle
 from structllm.model.linear import Backend, DenseLinear, HostLinear, Linear
-from structllm.model.llama import LlamaForCausalLM
+from structllm.model.llama import LAYER_PROJECTIONS, LlamaForCausalLM
 from structllm.model.protocol import CausalLM
 
 __all__ = ["PackedEmbedding", "PackedLinear", "pack_linears"]
@@ -126,7 +126,7 @@ def _packable(linear: Linear) -> bool:
 
 def _sites(model: LlamaForCausalLM) -> Iterator[tuple[object, str]]:
     for layer in model.weights.layers:
-        for name in ("qkv", "o", "gate_up", "down"):
+        for name in LAYER_PROJECTIONS:  # the layer's Linear fields
             yield layer, name
     yield model.weights, "lm_head"
 

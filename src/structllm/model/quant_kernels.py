@@ -140,6 +140,7 @@ __all__ = [
     "block_layout",
     "dequantize_rows",
     "matmul",
+    "read_only",
     "row_bytes",
     "warm_up",
 ]
@@ -3791,6 +3792,7 @@ def matmul(
         _check_floats("out", out, shape)
     if x.shape[0] == 0:
         return out
+    w_raw = read_only(w_raw)
     threads = kernels._threads
     if threaded is None:
         threaded = x.size * out_features >= _PARALLEL_MIN_WORK
@@ -3844,42 +3846,47 @@ def dequantize_rows(
         out = np.empty(shape, np.float32)
     else:
         _check_floats("out", out, shape)
-    _dequantize_rows(w_raw[start:stop], int(kind), _LAYOUTS[kind][0], out, _LANES)
+    rows_raw = read_only(w_raw[start:stop])
+    _dequantize_rows(rows_raw, int(kind), _LAYOUTS[kind][0], out, _LANES)
     return out
 
 
+def read_only(w_raw: np.ndarray) -> np.ndarray:
+    """``w_raw``, or a read-only view of it when it is writable.
+
+    The kernels are compiled for read-only weights alone, as a GGUF file's
+    map gives them: numba compiles a kernel once for each array type, and a
+    writable array is another type (a second compile of the same code,
+    30-40 s a kernel on a cold cache). :class:`~structllm.model.quantized.
+    QuantizedPart` keeps its rows read-only, so the engine's calls take no
+    view."""
+    if not isinstance(w_raw, np.ndarray) or not w_raw.flags.writeable:
+        return w_raw  # not an array: the checks name it
+    view = w_raw.view()
+    view.flags.writeable = False
+    return view
+
+
 def warm_up(*, q8: bool = False) -> None:
-    """Compile the kernels (or load them from numba's disk cache) for a
-    writable and a read-only (mmap) weight, threaded too when the engine
-    has threads, so a first step never pauses to compile; with ``q8``, the
-    q8-activation kernels too. One call compiles every type and every
-    ``T`` (the type and the token count are run-time arguments)."""
+    """Compile the kernels (or load them from numba's disk cache), threaded
+    too when the engine has threads, so a first step never pauses to
+    compile; with ``q8``, the q8-activation kernels too. One call compiles
+    every type and every ``T`` (the type and the token count are run-time
+    arguments), for every weight: the kernels take read-only ones only
+    (:func:`read_only`)."""
     if numba is None:  # pragma: no cover
         return
     x = np.zeros((1, 32), np.float32)
     w = np.zeros((8, 34), np.uint8)
-    frozen = w.copy()
-    frozen.flags.writeable = False
     xk = np.zeros((1, 256), np.float32)  # the Q8_K kernels' (Q4_K's and Q6_K's)
     wk = np.zeros((8, 144), np.uint8)
-    frozen_k = wk.copy()
-    frozen_k.flags.writeable = False
     modes = ("float", "q8") if q8 else ("float",)
     threads = (False, True) if kernels._threads > 1 else (False,)
-    for weight, weight_k in ((w, wk), (frozen, frozen_k)):
-        for act in modes:
-            for threaded in threads:
+    for act in modes:
+        for threaded in threads:
+            matmul(x, w, GGMLType.Q8_0, 8, 32, threaded=threaded, activations=act)
+            if act == "q8":
                 matmul(
-                    x, weight, GGMLType.Q8_0, 8, 32, threaded=threaded, activations=act
+                    xk, wk, GGMLType.Q4_K, 8, 256, threaded=threaded, activations=act
                 )
-                if act == "q8":
-                    matmul(
-                        xk,
-                        weight_k,
-                        GGMLType.Q4_K,
-                        8,
-                        256,
-                        threaded=threaded,
-                        activations=act,
-                    )
-        dequantize_rows(weight, GGMLType.Q8_0, 32)
+    dequantize_rows(w, GGMLType.Q8_0, 32)

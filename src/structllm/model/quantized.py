@@ -54,9 +54,12 @@ ACTIVATIONS = ("float", "q8")
 
 @attrs.frozen
 class QuantizedPart:
-    """Output rows ``(rows, row_bytes)`` of one GGML type."""
+    """Output rows ``(rows, row_bytes)`` of one GGML type, read-only (the
+    kernels are compiled for read-only weights: :func:`~structllm.model.
+    quant_kernels.read_only`)."""
 
-    raw: np.ndarray  # uint8 (rows, row_bytes), C-contiguous
+    raw: np.ndarray = attrs.field(converter=quant_kernels.read_only)
+    """uint8 (rows, row_bytes), C-contiguous"""
     qtype: int
 
     @property

@@ -13,6 +13,7 @@ from structllm.model import kernels
 from structllm.model import quant_kernels as qk
 from structllm.model import quantize as qz
 from structllm.model.quant_kernels import GGMLType
+from structllm.model.quantized import QuantizedPart
 
 gguf = pytest.importorskip("gguf")
 G = gguf.GGMLQuantizationType
@@ -145,6 +146,25 @@ def test_matmul_writes_out_in_place_and_reads_readonly_weights() -> None:
     _assert_close(out, x, reference(raw, GGMLType.Q4_K))
     empty = qk.matmul(x[:0], raw, GGMLType.Q4_K, 10, 512)
     assert empty.shape == (0, 10)
+
+
+def test_writable_weights_run_the_kernels_compiled_for_read_only_ones() -> None:
+    """One compile a kernel, not one for writable weights and one for a
+    file's read-only map (30-40 s each on a cold cache)."""
+    raw = random_raw(GGMLType.Q8_0, 10, 64)
+    x = np.random.default_rng(2).standard_normal((3, 64), dtype=np.float32)
+    y = qk.matmul(x, raw, GGMLType.Q8_0, 10, 64)
+    _assert_close(y, x, reference(raw, GGMLType.Q8_0))
+    qk.matmul(x, raw, GGMLType.Q8_0, 10, 64, activations="q8")
+    qk.dequantize_rows(raw, GGMLType.Q8_0, 64, 2, 5)
+    assert raw.flags.writeable  # the caller's array is left as it was
+    # the weight is the second argument of the products, the first of
+    # dequantize_rows
+    for kernel, at in ((qk._matmul, 1), (qk._matmul8, 1), (qk._dequantize_rows, 0)):
+        weights = [sig[at] for sig in kernel.signatures]
+        assert weights and not any(w.mutable for w in weights), kernel
+    part = QuantizedPart(raw, GGMLType.Q8_0)
+    assert not part.raw.flags.writeable and np.shares_memory(part.raw, raw)
 
 
 def test_layouts_match_gguf() -> None:

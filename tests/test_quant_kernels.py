@@ -160,7 +160,11 @@ def test_writable_weights_run_the_kernels_compiled_for_read_only_ones() -> None:
     assert raw.flags.writeable  # the caller's array is left as it was
     # the weight is the second argument of the products, the first of
     # dequantize_rows
-    for kernel, at in ((qk._matmul, 1), (qk._matmul8, 1), (qk._dequantize_rows, 0)):
+    for kernel, at in (
+        (qk._matmul_rows, 1),
+        (qk._matmul8, 1),
+        (qk._dequantize_rows, 0),
+    ):
         weights = [sig[at] for sig in kernel.signatures]
         assert weights and not any(w.mutable for w in weights), kernel
     part = QuantizedPart(raw, GGMLType.Q8_0)

@@ -367,7 +367,7 @@ def test_q8_activations_run_the_q8_kernels(tmp_path: Path) -> None:
     floats = quant_kernels.matmul(x, part.raw, part.qtype, part.rows, n)
     assert not np.array_equal(want, floats)
     # the load compiled (or loaded) the kernels the steps call
-    assert quant_kernels._matmul.signatures and quant_kernels._matmul8.signatures
+    assert quant_kernels._matmul_rows.signatures and quant_kernels._matmul8.signatures
 
 
 def test_q8_activations_are_refused_where_they_cannot_be(tmp_path: Path) -> None:

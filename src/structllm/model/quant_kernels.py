@@ -2519,19 +2519,21 @@ def _q8_panels(
 
 @_jit()
 def _matmul8(
-    x: np.ndarray, w: np.ndarray, qtype: int, out: np.ndarray
+    x: np.ndarray, w: np.ndarray, qtype: int, out: np.ndarray, start: int
 ) -> None:  # pragma: no cover - compiled
-    """``out = x @ W.T`` with q8 activations, on the calling thread: whole
-    32-row panels in bytes from ``_Q8_PANEL_TOKENS`` tokens, the other
-    rows (all of them below) by the GEMVs."""
+    """``out = x @ W.T`` with q8 activations, on the calling thread, rows
+    ``start..`` (0, given at run time: a literal 0 would compile the panel
+    kernels under it again, specialised for it): whole 32-row panels in
+    bytes from ``_Q8_PANEL_TOKENS`` tokens, the other rows (all of them
+    below) by the GEMVs."""
     t_len, rows = x.shape[0], w.shape[0]
-    panels = _q8_panel_route(qtype, t_len, rows)
+    panels = _q8_panel_route(qtype, t_len, rows - start)
     xq, d, s, a, b, gd, gi, gm = _q8_acts(x, qtype, panels)
     _q8_quantize(x, xq, d, s, a, b, gd, gi, gm, qtype, 0, t_len)
-    start = 0
     if panels:
-        start = _OUTER_ROWS * (rows // _OUTER_ROWS)
-        _q8_panels(qtype, xq, gd, gi, gm, w, x.shape[1], out, 0, start)
+        whole = start + _OUTER_ROWS * ((rows - start) // _OUTER_ROWS)
+        _q8_panels(qtype, xq, gd, gi, gm, w, x.shape[1], out, start, whole)
+        start = whole
     _q8_rows(xq, d, s, a, b, w, qtype, x.shape[1], out, start, rows)
 
 
@@ -3616,13 +3618,6 @@ def _matmul_rows(
                         _micro(x, t0, t1, k0, kn, quad, out, r0, nrows, c > 0, sums)
 
 
-@_jit()
-def _matmul(
-    x: np.ndarray, w: np.ndarray, qtype: int, values: int, out: np.ndarray, lanes: int
-) -> None:  # pragma: no cover - compiled
-    _matmul_rows(x, w, qtype, values, out, 0, w.shape[0], lanes)
-
-
 @_jit(parallel=True)
 def _matmul_parallel(
     x: np.ndarray,
@@ -3804,24 +3799,28 @@ def matmul(
                 _matmul8_parallel, _matmul8_serial, (x, w_raw, code, out, parts)
             )
         else:
-            _matmul8(x, w_raw, code, out)
+            _matmul8(x, w_raw, code, out, 0)
         return out
-    args = (x, w_raw, code, values, out, _LANES)
     if split:
-        kernels._threaded(_matmul_parallel, _matmul_serial, (*args, parts))
+        args = (x, w_raw, code, values, out, _LANES, parts)
+        kernels._threaded(_matmul_parallel, _matmul_serial, args)
     else:
-        _matmul(*args)
+        # start and stop from Python, as the threaded kernel's are made: a
+        # literal 0 in compiled code would compile every kernel under it a
+        # second time, specialised for it
+        _matmul_rows(x, w_raw, code, values, out, 0, out_features, _LANES)
     return out
 
 
 def _matmul8_serial(*args: Any) -> None:
     """The q8 parallel kernel's arguments, run on the calling thread."""
-    _matmul8(*args[:-1])
+    _matmul8(*args[:-1], 0)
 
 
 def _matmul_serial(*args: Any) -> None:
     """The parallel kernel's arguments, run on the calling thread."""
-    _matmul(*args[:-1])
+    x, w, qtype, values, out, lanes, _ = args
+    _matmul_rows(x, w, qtype, values, out, 0, w.shape[0], lanes)
 
 
 def dequantize_rows(

@@ -3799,26 +3799,27 @@ def matmul(
                 _matmul8_parallel, _matmul8_serial, (x, w_raw, code, out, parts)
             )
         else:
-            _matmul8(x, w_raw, code, out, 0)
+            _matmul8_serial(x, w_raw, code, out, parts)
         return out
+    args = (x, w_raw, code, values, out, _LANES, parts)
     if split:
-        args = (x, w_raw, code, values, out, _LANES, parts)
         kernels._threaded(_matmul_parallel, _matmul_serial, args)
     else:
-        # start and stop from Python, as the threaded kernel's are made: a
-        # literal 0 in compiled code would compile every kernel under it a
-        # second time, specialised for it
-        _matmul_rows(x, w_raw, code, values, out, 0, out_features, _LANES)
+        _matmul_serial(*args)
     return out
 
 
 def _matmul8_serial(*args: Any) -> None:
-    """The q8 parallel kernel's arguments, run on the calling thread."""
+    """The q8 parallel kernel's arguments, run on the calling thread (its
+    first row 0 given at run time: see :func:`_matmul_serial`)."""
     _matmul8(*args[:-1], 0)
 
 
 def _matmul_serial(*args: Any) -> None:
-    """The parallel kernel's arguments, run on the calling thread."""
+    """The parallel kernel's arguments, run on the calling thread: the row
+    kernel called from Python with its bounds, as the threaded kernel's
+    are made at run time (a literal 0 in compiled code would compile every
+    kernel under it a second time, specialised for it)."""
     x, w, qtype, values, out, lanes, _ = args
     _matmul_rows(x, w, qtype, values, out, 0, w.shape[0], lanes)
 

@@ -207,7 +207,8 @@ def test_step_timing_and_counts() -> None:
     assert [o.request_id for o in step.outputs] == ["a"]
 
 
-def test_a_bfloat16_kv_cache_holds_twice_the_blocks_and_serves() -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16_bit_kv_cache_holds_twice_the_blocks_and_serves(dtype: str) -> None:
     memory = 1 << 20
     full, half = (
         EngineCore(
@@ -218,15 +219,15 @@ def test_a_bfloat16_kv_cache_holds_twice_the_blocks_and_serves() -> None:
                 kv_cache_dtype=kv,
             )
         )
-        for kv in ("auto", "bfloat16")
+        for kv in ("auto", dtype)
     )
     blocks = [c.statistics().scheduler.blocks.num_blocks for c in (full, half)]
     assert blocks[1] == min(2 * blocks[0], half.scheduler.config.max_num_seqs * 8)
-    assert half.runner.kv_caches[0][0].dtype.name == "BFLOAT16"
+    assert half.runner.kv_caches[0][0].dtype.name == dtype.upper()
     prompts = _prompts(6, seed=3)
     tokens, exact = _run(half, prompts, GREEDY), _run(full, prompts, GREEDY)
-    # the tokens of a float32 cache, but where bfloat16's rounding tips a
-    # near tie (measured: 142 of 144 tokens, every request's first 22); a
+    # the tokens of a float32 cache, but where the rounding tips a near tie
+    # (measured, bfloat16: 142 of 144 tokens, every request's first 22); a
     # cache read wrongly gives other tokens from the second one on
     for rid, want in exact.items():
         got = tokens[rid]
@@ -236,12 +237,13 @@ def test_a_bfloat16_kv_cache_holds_twice_the_blocks_and_serves() -> None:
     assert same >= 0.9 * 6 * GREEDY.max_tokens
 
 
-def test_a_bfloat16_kv_cache_needs_the_kernels() -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16_bit_kv_cache_needs_the_kernels(dtype: str) -> None:
     from structllm.errors import EngineConfigError
     from structllm.model.loader import load_model
 
     model = load_model("tiny-random").model
     model.attention.use_kernels = False  # as without numba, or off the CPU
     with pytest.raises(EngineConfigError) as info:
-        model.set_kv_cache_dtype("bfloat16")
+        model.set_kv_cache_dtype(dtype)
     assert info.value.field == "kv_cache_dtype"

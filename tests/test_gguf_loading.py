@@ -34,6 +34,9 @@ PROMPT = [3, 141, 59, 26, 53, 58, 97, 11, 200]
 
 
 def _logits(model: Any) -> np.ndarray:
+    """The prompt's logits over a float32 cache (a quantized model's default
+    is float16: these compare the weights' arithmetic)."""
+    model.set_kv_cache_dtype("float32")
     caches = model.allocate_kv_cache(4)
     meta = model.attention.build_metadata([SequenceSlice(0, len(PROMPT), [0, 1, 2])])
     hidden = model.forward(

@@ -72,15 +72,14 @@ def test_decode_attention_matches_numpy(
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("bfloat16", [False, True])
-def test_decode_attention_reads_caches_of_any_layout(bfloat16: bool) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_decode_attention_reads_caches_of_any_layout(dtype: str) -> None:
     """A cache that is a strided view (every other slot) takes the element
     path and gives what a contiguous copy of it gives the vector path."""
     rng = np.random.default_rng(7)
     kvh, nh, d, bs = 2, 6, 64, 16
     wide = [rng.standard_normal((kvh, 256, d)).astype(np.float32) for _ in range(2)]
-    if bfloat16:
-        wide = [_to_bfloat16_bits(c) for c in wide]
+    wide = [_to_bits(c, dtype) for c in wide]
     k_view, v_view = (c[:, ::2] for c in wide)
     k_copy, v_copy = (np.ascontiguousarray(c) for c in (k_view, v_view))
     tables = np.array([[5, 1, 7, 3], [0, 2, 4, 6]], dtype=np.int64)
@@ -88,19 +87,28 @@ def test_decode_attention_reads_caches_of_any_layout(bfloat16: bool) -> None:
     q = rng.standard_normal((2, nh, d)).astype(np.float32)
     got = kernels.decode_attention(q, k_view, v_view, tables, lens, None, 0.125, bs)
     dense = kernels.decode_attention(q, k_copy, v_copy, tables, lens, None, 0.125, bs)
-    if bfloat16:
-        k_copy, v_copy = _from_bfloat16_bits(k_copy), _from_bfloat16_bits(v_copy)
+    k_copy, v_copy = _from_bits(k_copy), _from_bits(v_copy)
     want = _reference_decode(q, k_copy, v_copy, tables, lens, None, 0.125, bs)
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
     np.testing.assert_allclose(dense, want, atol=2e-6, rtol=1e-5)
 
 
-def _to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
-    return paddle.cast(paddle.to_tensor(x), "bfloat16").numpy().view(np.uint16)
+def _to_bits(x: np.ndarray, dtype: str) -> np.ndarray:
+    """``x`` as a cache of ``dtype`` holds it, rounded as Paddle casts (the
+    16-bit kinds as their bits, ``kernels.CACHE_BITS``)."""
+    if dtype == "float32":
+        return x
+    bits = paddle.cast(paddle.to_tensor(x), dtype).view(paddle.int16).numpy()
+    return bits.view(kernels.CACHE_BITS[dtype])
 
 
-def _from_bfloat16_bits(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
+def _from_bits(bits: np.ndarray) -> np.ndarray:
+    """A cache's elements as float32."""
+    if bits.dtype == np.uint16:  # bfloat16
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    if bits.dtype == np.int16:  # float16
+        return bits.view(np.float16).astype(np.float32)
+    return bits
 
 
 def test_the_exp_of_the_kernels_is_accurate_to_an_ulp() -> None:
@@ -246,24 +254,29 @@ def test_a_block_table_too_short_for_its_length_is_refused() -> None:
         model.attention.build_metadata([SequenceSlice(4, 1, [0])])  # 5 tokens
 
 
-def test_bfloat16_caches_round_as_paddle_casts_and_attend_on_those_values() -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_caches_round_as_paddle_casts_and_attend_on_those_values(
+    dtype: str,
+) -> None:
     rng = np.random.default_rng(5)
     x = (rng.standard_normal(4096) * np.exp(rng.uniform(-30, 30, 4096))).astype(
         np.float32
     )
-    x[:3] = [0.0, -0.0, 1 + 2**-8]  # a tie: rounds to even
-    k_cache = np.zeros((1, 4096, 1), np.uint16)
-    v_cache = np.zeros((1, 4096, 1), np.uint16)
+    # ties round to even; float16 also overflows to inf (from 65520) and has
+    # subnormals (below 2**-14)
+    x[:7] = [0.0, -0.0, 1 + 2**-8, 1 + 2**-11, 65520.0, -7e4, 3 * 2**-25]
+    bits = kernels.CACHE_BITS[dtype]
+    k_cache = np.zeros((1, 4096, 1), bits)
+    v_cache = np.zeros((1, 4096, 1), bits)
     new = x.reshape(-1, 1, 1)
     kernels.write_kv(new, new, k_cache, v_cache, np.arange(4096))
-    want = _to_bfloat16_bits(x)
-    np.testing.assert_array_equal(k_cache.reshape(-1), want)
+    np.testing.assert_array_equal(k_cache.reshape(-1), _to_bits(x, dtype))
 
-    # attention over a bfloat16 cache is attention over the rounded values
+    # attention over a 16-bit cache is attention over the rounded values
     kvh, d, bs = 2, 16, 4
     k16 = rng.standard_normal((kvh, 32, d)).astype(np.float32)
     v16 = rng.standard_normal((kvh, 32, d)).astype(np.float32)
-    k_bits, v_bits = (np.zeros((kvh, 32, d), np.uint16) for _ in range(2))
+    k_bits, v_bits = (np.zeros((kvh, 32, d), bits) for _ in range(2))
     flat = np.arange(32)
     kernels.write_kv(
         k16.transpose(1, 0, 2), v16.transpose(1, 0, 2), k_bits, v_bits, flat
@@ -273,16 +286,9 @@ def test_bfloat16_caches_round_as_paddle_casts_and_attend_on_those_values() -> N
     lens = np.array([13, 16], dtype=np.int64)
     q = rng.standard_normal((2, 4, d)).astype(np.float32)
     got = kernels.decode_attention(q, k_bits, v_bits, tables, lens, None, 0.25, bs)
-    want = _reference_decode(
-        q,
-        _from_bfloat16_bits(k_bits),
-        _from_bfloat16_bits(v_bits),
-        tables,
-        lens,
-        None,
-        0.25,
-        bs,
-    )
+    k, v = _from_bits(k_bits), _from_bits(v_bits)
+    np.testing.assert_array_equal(k, _from_bits(_to_bits(k16, dtype)))
+    want = _reference_decode(q, k, v, tables, lens, None, 0.25, bs)
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
 
 

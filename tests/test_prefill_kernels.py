@@ -24,10 +24,9 @@ BS = 4  # tokens a block: chunks span several, and end inside one
 STEP = [(6, 1), (0, 1), (0, 37), (13, 20), (40, 3), (0, 2), (5, 60)]
 
 
-def _bfloat16_values(x: np.ndarray) -> np.ndarray:
-    """``x`` rounded to bfloat16 as Paddle casts it, back in float32."""
-    bits = paddle.cast(paddle.to_tensor(x), "bfloat16").view(paddle.int16).numpy()
-    return (bits.astype(np.uint16).astype(np.uint32) << 16).view(np.float32)
+def _rounded(x: np.ndarray, dtype: str) -> np.ndarray:
+    """``x`` rounded to ``dtype`` (16 bits) as Paddle casts it, back in float32."""
+    return paddle.cast(paddle.cast(paddle.to_tensor(x), dtype), "float32").numpy()
 
 
 def _sequences(rng: np.random.Generator, num_blocks: int) -> list[SequenceSlice]:
@@ -99,28 +98,28 @@ def test_prefill_kernel_matches_the_paddle_ops(
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
 
 
-def test_prefill_kernel_reads_a_bfloat16_cache_as_its_values() -> None:
-    # the kernels' bfloat16 cache against the ops' float32 one holding the
-    # same (bfloat16-exact) values
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_prefill_kernel_reads_a_16_bit_cache_as_its_values(dtype: str) -> None:
+    # the kernels' 16-bit cache against the ops' float32 one holding the
+    # same (16-bit-exact) values
     heads, kv_heads, d = 6, 2, 32
     rng = np.random.default_rng(7)
     num_blocks = 64
     seqs = _sequences(rng, num_blocks)
     shape = (kv_heads, num_blocks * BS, d)
     prefix = tuple(
-        _bfloat16_values(rng.standard_normal(shape).astype(np.float32))
-        for _ in range(2)
+        _rounded(rng.standard_normal(shape).astype(np.float32), dtype) for _ in range(2)
     )
     tokens = sum(n for _, n in STEP)
     q = rng.standard_normal((tokens, heads, d)).astype(np.float32)
     k, v = (
-        _bfloat16_values(rng.standard_normal((tokens, kv_heads, d)).astype(np.float32))
+        _rounded(rng.standard_normal((tokens, kv_heads, d)).astype(np.float32), dtype)
         for _ in range(2)
     )
     ops = PortableAttention(heads, kv_heads, d, BS)
     compiled = PortableAttention(heads, kv_heads, d, BS, use_kernels=True)
     want = _attend(ops, seqs, prefix, (q, k, v), None, "float32")
-    got = _attend(compiled, seqs, prefix, (q, k, v), None, "bfloat16")
+    got = _attend(compiled, seqs, prefix, (q, k, v), None, dtype)
     np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
 
 

@@ -27,7 +27,7 @@ from structllm.model.quantized import (
 )
 from structllm.models import make_tiny_model
 from tests.gguf_convert import convert
-from tests.test_gguf_loading import _logits
+from tests.test_gguf_loading import PROMPT, _logits
 
 pytestmark = pytest.mark.skipif(
     not quant_kernels.available(), reason="the quantized kernels need numba"
@@ -69,6 +69,36 @@ def test_kept_blocks_compute_the_dequantized_model(
     )
     assert isinstance(kept.weights.lm_head, QuantizedLinear)
     _close(_logits(kept), _logits(dense))
+
+
+def test_quantized_weights_cache_float16_by_default(tmp_path: Path) -> None:
+    """``auto`` caches keys and values as float16 for quantized weights (as
+    llama.cpp does on the same file: half the cache's memory), as float32
+    for float ones; either may be asked for by name. The float16 cache's
+    logits stay within its rounding of the float32 cache's."""
+    directory = _checkpoint(tmp_path, "llama")
+    convert(directory, tmp_path / "m.gguf", qtype="Q8_0")
+    kept = load_model(tmp_path / "m.gguf").model
+    dense = load_model(tmp_path / "m.gguf", quantization="none").model
+    at_load = load_model(directory, quantization="q8_0").model
+    assert [m.resolved_kv_cache_dtype() for m in (kept, dense, at_load)] == [
+        "float16",
+        "float32",
+        "float16",
+    ]
+    assert kept.allocate_kv_cache(1)[0][0].dtype == paddle.float16
+    assert kept.kv_cache_bytes_per_block() * 2 == dense.kv_cache_bytes_per_block()
+    caches = kept.allocate_kv_cache(4)
+    meta = kept.attention.build_metadata([SequenceSlice(0, 9, [0, 1, 2])])
+    ids, positions = paddle.to_tensor(np.array(PROMPT)), paddle.arange(9)
+    half = kept.compute_logits(kept.forward(ids, positions, caches, meta)).numpy()
+    full = _logits(kept)  # float32 by name
+    assert kept.resolved_kv_cache_dtype() == "float32"
+    error = np.abs(half - full).max()
+    assert 0 < error < 1e-3 * (full.max() - full.min())  # measured: 2e-4
+    kept.set_kv_cache_dtype("float16")
+    dense.set_kv_cache_dtype("float16")  # a float model's on request
+    assert dense.allocate_kv_cache(1)[0][0].dtype == paddle.float16
 
 
 def test_pieces_of_different_types_fuse(tmp_path: Path) -> None:
@@ -124,7 +154,8 @@ def test_a_decode_step_multiplies_host_views(tmp_path: Path) -> None:
 
 def _decode_logits(model: Any, rows: int) -> np.ndarray:
     """Logits of a step of ``rows`` one-token sequences, each after a
-    5-token prompt (prefilled the step before)."""
+    5-token prompt (prefilled the step before), over a float32 cache."""
+    model.set_kv_cache_dtype("float32")
     caches = model.allocate_kv_cache(2 * rows)
     prompt = [SequenceSlice(0, 5, [2 * r, 2 * r + 1]) for r in range(rows)]
     ids = np.arange(5 * rows) % 7 + 1

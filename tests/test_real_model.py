@@ -94,6 +94,9 @@ def test_q8_activations_stay_within_quantization_error(gguf_file: Path) -> None:
 
 
 def _first_step_logits(model: Any, prompt: list[int]) -> np.ndarray:
+    """The prompt's last logits over a float32 cache (transformers' float32
+    arithmetic; the served default caches float16, as llama.cpp does)."""
+    model.set_kv_cache_dtype("float32")
     blocks = (len(prompt) + 15) // 16
     caches = model.allocate_kv_cache(blocks)
     meta = model.attention.build_metadata(

@@ -1,10 +1,12 @@
-# Usage: python tools/bench_kv_dtype.py [BATCH] [CONTEXT] [STEPS]
-#   e.g. 16 200 30, 16 400 20, 1 200 60
-"""One decode step of the bench model over a float32 and a bfloat16 KV cache.
+# Usage: python tools/bench_kv_dtype.py [BATCH] [CONTEXT] [STEPS] [MODEL]
+#   e.g. 16 200 30, 16 400 20, 1 200 60; MODEL: a checkpoint or GGUF file
+#   (default: the bench checkpoint, written to a temporary folder)
+"""One decode step of a model over a float32, a bfloat16 and a float16 KV
+cache.
 
-The same model and inputs; the two caches alternate step by step in one
-process, so the machine's drift hits both alike. Prints the medians and
-the median of the per-pair ratios (float32 time / bfloat16 time).
+The same model and inputs; the caches alternate step by step in one
+process, so the machine's drift hits all alike. Prints the medians and
+the median of the per-step ratios (float32 time / 16-bit time).
 """
 
 import sys
@@ -21,17 +23,22 @@ from structllm.model.loader import load_model
 B = int(sys.argv[1]) if len(sys.argv) > 1 else 16
 CTX = int(sys.argv[2]) if len(sys.argv) > 2 else 200
 STEPS = int(sys.argv[3]) if len(sys.argv) > 3 else 30
+MODEL = sys.argv[4] if len(sys.argv) > 4 else None
 BS = 16
+KINDS = ("auto", "bfloat16", "float16")
 
 
 def main() -> None:
     set_num_threads(2)
-    d = tempfile.mkdtemp()
-    write_bench_checkpoint(d)
+    if MODEL is None:
+        path = tempfile.mkdtemp()
+        write_bench_checkpoint(path)
+    else:
+        path = MODEL
     step = decode_step(B, CTX, BS)
-    model = load_model(d, backend="eager", num_threads=2).model
+    model = load_model(path, backend="eager", num_threads=2).model
     caches = {}
-    for kv in ("auto", "bfloat16"):
+    for kv in KINDS:
         model.set_kv_cache_dtype(kv)
         caches[kv] = model.allocate_kv_cache(step.num_blocks)
         step.fill(caches[kv])
@@ -41,11 +48,14 @@ def main() -> None:
             start = time.perf_counter()
             step.run(model, cache)
             times[kv].append(time.perf_counter() - start)
-    full, half = np.array(times["auto"][3:]), np.array(times["bfloat16"][3:])
-    print(
-        f"B={B} ctx={CTX}: float32 KV {np.median(full) * 1e3:.2f} ms, bfloat16 KV "
-        f"{np.median(half) * 1e3:.2f} ms, median pair ratio {np.median(full / half):.3f}"
-    )
+    full = np.array(times["auto"][3:])
+    report = [f"B={B} ctx={CTX}: float32 KV {np.median(full) * 1e3:.2f} ms"]
+    for kv in KINDS[1:]:
+        half = np.array(times[kv][3:])
+        report.append(
+            f"{kv} KV {np.median(half) * 1e3:.2f} ms (ratio {np.median(full / half):.3f})"
+        )
+    print(", ".join(report))
 
 
 if __name__ == "__main__":

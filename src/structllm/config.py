@@ -117,12 +117,14 @@ class EngineConfig:
         validator=_ONE,
         topic="engine",
     )
-    kv_cache_dtype: Literal["auto", "bfloat16"] = setting(
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = setting(
         "auto",
-        help="how the KV cache stores keys and values; auto: the model's dtype; "
-        "bfloat16: half the memory and memory traffic of a float32 model's "
-        "cache, rounded to nearest even (the CPU attention kernels only; "
-        "see docs/benchmarks.md for its effect on tokens)",
+        help="how the KV cache stores keys and values; auto: float16 for "
+        "quantized weights on the CPU kernels (a GGUF file, --quantization; as "
+        "llama.cpp caches them), else the model's dtype; float16 or bfloat16: "
+        "half the memory and memory traffic of a float32 cache, rounded to "
+        "nearest even (the CPU attention kernels only; see docs/benchmarks.md "
+        "for the effect on tokens)",
         topic="engine",
     )
     kv_cache_memory: int = setting(

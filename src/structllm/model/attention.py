@@ -133,7 +133,7 @@ class PortableAttention:
     ) -> None:
         #: attend (decode rows and prefill chunks) and write the cache with
         #: the compiled CPU kernels (``kernels.py``); needs a float32 model on the host and
-        #: numba (the cache may be float32 or bfloat16). May be switched
+        #: numba (the cache may be float32, bfloat16 or float16). May be switched
         #: between steps, not within one.
         self.use_kernels = use_kernels and kernels.available()
         #: the windows layers use: a query at position p sees keys j with
@@ -691,11 +691,12 @@ class RopeTables:
 
 
 def _host_array(tensor: paddle.Tensor) -> np.ndarray:
-    """A numpy view of a host tensor; of a bfloat16 one, its bits as uint16
-    (numpy has no bfloat16, and DLPack exports none)."""
-    if tensor.dtype == paddle.bfloat16:
+    """A numpy view of a host tensor; of a 16-bit float one, its bits as the
+    kernels take them (``kernels.CACHE_BITS``: numpy has no bfloat16, DLPack
+    exports none, and the kernels' numba has no float16)."""
+    if tensor.dtype in (paddle.bfloat16, paddle.float16):
         bits: np.ndarray = np.from_dlpack(tensor.view(paddle.int16))
-        return bits.view(np.uint16)
+        return bits.view(kernels.CACHE_BITS[str(tensor.dtype).removeprefix("paddle.")])
     array: np.ndarray = np.from_dlpack(tensor)
     return array
 
@@ -804,7 +805,7 @@ class _SlotIO:
         self.k_cache, self.v_cache = k_cache, v_cache
         self.scratch = scratch
         self.views = views
-        # numpy reads a float32 cache; Paddle ops any other (a bfloat16 one
+        # numpy reads a float32 cache; Paddle ops any other (a 16-bit one
         # left by the kernels, kv_cache_dtype), as on an accelerator
         self.host = k_cache.place.is_cpu_place() and k_cache.dtype == paddle.float32
 

@@ -183,14 +183,45 @@ _prange = range if numba is None else numba.prange
 
 
 def _load(x: Any) -> Any:  # pragma: no cover - compiled through the overload
-    """A cache element as float32 (bfloat16 caches hold its bits as uint16)."""
+    """A cache element as float32 (see :data:`CACHE_BITS`: a bfloat16 or a
+    float16 cache holds its elements' bits)."""
     return x
 
 
 def _store(x: Any, cache: np.ndarray) -> Any:  # pragma: no cover - likewise
-    """A float32 value as ``cache`` holds it (bfloat16: rounded to nearest
-    even, as ``torch`` and Paddle round)."""
+    """A float32 value as ``cache`` holds it, rounded to nearest even (as
+    ``torch``, Paddle and numpy round)."""
     return x
+
+
+#: how a 16-bit cache's elements reach the kernels: numba has no bfloat16
+#: nor (on the CPU) float16, so a cache of either is seen as its bits, told
+#: apart by the integer type (``attention._host_array`` views them so)
+CACHE_BITS = {"bfloat16": np.uint16, "float16": np.int16}
+
+
+def _half_to_float_intrinsic(typingctx: Any, bits: Any) -> Any:
+    """float16 bits (int16) as float32: one ``vcvtph2ps``."""
+    ir = importlib.import_module("llvmlite.ir")
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        half = builder.bitcast(args[0], ir.HalfType())
+        return builder.fpext(half, ir.FloatType())
+
+    return numba.types.float32(bits), codegen
+
+
+def _float_to_half_intrinsic(typingctx: Any, x: Any) -> Any:
+    """A float32 as float16 bits (int16), rounded to nearest even: one
+    ``vcvtps2ph``."""
+    ir = importlib.import_module("llvmlite.ir")
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        x = context.cast(builder, args[0], signature.args[0], numba.types.float32)
+        half = builder.fptrunc(x, ir.HalfType())
+        return builder.bitcast(half, ir.IntType(16))
+
+    return numba.types.int16(x), codegen
 
 
 # numba wants an overload's implementations to carry its exact parameters,
@@ -201,10 +232,15 @@ def _load_overload(x: Any) -> Any:
     def from_bfloat16(x: Any) -> Any:
         return np.uint32(np.uint32(x) << 16).view(np.float32)
 
+    def from_float16(x: Any) -> Any:
+        return _half_to_float(x)
+
     def same(x: Any) -> Any:
         return x
 
-    return from_bfloat16 if x == numba.types.uint16 else same
+    if x == numba.types.uint16:
+        return from_bfloat16
+    return from_float16 if x == numba.types.int16 else same
 
 
 def _store_overload(x: Any, cache: Any) -> Any:
@@ -215,13 +251,20 @@ def _store_overload(x: Any, cache: Any) -> Any:
         rounded = bits + 0x7FFF + ((bits >> 16) & 1)
         return np.uint16(rounded >> 16)
 
+    def to_float16(x: Any, cache: Any) -> Any:
+        return _float_to_half(x)
+
     def same(x: Any, cache: Any) -> Any:
         return x
 
-    return to_bfloat16 if cache.dtype == numba.types.uint16 else same
+    if cache.dtype == numba.types.uint16:
+        return to_bfloat16
+    return to_float16 if cache.dtype == numba.types.int16 else same
 
 
 if numba is not None:  # the compiled kernels call _load/_store as these
+    _half_to_float = numba.extending.intrinsic(_half_to_float_intrinsic)
+    _float_to_half = numba.extending.intrinsic(_float_to_half_intrinsic)
     numba.extending.overload(_load, jit_options={"fastmath": True})(_load_overload)
     numba.extending.overload(_store, jit_options={"fastmath": True})(_store_overload)
 
@@ -288,7 +331,7 @@ def _vstore(a: np.ndarray, index: int, v: Any) -> None:  # pragma: no cover
 
 def _vcache(a: np.ndarray, index: int) -> Any:  # pragma: no cover - compiled
     """The 16 cache elements ``a.flat[index:index + 16]`` as float32 (a
-    bfloat16 cache's bits widened, as :func:`_load` widens one)."""
+    16-bit cache's bits widened, as :func:`_load` widens one)."""
 
 
 def _vsum(v: Any) -> Any:  # pragma: no cover - compiled
@@ -351,12 +394,15 @@ def _define_vectors() -> None:
 
     def cache_typer(typingctx: Any, a: Any, index: Any) -> Any:
         def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            if a.dtype != numba.types.uint16:
+            if a.dtype not in (numba.types.uint16, numba.types.int16):
                 return builder.load(pointer(context, builder, sig, args), align=4)
             array = context.make_array(sig.args[0])(context, builder, args[0])
             address = builder.gep(array.data, [args[1]])
             i16s = ir.VectorType(ir.IntType(16), _LANES)
             bits = builder.load(builder.bitcast(address, i16s.as_pointer()), align=2)
+            if a.dtype == numba.types.int16:  # float16: vcvtph2ps
+                halves = builder.bitcast(bits, ir.VectorType(ir.HalfType(), _LANES))
+                return builder.fpext(halves, vty)
             i32s = ir.VectorType(i32, _LANES)
             wide = builder.shl(
                 builder.zext(bits, i32s), ir.Constant(i32s, [16] * _LANES)
@@ -1386,7 +1432,7 @@ def swiglu(gate_up: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def warm_up(kv_cache_dtype: str = "auto") -> None:
+def warm_up(kv_cache_dtype: str = "float32") -> None:
     """Compile the kernels an engine will call, or load them from the disk
     cache: for its cache's dtype, and the threaded decode if it has more
     than one thread. A server's first large batch then never pauses to
@@ -1397,8 +1443,7 @@ def warm_up(kv_cache_dtype: str = "auto") -> None:
     tables, lens = np.zeros((1, 1), np.int64), np.ones(1, np.int64)
     slots = np.zeros(1, np.int64)  # slot 0, position 0
     rope = np.zeros((1, 2), np.float32)
-    bfloat16 = kv_cache_dtype == "bfloat16"
-    cache = np.zeros((1, 4, 2), np.uint16 if bfloat16 else np.float32)
+    cache = np.zeros((1, 4, 2), CACHE_BITS.get(kv_cache_dtype, np.float32))
     out = np.empty_like(q)
     _decode_attention(q, cache, cache, tables, lens, 0, 1.0, 4, out)
     if _threads > 1:

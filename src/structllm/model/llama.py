@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KEPT_LOGITS_ROWS",
+    "KV_CACHE_DTYPES",
     "LAYER_PROJECTIONS",
     "DecoderLayerWeights",
     "LlamaForCausalLM",
@@ -40,6 +41,9 @@ __all__ = [
     "rope_attention_factor",
     "rope_inv_freq",
 ]
+
+#: how a KV cache may store keys and values (``set_kv_cache_dtype``)
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 #: compute_logits keeps the memory of at most this many rows of logits (a
 #: decode batch's; a prompt's logprobs take fresh memory)
@@ -189,6 +193,11 @@ class LlamaForCausalLM:
         self._windows = [
             config.layer_window(i) for i in range(config.num_hidden_layers)
         ]
+        from structllm.model.quantized import quantized_linears
+
+        #: projections kept in GGML blocks (a GGUF file, quantization= at
+        #: load): ``auto`` then caches keys and values as float16
+        self.quantized = bool(quantized_linears(weights.linears()))
         #: no bias after the q/k/v projection (see _decode_layers)
         self._unbiased = all(
             layer.o.bias is None
@@ -222,29 +231,49 @@ class LlamaForCausalLM:
 
     def set_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
         """How caches allocated from now on store keys and values: ``auto``
-        (the model's dtype) or ``bfloat16`` (read and written by the CPU
-        kernels, which see its bits as uint16)."""
-        if kv_cache_dtype == "bfloat16" and not (
-            self.attention.use_kernels and self.dtype == paddle.float32
-        ):
+        (:meth:`resolved_kv_cache_dtype`), ``float32`` (a float32 model's
+        own), ``float16`` or ``bfloat16`` (read and written by the CPU
+        kernels, which see their bits as ``kernels.CACHE_BITS``)."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise EngineConfigError(
-                "kv_cache_dtype bfloat16 needs the CPU attention kernels (numba, a "
-                "float32 model on the CPU)",
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not "
+                f"{kv_cache_dtype!r}",
                 field="kv_cache_dtype",
             )
-        if kv_cache_dtype not in ("auto", "bfloat16"):
+        if kv_cache_dtype == "float32" and self.dtype != paddle.float32:
             raise EngineConfigError(
-                f"kv_cache_dtype must be auto or bfloat16, not {kv_cache_dtype!r}",
+                f"kv_cache_dtype float32 needs a float32 model, not {self.dtype}",
+                field="kv_cache_dtype",
+            )
+        if kv_cache_dtype in ("float16", "bfloat16") and not self._kernel_caches():
+            raise EngineConfigError(
+                f"kv_cache_dtype {kv_cache_dtype} needs the CPU attention kernels "
+                "(numba, a float32 model on the CPU)",
                 field="kv_cache_dtype",
             )
         self.kv_cache_dtype = kv_cache_dtype
+
+    def _kernel_caches(self) -> bool:
+        """Whether the kernels read and write the caches (any kind of them)."""
+        return self.attention.use_kernels and self.dtype == paddle.float32
+
+    def resolved_kv_cache_dtype(self) -> str:
+        """What the caches hold: ``kv_cache_dtype``, where ``auto`` is float16
+        for quantized projections the kernels run (what llama.cpp caches on
+        the same files: its error is far below the weights'), else the
+        model's dtype."""
+        if self.kv_cache_dtype != "auto":
+            return self.kv_cache_dtype
+        if self.quantized and self._kernel_caches():
+            return "float16"
+        return str(self.dtype).removeprefix("paddle.")
 
     def allocate_kv_cache(
         self, num_blocks: int
     ) -> list[tuple[paddle.Tensor, paddle.Tensor]]:
         """Per layer K and V, ``(kv_heads, num_blocks * block_size, head_dim)``."""
         a = self.attention
-        dtype = "bfloat16" if self.kv_cache_dtype == "bfloat16" else self.dtype
+        dtype = self.resolved_kv_cache_dtype()
         return [
             (a.allocate(num_blocks, dtype), a.allocate(num_blocks, dtype))
             for _ in range(self.config.num_hidden_layers)
@@ -252,8 +281,7 @@ class LlamaForCausalLM:
 
     def kv_cache_bytes_per_block(self) -> int:
         c = self.config
-        full = self.dtype == paddle.float32 and self.kv_cache_dtype == "auto"
-        elem = 4 if full else 2
+        elem = 4 if self.resolved_kv_cache_dtype() == "float32" else 2
         return 2 * c.num_hidden_layers * self.attention.block_size * c.kv_size * elem
 
     def checked_positions(self, positions: paddle.Tensor) -> np.ndarray:

@@ -42,7 +42,12 @@ class CausalLM(Protocol):
 
     def set_kv_cache_dtype(self, kv_cache_dtype: str) -> None:
         """How caches allocated from now on store keys and values (``auto``,
-        ``bfloat16``); refuses, as an EngineConfigError, what cannot run."""
+        ``float32``, ``float16``, ``bfloat16``); refuses, as an
+        EngineConfigError, what cannot run."""
+        ...
+
+    def resolved_kv_cache_dtype(self) -> str:
+        """The dtype caches allocated now hold (what ``auto`` means here)."""
         ...
 
     def allocate_kv_cache(

@@ -247,7 +247,7 @@ def _warm_up(core: EngineCore, send: Send) -> None:
     from structllm.model import kernels
 
     send(LoadProgressMsg("warmup", 0, 1))
-    kernels.warm_up(core.config.kv_cache_dtype)
+    kernels.warm_up(core.runner.model.resolved_kv_cache_dtype())
     release_library_pages()
     _warm_request(core)
     release_library_pages()

@@ -374,6 +374,28 @@ def test_threaded_kernels_run_on_the_threads_paddles_matmuls_use() -> None:
     assert after == before
 
 
+@pytest.mark.skipif(not kernels.SHARED_OPENMP, reason="Paddle ships no libiomp5")
+@pytest.mark.parametrize(("given", "want"), [(None, "1"), ("7", "7")])
+def test_openmp_workers_spin_briefly_unless_told(given: str | None, want: str) -> None:
+    # Intel's runtime spins 200 ms after each parallel region by default:
+    # a core burnt between steps (docs/benchmarks.md); the environment's
+    # value wins
+    code = f"""
+        import ctypes, os
+        os.environ.pop("KMP_BLOCKTIME", None)
+        if {given!r} is not None:
+            os.environ["KMP_BLOCKTIME"] = {given!r}
+        from structllm.model import kernels
+        from structllm.model._paddle import paddle, set_num_threads
+        set_num_threads(2)
+        x = paddle.ones([64, 64])
+        paddle.matmul(x, x)
+        kernels.warm_up()
+        print(ctypes.CDLL(None).kmp_get_blocktime())
+        """
+    assert _python(code) == want
+
+
 def test_add_rms_norm_and_swiglu_match_paddles_ops() -> None:
     from structllm.model.llama import _swiglu, rms_norm
 

@@ -18,11 +18,12 @@ dependency; the steps:
 3. Two ``structllm bench serve`` comparisons of three launched servers,
    one at a time, ``--rounds`` rounds: llama.cpp (``-np 16``, its default
    float16 KV cache), ``structllm serve`` under asyncio, and under trio
-   (float32 KV cache, its default), all with ``--threads`` threads.
+   (its default KV cache: float16 for a quantized GGUF, as llama.cpp's,
+   float32 for the float bench checkpoint), all with ``--threads`` threads.
    First 16 concurrent clients (``--num-prompts`` requests), then one
    stream (10 requests). ``--variant NAME=FLAGS`` adds a structllm
    server with more flags (llama.cpp's numerics: ``like-llamacpp=
-   --quantized-activations q8 --kv-cache-dtype bfloat16``). Each writes ``OUT_c16.json/png`` and
+   --quantized-activations q8 --kv-cache-dtype float16``). Each writes ``OUT_c16.json/png`` and
    ``OUT_single.json/png`` (the JSON without its per-request records,
    which stay in ``--work``).
 
@@ -162,7 +163,7 @@ def main() -> int:
         metavar="NAME=FLAGS",
         help="one more structllm server (asyncio), named structllm-NAME, with "
         "these serve flags added; e.g. 'like-llamacpp=--quantized-activations "
-        "q8 --kv-cache-dtype bfloat16' (llama.cpp's q8 activations and 16-bit "
+        "q8 --kv-cache-dtype float16' (llama.cpp's q8 activations and float16 "
         "KV cache); repeatable",
     )
     p.add_argument(

@@ -95,6 +95,18 @@ def _share_paddles_openmp() -> bool:
     return False  # pragma: no cover - Paddle's CPU wheels ship it
 
 
+#: how long (ms) an OpenMP worker spins for more work after a parallel
+#: region before it sleeps; Intel's default is 200. Inside a step the
+#: regions come back to back (gaps of 10-100 us), so 1 ms keeps the
+#: hand-offs a spinning thread's; between steps and requests the worker
+#: sleeps instead of burning its core. On a VM that spin is not free: the
+#: host takes the vCPUs back ~100 ms at a time when both are busy (its
+#: steal time), and SmolLM2 Q4_1 at batch 1 had 17-25 steps of ~110 ms in
+#: 800 with 200 ms, 6-8 with 1 ms (docs/benchmarks.md). A value in the
+#: environment wins; read when the runtime starts (the first parallel region).
+OPENMP_BLOCKTIME_MS = "1"
+os.environ.setdefault("KMP_BLOCKTIME", OPENMP_BLOCKTIME_MS)
+
 #: whether the kernels' threads are MKL's (see _share_paddles_openmp)
 SHARED_OPENMP = False
 if numba is not None and "NUMBA_THREADING_LAYER" not in os.environ:

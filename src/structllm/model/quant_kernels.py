@@ -286,6 +286,16 @@ def _vlane() -> Any:  # pragma: no cover - compiled
     """The int32 vector 0, 1, ..., 15."""
 
 
+def _vaddbits(
+    v: Any, row: np.ndarray, index: int, if_set: float, if_clear: float
+) -> Any:  # pragma: no cover - compiled
+    """``v`` plus ``if_set`` in lane ``i`` where bit ``i`` of the 16 bits at
+    bytes ``row[index:index + 2]`` (little-endian) is set, plus ``if_clear``
+    where it is not: a Q5 block's fifth bits on its values as floats. With
+    constants, one ``kmovw`` and a masked add or subtract on AVX-512, where
+    shifting each lane's bit out took four operations."""
+
+
 def _vsum(v: Any) -> float:  # pragma: no cover - compiled
     """The sum of a float vector's lanes."""
     return 0.0
@@ -437,6 +447,25 @@ def _define_vectors() -> tuple[Any, Any]:
     g["_vbf16s"] = intrinsic(fvec, bf16s, 2)
     g["_vfloat"] = intrinsic(fvec, to_float, 1)
     g["_vlane"] = intrinsic(ivec, lane, 0)
+
+    def add_bits(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        array = context.make_array(sig.args[1])(context, builder, args[1])
+        address = builder.bitcast(builder.gep(array.data, [args[2]]), i16.as_pointer())
+        mask = builder.bitcast(
+            builder.load(address, align=1), ir.VectorType(ir.IntType(1), _VLANES)
+        )
+        sums = []
+        for k in (3, 4):  # if set, if clear
+            amount = context.cast(builder, args[k], sig.args[k], types.float32)
+            sums.append(builder.fadd(args[0], splat(builder, amount, vf32), flags=fast))
+        return builder.select(mask, *sums)
+
+    def add_bits_typer(
+        typingctx: Any, v: Any, row: Any, index: Any, if_set: Any, if_clear: Any
+    ) -> Any:
+        return fvec(v, row, index, if_set, if_clear), add_bits
+
+    g["_vaddbits"] = extending.intrinsic(add_bits_typer)
     g["_vsum"] = intrinsic(types.float32, total, 1)
 
     def store(context: Any, builder: Any, sig: Any, args: Any) -> Any:
@@ -1447,14 +1476,14 @@ def _gemv_q4_1(
 
 
 @_jit()
-def _q5_values(row: np.ndarray, h: int, q: int, lane: Any, lane16: Any) -> Any:
-    """A Q5_0/Q5_1 block's 32 values as two int32 vectors (0..31): the
-    nibbles at byte ``q`` with the fifth bits of the u32 at byte ``h``."""
-    low, one, four = _vsplat(15), _vsplat(1), _vsplat(4)
-    bits = _vsplat(_u32_at(row, h))  # bit j: value j's fifth
+def _q5_values(row: np.ndarray, h: int, q: int, offset: float) -> Any:
+    """A Q5_0/Q5_1 block's 32 values plus ``offset`` (0 or -16) as two float
+    vectors: the nibbles at byte ``q`` with the fifth bits of the u32 at
+    byte ``h`` (bit j: value j's)."""
     nibbles = _vbytes(row, q)
-    lo = (nibbles & low) | (((bits >> lane) & one) << four)
-    return lo, (nibbles >> four) | (((bits >> lane16) & one) << four)
+    lo, hi = _vfloat(nibbles & _vsplat(15)), _vfloat(nibbles >> _vsplat(4))
+    set_, clear = 16.0 + offset, offset
+    return _vaddbits(lo, row, h, set_, clear), _vaddbits(hi, row, h + 2, set_, clear)
 
 
 @_jit()
@@ -1462,8 +1491,6 @@ def _gemv_q5_0(
     x: np.ndarray, w: np.ndarray, y: np.ndarray, start: int, stop: int
 ) -> None:  # pragma: no cover - compiled
     nb = x.shape[0] // 32
-    sixteen = _vsplat(16)
-    lane, lane16 = _vlane(), _vlane() + _vsplat(16)
     pairs = (stop - start) // 2
     for i in range(pairs):
         r = start + 2 * i
@@ -1477,13 +1504,13 @@ def _gemv_q5_0(
             x0, x1 = _vfloats(x, 32 * b), _vfloats(x, 32 * b + 16)
             o = 22 * b
             d = _vsplat(_f16_at(row, o))
-            lo, hi = _q5_values(row, o + 2, o + 6, lane, lane16)
-            a0 += d * _vfloat(lo - sixteen) * x0
-            a1 += d * _vfloat(hi - sixteen) * x1
+            lo, hi = _q5_values(row, o + 2, o + 6, -16.0)
+            a0 += d * lo * x0
+            a1 += d * hi * x1
             d = _vsplat(_f16_at(row2, o))
-            lo, hi = _q5_values(row2, o + 2, o + 6, lane, lane16)
-            b0 += d * _vfloat(lo - sixteen) * x0
-            b1 += d * _vfloat(hi - sixteen) * x1
+            lo, hi = _q5_values(row2, o + 2, o + 6, -16.0)
+            b0 += d * lo * x0
+            b1 += d * hi * x1
         y[r] = _vsum(a0 + a1)
         y[r + 1] = _vsum(b0 + b1)
     for r in range(start + 2 * pairs, stop):
@@ -1492,9 +1519,9 @@ def _gemv_q5_0(
         for b in range(nb):
             o = 22 * b
             d = _vsplat(_f16_at(row, o))
-            lo, hi = _q5_values(row, o + 2, o + 6, lane, lane16)
-            a0 += d * _vfloat(lo - sixteen) * _vfloats(x, 32 * b)
-            a1 += d * _vfloat(hi - sixteen) * _vfloats(x, 32 * b + 16)
+            lo, hi = _q5_values(row, o + 2, o + 6, -16.0)
+            a0 += d * lo * _vfloats(x, 32 * b)
+            a1 += d * hi * _vfloats(x, 32 * b + 16)
         y[r] = _vsum(a0 + a1)
 
 
@@ -1503,7 +1530,6 @@ def _gemv_q5_1(
     x: np.ndarray, w: np.ndarray, y: np.ndarray, start: int, stop: int
 ) -> None:  # pragma: no cover - compiled
     nb = x.shape[0] // 32
-    lane, lane16 = _vlane(), _vlane() + _vsplat(16)
     pairs = (stop - start) // 2
     for i in range(pairs):
         r = start + 2 * i
@@ -1518,13 +1544,13 @@ def _gemv_q5_1(
             x0, x1 = _vfloats(x, 32 * b), _vfloats(x, 32 * b + 16)
             o = 24 * b
             d, m = _vsplat(_f16_at(row, o)), _vsplat(_f16_at(row, o + 2))
-            lo, hi = _q5_values(row, o + 4, o + 8, lane, lane16)
-            a0 += (d * _vfloat(lo) + m) * x0
-            a1 += (d * _vfloat(hi) + m) * x1
+            lo, hi = _q5_values(row, o + 4, o + 8, 0.0)
+            a0 += (d * lo + m) * x0
+            a1 += (d * hi + m) * x1
             d, m = _vsplat(_f16_at(row2, o)), _vsplat(_f16_at(row2, o + 2))
-            lo, hi = _q5_values(row2, o + 4, o + 8, lane, lane16)
-            b0 += (d * _vfloat(lo) + m) * x0
-            b1 += (d * _vfloat(hi) + m) * x1
+            lo, hi = _q5_values(row2, o + 4, o + 8, 0.0)
+            b0 += (d * lo + m) * x0
+            b1 += (d * hi + m) * x1
         y[r] = _vsum(a0 + a1)
         y[r + 1] = _vsum(b0 + b1)
     for r in range(start + 2 * pairs, stop):
@@ -1533,9 +1559,9 @@ def _gemv_q5_1(
         for b in range(nb):
             o = 24 * b
             d, m = _vsplat(_f16_at(row, o)), _vsplat(_f16_at(row, o + 2))
-            lo, hi = _q5_values(row, o + 4, o + 8, lane, lane16)
-            a0 += (d * _vfloat(lo) + m) * _vfloats(x, 32 * b)
-            a1 += (d * _vfloat(hi) + m) * _vfloats(x, 32 * b + 16)
+            lo, hi = _q5_values(row, o + 4, o + 8, 0.0)
+            a0 += (d * lo + m) * _vfloats(x, 32 * b)
+            a1 += (d * hi + m) * _vfloats(x, 32 * b + 16)
         y[r] = _vsum(a0 + a1)
 
 
@@ -1731,25 +1757,17 @@ def _blk_q4_1(row: np.ndarray, b: int) -> Any:  # pragma: no cover - compiled
 
 @_jit()
 def _blk_q5_0(row: np.ndarray, b: int) -> Any:  # pragma: no cover - compiled
-    one, four = _vsplat(1), _vsplat(4)
     d = _vsplat(_f16_at(row, 22 * b))
-    h = _vsplat(_u32_at(row, 22 * b + 2))
-    q = _vbytes(row, 22 * b + 6)
-    lo = (q & _vsplat(15)) | (((h >> _vlane()) & one) << four)
-    hi = (q >> four) | (((h >> (_vlane() + _vsplat(16))) & one) << four)
-    return d * _vfloat(lo - _vsplat(16)), d * _vfloat(hi - _vsplat(16))
+    lo, hi = _q5_values(row, 22 * b + 2, 22 * b + 6, -16.0)
+    return d * lo, d * hi
 
 
 @_jit()
 def _blk_q5_1(row: np.ndarray, b: int) -> Any:  # pragma: no cover - compiled
-    one, four = _vsplat(1), _vsplat(4)
     d = _vsplat(_f16_at(row, 24 * b))
     m = _vsplat(_f16_at(row, 24 * b + 2))
-    h = _vsplat(_u32_at(row, 24 * b + 4))
-    q = _vbytes(row, 24 * b + 8)
-    lo = (q & _vsplat(15)) | (((h >> _vlane()) & one) << four)
-    hi = (q >> four) | (((h >> (_vlane() + _vsplat(16))) & one) << four)
-    return d * _vfloat(lo) + m, d * _vfloat(hi) + m
+    lo, hi = _q5_values(row, 24 * b + 4, 24 * b + 8, 0.0)
+    return d * lo + m, d * hi + m
 
 
 @_jit()

@@ -282,10 +282,6 @@ def _vfloat(v: Any) -> Any:  # pragma: no cover - compiled
     """An int32 vector as float32."""
 
 
-def _vlane() -> Any:  # pragma: no cover - compiled
-    """The int32 vector 0, 1, ..., 15."""
-
-
 def _vaddbits(
     v: Any, row: np.ndarray, index: int, if_set: float, if_clear: float
 ) -> Any:  # pragma: no cover - compiled
@@ -408,9 +404,6 @@ def _define_vectors() -> tuple[Any, Any]:
     def to_float(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         return builder.sitofp(args[0], vf32)
 
-    def lane(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return ir.Constant(vi32, list(range(_VLANES)))
-
     def total(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         v = args[0]
         width = _VLANES // 2
@@ -446,7 +439,6 @@ def _define_vectors() -> tuple[Any, Any]:
     g["_vhalves"] = intrinsic(fvec, halves, 2)
     g["_vbf16s"] = intrinsic(fvec, bf16s, 2)
     g["_vfloat"] = intrinsic(fvec, to_float, 1)
-    g["_vlane"] = intrinsic(ivec, lane, 0)
 
     def add_bits(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         array = context.make_array(sig.args[1])(context, builder, args[1])

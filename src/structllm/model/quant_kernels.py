@@ -101,7 +101,12 @@ rule below was measured (``inspect_asm``) rather than assumed:
   a thread on one 3072 x 576 matrix).
 - An f16 scale is one ``vcvtph2ps`` (an LLVM ``fpext`` from ``half``,
   :func:`_f16_at`); converting it with integer bit tricks cost more than
-  the 32 values it scales.
+  the 32 values it scales. Its two bytes go through a general register
+  (``movzwl``, ``vmovd``): loaded straight into a vector register, LLVM
+  wrote them with ``vpinsrw``, which keeps the rest of its target, and
+  picked one still holding the last block's scales, so each block's scale
+  waited on the one before (the Q8_0 GEMVs ran at half speed with q8
+  activations, 0.9x with float ones).
 - Sums are float32 with reassociation allowed (``fastmath``), so results
   differ from numpy's matmul in the last bits, as two BLAS libraries do.
   Dequantizing itself is compiled without fastmath: :func:`dequantize_rows`
@@ -227,6 +232,14 @@ def _f16_at_intrinsic(typingctx: Any, row: Any, index: Any) -> Any:
         bits = builder.load(
             builder.bitcast(address, ir.IntType(16).as_pointer()), align=1
         )
+        # an empty asm the value passes through, so that the load cannot
+        # fold into a vpinsrw (see the module's notes): a general register,
+        # then vmovd, which writes its whole target
+        i32 = ir.IntType(32)
+        wide = builder.asm(
+            ir.FunctionType(i32, [i32]), "", "=r,0", [builder.zext(bits, i32)], False
+        )
+        bits = builder.trunc(wide, ir.IntType(16))
         return builder.fpext(builder.bitcast(bits, ir.HalfType()), ir.FloatType())
 
     return numba.types.float32(row, index), codegen

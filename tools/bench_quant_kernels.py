@@ -33,11 +33,17 @@ type), summed by weight type. Runs in this process, no children.
 ``--prefill T`` compares, for T tokens through gate_up and down, the
 kernel with dequantizing 256-row tiles into numpy's BLAS and with float32.
 
+``--peaks``: one thread's arithmetic ceilings, the ones the kernels are
+measured against: float32 FMAs (``_vfma``) and byte dot products
+(``_vdotacc``, ``vpdpbusd`` with VNNI), ten 16-lane chains in flight, G
+multiply-adds a second.
+
 Usage:
   PYTHONPATH=src python tools/bench_quant_kernels.py [--threads 1 2]
       [--types Q8_0 Q4_0 Q4_1 Q4_K Q6_K] [--repeats 10] [--gguf FILE.gguf]
       [--baseline OLD_quant_kernels.py]
   PYTHONPATH=src python tools/bench_quant_kernels.py --prefill 256
+  PYTHONPATH=src python tools/bench_quant_kernels.py --peaks
   PYTHONPATH=src python tools/bench_quant_kernels.py --kernels
       [--types Q8_0 Q5_0 Q4_K Q6_K] [--tokens 1 2 4 8 16]
       [--baseline OLD_quant_kernels.py] [--gguf FILE.gguf]
@@ -409,6 +415,72 @@ def _file_step_times(qk, mods, args) -> None:  # type: ignore[no-untyped-def]
             print(row + f" {med[-1] * 1e3:.2f} |", flush=True)
 
 
+def peaks(steps: int = 20_000_000, turns: int = 3) -> None:
+    """One thread's float32 FMA and byte dot-product rates (see the module doc)."""
+    import numba
+
+    from structllm.model import quant_kernels as qk
+
+    fma, zero, floats, total = qk._vfma, qk._vzero, qk._vfloats, qk._vsum
+    dot, bytes_, ints, itotal = qk._vdotacc, qk._bint8s, qk._vints, qk._visum
+
+    @numba.njit
+    def float_chains(n: int, a: np.ndarray) -> float:  # pragma: no cover
+        x, y = floats(a, 0), floats(a, 16)
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = s8 = s9 = zero()
+        for _ in range(n):
+            s0, s1, s2, s3, s4 = (
+                fma(x, s0, y),
+                fma(x, s1, y),
+                fma(x, s2, y),
+                fma(x, s3, y),
+                fma(x, s4, y),
+            )
+            s5, s6, s7, s8, s9 = (
+                fma(x, s5, y),
+                fma(x, s6, y),
+                fma(x, s7, y),
+                fma(x, s8, y),
+                fma(x, s9, y),
+            )
+        return total(s0 + s1 + s2 + s3 + s4 + s5 + s6 + s7 + s8 + s9)
+
+    @numba.njit
+    def byte_chains(n: int, b: np.ndarray, c: np.ndarray) -> int:  # pragma: no cover
+        u, v = bytes_(b, 0), bytes_(b, 64)
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = s8 = s9 = ints(c, 0)
+        for _ in range(n):
+            s0, s1, s2, s3, s4 = (
+                dot(s0, u, v),
+                dot(s1, u, v),
+                dot(s2, u, v),
+                dot(s3, u, v),
+                dot(s4, u, v),
+            )
+            s5, s6, s7, s8, s9 = (
+                dot(s5, u, v),
+                dot(s6, u, v),
+                dot(s7, u, v),
+                dot(s8, u, v),
+                dot(s9, u, v),
+            )
+        return itotal(s0 + s1 + s2 + s3 + s4 + s5 + s6 + s7 + s8 + s9)
+
+    a = np.full(32, 0.5, np.float32)
+    b, c = np.ones(128, np.int8), np.zeros(16, np.int32)
+    float_chains(10, a), byte_chains(10, b, c)  # compile
+    for _ in range(turns):
+        t = time.thread_time()
+        float_chains(steps, a)
+        f = steps * 10 * 16 / (time.thread_time() - t) / 1e9
+        t = time.thread_time()
+        byte_chains(steps, b, c)
+        i = steps * 10 * 64 / (time.thread_time() - t) / 1e9
+        print(
+            f"one thread: float32 FMA {f:.1f}, byte dot products {i:.1f} G multiply-adds/s"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -436,8 +508,14 @@ def main() -> None:
         default=["Q8_0", "Q6_K"],
         help="types whose --kernels rows include the 49152 x 576 head",
     )
+    p.add_argument(
+        "--peaks", action="store_true", help="one thread's FMA and byte-dot peaks"
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.peaks:
+        peaks()
+        return
     if args.kernels:
         kernel_times(args)
         return

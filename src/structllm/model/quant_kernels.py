@@ -57,10 +57,11 @@ activations ``x (T, in)`` by it without a float copy of the whole weight:
   1.7-1.9x their float GEMVs at ``T`` of 1 (SmolLM2 Q4_K_M's ffn_down,
   one thread's CPU time), GEMVs of 4, 2 and 1 tokens at any ``T`` as the
   32-value types. Q5_K takes float activations. The one-token GEMVs of
-  Q5_0/Q5_1 take two rows a pass with prefetch, as the float ones (1.1-1.9x
-  a row at a time), and the 4-token GEMVs of every q8 type two rows a pass
-  (1.06-1.14x at ``T`` of 16; Q8_0's one-token GEMV stays a row at a time:
-  two measured 0.85-0.96x). From ``_Q8_PANEL_TOKENS`` (5) tokens a call,
+  Q8_0, Q5_0 and Q5_1 take two rows a pass with prefetch, as the float ones
+  (Q5: 1.1-1.9x a row at a time; Q8_0 1.05-1.17x, measured 0.85-0.96x
+  while its scales were on a chain, see :func:`_f16_at`; Q4_0/Q4_1 measured
+  0.86-1.18x and stay a row at a time), and the 4-token GEMVs of every q8
+  type two rows a pass (1.06-1.14x at ``T`` of 16). From ``_Q8_PANEL_TOKENS`` (5) tokens a call,
   q8 multiplies 32-row byte panels instead (:func:`_q8_panel_rows`, the
   float outer product's shape in integers: four inputs of 32 rows are two
   64-byte vectors, each token's four activation bytes broadcast into one
@@ -2048,37 +2049,8 @@ def _quantize_q8(
 # bytes, their integer dot with the activations' into 16 int32 lanes (8 a
 # block), one float multiply-add by d_w d_x. ``ob`` is the second block's
 # offset, the first's again past an odd row's end (against zeros in x).
-# Q5_0/Q5_1 take _gemv8r2 (two rows a pass, below) instead.
-
-
-@_jit()
-def _gemv8_q8_0(
-    xq: np.ndarray,
-    dx: np.ndarray,
-    sx: np.ndarray,
-    xs4: np.ndarray,
-    nb: int,
-    w: np.ndarray,
-    y: np.ndarray,
-    start: int,
-    stop: int,
-) -> None:  # pragma: no cover - compiled
-    for r in range(start, stop):
-        row = w[r]
-        ahead = r * w.shape[1] + _PREFETCH
-        a0 = a1 = _vzero()
-        for p in range(nb // 2):
-            oa = 68 * p
-            _prefetch(w, ahead + oa)
-            d = _vsplat2(_f16_at(row, oa), _f16_at(row, oa + 34)) * _vfloats(dx, 16 * p)
-            dot = _vdots(_bq8x2(row, oa + 2, oa + 36), _bint8s(xq, 64 * p))
-            a0 += d * _vfloat(dot)
-        if nb % 2:
-            p, oa = nb // 2, 68 * (nb // 2)
-            d = _vsplat2(_f16_at(row, oa), _f16_at(row, oa)) * _vfloats(dx, 16 * p)
-            dot = _vdots(_bq8x2(row, oa + 2, oa + 2), _bint8s(xq, 64 * p))
-            a1 += d * _vfloat(dot)
-        y[r] = _vsum(a0 + a1)
+# Q8_0, Q5_0 and Q5_1 take _gemv8r2 (two rows a pass, below) instead
+# (Q8_0's 1.05-1.17x its own GEMV's once its scales were off a chain).
 
 
 @_jit()
@@ -2406,7 +2378,7 @@ def _matmul8_rows(
         if qtype == 3:
             _gemv8_q4_1(q, d, s, f, nb, w, y, start, stop)
         elif qtype == 8:
-            _gemv8_q8_0(q, d, s, f, nb, w, y, start, stop)
+            _gemv8r2(8, q, d, s, f, nb, w, y, start, stop)
         elif qtype == 2:
             _gemv8_q4_0(q, d, s, f, nb, w, y, start, stop)
         elif qtype == 6:

@@ -133,15 +133,15 @@ def test_sigterm_finishes_short_requests_refuses_new_ones_exits_zero(
 ) -> None:
     # tokens: enough that no short request can finish before the last one
     # is admitted, even on a slow machine (the test signals with all 32 in
-    # the running batch); 33 x 8 blocks stay well inside --num-blocks 512
-    streams, plain, tokens = 24, 8, 120
+    # the running batch; at 120 one finished first in a whole-suite run on 2
+    # cores, at 48 on a busy machine): 32 x 16 blocks and the long stream's
+    # 126 fit --num-blocks 1024 without preempting
+    streams, plain, tokens = 24, 8, 240
     # the grace is long: the short requests finish well within it, and the
     # server exits as soon as the last open request ends, not at the grace
     grace = 60.0
-    with run_server(*ENGINE, "--graceful-timeout", str(grace), loop=loop) as (
-        url,
-        proc,
-    ):
+    args = (*ENGINE, "--num-blocks", "1024", "--graceful-timeout", str(grace))
+    with run_server(*args, loop=loop) as (url, proc):
         core = _worker_pid(proc.pid)
         short = {"prompt": "x", "max_tokens": tokens, "ignore_eos": True}
 
@@ -193,6 +193,14 @@ def test_sigterm_finishes_short_requests_refuses_new_ones_exits_zero(
                             while running < 1 + streams + plain:
                                 m = await ac.get("/metrics")
                                 running = _gauge(m.text, "num_requests_running")
+                                done = len(answers) + sum(
+                                    "data: [DONE]" in e for e in events.values()
+                                )
+                                assert not done, (
+                                    f"{done} short requests ended before the last"
+                                    f" was admitted ({running:.0f} running): more"
+                                    " tokens"
+                                )
                                 await anyio.sleep(0.01)
                         proc.send_signal(signal.SIGTERM)
                         signalled = time.monotonic()

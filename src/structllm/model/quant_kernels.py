@@ -61,8 +61,9 @@ activations ``x (T, in)`` by it without a float copy of the whole weight:
   (Q5: 1.1-1.9x a row at a time; Q8_0 1.05-1.17x, measured 0.85-0.96x
   while its scales were on a chain, see :func:`_f16_at`; Q4_0/Q4_1 measured
   0.86-1.18x and stay a row at a time), and the 4-token GEMVs of every q8
-  type two rows a pass (1.06-1.14x at ``T`` of 16). From ``_Q8_PANEL_TOKENS`` (5) tokens a call,
-  q8 multiplies 32-row byte panels instead (:func:`_q8_panel_rows`, the
+  type two rows a pass (1.06-1.14x at ``T`` of 16). From
+  ``_Q8_PANEL_TOKENS`` (5) tokens a call, q8 multiplies 32-row byte
+  panels instead (:func:`_q8_panel_rows`, the
   float outer product's shape in integers: four inputs of 32 rows are two
   64-byte vectors, each token's four activation bytes broadcast into one
   ``vpdpbusd`` a vector, one float multiply-add a 32-value group):

@@ -392,6 +392,39 @@ async def test_launched_structllm_is_measured_and_stopped() -> None:
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the command's loop
 @pytest.mark.anyio
+async def test_keep_up_starts_a_launched_server_once_for_every_round() -> None:
+    """``keep_up``: the launched server is started before the first round
+    and serves every round (the same processes measured in each), beside a
+    running server the rounds rotate with; stopped after the last."""
+    serve = f"{sys.executable} -m structllm.cli serve tiny --port {{port}}"
+    log: list[str] = []
+    async with open_fake_server(metrics=METRICS) as fake:
+        targets = [
+            Target("launched", command=f"{serve} --max-model-len 256"),
+            Target("running", url=fake.url),
+        ]
+        c = await run_comparison(
+            ServeConfig(**WORKLOAD), targets, rounds=3, keep_up=True, log=log.append
+        )
+    assert [line.split()[1] for line in log if line.startswith("starting")] == [
+        "launched",
+        "running",
+    ]
+    starts = [line.split(":")[1].split()[0] for line in log if line.startswith("round")]
+    rotation = ["launched", "running", "running", "launched", "launched", "running"]
+    assert starts == rotation
+    runs = c.runs_of("launched")
+    assert [r.result.summary.completed for r in runs] == [6, 6, 6]
+    pids = [sorted(p.pid for p in r.memory.processes) for r in runs]
+    if sys.platform == "linux":
+        assert len(pids[0]) >= 2  # the server and its engine core
+    assert pids == [pids[0]] * 3  # one server for all three rounds
+    assert all("with start and stop" not in line for line in log)
+    wait_gone(*pids[0], timeout=10)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # the command's loop
+@pytest.mark.anyio
 async def test_launched_structllm_serves_random_adapters(tmp_path: Path) -> None:
     """A server started with two of ``bench.lora``'s random adapters serves
     the requests spread over them (an unknown model would be a 404)."""

@@ -21,7 +21,11 @@ dependency; the steps:
    (its default KV cache: float16 for a quantized GGUF, as llama.cpp's,
    float32 for the float bench checkpoint), all with ``--threads`` threads.
    First 16 concurrent clients (``--num-prompts`` requests), then one
-   stream (10 requests). ``--variant NAME=FLAGS`` adds a structllm
+   stream (``--single-prompts`` requests a round, 10 by default, in
+   ``--single-rounds`` rounds, ``--rounds`` by default) with every server
+   kept up through its rounds (``bench serve --keep-up``: the servers'
+   runs seconds apart, where this VM's speed wanders 1.5x over minutes).
+   ``--variant NAME=FLAGS`` adds a structllm
    server with more flags (llama.cpp's numerics: ``like-llamacpp=
    --quantized-activations q8 --kv-cache-dtype float16``). Each writes ``OUT_c16.json/png`` and
    ``OUT_single.json/png`` (the JSON without its per-request records,
@@ -138,6 +142,24 @@ def main() -> int:
     p.add_argument("--work", type=Path, default=default_work)
     p.add_argument("--llama-cpp-python", default="0.3.36", metavar="VERSION")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--single-rounds",
+        type=int,
+        default=None,
+        help="rounds of the one-stream comparison (default: --rounds)",
+    )
+    p.add_argument(
+        "--single-prompts",
+        type=int,
+        default=10,
+        help="requests a round of the one-stream comparison (default 10)",
+    )
+    p.add_argument(
+        "--only",
+        choices=["c16", "single"],
+        default=None,
+        help="run only this comparison (16 clients, or one stream)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--num-prompts", type=int, default=80)
     p.add_argument(
@@ -261,12 +283,17 @@ def compare(
         launch[f"structllm-{name}"] = f"{serve} --loop asyncio {flags}"
     lo, hi = map(str, ns.input_len)
     workload = ["--input-len", lo, hi, "--output-len", "16", "128", *prompts]
-    workload += ["--seed", "0", "--rounds", str(ns.rounds)]
+    workload += ["--seed", "0"]
     targets = [a for item in launch.items() for a in ("--launch", "=".join(item))]
+    c16 = ["--num-prompts", str(ns.num_prompts), "--max-concurrency", "16"]
+    single = ["--num-prompts", str(ns.single_prompts), "--max-concurrency", "1"]
+    single += ["--rounds", str(ns.single_rounds or ns.rounds), "--keep-up"]
     for name, flags in (
-        ("c16", ["--num-prompts", str(ns.num_prompts), "--max-concurrency", "16"]),
-        ("single", ["--num-prompts", "10", "--max-concurrency", "1"]),
+        ("c16", [*c16, "--rounds", str(ns.rounds)]),
+        ("single", single),
     ):
+        if ns.only and name != ns.only:
+            continue
         full = work / f"{tag}_{name}.json"
         out = f"{ns.out}_{tag}_{name}" if tag != "peers" else f"{ns.out}_{name}"
         run(

@@ -266,6 +266,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="runs of every target, rotating who goes first (round r: seed + r)",
     )
     g.add_argument(
+        "--keep-up",
+        action="store_true",
+        help="start each launched server once and keep it up through every "
+        "round (short rounds then run each target seconds apart; memory is "
+        "each one's peak over its runs)",
+    )
+    g.add_argument(
         "--warmup",
         type=int,
         default=1,

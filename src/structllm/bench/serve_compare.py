@@ -15,7 +15,12 @@ their number puts each in the engine's slots before the run). A launched
 target is started for its run and stopped after it
 (:mod:`structllm.bench.serve_targets`, which also measures memory); one
 that does not come up ends the comparison, whose finished runs are still
-printed and written.
+printed and written. With ``--keep-up`` (``keep_up``) every launched target
+starts once, before the first round, and stays up until the last one ends:
+rounds then cost no start-up, so many short ones put each target's runs
+seconds apart rather than minutes, and a machine whose speed wanders (a
+VM's vCPUs moving between the host's cores) moves every target's figures
+alike; its memory figures are then each process's peak over all its runs.
 
 The table gives, per target, each figure's median over the rounds, then the
 ratios to the first target: in each round a figure over the first target's
@@ -36,6 +41,7 @@ counters); they are not compared. ``--json`` writes::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -66,6 +72,7 @@ from structllm.bench.serve_results import BenchmarkResult
 from structllm.bench.serve_targets import (
     LaunchError,
     MemoryReport,
+    Running,
     Target,
     check_lora_targets,
     open_target,
@@ -295,10 +302,12 @@ async def run_comparison(
     warmup: int = 1,
     startup_timeout: float = 600.0,
     lora_targets: Collection[str] | None = None,
+    keep_up: bool = False,
     log: Callable[[str], None] = _log,
 ) -> Comparison:
     """Run ``config``'s workload against every target, ``rounds`` times;
-    ``config.lora_modules`` only on ``lora_targets`` (None: on all).
+    ``config.lora_modules`` only on ``lora_targets`` (None: on all);
+    launched targets started for each run, or with ``keep_up`` once for all.
 
     Request failures are counted in the runs. A launched target that does
     not come up, or a server whose model cannot be found, stops the
@@ -315,7 +324,9 @@ async def run_comparison(
     }
     runs: list[Run] = []
     try:
-        await _run_rounds(configs, targets, runs, rounds, warmup, startup_timeout, log)
+        await _run_rounds(
+            configs, targets, runs, rounds, warmup, startup_timeout, keep_up, log
+        )
     except (LaunchError, httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
         partial = Comparison(tuple(targets), rounds, tuple(runs))
         raise ComparisonStopped(str(exc) or repr(exc), partial) from exc
@@ -329,11 +340,19 @@ async def _run_rounds(
     rounds: int,
     warmup: int,
     startup_timeout: float,
+    keep_up: bool,
     log: Callable[[str], None],
 ) -> None:
     """Every round's runs, appended to ``runs`` as each one ends."""
     n = len(targets)
-    async with open_client() as client:
+    async with open_client() as client, contextlib.AsyncExitStack() as stack:
+        up: dict[str, Running] = {}
+        if keep_up:  # all up before the first round, stopped after the last
+            for target in targets:
+                log(f"starting {target.name} ({target.url or target.command})")
+                up[target.name] = await stack.enter_async_context(
+                    open_target(target, client, startup_timeout=startup_timeout)
+                )
         for r in range(rounds):
             order = [*targets[r % n :], *targets[: r % n]]
             for target in order:
@@ -343,30 +362,47 @@ async def _run_rounds(
                 if config.lora_modules:
                     log(f"  requests over adapters {' '.join(config.lora_modules)}")
                 started = time.perf_counter()
-                async with open_target(
-                    target, client, startup_timeout=startup_timeout
-                ) as up:
-                    cfg = attrs.evolve(config, url=up.url, seed=config.seed + r)
-                    model = cfg.model or await discover_model(client, up.url)
-                    cfg = attrs.evolve(cfg, model=model)
-                    if warmup:
-                        error: str | None = f"timed out after {cfg.timeout:g} s"
-                        with anyio.move_on_after(cfg.timeout):
-                            error = await _warm_up(client, cfg, model, warmup)
-                        if error:
-                            log(f"  warm-up request failed: {error}")
-                    result = await run_benchmark(cfg)
-                    memory = await up.memory(client)
+                async with contextlib.AsyncExitStack() as run_stack:
+                    running = up.get(target.name)
+                    if running is None:  # started for this run, stopped after it
+                        running = await run_stack.enter_async_context(
+                            open_target(target, client, startup_timeout=startup_timeout)
+                        )
+                    result, memory = await _run(client, running, config, r, warmup, log)
                 s = result.summary
                 log(
                     f"  {s.completed} ok, {s.failed} failed, "
                     f"{s.output_throughput:.1f} output tok/s "
-                    f"({time.perf_counter() - started:.0f} s with start and stop)"
+                    f"({time.perf_counter() - started:.0f} s"
+                    f"{'' if keep_up else ' with start and stop'})"
                 )
                 if errors := [q.error for q in result.requests if q.error]:
                     top = max(set(errors), key=errors.count)  # the commonest
                     log(f"  {errors.count(top)} x {top}")
                 runs.append(Run(target.name, r, result, memory))
+
+
+async def _run(
+    client: httpx.AsyncClient,
+    up: Running,
+    config: ServeConfig,
+    r: int,
+    warmup: int,
+    log: Callable[[str], None],
+) -> tuple[BenchmarkResult, MemoryReport]:
+    """Round ``r``'s run on a target that is up: its warm-up requests, the
+    workload of seed ``config.seed + r``, then its memory."""
+    cfg = attrs.evolve(config, url=up.url, seed=config.seed + r)
+    model = cfg.model or await discover_model(client, up.url)
+    cfg = attrs.evolve(cfg, model=model)
+    if warmup:
+        error: str | None = f"timed out after {cfg.timeout:g} s"
+        with anyio.move_on_after(cfg.timeout):
+            error = await _warm_up(client, cfg, model, warmup)
+        if error:
+            log(f"  warm-up request failed: {error}")
+    result = await run_benchmark(cfg)
+    return result, await up.memory(client)
 
 
 # -- the command ----------------------------------------------------------------
@@ -413,6 +449,7 @@ def run_compare(ns: argparse.Namespace, config: ServeConfig) -> int:
         warmup=ns.warmup,
         startup_timeout=ns.startup_timeout,
         lora_targets=ns.lora_targets,
+        keep_up=ns.keep_up,
     )
     try:
         comparison = anyio.run(until_signalled, run, backend="asyncio")

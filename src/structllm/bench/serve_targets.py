@@ -53,6 +53,7 @@ __all__ = [
     "LaunchError",
     "MemoryReport",
     "ProcessMemory",
+    "Running",
     "Target",
     "check_lora_targets",
     "open_target",

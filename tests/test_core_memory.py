@@ -18,11 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
+import attrs
 import pytest
 
 from structllm.config import EngineConfig
 from structllm.core.engine_core import EngineCore
-from structllm.core.request import CoreRequest, Request
+from structllm.core.request import CoreRequest, Request, StepOutput
 from structllm.engine.core_process import loop
 from structllm.engine.protocol import Heartbeat, Message, Ready
 from structllm.structured import compiler as compiler_module
@@ -35,7 +36,10 @@ from structllm.structured.compiler import (
 from structllm.structured.spec import StructuredOutputs
 from structllm.structured.vocabulary import GrammarVocabulary
 from structllm.text.byte_tokenizer import ByteTokenizer
-from tests.test_core_process import GREEDY, core_loop, finished
+from tests.test_core_process import CONFIG, GREEDY, core_loop, finished
+
+#: room for a prompt of TRIM_AFTER_TOKENS + 1 in one step
+CONFIG_LONG = attrs.evolve(CONFIG, max_model_len=512, num_blocks=64)
 
 
 def _core_memory() -> ModuleType:
@@ -181,6 +185,27 @@ def test_an_idle_core_gives_mallocs_kept_memory_back_once_a_spell(
         peer.until(finished("a"))
         peer.until(beats(4))
         assert len(calls) == 2
+
+
+def test_a_step_of_many_prompt_tokens_gives_mallocs_kept_memory_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Right after a step that ran a long prompt chunk, while busy; not
+    after a short prompt's step nor after decode steps (the heartbeat
+    interval is too long for an idle spell's release to come)."""
+    calls: list[int] = []
+    monkeypatch.setattr(loop, "release_kept_memory", lambda: calls.append(1))
+    long = tuple(range(3, 3 + loop.TRIM_AFTER_TOKENS + 1))
+    with core_loop(CONFIG_LONG, heartbeat_interval=3600) as (peer, _):
+        peer.until(lambda m: isinstance(m, Ready))
+        peer.send(CoreRequest(request_id="a", prompt_token_ids=(1, 2), params=GREEDY))
+        peer.until(finished("a"))
+        assert calls == []
+        peer.send(CoreRequest(request_id="b", prompt_token_ids=long, params=GREEDY))
+        got = peer.until(finished("b"))
+        assert calls == [1]  # the prompt's step; not its 3 decode steps
+        steps = [m for m in got if isinstance(m, StepOutput)]
+        assert [m.num_batched_tokens for m in steps] == [len(long), 1, 1, 1]
 
 
 def test_releasing_kept_memory_shrinks_the_heap() -> None:

@@ -358,9 +358,12 @@ def _loop(
             send(Fatal(kind, lost or str(exc), traceback.format_exc()))
             return 1
         steps += 1
-        trimmed = False
         last_sent = time.monotonic()
         send(out)
+        # a large step's temporaries went back to malloc, which keeps them
+        trimmed = out.num_batched_tokens - out.num_seqs >= TRIM_AFTER_TOKENS
+        if trimmed:
+            release_kept_memory()
         if not core.has_unfinished_requests():
             # gone idle: the counts and the burst's peak memory (process
             # telemetry, not the core's) now, not a heartbeat interval later
@@ -376,6 +379,17 @@ def _add(core: EngineCore, request: CoreRequest, send: Send) -> None:
         send(AddFailed(request.request_id, str(exc), exc.field))
     except Exception as exc:  # one bad request never stops the core
         send(AddFailed(request.request_id, f"{type(exc).__name__}: {exc}"))
+
+
+#: a step that ran at least this many tokens beyond one a sequence (prompt
+#: chunks, drafts to verify) gives malloc's kept memory back once its output
+#: is sent (:func:`release_kept_memory`). Its temporaries, freed into
+#: malloc's heaps, stayed resident beside the KV cache and were most of the
+#: core's peak above it: 16 clients on SmolLM2 Q4_1 peaked at 560-636 MiB,
+#: 544-556 trimming after such steps, at the same speed (docs/benchmarks.md).
+#: A decode step (one token a sequence, any batch) never trims, nor does
+#: speculation at 16 sequences of 4 drafts; a trim costs 0.5-3 ms.
+TRIM_AFTER_TOKENS = 128
 
 
 @functools.cache
@@ -395,10 +409,11 @@ def release_kept_memory() -> None:
     A burst's temporaries (a prefill's activations and gathers, Paddle's
     and numpy's) are freed into malloc's heaps, where they stay resident
     until reused: 70 MiB after 16 prompts of 256 tokens on SmolLM2-135M
-    (docs/benchmarks.md). The loop calls this once per idle spell, a
-    heartbeat interval after its last step: a server that goes quiet
-    shrinks, one that is busy keeps its pages (faulting them back costs the
-    next step).
+    (docs/benchmarks.md). The loop calls this after a step of many tokens
+    (:data:`TRIM_AFTER_TOKENS`: the next such step faults back the pages
+    it needs, not the heap's whole high-water mark) and once per idle
+    spell, a heartbeat interval after its last step: a server that goes
+    quiet shrinks.
     """
     trim = _malloc_trim()
     if trim is not None:

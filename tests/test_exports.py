@@ -87,6 +87,20 @@ assert not heavy, heavy
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_structllm_serve_imports_no_numpy() -> None:
+    """``structllm serve``'s process (its command line, the app, a GGUF
+    file's tokenizer) imports no numpy, ~16 MiB of the server process: the
+    model's arrays are the engine core's; an embedding loads it."""
+    code = """
+import sys
+sys.modules["numpy"] = None  # an import of it fails
+import structllm.cli, structllm.server.app, structllm.text.tokenizer
+from structllm.formats import GGUFFile
+structllm.cli.build_parser("serve").parse_args(["serve", "tiny"])
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_errors_tree() -> None:
     assert issubclass(structllm.InvalidRequestError, ValueError)
     assert issubclass(structllm.InvalidRequestError, structllm.RequestError)

@@ -899,3 +899,11 @@ def test_every_truncation_of_the_header(tmp_path: Path) -> None:
     built = gb.sample_file()
     for size in range(built.data_start + 1):
         check_never_crashes(tmp_path / "cut.gguf", built.data[:size])
+
+
+def test_the_dequantizable_types_are_those_with_a_dequantizer() -> None:
+    """``quants.DEQUANTIZABLE`` (numpy-free, what a refusal names) lists
+    exactly the types ``formats.blocks`` has a numpy dequantizer for."""
+    from structllm.formats import blocks, quants
+
+    assert frozenset(blocks._DEQUANT) == quants.DEQUANTIZABLE

@@ -60,7 +60,15 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true")
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: the subcommands, in --help's order
+COMMANDS = ("generate", "inspect", "make-tiny-model", "serve", "bench", "completion")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or with ``command`` only that subcommand's
+    arguments (the others listed by name): ``structllm serve`` then
+    imports neither the benchmarks nor the tiny-model writer, whose numpy
+    and safetensors were ~16 MiB of the server process."""
     from structllm import __version__
 
     parser = argparse.ArgumentParser(prog="structllm", description=__doc__)
@@ -69,31 +77,49 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
+    def wanted(name: str) -> bool:
+        return command is None or command == name
+
     gen = sub.add_parser("generate", help="stream a completion to the terminal")
-    gen.add_argument("model", help=_MODEL_HELP)
-    gen.add_argument("prompt")
-    gen.add_argument(
-        "--chat", action="store_true", help="wrap the prompt in the chat template"
-    )
-    add_grouped_arguments(gen, EngineConfig)
-    _add_sampling_args(gen)
+    if wanted("generate"):
+        gen.add_argument("model", help=_MODEL_HELP)
+        gen.add_argument("prompt")
+        gen.add_argument(
+            "--chat", action="store_true", help="wrap the prompt in the chat template"
+        )
+        add_grouped_arguments(gen, EngineConfig)
+        _add_sampling_args(gen)
 
     insp = sub.add_parser(
         "inspect", help="print what structllm understands of a model's config.json"
     )
-    insp.add_argument("model", help=_MODEL_HELP)
+    if wanted("inspect"):
+        insp.add_argument("model", help=_MODEL_HELP)
 
     tiny = sub.add_parser("make-tiny-model", help="write a random-weight HF checkpoint")
-    tiny.add_argument("directory")
-    _add_tiny_model_args(tiny)
+    if wanted("make-tiny-model"):
+        tiny.add_argument("directory")
+        _add_tiny_model_args(tiny)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("model", help=_MODEL_HELP)
-    # grouped by topic (network, security, limits, ...), whichever config holds
-    # the field; server.run.configs_from_args reads them back
-    add_grouped_arguments(serve, ServerConfig, FrontendConfig, EngineConfig)
+    if wanted("serve"):
+        serve.add_argument("model", help=_MODEL_HELP)
+        # grouped by topic (network, security, limits, ...), whichever config
+        # holds the field; server.run.configs_from_args reads them back
+        add_grouped_arguments(serve, ServerConfig, FrontendConfig, EngineConfig)
 
     bench = sub.add_parser("bench", help="benchmarks")
+    comp = sub.add_parser("completion", help="print a shell completion script")
+    if wanted("completion"):
+        comp.add_argument(
+            "shell", choices=["bash"], help="bash (zsh: via bashcompinit)"
+        )
+    if wanted("bench"):
+        _add_bench_args(bench)
+    return parser
+
+
+def _add_bench_args(bench: argparse.ArgumentParser) -> None:
     bsub = bench.add_subparsers(dest="bench", required=True)
     thr = bsub.add_parser("throughput", help="offline throughput vs transformers")
     from structllm.bench.throughput import add_throughput_args
@@ -115,9 +141,6 @@ def build_parser() -> argparse.ArgumentParser:
     from structllm.bench.speculative import add_speculative_args
 
     add_speculative_args(spc)
-    comp = sub.add_parser("completion", help="print a shell completion script")
-    comp.add_argument("shell", choices=["bash"], help="bash (zsh: via bashcompinit)")
-    return parser
 
 
 #: make-tiny-model's flags: make_tiny_model's keyword arguments, whose
@@ -161,7 +184,10 @@ def _add_tiny_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    args = sys.argv[1:] if argv is None else list(argv)
+    # the first word that names a subcommand (None: --help, --version)
+    command = next((a for a in args if a in COMMANDS), None)
+    ns = build_parser(command).parse_args(args)
     if ns.command == "make-tiny-model":
         from structllm.testing.checkpoints import make_tiny_model
 

@@ -230,62 +230,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", default=None, metavar="PATH", help="write the results")
     p.add_argument("--plot", default=None, metavar="PATH.png", help="draw a figure")
-    g = p.add_argument_group(
-        "comparing servers",
-        "The same workload against several servers, one at a time, in one table "
-        "(instead of --url); see docs/benchmarks.md.",
-    )
-    g.add_argument(
-        "--server",
-        action="append",
-        default=[],
-        metavar="NAME=URL",
-        help="a running server to compare (repeatable)",
-    )
-    g.add_argument(
-        "--launch",
-        action="append",
-        default=[],
-        metavar="NAME=COMMAND",
-        help="a server command line to start for each run and stop after it, "
-        "{port} replaced by a free port (repeatable); its processes' memory is "
-        "measured",
-    )
-    g.add_argument(
-        "--lora-targets",
-        nargs="+",
-        default=None,
-        metavar="NAME",
-        help="the targets whose requests go to --lora-modules' adapters; the "
-        "others get the base model (default: every target)",
-    )
-    g.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="runs of every target, rotating who goes first (round r: seed + r)",
-    )
-    g.add_argument(
-        "--keep-up",
-        action="store_true",
-        help="start each launched server once and keep it up through every "
-        "round (short rounds then run each target seconds apart; memory is "
-        "each one's peak over its runs)",
-    )
-    g.add_argument(
-        "--warmup",
-        type=int,
-        default=1,
-        metavar="N",
-        help="short requests, not measured, before each run",
-    )
-    g.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=600.0,
-        metavar="S",
-        help="seconds a launched server may take to list its model",
-    )
+    from structllm.bench.serve_compare import add_compare_args
+
+    add_compare_args(p)
 
 
 # -- workload: pure and seeded ------------------------------------------------

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from structllm.bench.serve_compare import Comparison, Run
+from structllm.bench.serve_table import Comparison, Run
 
 __all__ = ["plot_comparison"]
 

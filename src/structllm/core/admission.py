@@ -10,13 +10,16 @@ both refuse the same prompts.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from structllm.config import EngineConfig
 from structllm.core.block_pool import BlockPool
-from structllm.core.lora_manager import LoRAManager
 from structllm.core.request import CoreRequest, Request
 from structllm.errors import InvalidRequestError, ModelLoadError
 from structllm.lora_request import LoRARequest
+
+if TYPE_CHECKING:  # the core's; the front end checks requests without it
+    from structllm.core.lora_manager import LoRAManager
 
 __all__ = ["check_pin", "check_prompt", "use_lora"]
 

@@ -28,14 +28,16 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import msgspec
-import numpy as np
-import numpy.typing as npt
 
 from structllm.errors import InvalidRequestError, ModelLoadError
+
+if TYPE_CHECKING:  # the front end reads this module's requests without numpy
+    import numpy as np
+    import numpy.typing as npt
 
 __all__ = [
     "POOLING_METHODS",
@@ -266,6 +268,8 @@ def finish_embedding(
     """``pooled`` (H,) truncated to ``dimensions`` and, if asked, scaled to
     unit L2 norm (after truncating, as sentence-transformers' Matryoshka
     models are used): float32."""
+    import numpy as np  # the core's, loaded there already
+
     v = np.asarray(pooled, dtype=np.float64)
     if pooling.dimensions is not None:
         v = v[: pooling.dimensions]

@@ -21,16 +21,17 @@ from typing import TYPE_CHECKING
 
 import attrs
 import msgspec
-import numpy as np
 
 from structllm.core.block_pool import BlockHash
 from structllm.core.pooling import Pooling
 from structllm.lora_request import LoRARequest
-from structllm.model.sampler import TokenLogprobs
+from structllm.model.logprobs import TokenLogprobs
 from structllm.outputs import FinishReason
 from structllm.params import SamplingParams
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from structllm.structured.matcher import GrammarMatcher
 
 __all__ = [

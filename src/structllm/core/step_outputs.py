@@ -18,7 +18,7 @@ from structllm.core.pooling import finish_embedding
 from structllm.core.request import Request, RequestStepOutput, StepOutput
 from structllm.core.scheduler import Scheduler, SchedulerOutput
 from structllm.core.structured import RejectedRequest
-from structllm.model.sampler import TokenLogprobs
+from structllm.model.logprobs import TokenLogprobs
 
 __all__ = ["add_pooled", "embedding_output", "step_output", "take_prompt_logprobs"]
 

@@ -30,8 +30,7 @@ import struct
 import msgspec
 
 from structllm.config import EngineConfig
-from structllm.core.engine_core import StepOutput
-from structllm.core.request import CoreRequest
+from structllm.core.request import CoreRequest, StepOutput
 from structllm.errors import InvalidRequestError, ModelLoadError
 from structllm.lora_request import LoRARequest
 

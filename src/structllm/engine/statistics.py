@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from structllm.core.scheduler import hit_rate
+from structllm.core.scheduler_types import hit_rate
 
 __all__ = ["EngineStatistics"]
 

@@ -40,16 +40,18 @@ import stat
 import struct
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import numpy as np
-import numpy.typing as npt
 
 from structllm.errors import ModelLoadError
 from structllm.formats import quants
 from structllm.formats.gguf_values import Deferred, GGUFMetadata, GGUFValueType, Parser
 from structllm.formats.quants import GGMLType
+
+if TYPE_CHECKING:  # a tensor's bytes are numpy's; the metadata needs none
+    import numpy as np
+    import numpy.typing as npt
 
 __all__ = ["GGUFFile", "GGUFMetadata", "GGUFTensor", "GGUFValueType"]
 
@@ -134,7 +136,6 @@ class GGUFFile:
         except (struct.error, ValueError, OverflowError, IndexError) as exc:
             self.close()  # a check this parser lacks: still the file's fault
             raise ModelLoadError(f"GGUF file {where!r} is corrupt: {exc!r}") from exc
-        self._bytes = np.frombuffer(buf, dtype=np.uint8)
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> GGUFFile:
@@ -271,7 +272,7 @@ class GGUFFile:
     # -- tensor data ----------------------------------------------------------------
 
     def _tensor(self, name: str) -> GGUFTensor:
-        if self._bytes is None:
+        if self._map is None:
             raise ValueError(f"GGUF file {str(self.path)!r} is closed")
         try:
             return self.tensors[name]
@@ -286,7 +287,11 @@ class GGUFFile:
         Raises ``ModelLoadError`` for an unknown name.
         """
         t = self._tensor(name)
-        assert self._bytes is not None
+        if self._bytes is None:  # the first tensor read: the map as numpy's bytes
+            import numpy as np
+
+            assert self._map is not None
+            self._bytes = np.frombuffer(self._map, dtype=np.uint8)
         return self._bytes[t.offset : t.offset + t.nbytes]
 
     def dequantize(self, name: str) -> npt.NDArray[np.float32]:

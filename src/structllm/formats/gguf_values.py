@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import numpy as np
 
 from structllm.errors import ModelLoadError
 
@@ -174,11 +173,19 @@ class Parser:
                 self.skip_array(f"{what}[{i}]", depth + 1)
         return count
 
-    def array(self, what: str, depth: int) -> Any:
+    def array(self, what: str, depth: int, *, lists: bool = False) -> Any:
+        """The array at the cursor: numbers as a numpy array, or with
+        ``lists`` as a list of Python numbers (read without numpy)."""
         kind, count = self.array_head(what, depth)
         if kind in _SCALAR and kind is not _V.BOOL:
-            _, dtype = _SCALAR[kind]
+            fmt, dtype = _SCALAR[kind]
             n = count * _MIN_SIZE[kind]
+            if lists:
+                numbers = struct.unpack_from(f"<{count}{fmt[1:]}", self.buf, self.pos)
+                self.pos += n
+                return list(numbers)
+            import numpy as np
+
             values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
             self.pos += n
             return values.astype(dtype[1:])  # native order, owns its memory
@@ -188,7 +195,9 @@ class Parser:
             return [b != 0 for b in raw]
         if kind is _V.STRING:
             return self.strings(count, what)
-        return [self.array(f"{what}[{i}]", depth + 1) for i in range(count)]
+        return [
+            self.array(f"{what}[{i}]", depth + 1, lists=lists) for i in range(count)
+        ]
 
     def strings(self, count: int, what: str) -> list[str]:
         # the hot loop of a tokenizer's 50-150k tokens: locals only
@@ -281,11 +290,20 @@ class GGUFMetadata(Mapping[str, Any]):
         _release_pages(buf, self._end)
 
     def __getitem__(self, key: str) -> Any:
+        return self._lookup(key, lists=False)
+
+    def as_list(self, key: str) -> Any:
+        """``self.get(key)``, but an array of numbers as a list of Python
+        numbers, read without numpy (a tokenizer's token types and scores,
+        which the server's front end reads)."""
+        return self._lookup(key, lists=True) if key in self._values else None
+
+    def _lookup(self, key: str, *, lists: bool) -> Any:
         value = self._values[key]
         if type(value) is not Deferred:
             return value
         if not self._map.closed:
-            return self._read(self._map, key, value)
+            return self._read(self._map, key, value, lists)
         where = str(self._path)
         try:
             with open(self._path, "rb") as f:
@@ -301,12 +319,12 @@ class GGUFMetadata(Mapping[str, Any]):
                 f"cannot reopen GGUF file {where!r} to read {key!r}: {exc}"
             ) from exc
         with buf:
-            return self._read(buf, key, value)
+            return self._read(buf, key, value, lists)
 
-    def _read(self, buf: mmap.mmap, key: str, value: Deferred) -> Any:
+    def _read(self, buf: mmap.mmap, key: str, value: Deferred, lists: bool) -> Any:
         p = Parser(buf, self._size, self._path, value.offset)
         try:
-            return p.array(f"metadata value {key!r}", 0)
+            return p.array(f"metadata value {key!r}", 0, lists=lists)
         except ModelLoadError:
             raise
         except (struct.error, ValueError, OverflowError, IndexError) as exc:

@@ -57,6 +57,7 @@ import numpy as np
 import numpy.typing as npt
 
 from structllm.model.logits import process_logits
+from structllm.model.logprobs import TokenLogprobs
 from structllm.params import SamplingParams
 from structllm.structured.bitmask import apply_bitmask
 
@@ -107,18 +108,6 @@ class SamplingRow:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     eos_token_ids: frozenset[int] = frozenset()
-
-
-@attrs.frozen
-class TokenLogprobs:
-    """Logprobs of one sampled token, from the raw model distribution."""
-
-    sampled_logprob: float
-    #: 1 + the number of tokens with a strictly greater logprob
-    sampled_rank: int
-    #: the ``params.logprobs`` most likely tokens, most likely first
-    top_ids: tuple[int, ...]
-    top_logprobs: tuple[float, ...]
 
 
 @attrs.frozen

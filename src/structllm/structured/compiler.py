@@ -44,12 +44,13 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from structllm.errors import InvalidRequestError
-from structllm.structured.matcher import GrammarMatcher
 from structllm.structured.spec import StructuredOutputKind, StructuredOutputs
 from structllm.structured.vocabulary import GrammarVocabulary
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
+
+    from structllm.structured.matcher import GrammarMatcher
 
 __all__ = [
     "CompiledGrammar",
@@ -101,6 +102,9 @@ class CompiledGrammar:
 
     def matcher(self) -> GrammarMatcher:
         """A fresh matcher at the start of the grammar (one per request)."""
+        # the core's (numpy's bitmasks): the front end only validates specs
+        from structllm.structured.matcher import GrammarMatcher
+
         with self._lock:  # deep_copy takes the prototype by &self; keep it simple
             clone = self._prototype.deep_copy()
         return GrammarMatcher(clone, self.vocabulary)

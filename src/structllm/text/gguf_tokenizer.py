@@ -139,7 +139,9 @@ class _Reader:
         return value
 
     def array(self, key: str, *, required: bool = False) -> list[Any] | None:
-        value = self.metadata.get(key)
+        # a GGUF file's numbers as lists: the server reads them without numpy
+        as_list = getattr(self.metadata, "as_list", None)
+        value = self.metadata.get(key) if as_list is None else as_list(key)
         if value is None:
             if required:
                 raise self.error(key, "is missing")

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import functools
 import os
 import select
 import signal
@@ -37,9 +35,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from structllm.engine.child import (
+    TRIM_AFTER_TOKENS,
     exit_with_parent,
     inject_fault,
     peak_rss_bytes,
+    release_kept_memory,
     release_library_pages,
 )
 from structllm.engine.core_process.pulse import Pulse
@@ -379,45 +379,6 @@ def _add(core: EngineCore, request: CoreRequest, send: Send) -> None:
         send(AddFailed(request.request_id, str(exc), exc.field))
     except Exception as exc:  # one bad request never stops the core
         send(AddFailed(request.request_id, f"{type(exc).__name__}: {exc}"))
-
-
-#: a step that ran at least this many tokens beyond one a sequence (prompt
-#: chunks, drafts to verify) gives malloc's kept memory back once its output
-#: is sent (:func:`release_kept_memory`). Its temporaries, freed into
-#: malloc's heaps, stayed resident beside the KV cache and were most of the
-#: core's peak above it: 16 clients on SmolLM2 Q4_1 peaked at 560-636 MiB,
-#: 544-556 trimming after such steps, at the same speed (docs/benchmarks.md).
-#: A decode step (one token a sequence, any batch) never trims, nor does
-#: speculation at 16 sequences of 4 drafts; a trim costs 0.5-3 ms.
-TRIM_AFTER_TOKENS = 128
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``; None under another C library."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except AttributeError:  # pragma: no cover - not glibc
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
-
-
-def release_kept_memory() -> None:
-    """Give the memory malloc holds freed back to the system.
-
-    A burst's temporaries (a prefill's activations and gathers, Paddle's
-    and numpy's) are freed into malloc's heaps, where they stay resident
-    until reused: 70 MiB after 16 prompts of 256 tokens on SmolLM2-135M
-    (docs/benchmarks.md). The loop calls this after a step of many tokens
-    (:data:`TRIM_AFTER_TOKENS`: the next such step faults back the pages
-    it needs, not the heap's whole high-water mark) and once per idle
-    spell, a heartbeat interval after its last step: a server that goes
-    quiet shrinks.
-    """
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def _heartbeat(core: EngineCore, *, memory: bool = True) -> Heartbeat:

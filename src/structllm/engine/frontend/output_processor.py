@@ -13,20 +13,23 @@ processor delivers into, so the router never blocks on a slow consumer.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.lowlevel
 import attrs
-import numpy as np
-import numpy.typing as npt
 
-from structllm.core.engine_core import RequestStepOutput
+from structllm.core.request import RequestStepOutput
 from structllm.errors import RequestFailedError
-from structllm.model.sampler import TokenLogprobs
+from structllm.model.logprobs import TokenLogprobs
 from structllm.outputs import CompletionOutput, FinishReason, Logprob, RequestOutput
 from structllm.params import OutputKind, SamplingParams
 from structllm.text.detokenizer import IncrementalDetokenizer
 from structllm.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 __all__ = [
     "OutputProcessor",
@@ -164,6 +167,8 @@ class RequestState:
         if step.num_cached_tokens is not None:
             self.num_cached_tokens = step.num_cached_tokens
         if step.embedding is not None:
+            import numpy as np  # embeddings only: a server that generates never loads it
+
             self.embedding = np.frombuffer(step.embedding, dtype="<f4")
         if step.prompt_logprobs is not None:
             self.prompt_logprobs = tuple(

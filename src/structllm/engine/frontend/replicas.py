@@ -39,8 +39,7 @@ import attrs
 
 from structllm.config import EngineConfig, FrontendConfig
 from structllm.core.block_pool import BlockHash
-from structllm.core.engine_core import StepOutput
-from structllm.core.request import CoreRequest
+from structllm.core.request import CoreRequest, StepOutput
 from structllm.engine.frontend.core_client import CoreClient
 from structllm.engine.frontend.core_connection import encode_request
 from structllm.engine.frontend.output_processor import OutputProcessor

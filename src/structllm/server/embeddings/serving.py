@@ -17,12 +17,10 @@ from __future__ import annotations
 import base64
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import attrs
-import numpy as np
-import numpy.typing as npt
 from fastapi.responses import Response
 
 from structllm.engine.frontend.async_llm import AsyncLLM
@@ -48,6 +46,10 @@ from structllm.server.http.sse import deadline
 from structllm.server.metrics import Metrics
 from structllm.server.protocol import bodies
 from structllm.server.serving import Serving
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 __all__ = [
     "EmbeddingServing",

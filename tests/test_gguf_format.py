@@ -304,6 +304,12 @@ def test_metadata_of_every_type(tmp_path: Path) -> None:
             assert isinstance(md[key], np.ndarray) and md[key].dtype == dtype, key
             assert md[key].dtype.isnative and md[key].flags.writeable
             assert md[key].tolist() == values
+            # the same numbers read without numpy, Python's own
+            as_list = md.as_list(key)
+            assert as_list == values and type(as_list) is list, key
+            assert all(
+                type(v) is type(w) for v, w in zip(as_list, values, strict=True)
+            ), key
         assert md["a.bool"] == [True, False, True]
         assert md["a.str"] == ["a", "", "ü"] and md["a.empty_str"] == []
         nested = md["a.nested"]
@@ -312,6 +318,8 @@ def test_metadata_of_every_type(tmp_path: Path) -> None:
             and nested[1] == ["x"]
             and nested[2] == [[False]]
         )
+        assert md.as_list("a.nested") == [[1, 2], ["x"], [[False]]]
+        assert md.as_list("a.str") == ["a", "", "ü"] and md.as_list("nope") is None
         assert f.value_types["a.nested"] is GGUFValueType.ARRAY
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +123,30 @@ def test_numpy_arrays_are_read_like_lists() -> None:
         b = tokenizer_from_gguf(as_arrays, source=path)
         assert a.encode(text) == b.encode(text)
         assert a.vocab_size == b.vocab_size == len(as_lists["tokenizer.ggml.tokens"])
+
+
+@pytest.mark.parametrize("name", ["bpe", "spm"])
+def test_a_gguf_files_tokenizer_builds_without_numpy(name: str) -> None:
+    """As the server's process reads it, with no numpy: the file's numbers
+    (token types, scores) come as lists (``GGUFMetadata.as_list``), and the
+    tokenizer encodes as the one built from numpy arrays."""
+    path = DATA / "gguf_tokenizer" / f"{name}.gguf"
+    text = "Hello world, it's 2026! \u00fc <s> tabs\tand  spaces"
+    code = f"""
+import sys
+sys.modules["numpy"] = None  # an import of it fails
+from structllm.formats import GGUFFile
+from structllm.text.gguf_tokenizer import tokenizer_from_gguf
+with GGUFFile.open({str(path)!r}) as f:
+    tok = tokenizer_from_gguf(f.metadata, source="x")
+print(tok.encode({text!r}))
+"""
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    tok = tokenizer_from_gguf(read_metadata(path, as_numpy=True), source="x")
+    assert json.loads(run.stdout) == tok.encode(text)
 
 
 def test_special_tokens_of_the_bpe_file() -> None:

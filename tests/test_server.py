@@ -468,9 +468,11 @@ def test_graceful_shutdown_exits_zero() -> None:
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 200
         # the model runs in the engine process: the server never loads Paddle
-        # (or numba), which would cost it ~300 MiB of resident memory
+        # (or numba), which would cost it ~300 MiB of resident memory, nor
+        # numpy (16 MiB)
         maps = Path(f"/proc/{proc.pid}/maps").read_text()
         assert "paddle" not in maps and "numba" not in maps
+        assert "_multiarray_umath" not in maps
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
 

@@ -24,6 +24,7 @@ import pytest
 from structllm.config import EngineConfig
 from structllm.core.engine_core import EngineCore
 from structllm.core.request import CoreRequest, Request, StepOutput
+from structllm.engine.child import TRIM_AFTER_TOKENS, trims_after
 from structllm.engine.core_process import loop
 from structllm.engine.protocol import Heartbeat, Message, Ready
 from structllm.structured import compiler as compiler_module
@@ -195,7 +196,7 @@ def test_a_step_of_many_prompt_tokens_gives_mallocs_kept_memory_back(
     interval is too long for an idle spell's release to come)."""
     calls: list[int] = []
     monkeypatch.setattr(loop, "release_kept_memory", lambda: calls.append(1))
-    long = tuple(range(3, 3 + loop.TRIM_AFTER_TOKENS + 1))
+    long = tuple(range(3, 3 + TRIM_AFTER_TOKENS + 1))
     with core_loop(CONFIG_LONG, heartbeat_interval=3600) as (peer, _):
         peer.until(lambda m: isinstance(m, Ready))
         peer.send(CoreRequest(request_id="a", prompt_token_ids=(1, 2), params=GREEDY))
@@ -206,6 +207,15 @@ def test_a_step_of_many_prompt_tokens_gives_mallocs_kept_memory_back(
         assert calls == [1]  # the prompt's step; not its 3 decode steps
         steps = [m for m in got if isinstance(m, StepOutput)]
         assert [m.num_batched_tokens for m in steps] == [len(long), 1, 1, 1]
+
+
+def test_which_steps_give_mallocs_kept_memory_back() -> None:
+    """The same rule on rank 0 and a tensor-parallel follower: tokens beyond
+    one a sequence (prompt chunks, drafts), never a decode step's batch."""
+    assert not trims_after(64, 64)  # a decode step of 64 sequences
+    assert not trims_after(16 * 5, 16)  # 16 sequences verifying 4 drafts each
+    assert trims_after(15 + TRIM_AFTER_TOKENS + 1, 16)  # 15 decodes and a prompt
+    assert not trims_after(TRIM_AFTER_TOKENS, 1)  # a prompt one token short
 
 
 def test_releasing_kept_memory_shrinks_the_heap() -> None:

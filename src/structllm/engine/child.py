@@ -32,6 +32,7 @@ __all__ = [
     "peak_rss_bytes",
     "release_kept_memory",
     "release_library_pages",
+    "trims_after",
 ]
 
 
@@ -129,6 +130,12 @@ def release_library_pages() -> int:
 #: A decode step (one token a sequence, any batch) never trims, nor does
 #: speculation at 16 sequences of 4 drafts; a trim costs 0.5-3 ms.
 TRIM_AFTER_TOKENS = 128
+
+
+def trims_after(num_tokens: int, num_seqs: int) -> bool:
+    """Whether a step of ``num_tokens`` over ``num_seqs`` sequences gives
+    malloc's kept memory back after it (:data:`TRIM_AFTER_TOKENS`)."""
+    return num_tokens - num_seqs >= TRIM_AFTER_TOKENS
 
 
 @functools.cache

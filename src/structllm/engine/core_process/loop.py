@@ -35,12 +35,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from structllm.engine.child import (
-    TRIM_AFTER_TOKENS,
     exit_with_parent,
     inject_fault,
     peak_rss_bytes,
     release_kept_memory,
     release_library_pages,
+    trims_after,
 )
 from structllm.engine.core_process.pulse import Pulse
 from structllm.engine.protocol import (
@@ -361,7 +361,7 @@ def _loop(
         last_sent = time.monotonic()
         send(out)
         # a large step's temporaries went back to malloc, which keeps them
-        trimmed = out.num_batched_tokens - out.num_seqs >= TRIM_AFTER_TOKENS
+        trimmed = trims_after(out.num_batched_tokens, out.num_seqs)
         if trimmed:
             release_kept_memory()
         if not core.has_unfinished_requests():

@@ -246,7 +246,12 @@ def _run_steps(
     until no message is left."""
     from structllm.core.engine_setup import load_engine_model
     from structllm.core.runner import run_forward
-    from structllm.engine.child import inject_fault, release_library_pages
+    from structllm.engine.child import (
+        inject_fault,
+        release_kept_memory,
+        release_library_pages,
+        trims_after,
+    )
     from structllm.model._paddle import (
         paddle,
         set_num_threads,
@@ -281,6 +286,9 @@ def _run_steps(
                     inject_fault(fault_kind, steps)
                 run_forward(model, kv_caches, msg.input)
             steps += 1
+            # as rank 0 does after the same step (int64 token ids)
+            if trims_after(len(msg.input.token_ids) // 8, len(msg.input.seqs)):
+                release_kept_memory()
     return 0
 
 

@@ -441,20 +441,23 @@ async def test_launched_structllm_serves_random_adapters(tmp_path: Path) -> None
     assert only.result.config.model == "tiny"  # the base: first of /v1/models
 
 
-def test_sigterm_stops_the_benchmark_and_its_launched_server() -> None:
+@pytest.mark.parametrize("keep_up", [False, True])
+def test_sigterm_stops_the_benchmark_and_its_launched_server(keep_up: bool) -> None:
     """A launched server runs in a session of its own, out of reach of the
     signals a CI runner or a closed terminal sends the benchmark: SIGTERM
-    must still stop it."""
+    must still stop it, also one kept up for every round (``--keep-up``)."""
     serve = f"{sys.executable} -m structllm.cli serve tiny --port {{port}}"
     cmd = [sys.executable, "-m", "structllm.cli", "bench", "serve"]
     cmd += ["--launch", f"s={serve} --max-model-len 256", "--num-prompts", "5000"]
     cmd += ["--max-concurrency", "1", "--output-len", "100", "128"]
+    cmd += ["--keep-up"] if keep_up else []
     bench = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
     try:
         assert bench.stderr is not None
-        assert "round 1/1" in bench.stderr.readline() + bench.stderr.readline()
+        first = bench.stderr.readline() + bench.stderr.readline()
+        assert ("starting s" if keep_up else "round 1/1") in first
         deadline = time.monotonic() + 60
         while len(process_tree(bench.pid)) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)  # the server and its engine core start

@@ -237,13 +237,7 @@ _CHUNK_VALUES = 1 << 16
 def dequantize(
     raw: npt.NDArray[np.uint8], type: GGMLType | int, shape: Sequence[int]
 ) -> npt.NDArray[np.float32]:
-    """A tensor's values as a new, writable float32 array of numpy ``shape``.
-
-    ``raw`` holds exactly the tensor's bytes (any contiguous array; it is read
-    as bytes). Raises ``ModelLoadError`` for a type without a dequantizer and
-    ``ValueError`` when ``raw`` does not hold ``shape``'s bytes.
-    NaN and infinite scales give NaN and infinite values, silently.
-    """
+    """:func:`structllm.formats.quants.dequantize`, which calls this."""
     kind = GGMLType(type)
     shape = tuple(int(d) for d in shape)
     fn = _DEQUANT.get(kind)

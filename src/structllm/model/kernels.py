@@ -38,7 +38,6 @@ from __future__ import annotations
 import ctypes
 import importlib
 import importlib.util
-import operator
 import os
 import sys
 import threading
@@ -46,6 +45,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from structllm.model import vectors
 
 __all__ = [
     "add_rms_norm",
@@ -62,11 +63,8 @@ __all__ = [
     "write_kv",
 ]
 
-numba: Any
-try:
-    numba = importlib.import_module("numba")
-except ImportError:  # pragma: no cover - numba comes with the cpu extra
-    numba = None
+#: numba, or None where it is not installed
+numba: Any = vectors.numba
 
 
 def _share_paddles_openmp() -> bool:
@@ -281,198 +279,19 @@ if numba is not None:  # the compiled kernels call _load/_store as these
     numba.extending.overload(_store, jit_options={"fastmath": True})(_store_overload)
 
 
-def _prefetch(cache: np.ndarray, index: int) -> None:  # pragma: no cover
-    """Ask the CPU to bring ``cache.flat[index]``'s line into its caches
-    (LLVM's prefetch; compiled code only, a no-op in Python)."""
-
-
-def _prefetch_intrinsic(typingctx: Any, cache: Any, index: Any) -> Any:
-    ir = importlib.import_module("llvmlite.ir")
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        byte_ptr = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fn = numba.core.cgutils.get_or_insert_function(
-            builder.module,
-            ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32]),
-            "llvm.prefetch.p0i8",
-        )
-        address = builder.bitcast(builder.gep(array.data, [args[1]]), byte_ptr)
-        # read, keep in every cache level, data
-        builder.call(fn, [address, i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-
-    return numba.types.void(cache, index), codegen
-
-
-if numba is not None:
-    _prefetch = numba.extending.intrinsic(_prefetch_intrinsic)
-
-# -- 16-lane vectors for the prefill kernel ------------------------------------
-#
 # The prefill kernel holds a tile's running sums in registers across the
-# keys (or the head): LLVM's loop vectoriser cannot be led there from numba
-# (an accumulator array stays in memory, each update a load and a store), so
-# the kernel spells its vectors out, as ``quant_kernels`` does for its GEMVs
-# (which this module cannot import: it imports this one): a numba type whose
-# value is an LLVM ``<16 x float>``, loads, stores and splats as intrinsics,
-# ``+`` and ``*`` through the Python operators (fast-math: a multiply-add
-# contracts to an FMA). LLVM lowers them to what the host has (two ymm on
-# AVX2, one zmm on AVX-512).
+# keys (or the head), in the 16-lane vectors of ``vectors`` (one type for
+# every kernel module; see there why the kernels spell them out).
 
 #: lanes of a vector
-_LANES = 16
-
-
-def _vzero() -> Any:  # pragma: no cover - compiled
-    """A vector of zeros."""
-
-
-def _vsplat(value: Any) -> Any:  # pragma: no cover - compiled
-    """A vector of ``value`` (a float)."""
-
-
-def _vload(a: np.ndarray, index: int) -> Any:  # pragma: no cover - compiled
-    """The 16 float32 ``a.flat[index:index + 16]`` (C-contiguous ``a``)."""
-
-
-def _vstore(a: np.ndarray, index: int, v: Any) -> None:  # pragma: no cover
-    """Write ``v`` to the float32 ``a.flat[index:index + 16]``."""
-
-
-def _vcache(a: np.ndarray, index: int) -> Any:  # pragma: no cover - compiled
-    """The 16 cache elements ``a.flat[index:index + 16]`` as float32 (a
-    16-bit cache's bits widened, as :func:`_load` widens one)."""
-
-
-def _vsum(v: Any) -> Any:  # pragma: no cover - compiled
-    """The sum of a vector's lanes (halves folded onto each other)."""
-
-
-def _define_vectors() -> None:
-    """Register the vector type, its intrinsics and operators with numba."""
-    ir = importlib.import_module("llvmlite.ir")
-    extending = numba.extending
-    f32, i32 = ir.FloatType(), ir.IntType(32)
-    vty = ir.VectorType(f32, _LANES)
-    # a class of this module by its name (numba's cache pickles types by
-    # reference); built with type(): numba's classes are untyped to mypy
-    name = "AttentionVector16"
-    kind = type(name, (numba.types.Type,), {"__module__": __name__})
-    kind.__qualname__ = name
-    globals()[name] = kind
-    vector = kind(name=name)
-
-    def init(self: Any, dmm: Any, fe_type: Any) -> None:
-        extending.models.PrimitiveModel.__init__(self, dmm, fe_type, vty)
-
-    model = type(name + "Model", (extending.models.PrimitiveModel,), {"__init__": init})
-    extending.register_model(kind)(model)
-
-    def pointer(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        array = context.make_array(sig.args[0])(context, builder, args[0])
-        address = builder.gep(array.data, [args[1]])
-        return builder.bitcast(address, vty.as_pointer())
-
-    def zero_typer(typingctx: Any) -> Any:
-        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            return ir.Constant(vty, [0.0] * _LANES)
-
-        return vector(), codegen
-
-    def splat_typer(typingctx: Any, value: Any) -> Any:
-        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            x = context.cast(builder, args[0], sig.args[0], numba.types.float32)
-            undef = ir.Constant(vty, ir.Undefined)
-            one = builder.insert_element(undef, x, ir.Constant(i32, 0))
-            zeros = ir.Constant(ir.VectorType(i32, _LANES), [0] * _LANES)
-            return builder.shuffle_vector(one, undef, zeros)
-
-        return vector(value), codegen
-
-    def load_typer(typingctx: Any, a: Any, index: Any) -> Any:
-        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            return builder.load(pointer(context, builder, sig, args), align=4)
-
-        return vector(a, index), codegen
-
-    def store_typer(typingctx: Any, a: Any, index: Any, v: Any) -> Any:
-        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            builder.store(args[2], pointer(context, builder, sig, args), align=4)
-            return context.get_dummy_value()
-
-        return numba.types.none(a, index, v), codegen
-
-    def cache_typer(typingctx: Any, a: Any, index: Any) -> Any:
-        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            if a.dtype not in (numba.types.uint16, numba.types.int16):
-                return builder.load(pointer(context, builder, sig, args), align=4)
-            array = context.make_array(sig.args[0])(context, builder, args[0])
-            address = builder.gep(array.data, [args[1]])
-            i16s = ir.VectorType(ir.IntType(16), _LANES)
-            bits = builder.load(builder.bitcast(address, i16s.as_pointer()), align=2)
-            if a.dtype == numba.types.int16:  # float16: vcvtph2ps
-                halves = builder.bitcast(bits, ir.VectorType(ir.HalfType(), _LANES))
-                return builder.fpext(halves, vty)
-            i32s = ir.VectorType(i32, _LANES)
-            wide = builder.shl(
-                builder.zext(bits, i32s), ir.Constant(i32s, [16] * _LANES)
-            )
-            return builder.bitcast(wide, vty)
-
-        return vector(a, index), codegen
-
-    def sum_typer(typingctx: Any, v: Any) -> Any:
-        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            v = args[0]
-            width = _LANES // 2
-            while width:  # log2(16) shuffles and adds
-                mask = [i + width if i < width else i for i in range(_LANES)]
-                high = builder.shuffle_vector(
-                    v, v, ir.Constant(ir.VectorType(i32, _LANES), mask)
-                )
-                v = builder.fadd(v, high, flags=("fast",))
-                width //= 2
-            return builder.extract_element(v, ir.Constant(i32, 0))
-
-        return numba.types.float32(v), codegen
-
-    g = globals()
-    g["_vcache"] = extending.intrinsic(cache_typer)
-    g["_vsum"] = extending.intrinsic(sum_typer)
-    g["_vzero"] = extending.intrinsic(zero_typer)
-    g["_vsplat"] = extending.intrinsic(splat_typer)
-    g["_vload"] = extending.intrinsic(load_typer)
-    g["_vstore"] = extending.intrinsic(store_typer)
-
-    def binary(op: Any, instruction: str) -> None:
-        def typer(typingctx: Any, a: Any, b: Any) -> Any:
-            def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-                return getattr(builder, instruction)(*args, flags=("fast",))
-
-            return vector(a, b), codegen
-
-        implement = extending.intrinsic(typer)
-
-        def overload(a: Any, b: Any) -> Any:
-            if a is not vector or b is not vector:
-                return None
-
-            def apply(a: Any, b: Any) -> Any:  # the typing's argument names
-                return implement(a, b)
-
-            return apply
-
-        extending.overload(op)(overload)
-
-    binary(operator.add, "fadd")
-    binary(operator.iadd, "fadd")
-    binary(operator.mul, "fmul")
-
-
-if numba is not None:
-    _define_vectors()
+_LANES = vectors.LANES
+_vzero = vectors.vzero
+_vsplat = vectors.vsplat
+_vload = vectors.vfloats
+_vstore = vectors.vstore
+_vcache = vectors.vwiden
+_vsum = vectors.vsum
+_prefetch = vectors.prefetch
 
 
 #: blocks of keys and values requested ahead of the one being read: a

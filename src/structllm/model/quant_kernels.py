@@ -136,7 +136,7 @@ from typing import Any
 import numpy as np
 
 from structllm.formats.quants import GGMLType
-from structllm.model import kernels
+from structllm.model import kernels, vectors
 
 __all__ = [
     "MATMUL_TYPES",
@@ -252,49 +252,25 @@ if numba is not None:
 
 # -- 16-lane vectors for the batch-1 kernels ----------------------------------
 #
-# The GEMV kernels hold their running sums in registers across a whole row.
-# LLVM's loop vectoriser cannot be led to that from numba (an accumulator
-# array stays in memory, each block's update waiting on the last one's store,
-# and 32 scalar sums defeat the SLP vectoriser), so the kernels spell their
-# vectors out: a numba type whose value is an LLVM ``<16 x float>`` (or ``<16
-# x i32>``), loads and splats as intrinsics, arithmetic through the Python
-# operators. LLVM lowers them to what the host has (two ymm on AVX2, one zmm
-# on AVX-512).
+# The GEMV kernels hold their running sums in registers across a whole row,
+# in the float and int32 vectors of ``vectors`` (one type for every kernel
+# module; see there why the kernels spell their vectors out). What only
+# these kernels need is added here: a Q5 block's fifth bits, the panels'
+# 16 x 16 transposes, and (below) the byte vectors of q8 activations.
 
 #: lanes of a vector
-_VLANES = 16
-
-
-def _vzero() -> Any:  # pragma: no cover - compiled
-    """A float vector of zeros."""
-
-
-def _vsplat(value: Any) -> Any:  # pragma: no cover - compiled
-    """A float (from a float) or int32 (from an integer) vector of ``value``."""
-
-
-def _vfloats(a: np.ndarray, index: int) -> Any:  # pragma: no cover - compiled
-    """The 16 float32 ``a[index:index + 16]``."""
-
-
-def _vbytes(row: np.ndarray, index: int) -> Any:  # pragma: no cover - compiled
-    """The 16 bytes ``row[index:index + 16]`` as int32 (zero-extended)."""
-
-
-def _vint8s(row: np.ndarray, index: int) -> Any:  # pragma: no cover - compiled
-    """The 16 bytes ``row[index:index + 16]`` as int32 (sign-extended)."""
-
-
-def _vhalves(row: np.ndarray, index: int) -> Any:  # pragma: no cover - compiled
-    """The 16 IEEE halves at bytes ``row[index:index + 32]`` as float32."""
-
-
-def _vbf16s(row: np.ndarray, index: int) -> Any:  # pragma: no cover - compiled
-    """The 16 bfloat16 at bytes ``row[index:index + 32]`` as float32."""
-
-
-def _vfloat(v: Any) -> Any:  # pragma: no cover - compiled
-    """An int32 vector as float32."""
+_VLANES = vectors.LANES
+_vzero = vectors.vzero
+_vsplat = vectors.vsplat
+_vfloats = vectors.vfloats
+_vbytes = vectors.vbytes
+_vint8s = vectors.vint8s
+_vhalves = vectors.vhalves
+_vbf16s = vectors.vbf16s
+_vfloat = vectors.vfloat
+_vsum = vectors.vsum
+_vstore = vectors.vstore
+_prefetch = vectors.prefetch
 
 
 def _vaddbits(
@@ -307,15 +283,6 @@ def _vaddbits(
     shifting each lane's bit out took four operations."""
 
 
-def _vsum(v: Any) -> float:  # pragma: no cover - compiled
-    """The sum of a float vector's lanes."""
-    return 0.0
-
-
-def _vstore(a: np.ndarray, index: int, v: Any) -> None:  # pragma: no cover
-    """Write a float vector to the float32 ``a[index:index + 16]``."""
-
-
 def _vtranspose16(
     src: np.ndarray, at: int, stride: int, dst: np.ndarray, to: int, step: int
 ) -> None:  # pragma: no cover - compiled
@@ -326,134 +293,14 @@ def _vtranspose16(
     stores."""
 
 
-def _prefetch(w: np.ndarray, index: int) -> None:  # pragma: no cover - compiled
-    """Ask for the cache line of byte ``index`` of ``w``'s data (flat, past
-    its end allowed: a prefetch never faults) ahead of its use."""
-
-
-def _module_class(name: str, base: Any) -> Any:
-    """A class of this module by that name: pickled by reference (numba's
-    cache pickles the vector types of a kernel's signature; a class pickled
-    by value comes back as another type, one numba has no model for)."""
-    kind = type(name, (base,), {"__module__": __name__, "__qualname__": name})
-    globals()[name] = kind
-    return kind
-
-
-def _define_vectors() -> tuple[Any, Any]:
-    """Register the vector types, intrinsics and operators with numba."""
+def _define_vectors() -> None:
+    """Register the fifth bits' and the transposes' intrinsics with numba."""
     ir = importlib.import_module("llvmlite.ir")
     types = numba.types
     extending = numba.extending
-    i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
+    i16, i32, f32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
     vf32, vi32 = ir.VectorType(f32, _VLANES), ir.VectorType(i32, _VLANES)
-    fast = ("fast",)
-
-    # numba types whose values are LLVM vectors (classes built with type():
-    # numba's are untyped to mypy)
-    vectors = []
-    for name, vty in (("FloatVector16", vf32), ("IntVector16", vi32)):
-
-        def init(self: Any, dmm: Any, fe_type: Any, vty: Any = vty) -> None:
-            extending.models.PrimitiveModel.__init__(self, dmm, fe_type, vty)
-
-        kind = _module_class(name, types.Type)
-        base = extending.models.PrimitiveModel
-        model = type(name + "Model", (base,), {"__init__": init})
-        extending.register_model(kind)(model)
-        vectors.append(kind(name=name))
-    fvec, ivec = vectors
-
-    def pointer(context: Any, builder: Any, sig: Any, args: Any, elem: Any) -> Any:
-        array = context.make_array(sig.args[0])(context, builder, args[0])
-        address = builder.gep(array.data, [args[1]])
-        return builder.bitcast(address, ir.VectorType(elem, _VLANES).as_pointer())
-
-    def splat(builder: Any, value: Any, vty: Any) -> Any:
-        undef = ir.Constant(vty, ir.Undefined)
-        one = builder.insert_element(undef, value, ir.Constant(i32, 0))
-        zeros = ir.Constant(ir.VectorType(i32, _VLANES), [0] * _VLANES)
-        return builder.shuffle_vector(one, undef, zeros)
-
-    def intrinsic(result: Any, codegen: Any, arity: int) -> Any:
-        # numba reads a typer's parameters: no *args
-        def none(typingctx: Any) -> Any:
-            return result(), codegen
-
-        def one(typingctx: Any, a: Any) -> Any:
-            return result(a), codegen
-
-        def two(typingctx: Any, a: Any, b: Any) -> Any:
-            return result(a, b), codegen
-
-        return extending.intrinsic((none, one, two)[arity])
-
-    def zero(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return ir.Constant(vf32, [0.0] * _VLANES)
-
-    def floats(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.load(pointer(context, builder, sig, args, f32), align=4)
-
-    def bytes_(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.zext(
-            builder.load(pointer(context, builder, sig, args, i8), align=1), vi32
-        )
-
-    def int8s(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.sext(
-            builder.load(pointer(context, builder, sig, args, i8), align=1), vi32
-        )
-
-    def halves(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        bits = builder.load(pointer(context, builder, sig, args, i16), align=1)
-        half = builder.bitcast(bits, ir.VectorType(ir.HalfType(), _VLANES))
-        return builder.fpext(half, vf32)
-
-    def bf16s(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        bits = builder.load(pointer(context, builder, sig, args, i16), align=1)
-        wide = builder.shl(
-            builder.zext(bits, vi32), splat(builder, ir.Constant(i32, 16), vi32)
-        )
-        return builder.bitcast(wide, vf32)
-
-    def to_float(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.sitofp(args[0], vf32)
-
-    def total(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        v = args[0]
-        width = _VLANES // 2
-        while width:  # halves folded onto each other: log2(16) adds
-            mask = [i + width if i < width else i for i in range(_VLANES)]
-            high = builder.shuffle_vector(
-                v, v, ir.Constant(ir.VectorType(i32, _VLANES), mask)
-            )
-            v = builder.fadd(v, high, flags=fast)
-            width //= 2
-        return builder.extract_element(v, ir.Constant(i32, 0))
-
-    def splat_typer(typingctx: Any, value: Any) -> Any:
-        if isinstance(value, types.Float):
-            target, vty, result = types.float32, vf32, fvec
-        elif isinstance(value, types.Integer):
-            target, vty, result = types.int32, vi32, ivec
-        else:
-            return None
-
-        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            cast = context.cast(builder, args[0], sig.args[0], target)
-            return splat(builder, cast, vty)
-
-        return result(value), codegen
-
-    g = globals()
-    g["_vzero"] = intrinsic(fvec, zero, 0)
-    g["_vsplat"] = extending.intrinsic(splat_typer)
-    g["_vfloats"] = intrinsic(fvec, floats, 2)
-    g["_vbytes"] = intrinsic(ivec, bytes_, 2)
-    g["_vint8s"] = intrinsic(ivec, int8s, 2)
-    g["_vhalves"] = intrinsic(fvec, halves, 2)
-    g["_vbf16s"] = intrinsic(fvec, bf16s, 2)
-    g["_vfloat"] = intrinsic(fvec, to_float, 1)
+    fvec = vectors.FLOAT
 
     def add_bits(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         array = context.make_array(sig.args[1])(context, builder, args[1])
@@ -464,7 +311,10 @@ def _define_vectors() -> tuple[Any, Any]:
         sums = []
         for k in (3, 4):  # if set, if clear
             amount = context.cast(builder, args[k], sig.args[k], types.float32)
-            sums.append(builder.fadd(args[0], splat(builder, amount, vf32), flags=fast))
+            total = builder.fadd(
+                args[0], vectors.splat(builder, amount, vf32), flags=("fast",)
+            )
+            sums.append(total)
         return builder.select(mask, *sums)
 
     def add_bits_typer(
@@ -472,17 +322,8 @@ def _define_vectors() -> tuple[Any, Any]:
     ) -> Any:
         return fvec(v, row, index, if_set, if_clear), add_bits
 
+    g = globals()
     g["_vaddbits"] = extending.intrinsic(add_bits_typer)
-    g["_vsum"] = intrinsic(types.float32, total, 1)
-
-    def store(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        builder.store(args[2], pointer(context, builder, sig, args, f32), align=4)
-        return context.get_dummy_value()
-
-    def store_typer(typingctx: Any, a: Any, index: Any, v: Any) -> Any:
-        return types.none(a, index, v), store
-
-    g["_vstore"] = extending.intrinsic(store_typer)
 
     def transpose(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         src = context.make_array(sig.args[0])(context, builder, args[0])
@@ -516,56 +357,6 @@ def _define_vectors() -> tuple[Any, Any]:
         return types.none(src, at, stride, dst, to, step), transpose
 
     g["_vtranspose16"] = extending.intrinsic(transpose_typer)
-
-    def prefetch(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        array = context.make_array(sig.args[0])(context, builder, args[0])
-        i8p = i8.as_pointer()
-        address = builder.bitcast(builder.gep(array.data, [args[1]]), i8p)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        cgutils = importlib.import_module("numba.core.cgutils")
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
-        # a read, kept in every cache level, of data
-        builder.call(fn, [address, *(ir.Constant(i32, k) for k in (0, 3, 1))])
-        return context.get_dummy_value()
-
-    g["_prefetch"] = intrinsic(types.none, prefetch, 2)
-
-    def binary(op: Any, vtype: Any, instruction: str, flags: bool) -> None:
-        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            emit = getattr(builder, instruction)
-            return emit(*args, flags=fast) if flags else emit(*args)
-
-        implement = intrinsic(vtype, codegen, 2)
-
-        def overload(a: Any, b: Any) -> Any:
-            if a is not vtype or b is not vtype:
-                return None
-
-            def apply(a: Any, b: Any) -> Any:  # the typing's argument names
-                return implement(a, b)
-
-            return apply
-
-        extending.overload(op)(overload)
-
-    for op, instruction in [
-        (operator.add, "fadd"),
-        (operator.iadd, "fadd"),
-        (operator.sub, "fsub"),
-        (operator.mul, "fmul"),
-    ]:
-        binary(op, fvec, instruction, True)
-    for op, instruction in [
-        (operator.add, "add"),
-        (operator.sub, "sub"),
-        (operator.mul, "mul"),
-        (operator.and_, "and_"),
-        (operator.or_, "or_"),
-        (operator.rshift, "lshr"),
-        (operator.lshift, "shl"),
-    ]:
-        binary(op, ivec, instruction, False)
-    return fvec, ivec
 
 
 # -- 64 bytes at a time: the q8 activation kernels -----------------------------
@@ -727,7 +518,7 @@ def _define_byte_vectors(fvec: Any, ivec: Any) -> None:
     def init(self: Any, dmm: Any, fe_type: Any) -> None:
         extending.models.PrimitiveModel.__init__(self, dmm, fe_type, vb64)
 
-    kind = _module_class("ByteVector64", types.Type)
+    kind = vectors.module_class("ByteVector64", types.Type, __name__)
     base = extending.models.PrimitiveModel
     model = type("ByteVector64Model", (base,), {"__init__": init})
     extending.register_model(kind)(model)
@@ -1003,20 +794,7 @@ def _define_byte_vectors(fvec: Any, ivec: Any) -> None:
         v = context.cast(builder, args[0], sig.args[0], types.float32)
         return builder.fpext(builder.fptrunc(v, ir.HalfType()), f32)
 
-    def typed(result: Any, codegen: Any, arity: int) -> Any:
-        def one(typingctx: Any, a: Any) -> Any:
-            return result(a), codegen
-
-        def two(typingctx: Any, a: Any, b: Any) -> Any:
-            return result(a, b), codegen
-
-        def three(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
-            return result(a, b, c), codegen
-
-        def four(typingctx: Any, a: Any, b: Any, c: Any, d: Any) -> Any:
-            return result(a, b, c, d), codegen
-
-        return extending.intrinsic({1: one, 2: two, 3: three, 4: four}[arity])
+    typed = vectors.intrinsic
 
     g = globals()
     g["_bq8x2"] = typed(bvec, q8x2, 3)
@@ -1058,7 +836,8 @@ def _define_byte_vectors(fvec: Any, ivec: Any) -> None:
 
 
 if numba is not None:
-    _define_byte_vectors(*_define_vectors())
+    _define_vectors()
+    _define_byte_vectors(vectors.FLOAT, vectors.INT)
 
 
 _jit = kernels._jit

@@ -458,3 +458,31 @@ def test_starting_the_kernels_threads_keeps_paddles_openmp_thread_count() -> Non
         NUMBA_NUM_THREADS="4",
     )
     assert threads == "2"
+
+
+def test_released_linking_ir_is_parsed_again_for_a_later_compile() -> None:
+    """The IR numba keeps of each loaded kernel goes once (a second call
+    finds none); the kernels still run, and a function compiled afterwards
+    that calls one links it from the kept bitcode."""
+    import numba
+
+    x = np.linspace(-4, 4, 33).astype(np.float32)
+    before = [kernels._exp(v) for v in x]
+    kernels.release_linking_ir()
+    assert kernels.release_linking_ir() == 0  # nothing left to release
+    library = next(iter(kernels._exp.overloads.values())).library
+    assert library._shared_module is None
+    assert [kernels._exp(v) for v in x] == before
+    parse = library._get_module_for_linking
+    parsed: list[object] = []
+    library._get_module_for_linking = lambda: parsed.append(1) or parse()
+
+    @numba.njit
+    def twice(v: float) -> float:
+        return kernels._exp(v) * 2.0
+
+    np.testing.assert_allclose(
+        [twice(v) for v in x], 2 * np.exp(x.astype(np.float64)), rtol=1e-5
+    )
+    assert parsed  # linked from the bitcode
+    library._get_module_for_linking = parse

@@ -462,6 +462,24 @@ def test_engine_that_cannot_start_stops_the_server_cleanly(loop: str) -> None:
     assert "Traceback" not in err and "Error" not in out
 
 
+def test_a_tokenizer_that_cannot_load_stops_serve_before_it_listens(
+    tmp_path: Path,
+) -> None:
+    """The tokenizer loads first, before the HTTP server's modules (its
+    transient lists are then memory those imports reuse): a broken one ends
+    ``serve`` with the reason, naming the file, before anything listens."""
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    cmd = [sys.executable, "-m", "structllm.cli", "serve", str(tmp_path)]
+    done = subprocess.run(
+        [*cmd, "--port", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1
+    assert "listening" not in done.stdout
+    assert "the engine failed to start" in done.stderr
+    assert "tokenizer.json" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_graceful_shutdown_exits_zero() -> None:
     with run_server(*ENGINE) as (url, proc):
         assert httpx.get(f"{url}/health").status_code == 200

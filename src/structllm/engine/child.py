@@ -159,8 +159,12 @@ def release_kept_memory() -> None:
     (:data:`TRIM_AFTER_TOKENS`: the next such step faults back the pages
     it needs, not the heap's whole high-water mark) and once per idle
     spell, a heartbeat interval after its last step: a server that goes
-    quiet shrinks.
+    quiet shrinks. First the IR numba keeps of the kernels loaded since
+    the last call is freed (``kernels.release_linking_ir``).
     """
+    kernels = sys.modules.get("structllm.model.kernels")
+    if kernels is not None:  # not imported here: no kernel has run
+        kernels.release_linking_ir()
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

@@ -36,6 +36,7 @@ BLAS libraries do. The softmax subtracts each row's maximum first.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib
 import importlib.util
 import os
@@ -186,6 +187,59 @@ def _jit(
             return numba.njit(**options)(f)  # compiled in every process
 
     return compile
+
+
+#: the modules whose compiled kernels :func:`release_linking_ir` looks at
+KERNEL_MODULES = (
+    "structllm.model.kernels",
+    "structllm.model.quant_kernels",
+    "structllm.model.panel_kernels",
+    "structllm.model.lora_kernels",
+)
+
+
+def release_linking_ir() -> int:
+    """Free the LLVM IR numba holds of the compiled kernels for linking
+    them into later compiles; the bytes of bitcode it was parsed from
+    (which stay, to be parsed again should a compile link one in).
+
+    numba loads a kernel from its disk cache as machine code plus the
+    kernel's module as bitcode, which it parses into LLVM IR at once and
+    keeps, in case another function compiled later calls the kernel (it
+    keeps such a copy of a kernel it compiled itself, too, from writing
+    the cache). No step needs it: SmolLM2's quantized kernels held ~28 MiB
+    of the core process's memory as IR, parsed from ~3 MiB of bitcode
+    (docs/benchmarks.md). Each library's IR goes once; a kernel loaded
+    afterwards has its own freed by the next call (the core calls this
+    with :func:`~structllm.engine.child.release_kept_memory`).
+    """
+    if numba is None:  # pragma: no cover
+        return 0
+    dispatcher = numba.core.dispatcher.Dispatcher
+    released = 0
+    for name in KERNEL_MODULES:
+        module = sys.modules.get(name)
+        for obj in vars(module).values() if module is not None else ():
+            if not isinstance(obj, dispatcher):
+                continue
+            for result in list(obj.overloads.values()):
+                library = result.library
+                ir = getattr(library, "_shared_module", None)
+                if ir is None:
+                    continue
+                bitcode = ir.as_bitcode()
+                # numba's one way to the IR (linking, writing the cache)
+                library._get_module_for_linking = functools.partial(
+                    _parse_bitcode, bitcode
+                )
+                library._shared_module = None
+                released += len(bitcode)
+    return released
+
+
+def _parse_bitcode(bitcode: bytes) -> Any:
+    """An LLVM module from its bitcode (a kernel's IR, parsed again)."""
+    return importlib.import_module("llvmlite.binding").parse_bitcode(bitcode)
 
 
 #: a parallel loop where compiled with parallel=True, else a plain range

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -46,6 +47,7 @@ from structllm.server.http.drain import Drain, drain_then_stop
 from structllm.server.http.errors import error_json
 from structllm.server.http.security import api_keys
 from structllm.server.serving import EngineSlot
+from structllm.text.tokenizer import Tokenizer
 
 _log = logging.getLogger("structllm.server")
 
@@ -77,10 +79,16 @@ def configs_from_args(
 
 
 def run_server(
-    server: ServerConfig, front: FrontendConfig, engine: EngineConfig
+    server: ServerConfig,
+    front: FrontendConfig,
+    engine: EngineConfig,
+    *,
+    tokenizer: Tokenizer | None = None,
 ) -> int:
-    """Serve ``engine.model`` until SIGINT or SIGTERM; the exit status."""
-    return anyio.run(_serve, server, front, engine, backend=server.loop)
+    """Serve ``engine.model`` until SIGINT or SIGTERM; the exit status.
+    ``tokenizer``: one already loaded (else the engine loads its own)."""
+    serve = functools.partial(_serve, tokenizer=tokenizer)
+    return anyio.run(serve, server, front, engine, backend=server.loop)
 
 
 def listen(host: str, port: int, backlog: int) -> socket.socket:
@@ -113,7 +121,11 @@ def hypercorn_config(
 
 
 async def _serve(
-    server: ServerConfig, front: FrontendConfig, engine: EngineConfig
+    server: ServerConfig,
+    front: FrontendConfig,
+    engine: EngineConfig,
+    *,
+    tokenizer: Tokenizer | None,
 ) -> int:
     sock = listen(server.host, server.port, server.backlog)
     port = sock.getsockname()[1]
@@ -143,7 +155,9 @@ async def _serve(
             tg.start_soon(_on_signals, drain, server.graceful_timeout, shutdown)
             print(f"structllm: listening on http://{server.host}:{port}", flush=True)
             try:
-                async with AsyncLLM.from_config(engine, front) as llm:
+                async with AsyncLLM.from_config(
+                    engine, front, tokenizer=tokenizer
+                ) as llm:
                     if slot.loras is not None:  # --lora-modules, before any request
                         await slot.loras.load_modules(llm, server.lora_modules)
                     slot.llm = llm

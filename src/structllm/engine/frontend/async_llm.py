@@ -74,7 +74,7 @@ from structllm.errors import EngineDeadError, unwrap_group
 from structllm.lora_request import LoRARequest
 from structllm.outputs import EmbeddingOutput, RequestOutput
 from structllm.params import OutputKind, SamplingParams
-from structllm.text.tokenizer import load_tokenizer
+from structllm.text.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = ["AsyncLLM", "EngineStatistics", "PinnedPrefix", "RequestStream"]
 
@@ -103,22 +103,31 @@ class AsyncLLM(FrontEnd):
             kwargs, EngineConfig, FrontendConfig, caller="AsyncLLM.open()"
         )
         return cls._open(
-            EngineConfig(model=str(model), **engine_kw), FrontendConfig(**front_kw)
+            EngineConfig(model=str(model), **engine_kw),
+            FrontendConfig(**front_kw),
+            None,
         )
 
     @classmethod
     def from_config(
-        cls, engine: EngineConfig, front: FrontendConfig | None = None
+        cls,
+        engine: EngineConfig,
+        front: FrontendConfig | None = None,
+        *,
+        tokenizer: Tokenizer | None = None,
     ) -> AbstractAsyncContextManager[AsyncLLM]:
-        """:meth:`open` for settings already built as config objects."""
-        return cls._open(engine, front or FrontendConfig())
+        """:meth:`open` for settings already built as config objects;
+        ``tokenizer``: one already loaded, in place of loading
+        ``front.tokenizer`` (or the model's)."""
+        return cls._open(engine, front or FrontendConfig(), tokenizer)
 
     @classmethod
     @asynccontextmanager
     async def _open(
-        cls, engine: EngineConfig, front: FrontendConfig
+        cls, engine: EngineConfig, front: FrontendConfig, tokenizer: Tokenizer | None
     ) -> AsyncIterator[AsyncLLM]:
-        tokenizer = load_tokenizer(front.tokenizer or engine.model)
+        if tokenizer is None:
+            tokenizer = load_tokenizer(front.tokenizer or engine.model)
         llm = cls(engine, front, tokenizer)
         try:
             async with anyio.create_task_group() as tg:

@@ -140,7 +140,9 @@ def test_idle_core_after_mixed_requests_keeps_nothing_of_them() -> None:
         assert 0 < sizes["prefix_cache_blocks"] <= core.pool.num_blocks
         assert core.pool.num_used == 0
         gc.collect()
-        assert not [o for o in gc.get_objects() if isinstance(o, Request)]
+        # type(), not isinstance(): a dead weakref.proxy (numba leaves some)
+        # raises on the latter
+        assert not [o for o in gc.get_objects() if issubclass(type(o), Request)]
     finally:
         core.close()
 

@@ -1321,7 +1321,8 @@ def warm_up(kv_cache_dtype: str = "float32") -> None:
     """Compile the kernels an engine will call, or load them from the disk
     cache: for its cache's dtype, and the threaded decode if it has more
     than one thread. A server's first large batch then never pauses to
-    compile."""
+    compile. Then the IR numba keeps of them is freed
+    (:func:`release_linking_ir`)."""
     if numba is None:  # pragma: no cover
         return
     q = np.zeros((1, 1, 2), np.float32)
@@ -1369,3 +1370,4 @@ def warm_up(kv_cache_dtype: str = "float32") -> None:
     _add_rms_norm(_NO_ROWS, rows, rows[0], 1e-6, rows)
     _add_rms_norm(rows, rows, rows[0], 1e-6, rows)
     _swiglu(np.zeros((1, 4), np.float32), rows)
+    release_linking_ir()

@@ -220,7 +220,8 @@ def add_lora(
 
 def warm_up() -> None:
     """Compile the kernel (or load it from the disk cache) for the float32
-    arrays a model passes, and its threaded entry when there are threads."""
+    arrays a model passes, and its threaded entry when there are threads;
+    then free the IR numba keeps of it (:func:`kernels.release_linking_ir`)."""
     if not available():  # pragma: no cover
         return
     x = np.zeros((1, 2), np.float32)
@@ -230,3 +231,4 @@ def warm_up() -> None:
     add_lora(x, tiles, a, a.copy(), spans, x.copy(), threaded=False)
     if kernels._threads > 1:
         add_lora(x, tiles, a, a.copy(), spans, x.copy(), threaded=True)
+    kernels.release_linking_ir()

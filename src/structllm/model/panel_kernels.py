@@ -280,10 +280,12 @@ def matmul(
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) both entries, at load."""
+    """Compile (or load from numba's cache) both entries, at load; then free
+    the IR numba keeps of them (:func:`kernels.release_linking_ir`)."""
     x = np.zeros((1, 16), np.float32)
     panels = np.zeros((2, 16 * PANEL), np.float32)
     out = np.empty((1, 2 * PANEL), np.float32)
     _matmul(x, panels, out)
     if kernels._threads > 1:
         kernels._threaded(_matmul_parallel, _matmul_serial, (x, panels, out, 2))
+    kernels.release_linking_ir()

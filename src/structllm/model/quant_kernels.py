@@ -3648,7 +3648,8 @@ def warm_up(*, q8: bool = False) -> None:
     compile; with ``q8``, the q8-activation kernels too. One call compiles
     every type and every ``T`` (the type and the token count are run-time
     arguments), for every weight: the kernels take read-only ones only
-    (:func:`read_only`)."""
+    (:func:`read_only`). Then the IR numba keeps of them is freed
+    (:func:`kernels.release_linking_ir`)."""
     if numba is None:  # pragma: no cover
         return
     x = np.zeros((1, 32), np.float32)
@@ -3665,3 +3666,4 @@ def warm_up(*, q8: bool = False) -> None:
                     xk, wk, GGMLType.Q4_K, 8, 256, threaded=threaded, activations=act
                 )
     dequantize_rows(w, GGMLType.Q8_0, 32)
+    kernels.release_linking_ir()

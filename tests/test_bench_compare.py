@@ -406,10 +406,8 @@ async def test_keep_up_starts_a_launched_server_once_for_every_round() -> None:
         c = await run_comparison(
             ServeConfig(**WORKLOAD), targets, rounds=3, keep_up=True, log=log.append
         )
-    assert [line.split()[1] for line in log if line.startswith("starting")] == [
-        "launched",
-        "running",
-    ]
+    up = [line.split()[:2] for line in log if line.startswith(("start", "check"))]
+    assert up == [["starting", "launched"], ["checking", "running"]]
     starts = [line.split(":")[1].split()[0] for line in log if line.startswith("round")]
     rotation = ["launched", "running", "running", "launched", "launched", "running"]
     assert starts == rotation

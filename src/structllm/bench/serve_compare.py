@@ -177,7 +177,9 @@ async def _run_rounds(
         up: dict[str, Running] = {}
         if keep_up:  # all up before the first round, stopped after the last
             for target in targets:
-                log(f"starting {target.name} ({target.url or target.command})")
+                # a --server target is already running: only checked here
+                what = "checking" if target.url else "starting"
+                log(f"{what} {target.name} ({target.url or target.command})")
                 up[target.name] = await stack.enter_async_context(
                     open_target(target, client, startup_timeout=startup_timeout)
                 )

@@ -217,24 +217,29 @@ def release_linking_ir() -> int:
         return 0
     dispatcher = numba.core.dispatcher.Dispatcher
     released = 0
-    for name in KERNEL_MODULES:
-        module = sys.modules.get(name)
-        for obj in vars(module).values() if module is not None else ():
-            if not isinstance(obj, dispatcher):
-                continue
-            for result in list(obj.overloads.values()):
-                library = result.library
-                ir = getattr(library, "_shared_module", None)
-                if ir is None:
-                    continue
-                bitcode = ir.as_bitcode()
-                # numba's one way to the IR (linking, writing the cache)
-                library._get_module_for_linking = functools.partial(
-                    _parse_bitcode, bitcode
-                )
-                library._shared_module = None
-                released += len(bitcode)
+    # numba adds a kernel's overloads under this lock (another engine's
+    # thread in this process may be loading one)
+    with importlib.import_module("numba.core.compiler_lock").global_compiler_lock:
+        for name in KERNEL_MODULES:
+            module = sys.modules.get(name)
+            for obj in list(vars(module).values()) if module is not None else ():
+                if isinstance(obj, dispatcher):
+                    released += sum(map(_release_ir, obj.overloads.values()))
     return released
+
+
+def _release_ir(result: Any) -> int:
+    """Drop the IR an overload's library keeps for linking; its bitcode's
+    bytes (0 where it keeps none)."""
+    library = result.library
+    ir = getattr(library, "_shared_module", None)
+    if ir is None:
+        return 0
+    bitcode = ir.as_bitcode()
+    # numba's one way to the IR (linking, writing the cache)
+    library._get_module_for_linking = functools.partial(_parse_bitcode, bitcode)
+    library._shared_module = None
+    return len(bitcode)
 
 
 def _parse_bitcode(bitcode: bytes) -> Any:

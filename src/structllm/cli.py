@@ -236,10 +236,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _serve(ns: argparse.Namespace) -> int:
     """``structllm serve``; its tokenizer is loaded before the HTTP server's
     modules are imported (FastAPI, pydantic, the API rooms): the lists it is
-    built from (~30 MiB on a GGUF file's 49k tokens and merges) are freed
-    into memory those imports then reuse, where loaded after them they
-    raised the server process's peak by as much (97 against 76 MiB,
-    docs/benchmarks.md)."""
+    built from (15 MiB of Python objects for a GGUF file's 49k tokens and
+    merges) are freed into memory those imports then reuse, where loaded
+    after them they left holes nothing filled (the server's peak 97 against
+    76 MiB offline, 101 against 83 served; docs/benchmarks.md). A setting
+    that cannot work is still told first (exit 2), then a tokenizer that
+    cannot load (exit 1), both before anything listens."""
     from structllm.errors import EngineConfigError, StructLLMError
     from structllm.text.tokenizer import load_tokenizer
 
@@ -249,11 +251,11 @@ def _serve(ns: argparse.Namespace) -> int:
     except EngineConfigError as exc:  # names the setting: no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    failed: StructLLMError | None = None
     try:
         tokenizer = load_tokenizer(front.tokenizer or engine.model)
-    except StructLLMError as exc:
-        print(f"structllm: the engine failed to start: {exc}", file=sys.stderr)
-        return 1
+    except StructLLMError as exc:  # told after the settings' own errors
+        tokenizer, failed = None, exc
     from structllm.server.run import configs_from_args, run_server
 
     try:
@@ -261,6 +263,9 @@ def _serve(ns: argparse.Namespace) -> int:
     except EngineConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if failed is not None:
+        print(f"structllm: the engine failed to start: {failed}", file=sys.stderr)
+        return 1
     return run_server(server, front, engine, tokenizer=tokenizer)
 
 

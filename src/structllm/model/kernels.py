@@ -182,20 +182,19 @@ def _jit(
             "inline": "always" if inline else "never",
         }
         try:
-            return numba.njit(cache=True, **options)(f)
+            kernel = numba.njit(cache=True, **options)(f)
         except RuntimeError:  # pragma: no cover - no writable cache directory
-            return numba.njit(**options)(f)  # compiled in every process
+            kernel = numba.njit(**options)(f)  # compiled in every process
+        _KERNELS.append(kernel)
+        return kernel
 
     return compile
 
 
-#: the modules whose compiled kernels :func:`release_linking_ir` looks at
-KERNEL_MODULES = (
-    "structllm.model.kernels",
-    "structllm.model.quant_kernels",
-    "structllm.model.panel_kernels",
-    "structllm.model.lora_kernels",
-)
+#: every kernel :func:`_jit` made (``quant_kernels``, ``panel_kernels`` and
+#: ``lora_kernels`` make theirs with it): what :func:`release_linking_ir`
+#: looks at
+_KERNELS: list[Any] = []
 
 
 def release_linking_ir() -> int:
@@ -215,16 +214,12 @@ def release_linking_ir() -> int:
     """
     if numba is None:  # pragma: no cover
         return 0
-    dispatcher = numba.core.dispatcher.Dispatcher
     released = 0
     # numba adds a kernel's overloads under this lock (another engine's
     # thread in this process may be loading one)
     with importlib.import_module("numba.core.compiler_lock").global_compiler_lock:
-        for name in KERNEL_MODULES:
-            module = sys.modules.get(name)
-            for obj in list(vars(module).values()) if module is not None else ():
-                if isinstance(obj, dispatcher):
-                    released += sum(map(_release_ir, obj.overloads.values()))
+        for kernel in list(_KERNELS):
+            released += sum(map(_release_ir, kernel.overloads.values()))
     return released
 
 

@@ -248,7 +248,7 @@ def _warm_up(core: EngineCore, send: Send) -> None:
 
     send(LoadProgressMsg("warmup", 0, 1))
     kernels.warm_up(core.runner.model.resolved_kv_cache_dtype())
-    release_kept_memory()  # the kernels' IR first (a quantized model's: ~28 MiB)
+    release_kept_memory()  # what loading freed (the kernels' IR: ~28 MiB quantized)
     release_library_pages()
     _warm_request(core)
     release_kept_memory()

@@ -374,29 +374,32 @@ class PortableAttention:
         )
         return self._attend_kernels(q_host, (k_host, v_host), meta, window)
 
-    def decode_qkv(
+    def decode_call(
         self,
         qkv: np.ndarray,  # (B, (nh + 2 kvh) d): [q | k | v] before bias and RoPE
         k_cache: paddle.Tensor,  # (num_kv_heads, num_slots, head_dim)
         v_cache: paddle.Tensor,
-        meta: AttentionMetadata,
-        positions: np.ndarray,  # (B,) int64, each inside the RoPE tables
+        step: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+        q: np.ndarray,  # (B, nh, d) scratch: the rotated queries
+        out: np.ndarray,  # (B, nh, d)
         rope: RopeTables,
         window: int | None = None,
-        q_norm: paddle.Tensor | None = None,  # (d,) Qwen3
+        q_norm: paddle.Tensor | None = None,
         k_norm: paddle.Tensor | None = None,
         eps: float = 0.0,
-        bias: paddle.Tensor | None = None,  # ((nh + 2 kvh) d,) Qwen2
-    ) -> tuple[paddle.Tensor, np.ndarray]:  # (B, num_heads * head_dim)
-        """:meth:`forward_qkv` of a step of decode rows alone: the buffer it
-        attends into (the next call reuses it) and its host view, for a
-        caller that multiplies host arrays."""
-        assert meta.use_kernels and not meta.prefills
-        assert meta.decode_tables is not None and meta.decode_lens is not None
-        b, nh, d = meta.num_decodes, self.num_heads, self.head_dim
-        k_host, v_host = self._host_cache(k_cache, v_cache, meta)
-        out = self.buffers.get("attention", (b, nh * d))
-        kernels.rope_write_attend(
+        bias: paddle.Tensor | None = None,
+        *,
+        threaded: bool = False,
+    ) -> kernels.Call:
+        """The whole attention of a step of decode rows alone from their
+        fused q/k/v projection, as :meth:`forward_qkv` computes it, as a
+        kernel call into ``out`` bound to these arrays, not run
+        (``kernels.rope_write_attend_call``: a decode plan's). ``step``:
+        positions, slots, block tables and key counts (``decode_lens``),
+        read when the call runs; the caller has checked each run's slots
+        against the cache (:meth:`check_slots`) and its positions."""
+        positions, slots, tables, lens = step
+        return kernels.rope_write_attend_call(
             qkv,
             positions,
             rope.cos,
@@ -404,20 +407,19 @@ class PortableAttention:
             None if q_norm is None else self.host_view(q_norm),
             None if k_norm is None else self.host_view(k_norm),
             eps,
-            k_host,
-            v_host,
-            meta.slot_mapping,
-            self._rotated_q.array((b, nh, d)),
-            meta.decode_tables,
-            meta.decode_lens,
+            self._views.get(k_cache),
+            self._views.get(v_cache),
+            slots,
+            q,
+            tables,
+            lens,
             window,
             self.scale,
             self.block_size,
-            out[1].reshape(b, nh, d),
+            out,
             bias=None if bias is None else self.host_view(bias),
-            threaded=meta.decode_threaded,
+            threaded=threaded,
         )
-        return out
 
     def _rope_and_write(
         self,
@@ -462,12 +464,16 @@ class PortableAttention:
     ) -> tuple[np.ndarray, np.ndarray]:
         """The caches' host views, the step's slots checked against them."""
         k_host, v_host = self._views.get(k_cache), self._views.get(v_cache)
-        if meta.max_slot >= k_host.shape[1]:
-            raise IndexError(
-                f"slot out of range for a cache of {k_host.shape[1]} (slot"
-                f" {meta.max_slot})"
-            )
+        self.check_slots(k_host.shape[1], meta)
         return k_host, v_host
+
+    @staticmethod
+    def check_slots(num_slots: int, meta: AttentionMetadata) -> None:
+        """That the step's slots are inside a cache of ``num_slots``."""
+        if meta.max_slot >= num_slots:
+            raise IndexError(
+                f"slot out of range for a cache of {num_slots} (slot {meta.max_slot})"
+            )
 
     def _attend_kernels(
         self,

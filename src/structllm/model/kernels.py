@@ -50,15 +50,20 @@ import numpy as np
 from structllm.model import vectors
 
 __all__ = [
+    "Call",
     "add_rms_norm",
+    "add_rms_norm_call",
     "available",
     "decode_attention",
+    "num_threads",
     "prefill_attention",
     "prefill_items",
     "rope_and_write",
     "rope_write_attend",
+    "rope_write_attend_call",
     "set_num_threads",
     "swiglu",
+    "swiglu_call",
     "warm_up",
     "worth_threading",
     "write_kv",
@@ -66,6 +71,10 @@ __all__ = [
 
 #: numba, or None where it is not installed
 numba: Any = vectors.numba
+
+#: a kernel call with its arguments checked and bound, not yet run:
+#: ``fn(*args)`` runs it (a decode plan's step, ``model/decode_plan.py``)
+Call = tuple[Callable[..., Any], tuple[Any, ...]]
 
 
 def _share_paddles_openmp() -> bool:
@@ -1111,6 +1120,11 @@ def rope_and_write(
     )
 
 
+def num_threads() -> int:
+    """The threads the threaded kernels run on (:func:`set_num_threads`)."""
+    return _threads
+
+
 def worth_threading(work: int) -> bool:
     """Whether decode attention of ``work`` (rows x kv heads x keys) runs
     threaded (see ``_PARALLEL_MIN_WORK``); a step decides once."""
@@ -1192,6 +1206,39 @@ def rope_write_attend(
     read and write unchecked). ``threaded``: the attention spreads its
     rows over the threads (the writes stay on the calling thread), as
     :func:`worth_threading` said for this step. Returns ``out``."""
+    fn, args = rope_write_attend_call(
+        qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slots, q,
+        tables, lens, window, scale, block_size, out, bias=bias, threaded=threaded,
+    )  # fmt: skip
+    fn(*args)
+    return out
+
+
+def rope_write_attend_call(
+    qkv: np.ndarray,
+    positions: np.ndarray,
+    cos: np.ndarray,
+    sin: np.ndarray,
+    q_norm: np.ndarray | None,
+    k_norm: np.ndarray | None,
+    eps: float,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    slots: np.ndarray,
+    q: np.ndarray,
+    tables: np.ndarray,
+    lens: np.ndarray,
+    window: int | None,
+    scale: float,
+    block_size: int,
+    out: np.ndarray,
+    *,
+    bias: np.ndarray | None = None,
+    threaded: bool = False,
+) -> Call:
+    """:func:`rope_write_attend` checked and bound to its arrays, not run:
+    each call reads what they hold then (``positions``, ``slots``,
+    ``tables`` and ``lens`` included, unchecked as there)."""
     if out.shape != q.shape or q.shape[0] != qkv.shape[0]:
         raise ValueError(f"out {out.shape} and q {q.shape} for qkv {qkv.shape}")
     if bias is not None and bias.shape != qkv.shape[1:]:
@@ -1204,10 +1251,8 @@ def rope_write_attend(
         block_size, out,
     )  # fmt: skip
     if threaded and _threads > 1:
-        _threaded(_rope_write_attend_parallel, _rope_write_attend, args)
-    else:
-        _rope_write_attend(*args)
-    return out
+        return _threaded, (_rope_write_attend_parallel, _rope_write_attend, args)
+    return _rope_write_attend, args
 
 
 def _threaded(kernel: Any, serial: Any, args: tuple[Any, ...]) -> None:
@@ -1298,23 +1343,41 @@ def add_rms_norm(
     rms(x) * weight`` row by row (all ``(T, H)`` float32, C-contiguous):
     the residual add and the RMSNorm after it, as Paddle's
     ``fused_rms_norm(residual=)``. Returns ``normed``."""
+    fn, args = add_rms_norm_call(x, weight, eps, normed, delta)
+    fn(*args)
+    return normed
+
+
+def add_rms_norm_call(
+    x: np.ndarray,
+    weight: np.ndarray,
+    eps: float,
+    normed: np.ndarray,
+    delta: np.ndarray | None = None,
+) -> Call:
+    """:func:`add_rms_norm` checked and bound to its arrays, not run."""
     if delta is not None and delta.shape != x.shape:
         raise ValueError(f"delta is {delta.shape}, not {x.shape}")
     if normed.shape != x.shape or weight.shape != x.shape[1:]:
         raise ValueError(
             f"normed {normed.shape} or weight {weight.shape} for {x.shape}"
         )
-    _add_rms_norm(_NO_ROWS if delta is None else delta, x, weight, eps, normed)
-    return normed
+    return _add_rms_norm, (_NO_ROWS if delta is None else delta, x, weight, eps, normed)
 
 
 def swiglu(gate_up: np.ndarray, out: np.ndarray) -> np.ndarray:
     """``silu(gate) * up`` of ``gate_up (T, 2 I) = [gate | up]`` into ``out
     (T, I)``, as Paddle's ``swiglu`` of one input. Returns ``out``."""
+    fn, args = swiglu_call(gate_up, out)
+    fn(*args)
+    return out
+
+
+def swiglu_call(gate_up: np.ndarray, out: np.ndarray) -> Call:
+    """:func:`swiglu` checked and bound to its arrays, not run."""
     if gate_up.shape != (out.shape[0], 2 * out.shape[1]):
         raise ValueError(f"gate_up is {gate_up.shape}, out {out.shape}")
-    _swiglu(gate_up, out)
-    return out
+    return _swiglu, (gate_up, out)
 
 
 def warm_up(kv_cache_dtype: str = "float32") -> None:

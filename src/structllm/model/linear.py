@@ -29,8 +29,8 @@ input columns (o, down) and the whole bias, added once after the sum.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, MutableMapping
-from typing import ClassVar, Literal
+from collections.abc import Callable, Iterable, MutableMapping
+from typing import Any, ClassVar, Literal
 
 import attrs
 import numpy as np
@@ -101,6 +101,14 @@ class HostLinear(Linear):
         views (``llama._decode_layers``), where a call through tensors
         cost 10-13 us of views and checks, a tenth of the step at batch 1.
         """
+
+    def matmul_calls(
+        self, x: np.ndarray, out: np.ndarray
+    ) -> list[tuple[Callable[..., Any], tuple[Any, ...]]]:
+        """:meth:`matmul_into` of these arrays as kernel calls checked and
+        bound once (``kernels.Call``), for a decode plan to run each step
+        on what the arrays hold then. This one calls :meth:`matmul_into`."""
+        return [(self.matmul_into, (x, out))]
 
     def __call__(
         self, x: paddle.Tensor, out: paddle.Tensor | None = None

@@ -10,6 +10,7 @@ control flow per token.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -22,6 +23,7 @@ from structllm.model import kernels
 from structllm.model._paddle import host_tensor, paddle
 from structllm.model.attention import AttentionMetadata, PortableAttention, RopeTables
 from structllm.model.config import ModelConfig, RopeScaling
+from structllm.model.decode_plan import DecodePlan, DecodePlans, host_buffer
 from structllm.model.linear import Backend, HostLinear, Linear
 
 if TYPE_CHECKING:
@@ -219,6 +221,8 @@ class LlamaForCausalLM:
         self._cos = paddle.to_tensor(self._rope.cos)
         #: the logits compute_logits writes a quantized head's into
         self._logits = np.empty(0, np.float32)
+        #: the decode steps' bound kernel calls, by batch size and threading
+        self._plans = DecodePlans()
         self._sin = paddle.to_tensor(self._rope.sin)
 
     def set_lora_rows(self, rows: Sequence[int] | np.ndarray | None) -> None:
@@ -318,8 +322,7 @@ class LlamaForCausalLM:
         kv_caches: Sequence[tuple[paddle.Tensor, paddle.Tensor]],
         meta: AttentionMetadata,
     ) -> paddle.Tensor:  # (T, H)
-        x = self.residual_stream(input_ids, positions, kv_caches, meta)
-        return rms_norm(x, self.weights.norm, self.config.rms_norm_eps)
+        return self.residual_stream(input_ids, positions, kv_caches, meta, final=True)
 
     def residual_stream(
         self,
@@ -327,22 +330,35 @@ class LlamaForCausalLM:
         positions: paddle.Tensor,  # (T,) int64
         kv_caches: Sequence[tuple[paddle.Tensor, paddle.Tensor]],
         meta: AttentionMetadata,
-    ) -> paddle.Tensor:  # (T, H), before the final norm
+        *,
+        final: bool = False,
+    ) -> paddle.Tensor:  # (T, H), before the final norm (after it: final)
         c = self.config
         w = self.weights
+        if (
+            meta.use_kernels
+            and meta.num_decodes == meta.num_tokens
+            and self._unbiased
+            and self.all_reduce is None
+        ):
+            host_positions = self.checked_positions(positions)
+            return self._decode_layers(
+                input_ids, host_positions, kv_caches, meta, final
+            )
         x = embed_tokens(w.embed, input_ids)  # (T, H)
         if meta.use_kernels:
-            return self._residual_stream_kernels(x, positions, kv_caches, meta)
-        self.checked_positions(positions)
-        cos, sin = self.rope_tables(positions)
-        for i, layer in enumerate(w.layers):
-            q, k, v = attention_inputs(c, layer, x, cos, sin)
-            k_cache, v_cache = kv_caches[i]
-            attn = self.attention.forward(
-                q, k, v, k_cache, v_cache, meta, self._windows[i]
-            )  # (T, nh * d)
-            x = layer_output(c, layer, x, attn, self.all_reduce)
-        return x
+            x = self._residual_stream_kernels(x, positions, kv_caches, meta)
+        else:
+            self.checked_positions(positions)
+            cos, sin = self.rope_tables(positions)
+            for i, layer in enumerate(w.layers):
+                q, k, v = attention_inputs(c, layer, x, cos, sin)
+                k_cache, v_cache = kv_caches[i]
+                attn = self.attention.forward(
+                    q, k, v, k_cache, v_cache, meta, self._windows[i]
+                )  # (T, nh * d)
+                x = layer_output(c, layer, x, attn, self.all_reduce)
+        return rms_norm(x, w.norm, c.rms_norm_eps) if final else x
 
     def _residual_stream_kernels(
         self,
@@ -363,12 +379,6 @@ class LlamaForCausalLM:
         c = self.config
         layers = self.weights.layers
         host_positions = self.checked_positions(positions)
-        if (
-            meta.num_decodes == meta.num_tokens
-            and self._unbiased
-            and self.all_reduce is None
-        ):
-            return self._decode_layers(x, host_positions, kv_caches, meta)
         views = self.attention.host_view
         eps = c.rms_norm_eps
         x_t = paddle.empty(x.shape, "float32")
@@ -426,55 +436,93 @@ class LlamaForCausalLM:
 
     def _decode_layers(
         self,
-        x: paddle.Tensor,  # (B, H) the embeddings
+        input_ids: paddle.Tensor,  # (B,) int64
         positions: np.ndarray,  # (B,) checked
         kv_caches: Sequence[tuple[paddle.Tensor, paddle.Tensor]],
         meta: AttentionMetadata,
-    ) -> paddle.Tensor:  # (B, H), before the final norm
-        """A step of decode rows alone: every matmul writes into a buffer
-        kept for this batch size and every other op is a compiled kernel on
-        those buffers' host views, so a layer makes no tensor. At batch 1 the
-        ops between the matmuls were a third of the step; this path is 6-8%
-        faster there (docs/benchmarks.md). Quantized projections multiply
-        the host views themselves (``HostLinear.matmul_into``) and the
-        attention is one kernel call (``PortableAttention.decode_qkv``):
-        a further 9% of SmolLM2-135M Q4_1's CPU time a token at batch 1
-        (``tools/decode_overhead.py``)."""
+        final: bool,
+    ) -> paddle.Tensor:  # (B, H), before the final norm (after it: final)
+        """A step of decode rows alone: the kernel calls of this batch size
+        bound once (``model/decode_plan.py``), every matmul into a buffer
+        of the plan and every other op a compiled kernel on those buffers,
+        so a layer makes no tensor and no Python checks. At batch 1 the ops
+        between the matmuls were a third of the step; writing them as
+        kernels on kept buffers made it 6-8% faster, quantized projections
+        on the host views and the attention as one call a further 9% of
+        SmolLM2-135M Q4_1's CPU time (``tools/decode_overhead.py``), and
+        the plan ~20% more (docs/benchmarks.md)."""
+        rows = int(input_ids.shape[0])
+        key = (rows, meta.decode_threaded, kernels.num_threads())
+        plan = self._plans.get(
+            key,
+            kv_caches,
+            lambda: self._decode_plan(rows, kv_caches, meta.decode_threaded),
+        )
+        return plan.run(input_ids.numpy(), positions, meta, final)
+
+    def _decode_plan(
+        self,
+        rows: int,
+        kv_caches: Sequence[tuple[paddle.Tensor, paddle.Tensor]],
+        threaded: bool,
+    ) -> DecodePlan:
+        """The calls of :meth:`_decode_layers` at ``rows`` rows, bound."""
         c = self.config
         layers = self.weights.layers
-        buffers = self.attention.buffers
-        rows, hidden = x.shape
-        inner = layers[0].down.in_features
-        x_t, x_h = buffers.get("residual", (rows, hidden))
-        normed = buffers.get("normed", (rows, hidden))
-        h_h = normed[1]
-        out = buffers.get("out", (rows, hidden))
-        out_h = out[1]
-        gate_up = buffers.get("gate_up", (rows, 2 * inner))
-        act = buffers.get("act", (rows, inner))
-        qkv = buffers.get("qkv", (rows, layers[0].qkv.out_features))
-        views = self.attention.host_view
-        x_h[...] = np.from_dlpack(x)
+        attention = self.attention
+        views = attention.host_view
         eps = c.rms_norm_eps
-        kernels.add_rms_norm(x_h, views(layers[0].input_norm), eps, h_h)
+        nh, d = c.num_attention_heads, c.head_dim
+        inner = layers[0].down.in_features
+        blocks = -(-len(self._rope.cos) // attention.block_size)
+        num_slots = int(kv_caches[0][0].shape[1])
+        plan = DecodePlan.empty(kv_caches, num_slots, rows, c.hidden_size, blocks)
+        x_h = plan.residual[1]
+        plan.embed = _embedder(self.weights.embed, x_h)
+        final = plan.final[1]
+        plan.final_norm = kernels.add_rms_norm_call(
+            x_h, views(self.weights.norm), eps, final
+        )
+        normed = host_buffer((rows, c.hidden_size))
+        h_h = normed[1]
+        out = host_buffer((rows, c.hidden_size))
+        out_h = out[1]
+        gate_up = host_buffer((rows, 2 * inner))
+        act = host_buffer((rows, inner))
+        qkv = host_buffer((rows, layers[0].qkv.out_features))
+        attn = host_buffer((rows, nh * d))
+        rotated = np.empty((rows, nh, d), np.float32)
+        calls = plan.calls
+        calls.append(
+            kernels.add_rms_norm_call(x_h, views(layers[0].input_norm), eps, h_h)
+        )
         for i, layer in enumerate(layers):
-            _project(layer.qkv, normed, qkv)
+            calls += _projection_calls(layer.qkv, normed, qkv)
             k_cache, v_cache = kv_caches[i]
-            attn = self.attention.decode_qkv(
-                qkv[1], k_cache, v_cache, meta, positions, *self._attention_args(i)
-            )  # (B, nh * d)
-            _project(layer.o, attn, out)
+            calls.append(
+                attention.decode_call(
+                    qkv[1],
+                    k_cache,
+                    v_cache,
+                    plan.step,
+                    rotated,
+                    attn[1].reshape(rows, nh, d),
+                    *self._attention_args(i),
+                    threaded=threaded,
+                )
+            )
+            calls += _projection_calls(layer.o, attn, out)
             norm = views(layer.post_attention_norm)
-            kernels.add_rms_norm(x_h, norm, eps, h_h, delta=out_h)
-            _project(layer.gate_up, normed, gate_up)
-            kernels.swiglu(gate_up[1], act[1])
-            _project(layer.down, act, out)
+            calls.append(kernels.add_rms_norm_call(x_h, norm, eps, h_h, out_h))
+            calls += _projection_calls(layer.gate_up, normed, gate_up)
+            calls.append(kernels.swiglu_call(gate_up[1], act[1]))
+            calls += _projection_calls(layer.down, act, out)
             if i + 1 < len(layers):
                 norm = views(layers[i + 1].input_norm)
-                kernels.add_rms_norm(x_h, norm, eps, h_h, delta=out_h)
+                calls.append(kernels.add_rms_norm_call(x_h, norm, eps, h_h, out_h))
             else:
-                x_h += out_h
-        return x_t
+                calls.append((np.add, (x_h, out_h, x_h)))
+        return plan
 
     def compute_logits(self, hidden: paddle.Tensor) -> paddle.Tensor:  # (N, V) float32
         """The head's logits. Of a host-kernel head (quantized, packed) and up to
@@ -503,6 +551,18 @@ class LlamaForCausalLM:
         )
 
 
+def _projection_calls(
+    linear: Linear,
+    x: tuple[paddle.Tensor, np.ndarray],  # (T, in) a step buffer, its host view
+    out: tuple[paddle.Tensor, np.ndarray],  # (T, out) likewise
+) -> list[kernels.Call]:
+    """:func:`_project` as bound calls: a host-kernel Linear's own
+    (``HostLinear.matmul_calls``), else the call of :func:`_project`."""
+    if isinstance(linear, HostLinear):
+        return linear.matmul_calls(x[1], out[1])
+    return [(_project, (linear, x, out))]
+
+
 def _project(
     linear: Linear,
     x: tuple[paddle.Tensor, np.ndarray],  # (T, in) a step buffer, its host view
@@ -514,6 +574,23 @@ def _project(
         linear.matmul_into(x[1], out[1])
     else:
         linear(x[0], out=out[0])
+
+
+def _embedder(
+    embed: paddle.Tensor | QuantizedEmbedding | PackedEmbedding,
+    out: np.ndarray,  # (T, H) float32
+) -> Callable[[np.ndarray], object]:
+    """:func:`embed_tokens` of ``(T,)`` host ids into a host array: a
+    quantized table's rows dequantized in place, another's copied."""
+    from structllm.model.quantized import QuantizedEmbedding
+
+    if isinstance(embed, QuantizedEmbedding):
+        return functools.partial(embed.lookup_into, out=out)
+
+    def copy(ids: np.ndarray) -> None:
+        out[...] = np.from_dlpack(embed_tokens(embed, host_tensor(ids)))
+
+    return copy
 
 
 def embed_tokens(

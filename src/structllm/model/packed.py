@@ -83,11 +83,17 @@ class PackedLinear(HostLinear):
     def matmul_into(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """:meth:`HostLinear.matmul_into` (``panel_kernels.matmul`` checks
         the arrays)."""
+        fn, args = self.matmul_calls(x, out)[0]
+        fn(*args)
+        return out
+
+    def matmul_calls(self, x: np.ndarray, out: np.ndarray) -> list[kernels.Call]:
+        """:meth:`HostLinear.matmul_calls`: the one kernel call."""
         if out.ndim == 2 and out.shape[1] != self._out_features:
             raise ValueError(
                 f"out has {out.shape[1]} columns, not out_features {self._out_features}"
             )
-        return panel_kernels.matmul(x, self.panels, out)
+        return [panel_kernels.matmul_call(x, self.panels, out)]
 
 
 @attrs.define(eq=False)

@@ -35,7 +35,7 @@ import numpy as np
 
 from structllm.model import kernels, quant_kernels
 
-__all__ = ["PANEL", "matmul", "pack", "unpack", "warm_up"]
+__all__ = ["PANEL", "matmul", "matmul_call", "pack", "unpack", "warm_up"]
 
 _jit = kernels._jit
 _prange = kernels._prange
@@ -250,6 +250,20 @@ def matmul(
     choice. Releases the GIL. Returns ``out``; a wrong dtype, shape or
     layout raises ValueError naming the array (the compiled kernels trust
     theirs: nothing checks bounds there)."""
+    fn, args = matmul_call(x, panels, out, threaded=threaded)
+    fn(*args)
+    return out
+
+
+def matmul_call(
+    x: np.ndarray,
+    panels: np.ndarray,
+    out: np.ndarray,
+    *,
+    threaded: bool | None = None,
+) -> kernels.Call:
+    """:func:`matmul` checked and bound to its arrays, not run: each call
+    multiplies what ``x`` holds then."""
     _check_floats("x", x, None)
     _check_floats("panels", panels, None)
     count, size = panels.shape
@@ -264,19 +278,24 @@ def matmul(
             f"{PANEL * (count - 1) + 1} to {PANEL * count} outputs"
         )
     if x.shape[0] == 0:
-        return out
+        return _nothing, ()
     if x.shape[1] == 0:  # an empty sum
-        out[...] = 0.0
-        return out
+        return out.fill, (0.0,)
     if threaded is None:
         threaded = x.size * out.shape[1] >= _PARALLEL_MIN_WORK
     threads = kernels._threads
     if threaded and threads > 1 and count > 1:
         parts = min(threads, count)
-        kernels._threaded(_matmul_parallel, _matmul_serial, (x, panels, out, parts))
-    else:
-        _matmul(x, panels, out)
-    return out
+        return kernels._threaded, (
+            _matmul_parallel,
+            _matmul_serial,
+            (x, panels, out, parts),
+        )
+    return _matmul, (x, panels, out)
+
+
+def _nothing() -> None:
+    """The call of a matmul of no rows."""
 
 
 def warm_up() -> None:

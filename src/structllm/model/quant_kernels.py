@@ -147,6 +147,7 @@ __all__ = [
     "block_layout",
     "dequantize_rows",
     "matmul",
+    "matmul_call",
     "read_only",
     "row_bytes",
     "warm_up",
@@ -3549,19 +3550,45 @@ def matmul(
     A weight's checks are remembered by its array object (the same array,
     shape and dtype skip them; ~1 us of Python a call, not ~3).
     """
+    if out is None:
+        _check_floats("x", x, None)
+        out = np.empty((x.shape[0], out_features), np.float32)
+    fn, args = matmul_call(
+        x,
+        w_raw,
+        qtype,
+        out_features,
+        in_features,
+        out,
+        threaded=threaded,
+        activations=activations,
+    )
+    fn(*args)
+    return out
+
+
+def matmul_call(
+    x: np.ndarray,
+    w_raw: np.ndarray,
+    qtype: int,
+    out_features: int,
+    in_features: int,
+    out: np.ndarray,
+    *,
+    threaded: bool | None = None,
+    activations: str = "float",
+) -> kernels.Call:
+    """:func:`matmul` into ``out`` checked and bound to its arrays, not run:
+    each call multiplies what ``x`` holds then."""
     if activations not in ("float", "q8"):
         raise ValueError(f"activations must be 'float' or 'q8', not {activations!r}")
     code, values, route = _checked_weight(w_raw, qtype, out_features, in_features)
     _check_floats("x", x, None)
     if x.shape[1] != in_features:
         raise ValueError(f"x has {x.shape[1]} columns, not in_features {in_features}")
-    shape = (x.shape[0], out_features)
-    if out is None:
-        out = np.empty(shape, np.float32)
-    else:
-        _check_floats("out", out, shape)
+    _check_floats("out", out, (x.shape[0], out_features))
     if x.shape[0] == 0:
-        return out
+        return _nothing, ()
     w_raw = read_only(w_raw)
     threads = kernels._threads
     if threaded is None:
@@ -3569,19 +3596,18 @@ def matmul(
     split = threaded and threads > 1 and out_features > _ROWS
     parts = min(threads, (out_features + _ROWS - 1) // _ROWS)
     if activations == "q8" and route:
+        args8 = (x, w_raw, code, out, parts)
         if split:
-            kernels._threaded(
-                _matmul8_parallel, _matmul8_serial, (x, w_raw, code, out, parts)
-            )
-        else:
-            _matmul8_serial(x, w_raw, code, out, parts)
-        return out
+            return kernels._threaded, (_matmul8_parallel, _matmul8_serial, args8)
+        return _matmul8_serial, args8
     args = (x, w_raw, code, values, out, _LANES, parts)
     if split:
-        kernels._threaded(_matmul_parallel, _matmul_serial, args)
-    else:
-        _matmul_serial(*args)
-    return out
+        return kernels._threaded, (_matmul_parallel, _matmul_serial, args)
+    return _matmul_serial, args
+
+
+def _nothing() -> None:
+    """The call of a matmul of no rows."""
 
 
 def _matmul8_serial(*args: Any) -> None:

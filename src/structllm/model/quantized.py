@@ -34,7 +34,7 @@ import attrs
 import numpy as np
 
 from structllm.errors import EngineConfigError, ModelLoadError
-from structllm.model import quant_kernels
+from structllm.model import kernels, quant_kernels
 from structllm.model._paddle import host_tensor, paddle
 from structllm.model.linear import Backend, HostLinear, Linear
 
@@ -135,6 +135,28 @@ class QuantizedLinear(HostLinear):
     def types(self) -> tuple[str, ...]:
         return tuple(quant_kernels.GGMLType(p.qtype).name for p in self.parts)
 
+    def matmul_calls(self, x: np.ndarray, out: np.ndarray) -> list[kernels.Call]:
+        """:meth:`HostLinear.matmul_calls`: each part's kernel call into its
+        columns of ``out`` (contiguous at one row; else the whole
+        :meth:`matmul_into`)."""
+        calls = []
+        for part, (a, b) in zip(self.parts, self._columns, strict=True):
+            columns = out if len(self.parts) == 1 else out[:, a:b]
+            if not columns.flags.c_contiguous:
+                return super().matmul_calls(x, out)
+            calls.append(
+                quant_kernels.matmul_call(
+                    x,
+                    part.raw,
+                    part.qtype,
+                    part.rows,
+                    self._in_features,
+                    columns,
+                    activations=self.activations,
+                )
+            )
+        return calls
+
     def matmul_into(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """:meth:`HostLinear.matmul_into` (``quant_kernels.matmul``
         checks the arrays). A weight of several types writes each part's
@@ -195,10 +217,17 @@ class QuantizedEmbedding:
     def lookup(self, ids: paddle.Tensor) -> paddle.Tensor:  # (T,) -> (T, H)
         """The rows of ``ids`` as float32; an id outside the vocabulary
         raises IndexError (numpy's indexing checks it)."""
-        rows = self.part.raw[ids.numpy()]  # (T, row_bytes), a copy
+        index = ids.numpy()
         # host_tensor: paddle.to_tensor leaked a little on every step's call
         return host_tensor(
-            quant_kernels.dequantize_rows(rows, self.part.qtype, self.hidden)
+            self.lookup_into(index, np.empty((len(index), self.hidden), np.float32))
+        )
+
+    def lookup_into(self, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """:meth:`lookup` of host ids into ``out (T, H)`` float32."""
+        rows = self.part.raw[ids]  # (T, row_bytes), a copy
+        return quant_kernels.dequantize_rows(
+            rows, self.part.qtype, self.hidden, out=out
         )
 
 

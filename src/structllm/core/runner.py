@@ -186,7 +186,10 @@ class ModelRunner:
             return RunnerOutput(
                 {}, {}, prompt, time.perf_counter() - start, 0.0, pooled
             )
-        last = paddle.index_select(hidden, host_tensor(np.asarray(rows, np.int64)))
+        if len(rows) == hidden.shape[0]:  # every row samples (rows ascend)
+            last = hidden
+        else:
+            last = paddle.index_select(hidden, host_tensor(np.asarray(rows, np.int64)))
         logits = self.model.compute_logits(last).numpy()  # (rows, V)
         forward_s = time.perf_counter() - start
         start = time.perf_counter()

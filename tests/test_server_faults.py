@@ -134,13 +134,14 @@ def test_sigterm_finishes_short_requests_refuses_new_ones_exits_zero(
     # tokens: enough that no short request can finish before the last one
     # is admitted, even on a slow machine (the test signals with all 32 in
     # the running batch; at 120 one finished first in a whole-suite run on 2
-    # cores, at 48 on a busy machine): 32 x 16 blocks and the long stream's
-    # 126 fit --num-blocks 1024 without preempting
-    streams, plain, tokens = 24, 8, 240
+    # cores, at 48 on a busy machine, at 240 once decode steps ran as bound
+    # plans): 32 x 31 blocks and the long stream's 126 fit --num-blocks
+    # 2048 without preempting
+    streams, plain, tokens = 24, 8, 480
     # the grace is long: the short requests finish well within it, and the
     # server exits as soon as the last open request ends, not at the grace
     grace = 60.0
-    args = (*ENGINE, "--num-blocks", "1024", "--graceful-timeout", str(grace))
+    args = (*ENGINE, "--num-blocks", "2048", "--graceful-timeout", str(grace))
     with run_server(*args, loop=loop) as (url, proc):
         core = _worker_pid(proc.pid)
         short = {"prompt": "x", "max_tokens": tokens, "ignore_eos": True}

@@ -54,10 +54,11 @@ _STEP = """
     k2, v2 = k_cache.copy(), v_cache.copy()
     q = np.empty((b, nh, d), np.float32)
     out = np.empty_like(q)
-    kernels.rope_write_attend(
+    fn, args = kernels.rope_write_attend_call(
         qkv, positions, cos, sin, None, None, 1e-5, k2, v2, slots, q,
         tables, lens, None, d**-0.5, bs, out,
     )
+    fn(*args)
     outs += [q, out, k2, v2]
     outs.append(kernels.decode_attention(q, k2, v2, tables, lens, 16, d**-0.5, bs))
     q = np.empty((b, nh, d), np.float32)

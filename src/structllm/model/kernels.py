@@ -59,7 +59,6 @@ __all__ = [
     "prefill_attention",
     "prefill_items",
     "rope_and_write",
-    "rope_write_attend",
     "rope_write_attend_call",
     "set_num_threads",
     "swiglu",
@@ -1174,46 +1173,6 @@ def decode_attention(
     return out
 
 
-def rope_write_attend(
-    qkv: np.ndarray,
-    positions: np.ndarray,
-    cos: np.ndarray,
-    sin: np.ndarray,
-    q_norm: np.ndarray | None,
-    k_norm: np.ndarray | None,
-    eps: float,
-    k_cache: np.ndarray,
-    v_cache: np.ndarray,
-    slots: np.ndarray,
-    q: np.ndarray,
-    tables: np.ndarray,
-    lens: np.ndarray,
-    window: int | None,
-    scale: float,
-    block_size: int,
-    out: np.ndarray,
-    *,
-    bias: np.ndarray | None = None,
-    threaded: bool = False,
-) -> np.ndarray:
-    """A step of decode rows' whole attention from their fused projection
-    ``qkv (B, (nh + 2 kvh) d)`` in one call: :func:`rope_and_write` (the
-    rotated queries into the scratch ``q (B, nh, d)``), then
-    :func:`decode_attention` into ``out (B, nh, d)``, the same arithmetic.
-    One call instead of two a layer: each costs several microseconds of
-    Python and argument checks in the middle of a step. The caller has
-    range-checked ``slots``, ``positions`` and ``tables`` (the kernels
-    read and write unchecked). ``threaded``: the attention spreads its
-    rows over the threads (the writes stay on the calling thread), as
-    :func:`worth_threading` said for this step. Returns ``out``."""
-    fn, args = rope_write_attend_call(
-        qkv, positions, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slots, q,
-        tables, lens, window, scale, block_size, out, bias=bias, threaded=threaded,
-    )  # fmt: skip
-    fn(*args)
-    return out
-
-
 def rope_write_attend_call(
     qkv: np.ndarray,
     positions: np.ndarray,
@@ -1236,9 +1195,18 @@ def rope_write_attend_call(
     bias: np.ndarray | None = None,
     threaded: bool = False,
 ) -> Call:
-    """:func:`rope_write_attend` checked and bound to its arrays, not run:
-    each call reads what they hold then (``positions``, ``slots``,
-    ``tables`` and ``lens`` included, unchecked as there)."""
+    """A step of decode rows' whole attention from their fused projection
+    ``qkv (B, (nh + 2 kvh) d)`` in one call: :func:`rope_and_write` (the
+    rotated queries into the scratch ``q (B, nh, d)``), then
+    :func:`decode_attention` into ``out (B, nh, d)``, the same arithmetic.
+    One call instead of two a layer: each costs several microseconds of
+    Python and argument checks in the middle of a step. The caller has
+    range-checked ``slots``, ``positions`` and ``tables`` (the kernels
+    read and write unchecked). ``threaded``: the attention spreads its
+    rows over the threads (the writes stay on the calling thread), as
+    :func:`worth_threading` said for this step. Returned as a call bound to
+    its arrays, not run (a decode plan's: ``fn(*args)``), which reads what
+    they hold when it runs."""
     if out.shape != q.shape or q.shape[0] != qkv.shape[0]:
         raise ValueError(f"out {out.shape} and q {q.shape} for qkv {qkv.shape}")
     if bias is not None and bias.shape != qkv.shape[1:]:

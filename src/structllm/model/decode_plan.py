@@ -63,12 +63,13 @@ class DecodePlan:
     #: (rows, blocks) int64: the rows' block tables, as wide as the longest
     #: sequence the model takes needs
     tables: np.ndarray
+    #: writes the embeddings of the step's ``(rows,)`` ids into its second
+    #: argument, ``residual``'s view
+    embed: Callable[[np.ndarray, np.ndarray], object]
+    #: ``residual``'s final norm into ``final``, where a step asks for it
+    final_norm: kernels.Call
     #: what the step runs, in order
     calls: list[kernels.Call] = attrs.field(factory=list)
-    #: writes the embeddings of the step's ``(rows,)`` ids into ``residual``
-    embed: Callable[[np.ndarray], object] | None = None
-    #: ``residual``'s final norm into ``final``, where a step asks for it
-    final_norm: kernels.Call | None = None
 
     @classmethod
     def empty(
@@ -76,19 +77,26 @@ class DecodePlan:
         caches: Sequence[tuple[paddle.Tensor, paddle.Tensor]],
         num_slots: int,
         rows: int,
-        hidden: int,
         blocks: int,
+        embed: Callable[[np.ndarray, np.ndarray], object],
+        norm: np.ndarray,  # (hidden,) the final norm's weight
+        eps: float,
     ) -> DecodePlan:
-        """A plan with its buffers and inputs and no calls yet."""
+        """A plan with its buffers, inputs, embedding and final norm, and no
+        calls yet."""
+        residual = host_buffer((rows, len(norm)))
+        final = host_buffer((rows, len(norm)))
         return cls(
             caches=caches,
             num_slots=num_slots,
-            residual=host_buffer((rows, hidden)),
-            final=host_buffer((rows, hidden)),
+            residual=residual,
+            final=final,
             positions=np.zeros(rows, np.int64),
             slots=np.zeros(rows, np.int64),
             lens=np.ones(rows, np.int64),
             tables=np.zeros((rows, blocks), np.int64),
+            embed=embed,
+            final_norm=kernels.add_rms_norm_call(residual[1], norm, eps, final[1]),
         )
 
     @property
@@ -118,9 +126,8 @@ class DecodePlan:
         the residual stream, or its final norm with ``final``: a buffer of
         this plan, which the next run overwrites."""
         assert meta.decode_tables is not None and meta.decode_lens is not None
-        assert self.embed is not None and self.final_norm is not None
         PortableAttention.check_slots(self.num_slots, meta)
-        self.embed(ids)
+        self.embed(ids, self.residual[1])
         self.positions[...] = positions
         self.slots[...] = meta.slot_mapping
         self.lens[...] = meta.decode_lens
@@ -165,6 +172,3 @@ class DecodePlans:
         else:
             self._plans.move_to_end(key)
         return plan
-
-    def clear(self) -> None:
-        self._plans.clear()

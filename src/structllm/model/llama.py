@@ -10,7 +10,6 @@ control flow per token.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -450,7 +449,7 @@ class LlamaForCausalLM:
         kernels on kept buffers made it 6-8% faster, quantized projections
         on the host views and the attention as one call a further 9% of
         SmolLM2-135M Q4_1's CPU time (``tools/decode_overhead.py``), and
-        the plan ~20% more (docs/benchmarks.md)."""
+        the plan 15-17% of the step more (docs/benchmarks.md)."""
         rows = int(input_ids.shape[0])
         key = (rows, meta.decode_threaded, kernels.num_threads())
         plan = self._plans.get(
@@ -476,13 +475,16 @@ class LlamaForCausalLM:
         inner = layers[0].down.in_features
         blocks = -(-len(self._rope.cos) // attention.block_size)
         num_slots = int(kv_caches[0][0].shape[1])
-        plan = DecodePlan.empty(kv_caches, num_slots, rows, c.hidden_size, blocks)
-        x_h = plan.residual[1]
-        plan.embed = _embedder(self.weights.embed, x_h)
-        final = plan.final[1]
-        plan.final_norm = kernels.add_rms_norm_call(
-            x_h, views(self.weights.norm), eps, final
+        plan = DecodePlan.empty(
+            kv_caches,
+            num_slots,
+            rows,
+            blocks,
+            _embedder(self.weights.embed),
+            views(self.weights.norm),
+            eps,
         )
+        x_h = plan.residual[1]
         normed = host_buffer((rows, c.hidden_size))
         h_h = normed[1]
         out = host_buffer((rows, c.hidden_size))
@@ -578,16 +580,16 @@ def _project(
 
 def _embedder(
     embed: paddle.Tensor | QuantizedEmbedding | PackedEmbedding,
-    out: np.ndarray,  # (T, H) float32
-) -> Callable[[np.ndarray], object]:
-    """:func:`embed_tokens` of ``(T,)`` host ids into a host array: a
-    quantized table's rows dequantized in place, another's copied."""
+) -> Callable[[np.ndarray, np.ndarray], object]:
+    """:func:`embed_tokens` of ``(T,)`` host ids into a ``(T, H)`` float32
+    host array: a quantized table's rows dequantized in place, another's
+    copied."""
     from structllm.model.quantized import QuantizedEmbedding
 
     if isinstance(embed, QuantizedEmbedding):
-        return functools.partial(embed.lookup_into, out=out)
+        return embed.lookup_into
 
-    def copy(ids: np.ndarray) -> None:
+    def copy(ids: np.ndarray, out: np.ndarray) -> None:
         out[...] = np.from_dlpack(embed_tokens(embed, host_tensor(ids)))
 
     return copy

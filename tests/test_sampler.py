@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from structllm.model.sampler import (
     Sampler,
     SamplingRow,
+    _top_ids,
     make_generator,
     process_logits,
 )
@@ -157,6 +159,59 @@ def test_seeded_row_ignores_its_batch(
         noise[pos] = s
         got.append(int(Sampler(candidates).sample(noise, batch_rows).token_ids[pos]))
     assert got == expected
+
+
+@settings(max_examples=40)
+@given(
+    logit_seed=st.integers(0, 2**32),
+    # random_params: process_logits returns the logits themselves
+    batch=st.lists(random_params | biased_params, min_size=1, max_size=4),
+    logprobs=st.lists(st.sampled_from([None, 0, 3]), min_size=4, max_size=4),
+)
+def test_overwrite_changes_nothing_but_the_logits_given_up(
+    logit_seed: int, batch: list[SamplingParams], logprobs: list[int | None]
+) -> None:
+    """The sampler scales logits in place where nothing reads them after
+    (``overwrite``, no row's logprobs): the same tokens and logprobs as
+    sampling a copy, and without ``overwrite`` the caller's array is as
+    it was."""
+    rng = np.random.default_rng(logit_seed)
+    logits = (rng.standard_normal((len(batch), 300)) * 3).astype(np.float32)
+    params = [
+        attrs.evolve(p, logprobs=lp) for p, lp in zip(batch, logprobs, strict=False)
+    ]
+    kept = logits.copy()
+    a = SAMPLER.sample(logits, [row(p) for p in params])
+    np.testing.assert_array_equal(logits, kept)
+    b = SAMPLER.sample(logits.copy(), [row(p) for p in params], overwrite=True)
+    assert a.token_ids.tolist() == b.token_ids.tolist()
+    assert a.logprobs == b.logprobs
+
+
+def _rows_for_top_ids(vocab: int) -> np.ndarray:
+    rng = np.random.default_rng(vocab)
+    plain = rng.standard_normal(vocab).astype(np.float32)
+    ties = np.round(rng.standard_normal(vocab) * 2).astype(np.float32)
+    masked = plain.copy()
+    masked[rng.random(vocab) < 0.9] = -np.inf  # a grammar's mask
+    # the large values only where the strided sample looks (every 8th):
+    # fewer than c of the row reach its bound, so the row goes whole
+    strided = np.full(vocab, -5.0, dtype=np.float32)
+    strided[::8] = rng.standard_normal(strided[::8].size)
+    return np.stack([plain, ties, masked, strided])
+
+
+@pytest.mark.parametrize(
+    ("vocab", "c"), [(49152, 1024), (3001, 51), (300, 7), (300, 40)]
+)
+def test_top_ids_are_the_largest_values(vocab: int, c: int) -> None:
+    values = _rows_for_top_ids(vocab)
+    ids = _top_ids(values, c)
+    assert ids.shape == (4, c) and ids.dtype == np.int64
+    for row, got in zip(values, ids, strict=True):
+        assert np.unique(got).size == c
+        # the c largest values (which of the tied ones is free)
+        np.testing.assert_array_equal(np.sort(row[got]), np.sort(row)[-c:])
 
 
 @pytest.mark.parametrize(

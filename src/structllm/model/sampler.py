@@ -527,15 +527,18 @@ def token_logprobs(
     n_rows = x.shape[0]
     top = x.max(axis=1)  # (L,)
     top[top == -np.inf] = 0.0  # an all -inf row: every logprob is -inf
-    shifted = x - top[:, None]
-    mass = np.exp(shifted, out=shifted).sum(axis=1)  # (L,) float32
+    # a row at a time: no (L, V) arrays, whose pages fault in every step
+    mass = np.array(
+        [np.exp(x[j] - top[j]).sum() for j in range(n_rows)], dtype=np.float32
+    )  # (L,)
     with np.errstate(divide="ignore"):
         lse = top.astype(np.float64) + np.log(mass.astype(np.float64))
     lse[lse == -np.inf] = 0.0
     picked = x[np.arange(n_rows), toks]  # (L,)
     chosen = picked - lse
     # logprob = logit - lse is monotone, so ranks can compare raw logits.
-    rank = (x > picked[:, None]).sum(axis=1) + 1
+    above = [np.count_nonzero(x[j] > picked[j]) for j in range(n_rows)]
+    rank = np.array(above, dtype=np.int64) + 1
     want = np.asarray(num_top, dtype=np.int64).reshape(n_rows)
     n_max = int(want.max(initial=0))
     if n_max:

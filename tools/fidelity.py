@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
+from structllm.core.runner import ModelInput, run_forward
 from structllm.model import quantized
-from structllm.model._paddle import paddle, set_num_threads
-from structllm.model.attention import SequenceSlice
+from structllm.model._paddle import set_num_threads
 from structllm.model.loader import load_model
 from structllm.text.tokenizer import load_tokenizer
 
@@ -56,20 +56,17 @@ def windows(path: Path, chunks: int, ctx: int) -> list[list[int]]:
 
 
 def log_probs(model: Any, ids: list[int], acts: str, kv: str) -> np.ndarray:
-    """Every position's next-token log-probabilities (float64) for one prefill."""
+    """Every position's next-token log-probabilities (float64) for one prefill,
+    run as the engine runs a step (``runner.run_forward``)."""
     quantized.set_activations(model.weights.linears(), acts)
     model.set_kv_cache_dtype(kv)
     blocks = (len(ids) + 15) // 16
-    caches = model.allocate_kv_cache(blocks)
-    meta = model.attention.build_metadata(
-        [SequenceSlice(0, len(ids), list(range(blocks)))]
+    step = ModelInput(
+        np.array(ids, np.int64).tobytes(),
+        np.arange(len(ids), dtype=np.int64).tobytes(),
+        ((0, len(ids), tuple(range(blocks))),),
     )
-    hidden = model.forward(
-        paddle.to_tensor(np.array(ids)),
-        paddle.to_tensor(np.arange(len(ids))),
-        caches,
-        meta,
-    )
+    hidden = run_forward(model, model.allocate_kv_cache(blocks), step)
     logits = model.compute_logits(hidden).numpy().astype(np.float64)
     logits -= logits.max(axis=1, keepdims=True)
     return logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))

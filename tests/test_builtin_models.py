@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -17,6 +16,7 @@ from structllm.model.loader import load_model
 from structllm.model.training import causal_lm_loss
 from structllm.models import TINY, TINY_RANDOM, resolve_model
 from structllm.text import ByteTokenizer, HFTokenizer, load_tokenizer
+from tests.tool_modules import load_tool
 
 #: MIT licence text, as the trained model learned it
 MIT = "Permission is hereby granted"
@@ -90,18 +90,9 @@ def test_greedy_text_is_stable_and_valid_utf8() -> None:
         assert out.text.strip(), prompt
 
 
-def _train_tiny_module() -> object:
-    path = Path(__file__).parent.parent / "tools" / "train_tiny.py"
-    spec = importlib.util.spec_from_file_location("train_tiny", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_held_out_perplexity_matches_training_json() -> None:
     """The shipped weights score the held-out documents as training recorded."""
-    train_tiny = _train_tiny_module()
+    train_tiny = load_tool("train_tiny")
     _, held_out, digest = train_tiny.documents()  # type: ignore[attr-defined]
     directory = resolve_model(TINY)
     assert directory is not None

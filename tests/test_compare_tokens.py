@@ -3,25 +3,11 @@ how close a call that step was, and the totals (no llama.cpp, no model)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
 
+from tests.tool_modules import load_tool
 
-def _load_tool() -> ModuleType:
-    path = Path(__file__).parent.parent / "tools" / "compare_llamacpp_tokens.py"
-    spec = importlib.util.spec_from_file_location("compare_llamacpp_tokens", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # attrs resolves the classes' module
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = _load_tool()
+tool = load_tool("compare_llamacpp_tokens")
 
 
 @pytest.mark.parametrize(

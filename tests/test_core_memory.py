@@ -13,10 +13,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import importlib.util
 from collections.abc import Callable
-from pathlib import Path
-from types import ModuleType
 
 import attrs
 import pytest
@@ -38,18 +35,10 @@ from structllm.structured.spec import StructuredOutputs
 from structllm.structured.vocabulary import GrammarVocabulary
 from structllm.text.byte_tokenizer import ByteTokenizer
 from tests.test_core_process import CONFIG, GREEDY, core_loop, finished
+from tests.tool_modules import load_tool
 
 #: room for a prompt of TRIM_AFTER_TOKENS + 1 in one step
 CONFIG_LONG = attrs.evolve(CONFIG, max_model_len=512, num_blocks=64)
-
-
-def _core_memory() -> ModuleType:
-    path = Path(__file__).parent.parent / "tools" / "core_memory.py"
-    spec = importlib.util.spec_from_file_location("core_memory", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _choice(k: int, n: int) -> StructuredOutputs:
@@ -124,7 +113,7 @@ def test_idle_core_after_mixed_requests_keeps_nothing_of_them() -> None:
     """Prefix hits, n > 1, stop ids, logprobs, grammars (new and cached) and
     aborts: once idle, no request, block or compile job is left, and every
     cache is within its bound."""
-    tool = _core_memory()
+    tool = load_tool("core_memory")
     core = EngineCore(EngineConfig(model="tiny-random", **tool.ENGINE))
     try:
         mixed = tool.Mixed(3, core.vocab_size, core.max_model_len)
@@ -150,7 +139,7 @@ def test_idle_core_after_mixed_requests_keeps_nothing_of_them() -> None:
 def test_the_stages_report_commits_the_kv_cache_as_it_is_used() -> None:
     """``--stages`` on a 128 MiB cache: reserving it adds next to nothing to
     the resident memory; 16 requests touch only the blocks they used."""
-    tool = _core_memory()
+    tool = load_tool("core_memory")
     ns = argparse.Namespace(model="tiny-random", model_backend="auto", seed=0)
     engine = {"max_model_len": 512, "num_blocks": 16384, "max_num_seqs": 16}
     rows = {r["stage"]: r for r in tool.stages(ns, engine)["stages"]}

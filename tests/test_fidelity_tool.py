@@ -4,10 +4,7 @@ again, q8 ones move them a little), and its KL divergence is KL's."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -16,23 +13,14 @@ from structllm.model import quant_kernels
 from structllm.model.loader import load_model
 from structllm.models import make_tiny_model
 from tests.gguf_convert import convert
+from tests.tool_modules import load_tool
 
 pytestmark = pytest.mark.skipif(
     not quant_kernels.available(), reason="the quantized kernels need numba"
 )
 
 
-def _load_tool() -> ModuleType:
-    path = Path(__file__).parent.parent / "tools" / "fidelity.py"
-    spec = importlib.util.spec_from_file_location("fidelity", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tool = _load_tool()
+tool = load_tool("fidelity")
 
 
 def test_kl_divergence_is_kl_of_each_row() -> None:

@@ -196,17 +196,13 @@ class Sampler:
         if live.any():
             u_live = u[live[rand]]
             params_live = [p for p, m in zip(params, live, strict=True) if m]
-            if live.all():
-                # scaled in place where nothing reads x after: process_logits'
-                # own copy, or logits the caller gave up that no row's
-                # logprobs read (a fresh (N, V) array faults in its pages:
-                # 1-2 ms a step at 16 x 49152)
-                own = x is not raw or (overwrite and not wants_logprobs)
-                tokens[live] = self._sample_random(x, params_live, u_live, own=own)
-            else:
-                tokens[live] = self._sample_random(
-                    x[live], params_live, u_live, own=True
-                )
+            x_live = x if live.all() else x[live]
+            # scaled in place where nothing reads it after: a copy of some
+            # rows, process_logits' own copy, or logits the caller gave up
+            # that no row's logprobs read (a fresh (N, V) array faults in its
+            # pages: 1-2 ms a step at 16 x 49152)
+            own = x_live is not raw or (overwrite and not wants_logprobs)
+            tokens[live] = self._sample_random(x_live, params_live, u_live, own=own)
         # raw is intact whenever a row asks for logprobs (see overwrite)
         logprobs = _logprobs(raw, params, tokens)
         return SamplerOutput(token_ids=tokens, logprobs=logprobs)
